@@ -1,0 +1,105 @@
+"""Typed configuration. Unknown keys are errors, so a typo never silently does nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+SparseOptimizerName = Literal["adagrad", "adam", "ftrl", "sgd"]
+T = TypeVar("T")
+
+
+@dataclass
+class ModelConfig:
+    """Network shape. ``embedding_dim`` is the width of one key's deep embedding."""
+
+    name: str = "deepfm"
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (64, 16)
+    top_mlp: tuple[int, ...] = (512, 256)
+    deep_mlp: tuple[int, ...] = (256, 128)
+    cross_layers: int = 3
+    dropout: float = 0.0
+
+
+@dataclass
+class SparseOptimizerConfig:
+    """Per-key optimizer, applied to a pass's working set inside the backward pass."""
+
+    name: SparseOptimizerName = "adagrad"
+    lr: float = 0.05
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    ftrl_alpha: float = 0.05
+    ftrl_beta: float = 1.0
+    ftrl_l1: float = 0.0
+    ftrl_l2: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DenseOptimizerConfig:
+    name: Literal["adam", "adagrad", "sgd"] = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+
+
+@dataclass
+class StoreConfig:
+    """Embedding store policies: admission by count, eviction by age, row initialisation."""
+
+    admit_min_count: int = 1
+    evict_after_passes: int | None = None
+    init_std: float = 0.01
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 4096
+    pass_rows: int = 200_000
+    epochs: int = 1
+    seed: int = 0
+    threads: int | None = None
+    device: str = "auto"
+    on_bad_row: Literal["error", "skip"] = "error"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sparse_optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
+    dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, recursing into nested config dataclasses and
+    rejecting keys the dataclass does not declare."""
+    if not isinstance(data, dict):
+        raise TypeError(f"config{where or ''}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"config{where}: unknown keys {unknown}; known: {sorted(names)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            kwargs[key] = from_dict(hint, value, f"{where}.{key}")
+        elif typing.get_origin(hint) is tuple and isinstance(value, list):
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    with open(path) as fh:
+        return from_dict(TrainConfig, json.load(fh))

@@ -1,0 +1,291 @@
+"""The types every stage shares: ``KeyedIds`` (sparse keys), ``Batch`` and ``FeatureSchema``.
+
+Everything between ingestion and the model flows through ``Batch``; the sparse part is
+always a ``KeyedIds``. Keys are int64 from the hash to the store: never floats.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+FieldKind = Literal["numeric", "categorical"]
+Pooling = Literal["sum", "mean"]
+NumericTransform = Literal["none", "log1p"]
+
+
+class KeyedIds:
+    """A jagged set of int64 keys per (field, sample), field-major, like TorchRec's KJT.
+
+    Stored state is just ``fields``, a flat ``values`` tensor and ``offsets``; lengths and
+    per-field views are derived on demand. For fields ``a, b`` and a batch of 3 samples::
+
+        sample:      0      1     2   |   0    1      2
+        field:       a      a     a   |   b    b      b
+        values:  [ 11,12 | 13 |   -   |  21 | 22 | 23,24 ]
+        offsets: [ 0,    2,   3,  3,     4,   5,      7  ]     (len = F * B + 1)
+
+    Sample ``i`` of field ``f`` holds ``values[offsets[f*B+i] : offsets[f*B+i+1]]``. An
+    empty slot (missing multi-valued cell) pools to a zero vector.
+    """
+
+    __slots__ = ("fields", "values", "offsets", "__dict__")
+
+    def __init__(self, fields: tuple[str, ...] | list[str], values: torch.Tensor,
+                 offsets: torch.Tensor) -> None:
+        self.fields = tuple(fields)
+        if values.dtype != torch.int64 or offsets.dtype != torch.int64:
+            raise TypeError(
+                f"KeyedIds needs int64 values and offsets, got {values.dtype} / {offsets.dtype}"
+            )
+        if len(self.fields) == 0:
+            raise ValueError("KeyedIds needs at least one field")
+        if (offsets.numel() - 1) % len(self.fields) != 0:
+            raise ValueError(
+                f"offsets has {offsets.numel()} entries; expected F*B+1 with F={len(self.fields)}"
+            )
+        self.values = values
+        self.offsets = offsets
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_lengths(cls, fields: tuple[str, ...] | list[str], values: torch.Tensor,
+                     lengths: torch.Tensor) -> KeyedIds:
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])
+        return cls(fields, values, offsets)
+
+    @classmethod
+    def from_dense(cls, fields: tuple[str, ...] | list[str], ids: torch.Tensor) -> KeyedIds:
+        """One key per (sample, field); ``ids`` is ``[B, F]`` int64."""
+        batch, num_fields = ids.shape
+        values = ids.t().contiguous().view(-1)
+        offsets = torch.arange(batch * num_fields + 1, dtype=torch.int64, device=ids.device)
+        return cls(fields, values, offsets)
+
+    # -- derived views ------------------------------------------------------------------
+    @property
+    def num_fields(self) -> int:
+        return len(self.fields)
+
+    @property
+    def batch_size(self) -> int:
+        return (self.offsets.numel() - 1) // len(self.fields)
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        """Number of keys per (field, sample), field-major, shape ``[F * B]``."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @cached_property
+    def one_per_slot(self) -> bool:
+        """True when every (field, sample) holds exactly one key: the fast path."""
+        return self.values.numel() == self.offsets.numel() - 1 and bool(
+            torch.equal(self.offsets, torch.arange(self.offsets.numel(),
+                                                   device=self.offsets.device))
+        )
+
+    def field_values(self, name: str) -> torch.Tensor:
+        f = self.fields.index(name)
+        b = self.batch_size
+        return self.values[self.offsets[f * b]:self.offsets[(f + 1) * b]]
+
+    def with_values(self, values: torch.Tensor) -> KeyedIds:
+        """Same layout with replaced values (e.g. global keys remapped to local row ids)."""
+        if values.shape != self.values.shape:
+            raise ValueError(f"values shape {tuple(values.shape)} != {tuple(self.values.shape)}")
+        return KeyedIds(self.fields, values, self.offsets)
+
+    def select_fields(self, names: list[str] | tuple[str, ...]) -> KeyedIds:
+        """A KeyedIds holding only ``names`` (in that order)."""
+        b = self.batch_size
+        parts_v, parts_l = [], []
+        for name in names:
+            f = self.fields.index(name)
+            lo, hi = int(self.offsets[f * b]), int(self.offsets[(f + 1) * b])
+            parts_v.append(self.values[lo:hi])
+            parts_l.append(self.lengths[f * b:(f + 1) * b])
+        return KeyedIds.from_lengths(tuple(names), torch.cat(parts_v), torch.cat(parts_l))
+
+    def slice(self, start: int, stop: int) -> KeyedIds:
+        """Samples ``start:stop`` of every field."""
+        b = self.batch_size
+        stop = min(stop, b)
+        parts_v, parts_l = [], []
+        for f in range(self.num_fields):
+            lo = int(self.offsets[f * b + start])
+            hi = int(self.offsets[f * b + stop])
+            parts_v.append(self.values[lo:hi])
+            parts_l.append(self.lengths[f * b + start:f * b + stop])
+        return KeyedIds.from_lengths(self.fields, torch.cat(parts_v), torch.cat(parts_l))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedIds:
+        return KeyedIds(self.fields, self.values.to(device, non_blocking=non_blocking),
+                        self.offsets.to(device, non_blocking=non_blocking))
+
+    @staticmethod
+    def concat(parts: list[KeyedIds]) -> KeyedIds:
+        """Concatenate along the batch dimension (same fields in the same order)."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        fields_ = parts[0].fields
+        values, lengths = [], []
+        for f in range(len(fields_)):
+            for p in parts:
+                if p.fields != fields_:
+                    raise ValueError(f"field mismatch: {p.fields} vs {fields_}")
+                b = p.batch_size
+                values.append(p.values[p.offsets[f * b]:p.offsets[(f + 1) * b]])
+                lengths.append(p.lengths[f * b:(f + 1) * b])
+        return KeyedIds.from_lengths(fields_, torch.cat(values), torch.cat(lengths))
+
+    def __repr__(self) -> str:
+        return (f"KeyedIds(fields={len(self.fields)}, batch={self.batch_size}, "
+                f"keys={self.values.numel()})")
+
+
+@dataclass
+class Batch:
+    """One minibatch: ``dense`` float32 ``[B, D]``, ``sparse`` keys, ``labels`` float32 ``[B]``."""
+
+    dense: torch.Tensor
+    sparse: KeyedIds
+    labels: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b = self.labels.shape[0]
+        if self.dense.shape[0] != b or self.sparse.batch_size != b:
+            raise ValueError(
+                f"batch sizes differ: dense {self.dense.shape[0]}, "
+                f"sparse {self.sparse.batch_size}, labels {b}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(self.dense.to(device, non_blocking=non_blocking),
+                     self.sparse.to(device, non_blocking=non_blocking),
+                     self.labels.to(device, non_blocking=non_blocking))
+
+    def slice(self, start: int, stop: int) -> Batch:
+        return Batch(self.dense[start:stop], self.sparse.slice(start, stop),
+                     self.labels[start:stop])
+
+    @staticmethod
+    def concat(parts: list[Batch]) -> Batch:
+        return Batch(torch.cat([p.dense for p in parts]),
+                     KeyedIds.concat([p.sparse for p in parts]),
+                     torch.cat([p.labels for p in parts]))
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One input column. ``separator`` makes a categorical cell multi-valued (CSV);
+    Parquet list columns are multi-valued without one."""
+
+    name: str
+    kind: FieldKind
+    transform: NumericTransform = "none"
+    separator: str | None = None
+    pooling: Pooling = "sum"
+
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    """How raw columns become a Batch; saved as JSON beside every model so that serving
+    parses and hashes exactly as training did."""
+
+    label: str
+    fields: tuple[FieldSpec, ...]
+    hash_salt: str = "terarec-v1"
+    missing_flags: bool = True
+    format: str = "csv"
+    delimiter: str = ","
+    has_header: bool = True
+    column_names: tuple[str, ...] = ()
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def numeric(self) -> tuple[FieldSpec, ...]:
+        return tuple(f for f in self.fields if f.kind == "numeric")
+
+    @property
+    def categorical(self) -> tuple[FieldSpec, ...]:
+        return tuple(f for f in self.fields if f.kind == "categorical")
+
+    @property
+    def sparse_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.categorical)
+
+    @property
+    def dense_dim(self) -> int:
+        """Width of ``Batch.dense``: each numeric value, plus a missing flag if enabled."""
+        return len(self.numeric) * (2 if self.missing_flags else 1)
+
+    @classmethod
+    def criteo(cls, hash_salt: str = "terarec-v1", missing_flags: bool = True) -> FeatureSchema:
+        """Criteo Kaggle ``train.txt``: label, I1..I13 counts, C1..C26 hashed categoricals."""
+        numeric = tuple(FieldSpec(f"I{i}", "numeric", transform="log1p") for i in range(1, 14))
+        cats = tuple(FieldSpec(f"C{i}", "categorical") for i in range(1, 27))
+        names = ("label",) + tuple(f.name for f in numeric + cats)
+        return cls(label="label", fields=numeric + cats, hash_salt=hash_salt,
+                   missing_flags=missing_flags, format="criteo", delimiter="\t",
+                   has_header=False, column_names=names)
+
+    def with_fields(self, extra_fields: tuple[FieldSpec, ...]) -> FeatureSchema:
+        return replace(self, fields=self.fields + tuple(extra_fields))
+
+    # -- persistence --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fields"] = [asdict(f) for f in self.fields]
+        d["column_names"] = list(self.column_names)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FeatureSchema:
+        d = dict(d)
+        version = d.pop("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"feature schema version {version} is not {SCHEMA_VERSION}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown feature schema keys: {sorted(unknown)}")
+        spec_keys = {f.name for f in fields(FieldSpec)}
+        specs = []
+        for i, raw in enumerate(d.pop("fields")):
+            bad = set(raw) - spec_keys
+            if bad:
+                raise ValueError(f"feature schema field #{i}: unknown keys {sorted(bad)}")
+            specs.append(FieldSpec(**raw))
+        d["column_names"] = tuple(d.get("column_names", ()))
+        return cls(fields=tuple(specs), **d)
+
+    def save(self, path: str | Path) -> None:
+        from terarec.io import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> FeatureSchema:
+        with open(path) as fh:
+            return cls.from_dict(json.load(fh))
+
+
+def as_int64_tensor(array: np.ndarray) -> torch.Tensor:
+    """Zero-copy int64 numpy -> torch, refusing anything that is not int64 already."""
+    if array.dtype != np.int64:
+        raise TypeError(f"expected int64 keys, got {array.dtype}")
+    return torch.from_numpy(np.ascontiguousarray(array))
