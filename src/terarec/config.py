@@ -24,6 +24,12 @@ class ModelConfig:
     deep_mlp: tuple[int, ...] = (256, 128)
     cross_layers: int = 3
     dropout: float = 0.0
+    # Two-tower (DSSM) split: ``item_fields`` empty means every categorical field that is
+    # not a user field. Both towers use ``deep_mlp``; its last width is the vector size.
+    user_fields: tuple[str, ...] = ()
+    item_fields: tuple[str, ...] = ()
+    tower_similarity: Literal["cosine", "dot"] = "cosine"
+    cosine_scale: float = 10.0
 
 
 @dataclass

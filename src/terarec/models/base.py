@@ -35,3 +35,34 @@ class CTRModel(nn.Module):
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:  # noqa: D102
         raise NotImplementedError
+
+    @classmethod
+    def row_dim_for(cls, config: ModelConfig) -> int:
+        """Floats per key this model needs, known before it is built so the store can be
+        sized first. Subclasses override; ``config`` is validated on the way."""
+        raise NotImplementedError(f"{cls.__name__} does not define row_dim_for")
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        """Reject shapes no model can use; subclasses extend with their own rules."""
+        if config.embedding_dim < 1:
+            raise ValueError(f"model {config.name!r}: embedding_dim must be >= 1, "
+                             f"got {config.embedding_dim}")
+        if not 0.0 <= config.dropout < 1.0:
+            raise ValueError(f"model {config.name!r}: dropout must be in [0, 1), "
+                             f"got {config.dropout}")
+        for key in ("bottom_mlp", "top_mlp", "deep_mlp"):
+            widths = getattr(config, key)
+            if any(int(w) < 1 for w in widths):
+                raise ValueError(f"model {config.name!r}: {key} widths must be >= 1, "
+                                 f"got {tuple(widths)}")
+
+    def check_inputs(self, dense: torch.Tensor, emb: torch.Tensor) -> None:
+        """Fail with the expected shapes instead of a matmul error deep inside the net."""
+        expected = (self.num_fields, self.row_dim)
+        if emb.dim() != 3 or tuple(emb.shape[1:]) != expected:
+            raise ValueError(f"{type(self).__name__}: emb must be [B, {expected[0]}, "
+                             f"{expected[1]}], got {list(emb.shape)}")
+        if dense.dim() != 2 or dense.shape[0] != emb.shape[0] or dense.shape[1] != self.dense_dim:
+            raise ValueError(f"{type(self).__name__}: dense must be [{emb.shape[0]}, "
+                             f"{self.dense_dim}], got {list(dense.shape)}")
