@@ -23,6 +23,7 @@ class ModelConfig:
     top_mlp: tuple[int, ...] = (512, 256)
     deep_mlp: tuple[int, ...] = (256, 128)
     cross_layers: int = 3
+    cross_rank: int = 0  # DCN-v2: 0 = full-rank cross weights, r > 0 = low-rank U V^T
     dropout: float = 0.0
     # Two-tower (DSSM) split: ``item_fields`` empty means every categorical field that is
     # not a user field. Both towers use ``deep_mlp``; its last width is the vector size.
