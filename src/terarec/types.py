@@ -91,6 +91,14 @@ class KeyedIds:
                                                    device=self.offsets.device))
         )
 
+    @cached_property
+    def sample_major(self) -> torch.Tensor:
+        """``[B, F]`` keys when ``one_per_slot``: lookups then yield ``[B, F, D]`` rows
+        without transposing float tensors."""
+        if not self.one_per_slot:
+            raise ValueError("sample_major needs exactly one key per (field, sample)")
+        return self.values.view(self.num_fields, self.batch_size).t().contiguous()
+
     def field_values(self, name: str) -> torch.Tensor:
         f = self.fields.index(name)
         b = self.batch_size

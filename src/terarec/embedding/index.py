@@ -1,0 +1,273 @@
+"""Collisionless int64 key -> slot index: open addressing with linear probing, compiled.
+
+Why numba: measured lookup+insert of 57 M keys/s on one core, against 8-12 M for
+vectorized numpy probing and 2.2 M for a Python dict loop (README design notes). Every
+key keeps its own slot, so two keys never share a row, and no vocabulary is declared up
+front: the table doubles when it passes half full.
+
+Table layout: one ``[capacity, 2]`` int64 array (capacity a power of two), key and slot
+side by side so that a probe touches one cache line::
+
+    bucket:  0      1      2      3      4      5
+    key:     .      k1     .      k9     x      k4
+    slot:   -1      0     -1      2     -2      1      (-1 empty, -2 deleted)
+
+Slots are dense row numbers handed out in insertion order and recycled after removal, so
+the store's row arrays stay compact.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+EMPTY, DELETED = -1, -2
+_MAX_LOAD = 0.5
+
+
+@numba.njit(inline="always")
+def _mix(key: np.int64) -> np.uint64:
+    """splitmix64 finalizer: spreads sequential or clustered keys across buckets."""
+    z = np.uint64(key)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@numba.njit(nogil=True, cache=True)
+def _lookup(table, keys, out):
+    mask = np.uint64(table.shape[0] - 1)
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _mix(k) & mask
+        out[i] = -1
+        while table[b, 1] != EMPTY:
+            if table[b, 1] >= 0 and table[b, 0] == k:
+                out[i] = table[b, 1]
+                break
+            b = (b + np.uint64(1)) & mask
+
+
+@numba.njit(nogil=True, cache=True)
+def _insert(table, keys, out, inserted, free, n_free, next_slot):
+    """Look up each key, inserting missing ones.
+
+    Returns (n_free, next_slot, n_new, n_tombstones_reused)."""
+    mask = np.uint64(table.shape[0] - 1)
+    n_new = 0
+    n_tomb = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _mix(k) & mask
+        first_deleted = np.int64(-1)
+        found = False
+        while table[b, 1] != EMPTY:
+            if table[b, 1] >= 0:
+                if table[b, 0] == k:
+                    out[i] = table[b, 1]
+                    inserted[i] = False
+                    found = True
+                    break
+            elif first_deleted < 0:
+                first_deleted = np.int64(b)
+            b = (b + np.uint64(1)) & mask
+        if found:
+            continue
+        if first_deleted >= 0:
+            b = np.uint64(first_deleted)
+            n_tomb += 1
+        if n_free > 0:
+            n_free -= 1
+            slot = free[n_free]
+        else:
+            slot = next_slot
+            next_slot += 1
+        table[b, 0] = k
+        table[b, 1] = slot
+        out[i] = slot
+        inserted[i] = True
+        n_new += 1
+    return n_free, next_slot, n_new, n_tomb
+
+
+@numba.njit(nogil=True, cache=True)
+def _remove(table, keys, out):
+    mask = np.uint64(table.shape[0] - 1)
+    n = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _mix(k) & mask
+        out[i] = -1
+        while table[b, 1] != EMPTY:
+            if table[b, 1] >= 0 and table[b, 0] == k:
+                out[i] = table[b, 1]
+                table[b, 1] = DELETED
+                n += 1
+                break
+            b = (b + np.uint64(1)) & mask
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _reinsert(table, keys, slots):
+    mask = np.uint64(table.shape[0] - 1)
+    for i in range(keys.shape[0]):
+        b = _mix(keys[i]) & mask
+        while table[b, 1] != EMPTY:
+            b = (b + np.uint64(1)) & mask
+        table[b, 0] = keys[i]
+        table[b, 1] = slots[i]
+
+
+@numba.njit(nogil=True, cache=True)
+def _unique_inverse(keys, used, tkeys, tpos, uniq, inverse):
+    # Separate arrays here: ``used`` comes from np.zeros, whose pages the OS zeroes lazily,
+    # so a table sized for the worst case (all keys distinct) costs nothing up front.
+    mask = np.uint64(used.shape[0] - 1)
+    n_uniq = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _mix(k) & mask
+        while True:
+            if not used[b]:
+                used[b] = True
+                tkeys[b] = k
+                tpos[b] = n_uniq
+                uniq[n_uniq] = k
+                inverse[i] = n_uniq
+                n_uniq += 1
+                break
+            if tkeys[b] == k:
+                inverse[i] = tpos[b]
+                break
+            b = (b + np.uint64(1)) & mask
+    return n_uniq
+
+
+def _capacity_for(n: int) -> int:
+    cap = 16
+    while cap * _MAX_LOAD < n:
+        cap *= 2
+    return cap
+
+
+def _empty_table(cap: int) -> np.ndarray:
+    table = np.empty((cap, 2), np.int64)
+    table[:, 1] = EMPTY
+    return table
+
+
+def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique keys in first-seen order and, per input key, its position among them.
+
+    O(n) with a throwaway hash table (np.unique sorts: O(n log n), and slower here).
+    """
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    cap = _capacity_for(len(keys))
+    uniq = np.empty(len(keys), np.int64)
+    inverse = np.empty(len(keys), np.int64)
+    n = _unique_inverse(keys, np.zeros(cap, np.bool_), np.empty(cap, np.int64),
+                        np.empty(cap, np.int64), uniq, inverse)
+    return uniq[:n].copy(), inverse
+
+
+class KeyIndex:
+    """int64 key -> int64 slot, growable, with slot recycling.
+
+    ``lookup`` returns -1 for absent keys; ``lookup_or_insert`` hands new keys a recycled
+    slot if one is free, else the next unused one. Bytes per key: 16 per bucket at <= 50 % load, i.e.
+    32-64 B per live key.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        cap = _capacity_for(capacity)
+        self._table = _empty_table(cap)
+        self._free = np.empty(16, np.int64)
+        self._n_free = 0
+        self._next_slot = 0
+        self._size = 0
+        self._tombstones = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def capacity(self) -> int:
+        return len(self._table)
+
+    @property
+    def slot_bound(self) -> int:
+        """One past the highest slot ever handed out: the row arrays' needed length."""
+        return self._next_slot
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes + self._free.nbytes
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        out = np.empty(len(keys), np.int64)
+        _lookup(self._table, keys, out)
+        return out
+
+    def lookup_or_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slots for ``keys`` (inserting missing ones) and a mask of the newly inserted."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        self._reserve(self._size + len(keys))
+        out = np.empty(len(keys), np.int64)
+        inserted = np.empty(len(keys), np.bool_)
+        self._n_free, self._next_slot, n_new, n_tomb = _insert(
+            self._table, keys, out, inserted,
+            self._free, self._n_free, self._next_slot)
+        self._size += n_new
+        self._tombstones -= n_tomb
+        return out, inserted
+
+    def remove(self, keys: np.ndarray) -> np.ndarray:
+        """Remove ``keys``; returns their former slots (-1 where absent). Slots are recycled."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        out = np.empty(len(keys), np.int64)
+        n = _remove(self._table, keys, out)
+        self._size -= n
+        self._tombstones += n
+        freed = out[out >= 0]
+        need = self._n_free + len(freed)
+        if need > len(self._free):
+            grown = np.empty(max(need, 2 * len(self._free)), np.int64)
+            grown[:self._n_free] = self._free[:self._n_free]
+            self._free = grown
+        self._free[self._n_free:need] = freed
+        self._n_free = need
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All (keys, slots), in bucket order."""
+        full = self._table[:, 1] >= 0
+        return self._table[full, 0].copy(), self._table[full, 1].copy()
+
+    def _reserve(self, n_live: int) -> None:
+        if (n_live + self._tombstones) <= self.capacity * _MAX_LOAD:
+            return
+        keys, slots = self.items()
+        cap = _capacity_for(max(n_live, 16))
+        self._table = _empty_table(cap)
+        _reinsert(self._table, keys, slots)
+        self._tombstones = 0
+
+    # -- persistence --------------------------------------------------------------------
+    @classmethod
+    def from_items(cls, keys: np.ndarray, slots: np.ndarray) -> KeyIndex:
+        """Rebuild from (key, slot) pairs; unused slots below the highest become free."""
+        index = cls(capacity=max(len(keys), 16))
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        _reinsert(index._table, keys, slots)
+        index._size = len(keys)
+        index._next_slot = int(slots.max()) + 1 if len(slots) else 0
+        used = np.zeros(index._next_slot, np.bool_)
+        used[slots] = True
+        free = np.flatnonzero(~used)[::-1].astype(np.int64)
+        index._free = np.empty(max(16, len(free)), np.int64)
+        index._free[:len(free)] = free
+        index._n_free = len(free)
+        return index

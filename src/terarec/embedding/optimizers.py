@@ -1,0 +1,177 @@
+"""Per-key (sparse) optimizers, applied to a pass's working set inside the backward pass.
+
+Each key's optimizer state lives in its store row next to its values, so a checkpoint
+takes both from the same moment. The update is fused: gradients of repeated keys in a
+batch are summed, then each touched row is updated once; untouched rows cost nothing.
+On CPU the update is one compiled loop over the touched rows; on other devices it is the
+same math in torch ops (also the reference the CPU kernel is tested against).
+
+State layout per row (``S`` floats):
+
+    adagrad (row-wise): [acc]                 S = 1
+    adam    (lazy):     [m_0..m_D, v_0..v_D, t] S = 2D + 1
+    ftrl    (proximal): [z_0..z_D, n_0..n_D]  S = 2D
+    sgd:                []                    S = 0
+
+Row 0 of every working set is the shared zero row of unadmitted and unknown keys: it is
+never updated.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from terarec.config import SparseOptimizerConfig
+
+_ADAGRAD, _ADAM, _FTRL, _SGD = 0, 1, 2, 3
+_KINDS = {"adagrad": _ADAGRAD, "adam": _ADAM, "ftrl": _FTRL, "sgd": _SGD}
+
+
+@numba.njit(nogil=True, cache=True)
+def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, beta2,
+                  alpha, beta, l1, l2):
+    n, dim = grads.shape
+    touched = np.empty(n, np.int64)
+    gsum = np.empty((n, dim), np.float32)
+    n_t = 0
+    for i in range(n):
+        r = rows[i]
+        if r == 0:
+            continue
+        p = pos[r]
+        if p < 0:
+            pos[r] = n_t
+            touched[n_t] = r
+            for d in range(dim):
+                gsum[n_t, d] = grads[i, d]
+            n_t += 1
+        else:
+            for d in range(dim):
+                gsum[p, d] += grads[i, d]
+    for j in range(n_t):
+        r = touched[j]
+        pos[r] = -1
+        w = weights[r]
+        s = state[r]
+        g = gsum[j]
+        if wd != 0.0:
+            for d in range(dim):
+                g[d] += wd * w[d]
+        if kind == _ADAGRAD:
+            sq = 0.0
+            for d in range(dim):
+                sq += g[d] * g[d]
+            s[0] += sq / dim
+            step = lr / (np.sqrt(s[0]) + eps)
+            for d in range(dim):
+                w[d] -= step * g[d]
+        elif kind == _ADAM:
+            s[2 * dim] += 1.0
+            t = s[2 * dim]
+            c1 = 1.0 - beta1 ** t
+            c2 = 1.0 - beta2 ** t
+            for d in range(dim):
+                s[d] = beta1 * s[d] + (1.0 - beta1) * g[d]
+                s[dim + d] = beta2 * s[dim + d] + (1.0 - beta2) * g[d] * g[d]
+                w[d] -= lr * (s[d] / c1) / (np.sqrt(s[dim + d] / c2) + eps)
+        elif kind == _FTRL:
+            for d in range(dim):
+                n_old = s[dim + d]
+                n_new = n_old + g[d] * g[d]
+                sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / alpha
+                s[d] += g[d] - sigma * w[d]
+                s[dim + d] = n_new
+                z = s[d]
+                if abs(z) <= l1:
+                    w[d] = 0.0
+                else:
+                    w[d] = -(z - np.sign(z) * l1) / ((beta + np.sqrt(n_new)) / alpha + l2)
+        else:
+            for d in range(dim):
+                w[d] -= lr * g[d]
+    return n_t
+
+
+class SparseOptimizer:
+    """A per-row optimizer configured by ``SparseOptimizerConfig``."""
+
+    def __init__(self, config: SparseOptimizerConfig) -> None:
+        if config.name not in _KINDS:
+            raise ValueError(f"unknown sparse optimizer {config.name!r}; known: {sorted(_KINDS)}")
+        self.config = config
+        self.kind = _KINDS[config.name]
+        self.lr = config.lr
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def state_dim(self, row_dim: int) -> int:
+        return {_ADAGRAD: 1, _ADAM: 2 * row_dim + 1, _FTRL: 2 * row_dim, _SGD: 0}[self.kind]
+
+    def init_state(self, n: int, row_dim: int) -> np.ndarray:
+        state = np.zeros((n, self.state_dim(row_dim)), np.float32)
+        if self.kind == _ADAGRAD:
+            state[:, 0] = self.config.initial_accumulator
+        return state
+
+    def step(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
+             grads: torch.Tensor, scratch: np.ndarray | None = None) -> int:
+        """Apply one update for gradient ``grads[i]`` of row ``rows[i]`` (rows may repeat).
+
+        ``scratch``: int64 array of -1 with one entry per working-set row, reused across
+        steps on CPU (returned to all -1). Returns the number of rows updated.
+        """
+        c = self.config
+        if weights.device.type == "cpu":
+            if scratch is None:
+                scratch = np.full(weights.shape[0], -1, np.int64)
+            return int(_fused_update(
+                self.kind, weights.numpy(), state.numpy(), rows.numpy(),
+                grads.detach().to(torch.float32).contiguous().numpy(), scratch,
+                self.lr, c.eps, c.weight_decay, c.beta1, c.beta2, c.ftrl_alpha,
+                c.ftrl_beta, c.ftrl_l1, c.ftrl_l2))
+        return self.step_torch(weights, state, rows, grads)
+
+    @torch.no_grad()
+    def step_torch(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
+                   grads: torch.Tensor) -> int:
+        """The same update in torch ops, for CUDA and as the CPU kernel's reference."""
+        c = self.config
+        uniq, inverse = torch.unique(rows, return_inverse=True)
+        g = torch.zeros(len(uniq), grads.shape[1], dtype=torch.float32, device=grads.device)
+        g.index_add_(0, inverse, grads.to(torch.float32))
+        keep = uniq != 0
+        uniq, g = uniq[keep], g[keep]
+        w = weights[uniq]
+        s = state[uniq]
+        dim = w.shape[1]
+        if c.weight_decay:
+            g = g + c.weight_decay * w
+        if self.kind == _ADAGRAD:
+            s[:, 0] += (g * g).mean(dim=1)
+            w -= (self.lr / (s[:, :1].sqrt() + c.eps)) * g
+        elif self.kind == _ADAM:
+            s[:, 2 * dim] += 1.0
+            t = s[:, 2 * dim:2 * dim + 1]
+            m, v = s[:, :dim], s[:, dim:2 * dim]
+            m.mul_(c.beta1).add_((1 - c.beta1) * g)
+            v.mul_(c.beta2).add_((1 - c.beta2) * g * g)
+            w -= self.lr * (m / (1 - c.beta1 ** t)) / ((v / (1 - c.beta2 ** t)).sqrt() + c.eps)
+        elif self.kind == _FTRL:
+            z, n = s[:, :dim], s[:, dim:]
+            n_new = n + g * g
+            sigma = (n_new.sqrt() - n.sqrt()) / c.ftrl_alpha
+            z += g - sigma * w
+            n.copy_(n_new)
+            w = torch.where(
+                z.abs() <= c.ftrl_l1, torch.zeros_like(z),
+                -(z - z.sign() * c.ftrl_l1)
+                / ((c.ftrl_beta + n_new.sqrt()) / c.ftrl_alpha + c.ftrl_l2))
+        else:
+            w -= self.lr * g
+        weights[uniq] = w
+        state[uniq] = s
+        return int(len(uniq))

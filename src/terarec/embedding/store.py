@@ -1,0 +1,257 @@
+"""The embedding store: int64 key -> row of values, optimizer state and counters.
+
+The API moves whole key arrays (``pull`` / ``push``), never single keys, so the same calls
+work against a local store, a tiered one, or a remote shard owner. Admission and eviction
+are policies applied here, at pass boundaries and on pull.
+
+Row arrays (one entry per slot of the key index)::
+
+    values     float32 [slots, row_dim]   the embedding row
+    state      float32 [slots, S]         per-row optimizer state (see optimizers.py)
+    show       float32 [slots]            times seen
+    click      float32 [slots]            positive labels seen with it
+    last_seen  int32   [slots]            last pass that touched it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from terarec.config import StoreConfig
+from terarec.embedding.index import KeyIndex
+from terarec.embedding.optimizers import SparseOptimizer
+
+
+@numba.njit(nogil=True, cache=True)
+def _init_rows(keys, dim, std, seed):
+    """N(0, std) rows that depend only on (key, seed): any process initialises a key alike."""
+    out = np.empty((keys.shape[0], dim), np.float32)
+    for i in range(keys.shape[0]):
+        for d in range(0, dim, 2):
+            z = np.uint64(keys[i]) ^ (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15))
+            z += np.uint64(d + 1) * np.uint64(0xD1B54A32D192ED03)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z = z ^ (z >> np.uint64(31))
+            u1 = (np.float64(z >> np.uint64(40)) + 0.5) / 16777216.0
+            u2 = (np.float64(z & np.uint64(0xFFFFFF)) + 0.5) / 16777216.0
+            r = np.sqrt(-2.0 * np.log(u1)) * std
+            out[i, d] = r * np.cos(2.0 * np.pi * u2)
+            if d + 1 < dim:
+                out[i, d + 1] = r * np.sin(2.0 * np.pi * u2)
+    return out
+
+
+def init_rows(keys: np.ndarray, dim: int, std: float, seed: int) -> np.ndarray:
+    return _init_rows(np.ascontiguousarray(keys, np.int64), dim, float(std), int(seed))
+
+
+@dataclass
+class RowBlock:
+    """Rows of some keys, in the order of those keys."""
+
+    values: np.ndarray
+    state: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass
+class StoreStats:
+    keys: int
+    candidates: int
+    admitted: int
+    evicted: int
+    bytes: int
+
+
+class MemoryStore:
+    """All rows in RAM, grown on demand; the memory tier and the single-process store."""
+
+    def __init__(self, row_dim: int, optimizer: SparseOptimizer, config: StoreConfig | None = None,
+                 seed: int = 0, capacity: int = 1024) -> None:
+        self.row_dim = row_dim
+        self.optimizer = optimizer
+        self.config = config or StoreConfig()
+        self.seed = seed
+        self.state_dim = optimizer.state_dim(row_dim)
+        self.index = KeyIndex(capacity)
+        self._alloc(capacity)
+        # Keys seen but not yet admitted: only their counts are kept.
+        self._cand_index = KeyIndex(16)
+        self._cand_show = np.zeros(16, np.float32)
+        self._cand_click = np.zeros(16, np.float32)
+        self._cand_seen = np.zeros(16, np.int32)
+        self.admitted_total = 0
+        self.evicted_total = 0
+
+    # -- storage ------------------------------------------------------------------------
+    def _alloc(self, capacity: int) -> None:
+        self.values = np.zeros((capacity, self.row_dim), np.float32)
+        self.state = np.zeros((capacity, self.state_dim), np.float32)
+        self.show = np.zeros(capacity, np.float32)
+        self.click = np.zeros(capacity, np.float32)
+        self.last_seen = np.zeros(capacity, np.int32)
+
+    def _ensure_rows(self, n: int) -> None:
+        cap = len(self.show)
+        if n <= cap:
+            return
+        new_cap = max(n, 2 * cap)
+        for name in ("values", "state", "show", "click", "last_seen"):
+            old = getattr(self, name)
+            grown = np.zeros((new_cap,) + old.shape[1:], old.dtype)
+            grown[:cap] = old
+            setattr(self, name, grown)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by live rows plus the index."""
+        per_row = 4 * (self.row_dim + self.state_dim) + 4 + 4 + 4
+        return len(self.index) * per_row + self.index.nbytes
+
+    def stats(self) -> StoreStats:
+        return StoreStats(keys=len(self.index), candidates=len(self._cand_index),
+                          admitted=self.admitted_total, evicted=self.evicted_total,
+                          bytes=self.nbytes)
+
+    # -- admission ----------------------------------------------------------------------
+    def _admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
+               pass_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Count ``keys`` (absent from the index) as candidates; return those now admitted
+        with the counts they gathered in earlier passes (this pass's are added by pull)."""
+        if self.config.admit_min_count <= 1:
+            zeros = np.zeros(len(keys), np.float32)
+            return keys, zeros, zeros
+        slots, _ = self._cand_index.lookup_or_insert(keys)
+        need = self._cand_index.slot_bound
+        if need > len(self._cand_show):
+            size = max(need, 2 * len(self._cand_show))
+            for name in ("_cand_show", "_cand_click", "_cand_seen"):
+                old = getattr(self, name)
+                grown = np.zeros(size, old.dtype)
+                grown[:len(old)] = old
+                setattr(self, name, grown)
+        self._cand_show[slots] += show
+        self._cand_click[slots] += click
+        self._cand_seen[slots] = pass_id
+        ok = self._cand_show[slots] >= self.config.admit_min_count
+        admitted = keys[ok]
+        earlier_show = self._cand_show[slots[ok]] - show[ok]
+        earlier_click = self._cand_click[slots[ok]] - click[ok]
+        freed = self._cand_index.remove(admitted)
+        self._cand_show[freed] = 0
+        self._cand_click[freed] = 0
+        return admitted, earlier_show, earlier_click
+
+    # -- the pass API -------------------------------------------------------------------
+    def pull(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
+             pass_id: int) -> tuple[RowBlock, np.ndarray]:
+        """Rows for the unique ``keys`` of a pass, counting their shows and clicks.
+
+        Keys absent from the store go through admission; admitted new keys get fresh
+        rows. Returns the rows of the admitted keys (in ``keys`` order) and the mask of
+        which keys are admitted: the others train against the zero row.
+        """
+        keys = np.ascontiguousarray(keys, np.int64)
+        slots = self.index.lookup(keys)
+        missing = slots < 0
+        if missing.any():
+            new_keys, earlier_show, earlier_click = self._admit(
+                keys[missing], show[missing], click[missing], pass_id)
+            if len(new_keys):
+                new_slots, _ = self.index.lookup_or_insert(new_keys)
+                self._ensure_rows(self.index.slot_bound)
+                self.values[new_slots] = init_rows(new_keys, self.row_dim,
+                                                   self.config.init_std, self.seed)
+                self.state[new_slots] = self.optimizer.init_state(len(new_keys), self.row_dim)
+                self.show[new_slots] = earlier_show
+                self.click[new_slots] = earlier_click
+                self.admitted_total += len(new_keys)
+                slots[missing] = self.index.lookup(keys[missing])
+        admitted = slots >= 0
+        live = slots[admitted]
+        self.show[live] += show[admitted]
+        self.click[live] += click[admitted]
+        self.last_seen[live] = pass_id
+        return RowBlock(self.values[live], self.state[live]), admitted
+
+    def push(self, keys: np.ndarray, block: RowBlock) -> None:
+        """Write back trained rows of keys previously pulled (and not evicted since)."""
+        slots = self.index.lookup(keys)
+        if (slots < 0).any():
+            raise KeyError(f"{int((slots < 0).sum())} pushed keys are not in the store")
+        self.values[slots] = block.values
+        self.state[slots] = block.state
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only: values of ``keys`` (zero rows where absent) and the found mask."""
+        slots = self.index.lookup(keys)
+        found = slots >= 0
+        values = np.zeros((len(keys), self.row_dim), np.float32)
+        values[found] = self.values[slots[found]]
+        return values, found
+
+    def end_pass(self, pass_id: int) -> int:
+        """Apply eviction after pass ``pass_id``; returns the number of keys evicted."""
+        ttl = self.config.evict_after_passes
+        if ttl is None:
+            return 0
+        keys, slots = self.index.items()
+        stale = self.last_seen[slots] <= pass_id - ttl
+        evicted = self.evict(keys[stale])
+        ckeys, cslots = self._cand_index.items()
+        cstale = self._cand_seen[cslots] <= pass_id - ttl
+        freed = self._cand_index.remove(ckeys[cstale])
+        self._cand_show[freed] = 0
+        self._cand_click[freed] = 0
+        return evicted
+
+    def evict(self, keys: np.ndarray) -> int:
+        slots = self.index.remove(keys)
+        slots = slots[slots >= 0]
+        self.values[slots] = 0
+        self.state[slots] = 0
+        self.show[slots] = 0
+        self.click[slots] = 0
+        self.evicted_total += len(slots)
+        return len(slots)
+
+    # -- persistence --------------------------------------------------------------------
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Live rows sorted by key: the form checkpoints and exports take."""
+        keys, slots = self.index.items()
+        order = np.argsort(keys, kind="stable")
+        keys, slots = keys[order], slots[order]
+        return {
+            "keys": keys,
+            "values": self.values[slots],
+            "state": self.state[slots],
+            "show": self.show[slots],
+            "click": self.click[slots],
+            "last_seen": self.last_seen[slots],
+            "counters": np.array([self.admitted_total, self.evicted_total], np.int64),
+        }
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        keys = arrays["keys"]
+        n = len(keys)
+        if arrays["values"].shape != (n, self.row_dim):
+            raise ValueError(f"stored rows have shape {arrays['values'].shape}, "
+                             f"expected ({n}, {self.row_dim})")
+        self.index = KeyIndex.from_items(keys, np.arange(n, dtype=np.int64))
+        self._alloc(max(n, 16))
+        self.values[:n] = arrays["values"]
+        self.state[:n] = arrays["state"]
+        self.show[:n] = arrays["show"]
+        self.click[:n] = arrays["click"]
+        self.last_seen[:n] = arrays["last_seen"]
+        if "counters" in arrays:
+            self.admitted_total, self.evicted_total = (int(x) for x in arrays["counters"])

@@ -1,0 +1,172 @@
+"""Pass staging: one pass's rows in one contiguous device tensor, samples remapped to it.
+
+Before a pass, the unique keys of all its batches are pulled from the store into
+``weights`` (row 0 is the zero row of unadmitted or unknown keys), and every batch's keys
+are replaced by local row ids. Training steps are then plain embedding lookups over a
+dense table, at ordinary PyTorch speed, whatever the size of the store behind it::
+
+    pass keys:   [k7 k3 k7 k9 k3 k5]          (k5 not admitted yet)
+    unique:      [k7 k3 k9 k5]  -> store.pull -> weights[1..3] = rows of k7 k3 k9
+    local ids:   [ 1  2  1  3  2  0]          (batches carry these)
+
+After the pass, rows 1.. are pushed back to the store with their optimizer state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from terarec.embedding.index import unique_inverse
+from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.types import Batch, KeyedIds
+
+
+def occurrence_labels(batch: Batch) -> np.ndarray:
+    """The label of the sample each key in ``batch.sparse.values`` belongs to."""
+    labels = batch.labels.numpy()
+    per_slot = np.tile(labels, batch.sparse.num_fields)
+    if batch.sparse.one_per_slot:
+        return per_slot
+    return np.repeat(per_slot, batch.sparse.lengths.numpy())
+
+
+@dataclass
+class StagingStats:
+    keys: int
+    unique_keys: int
+    admitted_keys: int
+
+
+class WorkingSet:
+    """The rows one pass trains (or scores) on, resident on ``device``."""
+
+    def __init__(self, keys: np.ndarray, weights: torch.Tensor, state: torch.Tensor | None,
+                 batches: list[Batch], optimizer: SparseOptimizer | None,
+                 stats: StagingStats) -> None:
+        self.keys = keys
+        self.weights = weights
+        self.state = state
+        self.batches = batches
+        self.optimizer = optimizer
+        self.stats = stats
+        self._scratch = (np.full(weights.shape[0], -1, np.int64)
+                         if weights.device.type == "cpu" and optimizer is not None else None)
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    @classmethod
+    def stage(cls, store: MemoryStore, batches: list[Batch], pass_id: int,
+              device: torch.device | str = "cpu", train: bool = True) -> WorkingSet:
+        """Pull the rows of every key in ``batches`` and remap the batches to local ids.
+
+        ``train=False`` reads rows without counting or admitting keys (evaluation,
+        prediction): unknown keys score with the zero row.
+        """
+        values = [b.sparse.values.numpy() for b in batches]
+        all_keys = np.concatenate(values) if values else np.empty(0, np.int64)
+        uniq, inverse = unique_inverse(all_keys)
+        dim = store.row_dim
+        if train:
+            show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
+            occ = np.concatenate([occurrence_labels(b) for b in batches]) if batches else []
+            click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
+            block, admitted = store.pull(uniq, show, click, pass_id)
+            rows, state_rows = block.values, block.state
+        else:
+            rows, admitted = store.lookup(uniq)
+            rows = rows[admitted]
+            state_rows = None
+        n_adm = int(admitted.sum())
+        local = np.zeros(len(uniq), np.int64)
+        local[admitted] = np.arange(1, n_adm + 1)
+        weights = torch.zeros(n_adm + 1, dim, dtype=torch.float32)
+        weights[1:] = torch.from_numpy(rows)
+        state = None
+        if state_rows is not None:
+            state = torch.zeros(n_adm + 1, state_rows.shape[1], dtype=torch.float32)
+            state[1:] = torch.from_numpy(state_rows)
+            state = state.to(device)
+        remapped_all = torch.from_numpy(local[inverse])
+        remapped, start = [], 0
+        for b, v in zip(batches, values, strict=True):
+            ids = remapped_all[start:start + len(v)]
+            start += len(v)
+            remapped.append(Batch(b.dense, b.sparse.with_values(ids), b.labels).to(device))
+        return cls(uniq[admitted], weights.to(device), state, remapped,
+                   store.optimizer if train else None,
+                   StagingStats(len(all_keys), len(uniq), n_adm))
+
+    def write_back(self, store: MemoryStore) -> None:
+        """Push trained rows and their optimizer state back to the store."""
+        if not self.trainable or self.state is None:
+            raise RuntimeError("only a training working set is written back")
+        store.push(self.keys, RowBlock(self.weights[1:].cpu().numpy(),
+                                       self.state[1:].cpu().numpy()))
+
+    def lookup(self, sparse: KeyedIds, mean_fields: torch.Tensor | None = None,
+               anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows ``[B, F, row_dim]`` for a remapped batch.
+
+        ``mean_fields``: bool ``[F]``, fields pooled by mean rather than sum. With an
+        ``anchor`` (a scalar requiring grad) on a trainable set, the backward pass
+        applies the sparse optimizer to the touched rows in place.
+        """
+        if anchor is not None and self.trainable and torch.is_grad_enabled():
+            return _FusedLookup.apply(anchor, self, sparse, mean_fields)
+        with torch.no_grad():
+            return _pooled(self.weights, sparse, mean_fields)
+
+
+def _pooled(weights: torch.Tensor, sparse: KeyedIds,
+            mean_fields: torch.Tensor | None) -> torch.Tensor:
+    b, f = sparse.batch_size, sparse.num_fields
+    if sparse.one_per_slot:
+        return weights.index_select(0, sparse.sample_major.view(-1)).view(b, f, -1)
+    else:
+        out = F.embedding_bag(sparse.values, weights, sparse.offsets, mode="sum",
+                              include_last_offset=True)
+        if mean_fields is not None:
+            out = out / _mean_divisor(sparse, mean_fields).unsqueeze(1)
+    return out.view(f, b, -1).transpose(0, 1)
+
+
+def _mean_divisor(sparse: KeyedIds, mean_fields: torch.Tensor) -> torch.Tensor:
+    """Per (field, sample) divisor: the bag length for mean fields, 1 for sum fields."""
+    lengths = sparse.lengths.to(torch.float32).clamp_min(1.0)
+    per_slot = mean_fields.to(lengths.device).repeat_interleave(sparse.batch_size)
+    return torch.where(per_slot, lengths, torch.ones_like(lengths))
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Embedding lookup whose backward is the sparse optimizer step (no dense grad of
+    the table is ever formed, as in FBGEMM's fused table-batched embeddings)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, ws: WorkingSet, sparse: KeyedIds,
+                mean_fields: torch.Tensor | None) -> torch.Tensor:
+        ctx.ws, ctx.sparse, ctx.mean_fields = ws, sparse, mean_fields
+        return _pooled(ws.weights, sparse, mean_fields)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ws: WorkingSet = ctx.ws
+        sparse: KeyedIds = ctx.sparse
+        if sparse.one_per_slot:
+            rows = sparse.sample_major.view(-1)
+            occ_grad = grad.reshape(-1, grad.shape[2])
+        else:
+            per_slot = grad.transpose(0, 1).reshape(-1, grad.shape[2])
+            if ctx.mean_fields is not None:
+                per_slot = per_slot / _mean_divisor(sparse, ctx.mean_fields).unsqueeze(1)
+            rows = sparse.values
+            occ_grad = per_slot.repeat_interleave(sparse.lengths, dim=0)
+        assert ws.optimizer is not None and ws.state is not None
+        ws.optimizer.step(ws.weights, ws.state, rows, occ_grad, ws._scratch)
+        return torch.zeros((), device=grad.device), None, None, None
