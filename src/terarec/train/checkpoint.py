@@ -1,0 +1,213 @@
+"""Model directories and checkpoints, committed atomically at pass boundaries.
+
+::
+
+    model_dir/
+      schema.json                 FeatureSchema: how raw rows become keys
+      train_config.json           TrainConfig used
+      checkpoints/
+        pass-000003/              one committed pass (older ones pruned)
+          dense.safetensors       model weights
+          dense_optimizer.pt      dense optimizer state
+          sparse.safetensors      keys (sorted) + values + optimizer state + counters
+          meta.json               pass id, history, sha256 of each file: written last
+      LATEST                      name of the newest committed checkpoint
+
+A checkpoint is written into a hidden temp folder, each file fsynced, the folder renamed
+into place, then ``LATEST`` replaced atomically; a crash at any point leaves the previous
+checkpoint intact and loadable. Each key's values and optimizer state are taken from the
+same moment (the store between passes), never from two snapshots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import load_file as load_torch
+from safetensors.torch import save_file as save_torch
+
+from terarec.config import TrainConfig, from_dict, to_dict
+from terarec.io import atomic_write_text, fsync_dir
+from terarec.types import FeatureSchema
+
+log = logging.getLogger(__name__)
+KEEP_CHECKPOINTS = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, half-written or corrupted."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_model_meta(model_dir: Path, schema: FeatureSchema, config: TrainConfig) -> None:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    schema.save(model_dir / "schema.json")
+    atomic_write_text(model_dir / "train_config.json", json.dumps(to_dict(config), indent=2))
+
+
+def read_model_meta(model_dir: Path) -> tuple[FeatureSchema, TrainConfig]:
+    model_dir = Path(model_dir)
+    if not (model_dir / "schema.json").exists():
+        raise CheckpointError(f"{model_dir}: not a terarec model directory (no schema.json)")
+    schema = FeatureSchema.load(model_dir / "schema.json")
+    with open(model_dir / "train_config.json") as fh:
+        config = from_dict(TrainConfig, json.load(fh))
+    return schema, config
+
+
+def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -> Path:
+    """Commit the trainer's state after its last pass as a new checkpoint."""
+    model_dir = Path(model_dir)
+    write_model_meta(model_dir, trainer.schema, trainer.config)
+    ckpt_root = model_dir / "checkpoints"
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"pass-{trainer.pass_id:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=ckpt_root))
+    try:
+        dense = {k: v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}
+        save_torch(dense, str(tmp / "dense.safetensors"))
+        torch.save(trainer.dense_optimizer.state_dict(), tmp / "dense_optimizer.pt")
+        save_numpy(trainer.store.to_arrays(), str(tmp / "sparse.safetensors"))
+        files = ["dense.safetensors", "dense_optimizer.pt", "sparse.safetensors"]
+        for f in files:
+            _fsync_file(tmp / f)
+        meta = {
+            "pass_id": trainer.pass_id,
+            "history": trainer.history,
+            "rng": {"torch": torch.get_rng_state().tolist()},
+            "sha256": {f: _sha256(tmp / f) for f in files},
+            **(extra or {}),
+        }
+        with open(tmp / "meta.json", "w") as fh:
+            json.dump(meta, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        final = ckpt_root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(ckpt_root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(model_dir / "LATEST", name)
+    _prune(ckpt_root, keep=KEEP_CHECKPOINTS)
+    return final
+
+
+def _prune(ckpt_root: Path, keep: int) -> None:
+    done = sorted(p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith("pass-"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for tmp in ckpt_root.glob(".pass-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Return the checkpoint's meta after checking every file's checksum."""
+    meta_path = path / "meta.json"
+    if not meta_path.exists():
+        raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{meta_path}: corrupted ({exc})") from exc
+    for fname, digest in meta["sha256"].items():
+        fpath = path / fname
+        if not fpath.exists():
+            raise CheckpointError(f"{fpath}: missing from checkpoint")
+        if _sha256(fpath) != digest:
+            raise CheckpointError(f"{fpath}: checksum mismatch, the file is corrupted")
+    return meta
+
+
+def list_checkpoints(model_dir: str | Path) -> list[Path]:
+    """Committed checkpoints, newest first."""
+    root = Path(model_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("pass-")),
+                  reverse=True)
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    meta: dict
+    dense: dict[str, torch.Tensor]
+    dense_optimizer: dict
+    sparse: dict[str, np.ndarray]
+
+
+def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedCheckpoint:
+    """Load checkpoint ``name``, or the newest one that verifies.
+
+    A corrupted newest checkpoint is refused with a logged message naming the problem,
+    and the previous committed one is loaded instead.
+    """
+    model_dir = Path(model_dir)
+    if name is not None:
+        candidates = [model_dir / "checkpoints" / name]
+    else:
+        candidates = list_checkpoints(model_dir)
+    if not candidates:
+        raise CheckpointError(f"{model_dir}: no committed checkpoint")
+    errors = []
+    for path in candidates:
+        try:
+            meta = verify_checkpoint(path)
+        except CheckpointError as exc:
+            log.warning("refusing checkpoint: %s", exc)
+            errors.append(str(exc))
+            continue
+        return LoadedCheckpoint(
+            path=path, meta=meta,
+            dense=load_torch(str(path / "dense.safetensors")),
+            dense_optimizer=torch.load(path / "dense_optimizer.pt", weights_only=True),
+            sparse=load_numpy(str(path / "sparse.safetensors")))
+    raise CheckpointError("no loadable checkpoint: " + "; ".join(errors))
+
+
+def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
+                    name: str | None = None):
+    """A Trainer holding the newest good checkpoint of ``model_dir``."""
+    from terarec.train.trainer import Trainer
+
+    schema, saved_config = read_model_meta(Path(model_dir))
+    ckpt = load_checkpoint(model_dir, name)
+    trainer = Trainer(schema, config or saved_config)
+    trainer.model.load_state_dict(ckpt.dense)
+    trainer.dense_optimizer.load_state_dict(ckpt.dense_optimizer)
+    trainer.store.load_arrays(ckpt.sparse)
+    trainer.pass_id = int(ckpt.meta["pass_id"])
+    trainer.history = list(ckpt.meta.get("history", []))
+    torch.set_rng_state(torch.tensor(ckpt.meta["rng"]["torch"], dtype=torch.uint8))
+    return trainer

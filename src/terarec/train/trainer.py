@@ -1,0 +1,188 @@
+"""The pass loop: stage a pass's working set, train its batches, write rows back.
+
+::
+
+    for each pass (N rows, read ahead in a thread):
+        ws = WorkingSet.stage(store, batches)      unique keys -> store.pull -> device tensor
+        for batch in ws.batches:                   plain lookups over ws.weights
+            loss.backward()                        sparse optimizer runs inside backward
+            dense_optimizer.step()
+        ws.write_back(store); store.end_pass()     rows + optimizer state back, eviction
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from terarec.config import TrainConfig
+from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.store import MemoryStore
+from terarec.embedding.working_set import WorkingSet
+from terarec.models import build_model
+from terarec.train.metrics import evaluate_scores
+from terarec.train.passes import group_passes, iter_file_batches, prefetch
+from terarec.types import Batch, FeatureSchema
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class PassResult:
+    pass_id: int
+    rows: int
+    train_loss: float
+    staging_s: float
+    train_s: float
+    write_back_s: float
+    samples_per_s: float
+    unique_keys: int
+    admitted_keys: int
+    evicted_keys: int
+    store_keys: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Trainer:
+    """Owns the model, the store and the optimizers; trains pass by pass."""
+
+    def __init__(self, schema: FeatureSchema, config: TrainConfig,
+                 store: MemoryStore | None = None) -> None:
+        self.schema = schema
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed)
+        self.device = resolve_device(config.device)
+        self.model = build_model(schema, config.model).to(self.device)
+        self.sparse_optimizer = SparseOptimizer(config.sparse_optimizer)
+        self.store = store if store is not None else MemoryStore(
+            self.model.row_dim, self.sparse_optimizer, config.store, seed=config.seed)
+        self.dense_optimizer = _dense_optimizer(self.model, config)
+        # The fused lookup's backward needs a graph input that requires grad.
+        self._anchor = torch.zeros((), requires_grad=True, device=self.device)
+        mean = [f.pooling == "mean" for f in schema.categorical]
+        self.mean_fields = torch.tensor(mean, device=self.device) if any(mean) else None
+        self.pass_id = 0
+        self.history: list[dict] = []
+
+    # -- one step / one pass ------------------------------------------------------------
+    def _logits(self, ws: WorkingSet, batch: Batch, train: bool) -> torch.Tensor:
+        emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
+        return self.model(batch.dense, emb)
+
+    def train_pass(self, batches: list[Batch], progress: tqdm | None = None) -> PassResult:
+        """Stage, train and write back one pass; returns its figures."""
+        self.model.train()
+        t0 = time.perf_counter()
+        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True)
+        t1 = time.perf_counter()
+        losses = []
+        for batch in ws.batches:
+            logits = self._logits(ws, batch, train=True)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.dense_optimizer.step()
+            losses.append(loss.detach())
+            if progress is not None:
+                progress.update(len(batch))
+        t2 = time.perf_counter()
+        ws.write_back(self.store)
+        evicted = self.store.end_pass(self.pass_id)
+        t3 = time.perf_counter()
+        rows = sum(len(b) for b in batches)
+        weights = torch.tensor([len(b) for b in batches], dtype=torch.float32)
+        mean_loss = float((torch.stack(losses).cpu() * weights).sum() / weights.sum())
+        result = PassResult(
+            pass_id=self.pass_id, rows=rows, train_loss=mean_loss, staging_s=t1 - t0,
+            train_s=t2 - t1, write_back_s=t3 - t2, samples_per_s=rows / (t3 - t0),
+            unique_keys=ws.stats.unique_keys, admitted_keys=ws.stats.admitted_keys,
+            evicted_keys=evicted, store_keys=len(self.store))
+        self.pass_id += 1
+        return result
+
+    @torch.no_grad()
+    def predict_batches(self, batches: list[Batch]) -> np.ndarray:
+        """Click probabilities for in-memory batches (global keys); the store is unchanged."""
+        self.model.eval()
+        if not batches:
+            return np.empty(0, np.float32)
+        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=False)
+        out = [torch.sigmoid(self._logits(ws, b, train=False)).cpu() for b in ws.batches]
+        return torch.cat(out).numpy()
+
+    def predict_stream(self, batches: Iterable[Batch]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time."""
+        for group in group_passes(batches, self.config.pass_rows):
+            labels = torch.cat([b.labels for b in group]).numpy()
+            yield self.predict_batches(group), labels
+
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        probs, labels = [], []
+        for p, y in self.predict_stream(batches):
+            probs.append(p)
+            labels.append(y)
+        if not probs:
+            raise ValueError("no rows to evaluate")
+        metrics = evaluate_scores(np.concatenate(labels), np.concatenate(probs))
+        metrics["rows"] = int(sum(len(y) for y in labels))
+        return metrics
+
+    # -- whole runs ---------------------------------------------------------------------
+    def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
+            *, progress: bool = True, stats=None, on_pass_end=None) -> list[dict]:
+        """Train ``config.epochs`` epochs over ``train_paths`` pass by pass; after each pass,
+        score ``valid_batches`` (if any) and append a history record."""
+        cfg = self.config
+        bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, dynamic_ncols=True,
+                   desc="train")
+        start = time.perf_counter()
+        rows_total = 0
+        try:
+            for epoch in range(cfg.epochs):
+                batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
+                                            on_bad_row=cfg.on_bad_row, stats=stats)
+                for group in prefetch(group_passes(batches, cfg.pass_rows)):
+                    result = self.train_pass(group, bar)
+                    rows_total += result.rows
+                    record = {"epoch": epoch, **result.as_dict()}
+                    if valid_batches:
+                        valid = self.evaluate(valid_batches)
+                        record.update(valid_auc=valid["auc"], valid_logloss=valid["logloss"])
+                    self.history.append(record)
+                    bar.set_postfix(
+                        loss=f"{result.train_loss:.4f}",
+                        auc=f"{record.get('valid_auc', float('nan')):.4f}",
+                        sps=f"{rows_total / (time.perf_counter() - start):,.0f}")
+                    if on_pass_end is not None:
+                        on_pass_end(self, record)
+        finally:
+            bar.close()
+        return self.history
+
+
+def _dense_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    c = config.dense_optimizer
+    params = list(model.parameters())
+    if c.name == "adam":
+        return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
+    if c.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=c.lr, weight_decay=c.weight_decay)
+    if c.name == "sgd":
+        return torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
+    raise ValueError(f"unknown dense optimizer {c.name!r}; known: adam, adagrad, sgd")
