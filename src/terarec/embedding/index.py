@@ -175,8 +175,8 @@ class KeyIndex:
     """int64 key -> int64 slot, growable, with slot recycling.
 
     ``lookup`` returns -1 for absent keys; ``lookup_or_insert`` hands new keys a recycled
-    slot if one is free, else the next unused one. Bytes per key: 16 per bucket at <= 50 % load, i.e.
-    32-64 B per live key.
+    slot if one is free, else the next unused one. Bytes per key: 16 per bucket at
+    <= 50 % load, i.e. 32-64 B per live key.
     """
 
     def __init__(self, capacity: int = 1024) -> None:

@@ -145,19 +145,28 @@ class Trainer:
 
     # -- whole runs ---------------------------------------------------------------------
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
-            *, progress: bool = True, stats=None, on_pass_end=None) -> list[dict]:
+            *, progress: bool = True, stats=None, on_pass_end=None,
+            skip_passes: int = 0) -> list[dict]:
         """Train ``config.epochs`` epochs over ``train_paths`` pass by pass; after each pass,
-        score ``valid_batches`` (if any) and append a history record."""
+        score ``valid_batches`` (if any) and append a history record.
+
+        ``skip_passes``: passes already trained (a resumed run): they are read, not trained,
+        so the run continues with exactly the batches an uninterrupted run would see.
+        """
         cfg = self.config
         bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, dynamic_ncols=True,
                    desc="train")
         start = time.perf_counter()
         rows_total = 0
+        seen = 0
         try:
             for epoch in range(cfg.epochs):
                 batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
                                             on_bad_row=cfg.on_bad_row, stats=stats)
                 for group in prefetch(group_passes(batches, cfg.pass_rows)):
+                    seen += 1
+                    if seen <= skip_passes:
+                        continue
                     result = self.train_pass(group, bar)
                     rows_total += result.rows
                     record = {"epoch": epoch, **result.as_dict()}

@@ -1,0 +1,112 @@
+"""Arguments shared by subcommands: input format and schema, training knobs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from terarec.config import TrainConfig, from_dict, load_train_config, to_dict
+from terarec.data.readers import ReadStats, csv_schema
+from terarec.types import FeatureSchema
+
+
+def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    g = parser.add_argument_group("input format")
+    g.add_argument("--format", choices=["criteo", "csv", "parquet"], default=None,
+                   required=False, help="input format (default: criteo for training; "
+                   "the model's own format for eval/predict)")
+    g.add_argument("--label", help="label column (csv/parquet)")
+    g.add_argument("--numeric", default="", help="comma-separated numeric columns")
+    g.add_argument("--categorical", default="", help="comma-separated categorical columns")
+    g.add_argument("--delimiter", default=",", help="csv delimiter (default ',')")
+    g.add_argument("--multi-sep", default=None,
+                   help="separator inside multi-valued categorical cells, e.g. '|'")
+    g.add_argument("--multi-valued", default=None,
+                   help="comma-separated categorical columns that are multi-valued")
+    g.add_argument("--log1p", default="",
+                   help="comma-separated numeric columns to log1p-transform")
+    g.add_argument("--on-bad-row", choices=["error", "skip"], default="error",
+                   help="stop at the first bad row (default) or skip and count bad rows")
+
+
+def _split(text: str | None) -> list[str]:
+    return [c.strip() for c in (text or "").split(",") if c.strip()]
+
+
+def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
+    fmt = args.format or "criteo"
+    if fmt == "criteo":
+        return FeatureSchema.criteo()
+    if not args.label or not (args.numeric or args.categorical):
+        raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
+    log_cols = set(_split(args.log1p))
+    numeric = _split(args.numeric)
+    unknown = sorted(log_cols - set(numeric))
+    if unknown:
+        raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
+    multi = _split(args.multi_valued) if args.multi_valued is not None else None
+    return csv_schema(args.label, numeric, _split(args.categorical),
+                      delimiter=args.delimiter, separator=args.multi_sep, multi_valued=multi,
+                      transform={c: ("log1p" if c in log_cols else "none") for c in numeric},
+                      format=fmt)
+
+
+def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:
+    """The model's schema, read with another container format if ``--format`` says so."""
+    if args.format in (None, model_schema.format):
+        return model_schema
+    from dataclasses import replace
+
+    if args.format == "criteo":
+        raise ValueError("--format criteo only fits models trained on Criteo data")
+    return replace(model_schema, format=args.format,
+                   delimiter=args.delimiter if args.format == "csv" else model_schema.delimiter,
+                   has_header=True, column_names=())
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--config", type=Path, help="TrainConfig JSON; flags below override it")
+    g.add_argument("--model", dest="model_name", help="lr, fm, widedeep, deepfm, dcnv2, dlrm, dssm")
+    g.add_argument("--embedding-dim", type=int)
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--pass-rows", type=int, help="rows per pass (store write-back unit)")
+    g.add_argument("--sparse-optimizer", choices=["adagrad", "adam", "ftrl", "sgd"])
+    g.add_argument("--sparse-lr", type=float)
+    g.add_argument("--dense-lr", type=float)
+    g.add_argument("--admit-min-count", type=int, help="a key gets a row once seen this often")
+    g.add_argument("--evict-after-passes", type=int, help="drop keys unseen for N passes")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--threads", type=int)
+    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    config = load_train_config(args.config) if args.config else TrainConfig()
+    data = to_dict(config)
+    overrides = {
+        ("model", "name"): args.model_name, ("model", "embedding_dim"): args.embedding_dim,
+        ("epochs",): args.epochs, ("batch_size",): args.batch_size,
+        ("pass_rows",): args.pass_rows, ("sparse_optimizer", "name"): args.sparse_optimizer,
+        ("sparse_optimizer", "lr"): args.sparse_lr, ("dense_optimizer", "lr"): args.dense_lr,
+        ("store", "admit_min_count"): args.admit_min_count,
+        ("store", "evict_after_passes"): args.evict_after_passes, ("seed",): args.seed,
+        ("threads",): args.threads, ("device",): args.device,
+        ("on_bad_row",): getattr(args, "on_bad_row", None),
+    }
+    for path, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return from_dict(TrainConfig, data)
+
+
+def report_skipped(stats: ReadStats, what: str = "rows") -> None:
+    if stats.skipped:
+        print(f"skipped {stats.skipped} bad {what}; first: " + " | ".join(stats.examples),
+              file=sys.stderr)

@@ -1,0 +1,80 @@
+"""``terarec train``: train pass by pass, checkpoint at pass boundaries, write metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from terarec.cli.common import (
+    add_format_args,
+    add_train_args,
+    config_from_args,
+    report_skipped,
+    schema_from_args,
+)
+from terarec.data.readers import ReadStats
+from terarec.io import atomic_write_text
+from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
+from terarec.train.passes import iter_file_batches
+from terarec.train.trainer import Trainer
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model", description=__doc__)
+    p.add_argument("--train", nargs="+", required=True, type=Path, help="training file(s)")
+    p.add_argument("--valid", nargs="*", default=[], type=Path, help="validation file(s)")
+    p.add_argument("--out", required=True, type=Path, help="model directory")
+    p.add_argument("--resume", action="store_true",
+                   help="continue after the last committed pass in --out")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="commit a checkpoint every N passes (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_format_args(p)
+    add_train_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.resume and list_checkpoints(args.out):
+        trainer = restore_trainer(args.out, config)
+        print(f"resuming {args.out} after pass {trainer.pass_id}")
+        schema = trainer.schema
+    else:
+        schema = schema_from_args(args)
+        trainer = Trainer(schema, config)
+    stats = ReadStats()
+    valid = list(iter_file_batches(args.valid, schema, config.batch_size,
+                                   on_bad_row=config.on_bad_row, stats=stats))
+
+    def on_pass_end(t: Trainer, record: dict) -> None:
+        if t.pass_id % max(1, args.checkpoint_every) == 0:
+            save_checkpoint(args.out, t)
+
+    start = time.perf_counter()
+    history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
+                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
+    seconds = time.perf_counter() - start
+    save_checkpoint(args.out, trainer)
+    trained = [h for h in history]
+    rows = sum(h["rows"] for h in trained)
+    busy = sum(h["staging_s"] + h["train_s"] + h["write_back_s"] for h in trained)
+    if valid:
+        metrics = trainer.evaluate(valid)
+        metrics["evaluated_on"] = "valid"
+    else:
+        metrics = trainer.evaluate(iter_file_batches(args.train, schema, config.batch_size,
+                                                     on_bad_row=config.on_bad_row))
+        metrics["evaluated_on"] = "train"
+    metrics.update(
+        eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
+        samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
+        skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name)
+    atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
+    atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
+    report_skipped(stats)
+    print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows", "samples_per_s")}))
+    print(f"model written to {args.out}")
+    return 0
