@@ -1,0 +1,75 @@
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from terarec.embedding.index import KeyIndex, unique_inverse
+
+int64s = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+ops = st.lists(st.tuples(st.sampled_from(["insert", "remove", "lookup"]),
+                         st.lists(st.one_of(st.integers(-5, 40), int64s), max_size=30)),
+               max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_index_matches_dict_reference(operations):
+    index, ref = KeyIndex(capacity=4), {}
+    for op, keys in operations:
+        arr = np.array(keys, dtype=np.int64)
+        if op == "insert":
+            slots, inserted = index.lookup_or_insert(arr)
+            for k, s, new in zip(keys, slots, inserted, strict=True):
+                if k in ref:
+                    assert s == ref[k]
+                else:
+                    assert new
+                    ref[k] = int(s)
+        elif op == "remove":
+            removed = index.remove(arr)
+            for k, s in zip(keys, removed, strict=True):
+                assert s == ref.pop(k, -1)
+        else:
+            np.testing.assert_array_equal(index.lookup(arr), [ref.get(k, -1) for k in keys])
+        # collisionless: live keys own distinct slots
+        assert len(set(ref.values())) == len(ref) == len(index)
+    keys, slots = index.items()
+    assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == ref
+
+
+def test_slots_are_recycled_and_dense():
+    index = KeyIndex()
+    slots, _ = index.lookup_or_insert(np.arange(100, dtype=np.int64))
+    assert sorted(slots.tolist()) == list(range(100))
+    index.remove(np.arange(0, 100, 2, dtype=np.int64))
+    new_slots, inserted = index.lookup_or_insert(np.arange(1000, 1050, dtype=np.int64))
+    assert inserted.all()
+    assert index.slot_bound == 100  # every freed slot reused before a new one
+    assert sorted(new_slots.tolist()) == list(range(0, 100, 2))
+
+
+def test_growth_keeps_every_key():
+    index = KeyIndex(capacity=16)
+    keys = np.random.default_rng(0).integers(-(2**63), 2**63 - 1, 50_000, dtype=np.int64)
+    slots, _ = index.lookup_or_insert(keys)
+    assert index.capacity >= 2 * len(np.unique(keys))
+    np.testing.assert_array_equal(index.lookup(keys), slots)
+
+
+def test_from_items_restores_lookups_and_free_slots():
+    index = KeyIndex()
+    index.lookup_or_insert(np.arange(10, dtype=np.int64))
+    index.remove(np.array([3, 7], dtype=np.int64))
+    keys, slots = index.items()
+    rebuilt = KeyIndex.from_items(keys, slots)
+    np.testing.assert_array_equal(rebuilt.lookup(keys), slots)
+    new, _ = rebuilt.lookup_or_insert(np.array([100, 101], dtype=np.int64))
+    assert sorted(new.tolist()) == [3, 7]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(st.integers(-3, 3), int64s), max_size=200))
+def test_unique_inverse_matches_first_seen_order(keys):
+    arr = np.array(keys, dtype=np.int64)
+    uniq, inverse = unique_inverse(arr)
+    assert uniq.tolist() == list(dict.fromkeys(keys))
+    np.testing.assert_array_equal(uniq[inverse], arr)
