@@ -5,28 +5,33 @@ Every row of ``n x dim`` float32 values becomes a fixed number of bytes, so a ta
 encoded rows is a plain ``uint8[n, row_bytes]`` array that slabs, memory maps and shards
 can hold without per-row framing. Integer rows are laid out as::
 
-    byte:   0 ........................ P-1 | P   P+1 | P+2 ... P+5
-            packed codes, N bits each      | scale    | bias
-            (element j in bits (j % K)*N   | fp16 LE  | fp32 LE
-             of byte j // K, K = 8 // N)   |          |
+    byte:   0 ........................ P-1 | P ....... | ....... P+S+3
+            packed codes, N bits each      | scale     | bias
+            (element j in bits (j % K)*N   | S bytes   | fp32 LE
+             of byte j // K, K = 8 // N)   | LE        |
 
-    value[j] = bias + scale * code[j]       P = ceil(dim * N / 8)
+    value[j] = bias + scale * code[j]      P = ceil(dim * N / 8)
+                                           S = 4 (fp32) for int8, 2 (fp16) for int4/2/1
 
-Scale is fp16 and bias is fp32, a 6-byte tail (FBGEMM uses 4 bytes for 4/2-bit rows and
-8 for 8-bit rows):
+The bias is fp32, the row minimum exactly. An fp16 bias would be off by up to
+2**-11 * |min|. That is harmless for small centred rows, but it spoils rows whose range is
+small next to their offset, and it stops constant rows (freshly initialised or pruned) from
+round-tripping exactly. Two more bytes per row buy exact constant rows and an error bound
+that does not depend on the row's offset.
 
-* fp16 scale costs at most 2**-11 relative error in the step size. We round it *up*, so the
-  grid still reaches the row's maximum and the nearest-rounding error stays within
-  ``stored_scale / 2``, with ``stored_scale <= (max - min) / (2**N - 1) * (1 + 2**-10)``.
-* fp32 bias is the row minimum exactly. An fp16 bias would be off by up to 2**-11 * |min|.
-  That is harmless for small centred rows, but it spoils rows whose range is small next to
-  their offset, and it stops constant rows (freshly initialised or pruned) from
-  round-tripping exactly. Two more bytes per row buy exact constant rows and an error bound
-  that does not depend on the row's offset.
+The scale is rounded *up*, so the grid still reaches the row maximum and the
+nearest-rounding error stays within ``stored_scale / 2``. For int4/2/1 it is fp16: at most
+2**-10 relative error, plus 2**-24 absolute once the step drops below fp16's normal range
+(6.1e-5). int4 reaches that range only for rows narrower than 9e-4, where the extra error
+(<= 15 * 2**-25 = 4.5e-7) is negligible next to everything else. int8 rows are near-lossless
+(step = range / 255), so the subnormal floor would already double their error on rows
+of std ~1e-3. Like FBGEMM's 8-bit rows, they keep an fp32 scale: an 8-byte tail instead
+of 6.
 
 The 1-bit row is the exception to min/max levels. With nearest rounding each row gets its own
 2-means: split at the row mean, set the two levels to the means of the two halves
-(``bias`` = lower, ``bias + scale`` = upper), re-split at their midpoint, three rounds in all.
+(``bias`` = lower, ``bias + scale`` = upper), re-split at their midpoint, repeat until the
+split settles (Lloyd's algorithm; <= 6 rounds on Gaussian rows of dim 16).
 For a given split, the halves' means are the least-squares optimum. The usual
 ``mean +- mean-absolute-deviation`` is that optimum only when the levels must be symmetric
 about the mean. On N(0, 0.05) rows of dim 16 the MSE is 7.3e-4, against 8.0e-4 for
@@ -47,12 +52,11 @@ Precision = Literal["fp32", "fp16", "int8", "int4", "int2", "int1"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 INT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "int1": 1}
 
-_SCALE_BYTES = 2  # fp16
-_BIAS_BYTES = 4  # fp32
-_TAIL_BYTES = _SCALE_BYTES + _BIAS_BYTES
+_BIAS_DTYPE = np.dtype("<f4")
+_ROW_SCALE_DTYPE = np.dtype("<f2")  # row scale of row-scaled codebook rows
 _FP16_MAX = float(np.finfo(np.float16).max)
 _PACKABLE_BITS = (1, 2, 4, 8)
-_TWO_LEVEL_ROUNDS = 3  # 2-means rounds for nearest 1-bit rows; each after the first gains ~2 %
+_TWO_LEVEL_ROUNDS = 32  # cap on 2-means rounds per 1-bit row; N(0, 1) rows of dim 16 need <= 6
 
 
 # -- sizes ----------------------------------------------------------------------------------
@@ -64,7 +68,8 @@ def row_bytes(precision: Precision, dim: int) -> int:
         return 4 * dim
     if precision == "fp16":
         return 2 * dim
-    return _packed_bytes(INT_BITS[precision], dim) + _TAIL_BYTES
+    bits = INT_BITS[precision]
+    return _packed_bytes(bits, dim) + _scale_dtype(bits).itemsize + _BIAS_DTYPE.itemsize
 
 
 def bytes_ratio(precision: Precision, dim: int) -> float:
@@ -100,22 +105,22 @@ def encode_rows(values: np.ndarray, precision: Precision, *, stochastic: bool = 
         return half.view(np.uint8).reshape(n, 2 * dim)
 
     bits = INT_BITS[precision]
+    scale_dtype = _scale_dtype(bits)
     out = np.empty((n, row_bytes(precision, dim)), dtype=np.uint8)
     if bits == 1 and not stochastic:
         low, high = _split_two_level(values, _TWO_LEVEL_ROUNDS, out)
         bias = low.astype(np.float32)
-        scale = (high - bias).astype(np.float16)
+        scale = _check_scale_range(high - bias, scale_dtype, bits).astype(scale_dtype)
     else:
-        bias, scale = _minmax_grid(row_min, row_max, bits)
+        bias, scale = _minmax_grid(row_min, row_max, bits, scale_dtype)
         scale32 = scale.astype(np.float32)
         inv_scale = np.divide(1.0, scale32, out=np.zeros_like(scale32), where=scale32 > 0)
         if stochastic:
             _quantize_stochastic(values, bias, inv_scale, bits, rng, out)
         else:
             _quantize_nearest(values, bias, inv_scale, bits, out)
-    packed = _packed_bytes(bits, dim)
-    out[:, packed:packed + _SCALE_BYTES] = scale.astype("<f2").view(np.uint8).reshape(n, 2)
-    out[:, packed + _SCALE_BYTES:] = bias.astype("<f4").view(np.uint8).reshape(n, 4)
+    _write_tail(out, _packed_bytes(bits, dim), scale.astype(scale_dtype))
+    _write_tail(out, out.shape[1] - _BIAS_DTYPE.itemsize, bias.astype(_BIAS_DTYPE))
     return out
 
 
@@ -147,10 +152,10 @@ def read_scale_bias(codes: np.ndarray, precision: Precision,
                          f"expected one of {tuple(INT_BITS)}")
     codes = _as_codes(codes, row_bytes(precision, dim), "read_scale_bias", f"{precision} rows",
                       dim)
-    packed = _packed_bytes(INT_BITS[precision], dim)
-    scale = np.ascontiguousarray(codes[:, packed:packed + _SCALE_BYTES]).view("<f2")[:, 0]
-    bias = np.ascontiguousarray(codes[:, packed + _SCALE_BYTES:]).view("<f4")[:, 0]
-    return scale.astype(np.float32), bias.astype(np.float32)
+    bits = INT_BITS[precision]
+    scale = _read_tail(codes, _packed_bytes(bits, dim), _scale_dtype(bits))
+    bias = _read_tail(codes, codes.shape[1] - _BIAS_DTYPE.itemsize, _BIAS_DTYPE)
+    return scale, bias
 
 
 # -- shared codebooks (export) -------------------------------------------------------------
@@ -201,7 +206,7 @@ def codebook_row_bytes(bits: int, dim: int, *, row_scaled: bool = False) -> int:
     when ``row_scaled``."""
     _check_codebook_bits(bits, "codebook_row_bytes")
     _check_dim(dim)
-    return _packed_bytes(bits, dim) + (_SCALE_BYTES if row_scaled else 0)
+    return _packed_bytes(bits, dim) + (_ROW_SCALE_DTYPE.itemsize if row_scaled else 0)
 
 
 def encode_codebook(values: np.ndarray, codebook: np.ndarray, *,
@@ -245,7 +250,8 @@ def encode_codebook(values: np.ndarray, codebook: np.ndarray, *,
         overlap = np.einsum("ij,ij->i", chosen, values.astype(np.float64))
         scale = np.divide(overlap, energy, out=np.zeros(n), where=energy > 0)
         _check_fp16_range(scale, scale, "encode_codebook (row scale)")
-        out[:, -_SCALE_BYTES:] = scale.astype("<f2").view(np.uint8).reshape(n, 2)
+        _write_tail(out, out.shape[1] - _ROW_SCALE_DTYPE.itemsize,
+                    scale.astype(_ROW_SCALE_DTYPE))
     return out
 
 
@@ -258,8 +264,7 @@ def decode_codebook(codes: np.ndarray, codebook: np.ndarray, dim: int, *,
                       "decode_codebook", layout, dim)
     n = codes.shape[0]
     if row_scaled:
-        scale = np.ascontiguousarray(codes[:, -_SCALE_BYTES:]).view("<f2")[:, 0]
-        scale = scale.astype(np.float32)
+        scale = _read_tail(codes, codes.shape[1] - _ROW_SCALE_DTYPE.itemsize, _ROW_SCALE_DTYPE)
     else:
         scale = np.ones(n, dtype=np.float32)
     out = np.empty((n, dim), dtype=np.float32)
@@ -269,25 +274,42 @@ def decode_codebook(codes: np.ndarray, codebook: np.ndarray, dim: int, *,
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _minmax_grid(row_min: np.ndarray, row_max: np.ndarray,
-                 bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(bias float32, scale float16)``: bias = row min (exact); scale = range / (2**bits - 1)
-    rounded *up* to fp16, so ``bias + scale * (2**bits - 1) >= max`` and nothing is clipped."""
-    steps = (1 << bits) - 1
-    exact = (row_max.astype(np.float64) - row_min.astype(np.float64)) / steps
-    if exact.size and exact.max() > _FP16_MAX:
-        row = int(np.argmax(exact))
-        raise ValueError(f"encode_rows: row {row} spans {exact[row] * steps:.6g}, too wide for "
-                         f"an fp16 scale at int{bits} (max step {_FP16_MAX})")
-    return row_min.astype(np.float32), _round_up_fp16(exact)
+def _scale_dtype(bits: int) -> np.dtype:
+    """fp32 for int8 rows, fp16 for narrower ones (see the module docstring)."""
+    return np.dtype("<f4") if bits == 8 else np.dtype("<f2")
 
 
-def _round_up_fp16(x: np.ndarray) -> np.ndarray:
-    """Smallest fp16 value >= ``x`` (``x`` float64, non-negative, within fp16 range)."""
-    half = x.astype(np.float16)
-    low = half.astype(np.float64) < x
-    half[low] = np.nextafter(half[low], np.float16(np.inf))
-    return half
+def _write_tail(out: np.ndarray, offset: int, field: np.ndarray) -> None:
+    """Store ``field[i]`` (one little-endian scalar per row) at ``out[i, offset:]``."""
+    width = field.dtype.itemsize
+    out[:, offset:offset + width] = field.view(np.uint8).reshape(-1, width)
+
+
+def _read_tail(codes: np.ndarray, offset: int, dtype: np.dtype) -> np.ndarray:
+    raw = np.ascontiguousarray(codes[:, offset:offset + dtype.itemsize])
+    return raw.view(dtype)[:, 0].astype(np.float32)
+
+
+def _minmax_grid(row_min: np.ndarray, row_max: np.ndarray, bits: int,
+                 scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``(bias float32, scale)``: bias = row min (exact); scale = range / (2**bits - 1)
+    rounded *up* in ``scale_dtype``, so ``bias + scale * (2**bits - 1) >= max`` and no value
+    is clipped."""
+    exact = (row_max.astype(np.float64) - row_min.astype(np.float64)) / ((1 << bits) - 1)
+    exact = _check_scale_range(exact, scale_dtype, bits)
+    scale = exact.astype(scale_dtype)
+    low = scale.astype(np.float64) < exact
+    scale[low] = np.nextafter(scale[low], scale.dtype.type(np.inf))
+    return row_min.astype(np.float32), scale
+
+
+def _check_scale_range(scale: np.ndarray, scale_dtype: np.dtype, bits: int) -> np.ndarray:
+    largest = float(np.finfo(scale_dtype).max)
+    if scale.size and scale.max() > largest:
+        row = int(np.argmax(scale))
+        raise ValueError(f"encode_rows: row {row} needs a step of {scale[row]:.6g} at int{bits}, "
+                         f"too wide for a {scale_dtype.name} scale (max {largest:g})")
+    return scale
 
 
 def _row_rms(values: np.ndarray) -> np.ndarray:
@@ -453,12 +475,12 @@ def _snap_fp16_stochastic(values: np.ndarray, rng: np.random.Generator) -> np.nd
 
 
 @njit(cache=True, nogil=True)
-def _split_two_level(values: np.ndarray, rounds: int,
+def _split_two_level(values: np.ndarray, max_rounds: int,
                      out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """1-bit codes by 2-means per row: split at the row mean, set the levels to the means of
-    the two halves, then ``rounds - 1`` times re-split at the levels' midpoint. Codes
-    (``x >= split``) are packed into ``out``; returns the levels (float64, so a constant
-    row's level is the constant exactly)."""
+    the two halves, re-split at the levels' midpoint until the split keeps its members (at
+    most ``max_rounds``). Codes (``x >= split``) are packed into ``out``; returns the levels
+    (float64, so a constant row's level is the constant exactly)."""
     n, dim = values.shape
     low = np.empty(n, dtype=np.float64)
     high = np.empty(n, dtype=np.float64)
@@ -467,22 +489,27 @@ def _split_two_level(values: np.ndarray, rounds: int,
         for j in range(dim):
             total += values[i, j]
         split = total / dim
-        for r in range(rounds):
-            if r > 0:
-                split = 0.5 * (low[i] + high[i])
+        level_split = split  # the split whose halves' means are the stored levels
+        previous_count = -1
+        for _ in range(max_rounds):
             upper_sum = 0.0
             upper_count = 0
             for j in range(dim):
                 if values[i, j] >= split:
                     upper_sum += values[i, j]
                     upper_count += 1
+            if upper_count == previous_count:  # threshold splits: same count, same members
+                break
+            previous_count = upper_count
+            level_split = split
             high[i] = upper_sum / upper_count if upper_count > 0 else split
             lower_count = dim - upper_count
             low[i] = (total - upper_sum) / lower_count if lower_count > 0 else high[i]
+            split = 0.5 * (low[i] + high[i])
         for k in range((dim + 7) // 8):
             acc = 0
             for slot in range(min(8, dim - k * 8)):
-                if values[i, k * 8 + slot] >= split:
+                if values[i, k * 8 + slot] >= level_split:
                     acc |= 1 << slot
             out[i, k] = acc
     return low, high
