@@ -236,18 +236,15 @@ def encode_codebook(values: np.ndarray, codebook: np.ndarray, *,
     _check_finite(values, row_min, row_max, "encode_codebook")
     n, dim = values.shape
     levels = np.asarray(codebook, dtype=np.float32)
-    normalised = values
     if row_scaled:
         rms = _row_rms(values)
-        inv = np.divide(1.0, rms, out=np.zeros_like(rms), where=rms > 0)
-        normalised = values * inv[:, None]
-    codes = np.searchsorted((levels[1:] + levels[:-1]) / 2, normalised).astype(np.uint8)
+        inv_rms = np.divide(1.0, rms, out=np.zeros_like(rms), where=rms > 0)
+    else:
+        inv_rms = np.ones(n, dtype=np.float32)
     out = np.empty((n, codebook_row_bytes(bits, dim, row_scaled=row_scaled)), dtype=np.uint8)
-    _pack_codes(codes, bits, out)
+    overlap, energy = _encode_levels(values, inv_rms, levels, (levels[1:] + levels[:-1]) / 2,
+                                     bits, out)
     if row_scaled:
-        chosen = levels[codes].astype(np.float64)
-        energy = np.einsum("ij,ij->i", chosen, chosen)
-        overlap = np.einsum("ij,ij->i", chosen, values.astype(np.float64))
         scale = np.divide(overlap, energy, out=np.zeros(n), where=energy > 0)
         _check_fp16_range(scale, scale, "encode_codebook (row scale)")
         _write_tail(out, out.shape[1] - _ROW_SCALE_DTYPE.itemsize,
@@ -516,16 +513,36 @@ def _split_two_level(values: np.ndarray, max_rounds: int,
 
 
 @njit(cache=True, nogil=True)
-def _pack_codes(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
-    """Pack ``uint8[n, dim]`` codes below ``2**bits`` into ``out[:, :packed]``."""
-    n, dim = codes.shape
+def _encode_levels(values: np.ndarray, inv_rms: np.ndarray, levels: np.ndarray,
+                   midpoints: np.ndarray, bits: int,
+                   out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Code of the level nearest to ``values[i, j] * inv_rms[i]`` (binary search over the
+    midpoints, ties to the lower level), packed into ``out``. Returns per row
+    ``<x, c>`` and ``<c, c>`` for the chosen levels ``c``: the least-squares row scale."""
+    n, dim = values.shape
     per_byte = 8 // bits
+    overlap = np.zeros(n, dtype=np.float64)
+    energy = np.zeros(n, dtype=np.float64)
     for i in range(n):
+        s = inv_rms[i]
         for k in range((dim + per_byte - 1) // per_byte):
             acc = 0
             for slot in range(min(per_byte, dim - k * per_byte)):
-                acc |= int(codes[i, k * per_byte + slot]) << (slot * bits)
+                v = values[i, k * per_byte + slot]
+                target = v * s
+                low, high = 0, midpoints.size
+                while low < high:
+                    middle = (low + high) >> 1
+                    if midpoints[middle] < target:
+                        low = middle + 1
+                    else:
+                        high = middle
+                acc |= low << (slot * bits)
+                chosen = float(levels[low])
+                overlap[i] += chosen * v
+                energy[i] += chosen * chosen
             out[i, k] = acc
+    return overlap, energy
 
 
 @njit(cache=True, nogil=True)
