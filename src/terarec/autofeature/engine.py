@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -57,12 +58,13 @@ class AutoFeatureEngine:
 
     def __init__(self, *, memory_limit: str | None = None,
                  temp_dir: str | os.PathLike | None = None, threads: int | None = None,
-                 joins_per_query: int = 24) -> None:
+                 joins_per_query: int = 24, stage_text: bool = True) -> None:
         if joins_per_query < 1:
             raise ValueError(f"joins_per_query must be >= 1, got {joins_per_query}")
         self.memory_limit = memory_limit
         self.threads = threads
         self.joins_per_query = joins_per_query
+        self.stage_text = stage_text
         self._own_temp_dir = temp_dir is None
         self.temp_dir = Path(temp_dir) if temp_dir is not None else None
         self._con: duckdb.DuckDBPyConnection | None = None
@@ -197,45 +199,72 @@ def compute_tables(candidates: Sequence[Candidate], train_paths: PathSpec,
     out.mkdir(parents=True, exist_ok=True)
     source = source_sql(files, schema)
     where = display(files)
-    con = engine.cursor()
-    if engine.run(con, f"SELECT 1 FROM {source} LIMIT 1", f"reading {where}").fetchone() is None:
-        raise AutoFeatureError(f"training range is empty: {where} holds no rows")
-
-    transforms = {f.name: f.transform for f in schema.fields}
     by_keys: dict[tuple[str, ...], list[tuple[int, Candidate]]] = {}
     for i, cand in enumerate(candidates):
         by_keys.setdefault(cand.keys, []).append((i, cand))
 
+    con = engine.cursor()
+    staged: Path | None = None
     written: dict[int, FeatureTable] = {}
-    train_rows = 0
-    for keys, group in by_keys.items():
-        key_types = tuple(key_type(schema, k) for k in keys)
-        key_select = ", ".join(f"CAST({ident(k)} AS {t}) AS {ident(k)}"
-                               for k, t in zip(keys, key_types, strict=True))
-        aggregates = ", ".join(f"{_aggregate_sql(c)} AS v{i}" for i, c in group)
-        what = f"computing {', '.join(c.name for _, c in group)} over {where}"
-        engine.run(con, f"CREATE OR REPLACE TEMP TABLE autofeature_agg AS "
-                        f"SELECT {key_select}, count(*) AS n, {aggregates} "
-                        f"FROM {source} GROUP BY ALL", what)
-        train_rows = int(con.execute("SELECT sum(n) FROM autofeature_agg").fetchone()[0])
-        key_cols = ", ".join(ident(k) for k in keys)
-        for i, cand in group:
-            file = table_file_name(i, cand)
-            copy_to_parquet(engine, con,
-                         f"SELECT {key_cols}, v{i} AS {VALUE_COLUMN} FROM autofeature_agg "
-                         f"WHERE v{i} IS NOT NULL", out / file, f"writing {cand.name}")
-            rows, vmin, vmax = con.execute(
-                f"SELECT count(*), min(v{i}), max(v{i}) FROM autofeature_agg "
-                f"WHERE v{i} IS NOT NULL").fetchone()
-            source_transform = transforms[cand.value_column] if cand.value_column else "none"
-            written[i] = FeatureTable(cand, file, key_types, int(rows),
-                                      None if vmin is None else float(vmin),
-                                      None if vmax is None else float(vmax), source_transform)
-        con.execute("DROP TABLE autofeature_agg")
+    try:
+        if engine.run(con, f"SELECT 1 FROM {source} LIMIT 1",
+                      f"reading {where}").fetchone() is None:
+            raise AutoFeatureError(f"training range is empty: {where} holds no rows")
+        if len(by_keys) > 1 and schema.format != "parquet" and engine.stage_text:
+            # Parsing text dominates a scan: parse once into a columnar copy of just the
+            # used columns, which every key set then scans at a fraction of the cost.
+            used = list(dict.fromkeys(c for cand in candidates for c in cand.columns))
+            staged = engine.scratch_dir() / f"stage-{uuid.uuid4().hex}.parquet"
+            engine.run(con, f"COPY (SELECT {', '.join(ident(c) for c in used)} FROM {source})"
+                            f" TO {literal(str(staged))} (FORMAT parquet)", f"reading {where}")
+            source = f"read_parquet({literal(str(staged))})"
+        for keys, group in by_keys.items():
+            train_rows, tables = _compute_key_set(engine, con, source, keys, group, schema,
+                                                  out, f"over {where}")
+            written.update(tables)
+    finally:
+        con.close()
+        if staged is not None:
+            staged.unlink(missing_ok=True)
 
     tables = FeatureTables(out, tuple(written[i] for i in range(len(candidates))),
                            tuple(files), train_rows)
     return tables.save()
+
+
+def _compute_key_set(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, source: str,
+                     keys: tuple[str, ...], group: list[tuple[int, Candidate]],
+                     schema: FeatureSchema, out: Path, where: str
+                     ) -> tuple[int, dict[int, FeatureTable]]:
+    """One scan grouped by ``keys`` computing every candidate of ``group``; one file each.
+
+    Returns the number of rows scanned and the written tables by candidate index.
+    """
+    key_types = tuple(key_type(schema, k) for k in keys)
+    key_select = ", ".join(f"CAST({ident(k)} AS {t}) AS {ident(k)}"
+                           for k, t in zip(keys, key_types, strict=True))
+    aggregates = ", ".join(f"{_aggregate_sql(c)} AS v{i}" for i, c in group)
+    engine.run(con, f"CREATE OR REPLACE TEMP TABLE autofeature_agg AS "
+                    f"SELECT {key_select}, count(*) AS n, {aggregates} "
+                    f"FROM {source} GROUP BY ALL",
+               f"computing {', '.join(c.name for _, c in group)} {where}")
+    rows_scanned = int(con.execute("SELECT sum(n) FROM autofeature_agg").fetchone()[0])
+    key_cols = ", ".join(ident(k) for k in keys)
+    written = {}
+    for i, cand in group:
+        file = table_file_name(i, cand)
+        # Groups whose values were all missing have no aggregate: leave them out, so they
+        # join like unseen keys.
+        present = f"FROM autofeature_agg WHERE v{i} IS NOT NULL"
+        copy_to_parquet(engine, con, f"SELECT {key_cols}, v{i} AS {VALUE_COLUMN} {present}",
+                        out / file, f"writing {cand.name}")
+        rows, vmin, vmax = con.execute(f"SELECT count(*), min(v{i}), max(v{i}) {present}"
+                                       ).fetchone()
+        written[i] = FeatureTable(cand, file, key_types, int(rows),
+                                  None if vmin is None else float(vmin),
+                                  None if vmax is None else float(vmax))
+    con.execute("DROP TABLE autofeature_agg")
+    return rows_scanned, written
 
 
 def _aggregate_sql(cand: Candidate) -> str:

@@ -68,6 +68,7 @@ def column_types(schema: FeatureSchema) -> dict[str, str]:
 
 def source_sql(paths: Sequence[str], schema: FeatureSchema) -> str:
     """A table expression reading ``paths`` (already expanded) as ``schema`` describes."""
+    files_given = paths
     files = "[" + ", ".join(literal(str(p)) for p in paths) + "]"
     fmt = schema.format
     if fmt == "parquet":
@@ -83,6 +84,12 @@ def source_sql(paths: Sequence[str], schema: FeatureSchema) -> str:
         # Criteo lines are raw tab-separated values: a quote character is data.
         options += ["quote=''", "escape=''"]
     if schema.has_header and fmt != "criteo":
+        # The header names the columns, so DuckDB sniffs; a zero-byte file has no header to
+        # sniff (and no rows), so it is left out.
+        paths = [p for p in paths if os.path.getsize(p) > 0]
+        if not paths:
+            raise AutoFeatureError(f"{display(files_given)} holds no rows")
+        files = "[" + ", ".join(literal(str(p)) for p in paths) + "]"
         options.append("header=true")
         options.append("types={" + ", ".join(
             f"{literal(k)}: {literal(v)}" for k, v in types.items()) + "}")
@@ -94,7 +101,8 @@ def source_sql(paths: Sequence[str], schema: FeatureSchema) -> str:
         label_type = "INTEGER" if fmt == "criteo" else "DOUBLE"
         columns = {name: types.get(name, label_type if name == schema.label else "VARCHAR")
                    for name in schema.column_names}
-        options.append("header=false")
+        # Every column is declared: no sniffing, which also reads empty files as no rows.
+        options += ["header=false", "auto_detect=false"]
         options.append("columns={" + ", ".join(
             f"{literal(k)}: {literal(v)}" for k, v in columns.items()) + "}")
     return f"read_csv({files}, {', '.join(options)})"

@@ -43,31 +43,29 @@ class FeatureTable:
     rows: int
     value_min: float | None
     value_max: float | None
-    #: How the values will enter the model (see ``field_spec``).
-    source_transform: str = "none"
 
     @property
     def name(self) -> str:
         return self.candidate.name
 
-    def field_spec(self) -> FieldSpec:
+    def field_spec(self, source_transform: str = "none") -> FieldSpec:
         """The field this table adds: a categorical count bucket or a numeric aggregate.
 
-        Aggregates keep the source field's log1p; a sum of non-negative values grows with the
-        group size, so it gets log1p as well. Negative values rule log1p out.
+        Aggregates keep their source field's ``source_transform`` (log1p); a sum of
+        non-negative values grows with the group size, so it gets log1p as well. Negative
+        values rule log1p out.
         """
         if self.candidate.is_count:
             return FieldSpec(self.name, "categorical")
         non_negative = self.value_min is not None and self.value_min >= 0
-        wants_log = self.source_transform == "log1p" or self.candidate.agg == "sum"
+        wants_log = source_transform == "log1p" or self.candidate.agg == "sum"
         return FieldSpec(self.name, "numeric",
                          transform="log1p" if non_negative and wants_log else "none")
 
     def to_dict(self) -> dict:
         return {"name": self.name, **self.candidate.to_dict(), "file": self.file,
                 "key_types": list(self.key_types), "rows": self.rows,
-                "value_min": self.value_min, "value_max": self.value_max,
-                "source_transform": self.source_transform}
+                "value_min": self.value_min, "value_max": self.value_max}
 
     @classmethod
     def from_dict(cls, d: dict) -> FeatureTable:
@@ -75,7 +73,7 @@ class FeatureTable:
         if d.get("name", cand.name) != cand.name:
             raise AutoFeatureError(f"manifest entry {d['name']!r} does not match {cand.name!r}")
         return cls(cand, d["file"], tuple(d["key_types"]), int(d["rows"]), d["value_min"],
-                   d["value_max"], d.get("source_transform", "none"))
+                   d["value_max"])
 
 
 @dataclass(frozen=True)
@@ -111,9 +109,6 @@ class FeatureTables:
             raise AutoFeatureError(f"unknown feature tables {unknown}; have {list(self.names)}")
         keep = set(wanted)
         return replace(self, tables=tuple(t for t in self.tables if t.name in keep))
-
-    def field_specs(self) -> tuple[FieldSpec, ...]:
-        return tuple(t.field_spec() for t in self.tables)
 
     # -- persistence --------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -161,8 +156,9 @@ class FeatureTables:
 def extend_schema(schema: FeatureSchema, tables: FeatureTables | Sequence[FeatureTable]
                   ) -> FeatureSchema:
     """``schema`` plus the fields ``tables`` add, describing the Parquet ``apply_file`` writes."""
-    specs = tuple(t.field_spec() for t in tables.tables) if isinstance(
-        tables, FeatureTables) else tuple(t.field_spec() for t in tables)
+    transforms = {f.name: f.transform for f in schema.fields}
+    specs = tuple(t.field_spec(transforms.get(t.candidate.value_column or "", "none"))
+                  for t in (tables.tables if isinstance(tables, FeatureTables) else tables))
     taken = {f.name for f in schema.fields} | set(schema.column_names) | {schema.label}
     clash = [s.name for s in specs if s.name in taken]
     if clash:
