@@ -1,0 +1,161 @@
+"""Stable 64-bit feature hashing: ``(field, value) -> int64`` key.
+
+Keys must be identical across runs, processes and machines (training writes them to the
+store, serving recomputes them from raw request values months later), so Python's
+``hash()`` (salted per process) is out. Each value's UTF-8 bytes go through 64-bit
+FNV-1a, seeded per field, then a splitmix64 finalizer to spread FNV's weak low bits::
+
+    seed(field) = splitmix64(fnv1a(salt + "\\x1f" + field))
+    key(field, value) = splitmix64(fnv1a_from(seed, bytes(value)) ^ len) & (2^63 - 1)
+
+Conventions:
+
+* Keys are non-negative (top bit cleared) so negative int64 values stay free as sentinels
+  (empty index slots, padding) for the stages downstream.
+* Integers hash through their decimal string: ``12`` and ``"12"`` give the same key.
+* Null and the empty string both mean "missing" and hash to a per-field reserved key,
+  which is an ordinary key otherwise (it gets its own embedding row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numba
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
+_FNV_PRIME = np.uint64(0x100000001B3)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_KEY_MASK = np.uint64(0x7FFFFFFFFFFFFFFF)
+_MISSING_TAG = np.uint64(0x6D697373696E6721)  # "missing!" in ASCII
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _splitmix64(x: np.uint64) -> np.uint64:
+    x = (x ^ (x >> _S30)) * _MIX1
+    x = (x ^ (x >> _S27)) * _MIX2
+    return x ^ (x >> _S31)
+
+
+@numba.njit(cache=True, nogil=True)
+def _hash_strings(data: np.ndarray, offsets: np.ndarray, seed: np.uint64,
+                  missing: np.int64) -> np.ndarray:
+    """Hash each ``data[offsets[i]:offsets[i+1]]``; empty ranges give ``missing``."""
+    n = offsets.shape[0] - 1
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        lo = offsets[i]
+        hi = offsets[i + 1]
+        if hi == lo:
+            out[i] = missing
+            continue
+        h = seed
+        for j in range(lo, hi):
+            h = (h ^ np.uint64(data[j])) * _FNV_PRIME
+        h = _splitmix64(h ^ np.uint64(hi - lo))
+        out[i] = np.int64(h & _KEY_MASK)
+    return out
+
+
+def _fnv1a_py(data: bytes, h: int = int(_FNV_OFFSET)) -> int:
+    for byte in data:
+        h = ((h ^ byte) * int(_FNV_PRIME)) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def _splitmix64_py(x: int) -> int:
+    m = 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * int(_MIX1)) & m
+    x = ((x ^ (x >> 27)) * int(_MIX2)) & m
+    return x ^ (x >> 31)
+
+
+@lru_cache(maxsize=4096)
+def field_seed(field: str, salt: str) -> int:
+    """The FNV starting state for ``field``: different fields never share a key space."""
+    return _splitmix64_py(_fnv1a_py((salt + "\x1f" + field).encode()))
+
+
+@lru_cache(maxsize=4096)
+def missing_key(field: str, salt: str) -> int:
+    """The key a null or empty value of ``field`` hashes to."""
+    return _splitmix64_py(field_seed(field, salt) ^ int(_MISSING_TAG)) & int(_KEY_MASK)
+
+
+def _as_bytes_array(values: pa.Array, field: str) -> pa.Array:
+    """Bring ``values`` to (large_)string/binary, the layout the kernel reads."""
+    t = values.type
+    if pa.types.is_integer(t):
+        return pc.cast(values, pa.string())
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) \
+            or pa.types.is_large_binary(t):
+        return values
+    if pa.types.is_string_view(t):
+        return pc.cast(values, pa.large_string())
+    if pa.types.is_binary_view(t):
+        return pc.cast(values, pa.large_binary())
+    if pa.types.is_null(t):
+        return pa.array([None] * len(values), pa.string())
+    raise TypeError(
+        f"field {field!r}: cannot hash values of type {t}; categorical values must be "
+        "strings, binary or integers"
+    )
+
+
+def _hash_array(field: str, values: pa.Array, salt: str) -> np.ndarray:
+    if pa.types.is_dictionary(values.type):
+        # Hash each distinct value once, then gather: Parquet often hands these out.
+        dict_keys = _hash_array(field, values.dictionary, salt)
+        indices = values.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        keys = dict_keys[indices.astype(np.int64, copy=False)]
+        if values.null_count:
+            keys[values.is_null().to_numpy(zero_copy_only=False)] = missing_key(field, salt)
+        return keys
+    arr = _as_bytes_array(values, field)
+    n = len(arr)
+    miss = np.int64(missing_key(field, salt))
+    if n == 0:
+        return np.empty(0, dtype=np.int64)
+    buffers = arr.buffers()
+    large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
+    offsets = np.frombuffer(buffers[1], dtype=np.int64 if large else np.int32)
+    offsets = offsets[arr.offset:arr.offset + n + 1]
+    data = (np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None
+            else np.empty(0, dtype=np.uint8))
+    keys = _hash_strings(data, offsets, np.uint64(field_seed(field, salt)), miss)
+    if arr.null_count:
+        keys[arr.is_null().to_numpy(zero_copy_only=False)] = miss
+    return keys
+
+
+def hash_column(field: str, values: pa.Array | pa.ChunkedArray, salt: str) -> np.ndarray:
+    """int64 keys for every value of one column, in order (nulls -> the missing key)."""
+    if isinstance(values, pa.ChunkedArray):
+        if values.num_chunks == 0:
+            return np.empty(0, dtype=np.int64)
+        if values.num_chunks == 1:
+            return _hash_array(field, values.chunk(0), salt)
+        return np.concatenate([_hash_array(field, c, salt) for c in values.chunks])
+    return _hash_array(field, values, salt)
+
+
+def hash_values(field: str, values: Sequence[str | int | None], salt: str) -> np.ndarray:
+    """Keys for raw Python values (e.g. a JSON request), identical to ``hash_column``."""
+    texts: list[str | None] = []
+    for v in values:
+        if v is None or isinstance(v, str):
+            texts.append(v)
+        elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+            texts.append(str(int(v)))
+        else:
+            raise TypeError(
+                f"field {field!r}: cannot hash {v!r} ({type(v).__name__}); categorical "
+                "values must be strings, integers or null"
+            )
+    return hash_column(field, pa.array(texts, type=pa.string()), salt)

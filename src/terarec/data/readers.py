@@ -1,0 +1,522 @@
+"""Streaming readers: Criteo TSV, CSV and Parquet files -> ``Batch`` of ``batch_size`` rows.
+
+Files are never loaded whole: pyarrow parses one block at a time, each block is checked
+and converted column-wise, and the cleaned blocks are re-cut into batches::
+
+    file ──> pyarrow blocks ──> _Cleaner (label 0/1, numbers parsed, bad rows located)
+         ──> clean blocks (label f32, numeric f64 + nulls, categorical as read)
+         ──> re-cut to batch_size ──> _to_batch (dense transform, hashing) ──> Batch
+
+``batch_from_records`` builds the same clean block from request dicts and goes through
+the same ``_to_batch``, so serving gets exactly the keys and dense values training got.
+
+Every value of a text file is read as a string and converted here, so a bad value is
+reported with its file, 1-based line number and field instead of a bare parse error.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import torch
+
+from terarec.data.hashing import hash_column
+from terarec.types import (
+    Batch,
+    FeatureSchema,
+    FieldSpec,
+    KeyedIds,
+    NumericTransform,
+    Pooling,
+    as_int64_tensor,
+)
+
+OnBadRow = Literal["error", "skip"]
+FORMATS = ("criteo", "csv", "parquet")
+
+_NUMBER_RE = r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$"
+_BLOCK_BYTES = 4 << 20
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, the 1-based line (or row) and the field."""
+
+
+@dataclass
+class ReadStats:
+    """What a read saw: rows delivered, bad rows skipped, and the first few reasons."""
+
+    rows: int = 0
+    skipped: int = 0
+    examples: list[str] = field(default_factory=list)
+    max_examples: int = 5
+
+    def skip(self, message: str) -> None:
+        self.skipped += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(message)
+
+
+# -- schema builders ----------------------------------------------------------------------
+
+def csv_schema(
+    label: str,
+    numeric: Sequence[str],
+    categorical: Sequence[str],
+    *,
+    delimiter: str = ",",
+    separator: str | None = None,
+    multi_valued: Sequence[str] | None = None,
+    transform: NumericTransform | Mapping[str, NumericTransform] = "none",
+    pooling: Pooling = "sum",
+    hash_salt: str = "terarec-v1",
+    missing_flags: bool = True,
+    has_header: bool = True,
+    column_names: Sequence[str] = (),
+    format: str = "csv",
+) -> FeatureSchema:
+    """A schema for a delimited file (or, with ``format="parquet"``, a Parquet file).
+
+    Multi-valued categorical fields hold several keys per cell, split on ``separator``
+    (Parquet list columns need no splitting but must still be declared here, so that
+    serving knows the field is multi-valued). ``multi_valued`` names those fields; when it
+    is omitted and ``separator`` is given, every categorical field is multi-valued.
+    ``transform`` is one transform for every numeric field or a per-field mapping.
+    """
+    names = [label, *numeric, *categorical]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"columns listed twice (label, numeric, categorical): {dupes}")
+    if format not in FORMATS:
+        raise ValueError(f"format {format!r} is not one of {FORMATS}")
+    if multi_valued is None:
+        multi = set(categorical) if separator is not None else set()
+    else:
+        multi = set(multi_valued)
+        not_cat = sorted(multi - set(categorical))
+        if not_cat:
+            raise ValueError(f"multi_valued fields {not_cat} are not categorical fields")
+    sep = separator if separator is not None else "|"
+    if multi and (sep == "" or sep == delimiter):
+        raise ValueError(f"separator {sep!r} must be non-empty and differ from the delimiter")
+    if isinstance(transform, Mapping):
+        unknown = sorted(set(transform) - set(numeric))
+        if unknown:
+            raise ValueError(f"transform given for non-numeric fields {unknown}")
+        transforms = {n: transform.get(n, "none") for n in numeric}
+    else:
+        transforms = {n: transform for n in numeric}
+    for name, t in transforms.items():
+        if t not in ("none", "log1p"):
+            raise ValueError(f"field {name!r}: unknown transform {t!r} (none, log1p)")
+    fields = tuple(FieldSpec(n, "numeric", transform=transforms[n]) for n in numeric) + tuple(
+        FieldSpec(n, "categorical", separator=sep if n in multi else None, pooling=pooling)
+        for n in categorical
+    )
+    return FeatureSchema(label=label, fields=fields, hash_salt=hash_salt,
+                         missing_flags=missing_flags, format=format, delimiter=delimiter,
+                         has_header=has_header, column_names=tuple(column_names))
+
+
+def parquet_schema(label: str, numeric: Sequence[str], categorical: Sequence[str], *,
+                   multi_valued: Sequence[str] = (), **kwargs: Any) -> FeatureSchema:
+    """``csv_schema`` for Parquet: list columns are the fields named in ``multi_valued``."""
+    return csv_schema(label, numeric, categorical, multi_valued=multi_valued,
+                      format="parquet", **kwargs)
+
+
+# -- public entry points ------------------------------------------------------------------
+
+def iter_batches(path: str | Path, schema: FeatureSchema, batch_size: int, *,
+                 on_bad_row: OnBadRow = "error",
+                 stats: ReadStats | None = None) -> Iterator[Batch]:
+    """Stream ``path`` as Batches of ``batch_size`` rows (the last one may be shorter).
+
+    ``on_bad_row="skip"`` drops rows with a wrong column count, a non-numeric value in a
+    numeric column or a label other than 0/1, counting them in ``stats``; an empty or
+    missing file, or columns the file lacks, are always errors.
+    """
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a file")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file")
+    stats = stats if stats is not None else ReadStats()
+    if schema.format in ("criteo", "csv"):
+        blocks = _text_blocks(path, schema, on_bad_row, stats)
+    elif schema.format == "parquet":
+        blocks = _parquet_blocks(path, schema, on_bad_row, stats)
+    else:
+        raise ValueError(f"schema format {schema.format!r} is not one of {FORMATS}")
+    produced = 0
+    for table in _rebatch(blocks, batch_size):
+        produced += table.num_rows
+        stats.rows += table.num_rows
+        yield _to_batch(table, schema)
+    if produced == 0 and stats.skipped == 0:
+        raise DataError(f"{path}: no data rows")
+
+
+def batch_from_records(records: Sequence[Mapping[str, Any]], schema: FeatureSchema) -> Batch:
+    """A Batch from raw column -> value dicts (a JSON request), keyed exactly like a file.
+
+    Missing columns and ``None`` are missing values; the label is optional (0 when absent).
+    Integers and their decimal strings give the same keys; multi-valued fields take a list
+    or a ``separator``-joined string.
+    """
+    if not records:
+        raise DataError("no records")
+    cleaner = _Cleaner(schema, lambda i: f"record {i}", "error", ReadStats())
+    columns: dict[str, pa.Array] = {}
+    columns[schema.label] = pa.array([_label_text(r.get(schema.label)) for r in records],
+                                     type=pa.string())
+    for spec in schema.numeric:
+        columns[spec.name] = _texts(spec.name, [r.get(spec.name) for r in records])
+    for spec in schema.categorical:
+        values = [r.get(spec.name) for r in records]
+        if spec.separator is not None:
+            columns[spec.name] = pa.array(
+                [_record_list(spec, v) for v in values], type=pa.list_(pa.string()))
+        else:
+            columns[spec.name] = _texts(spec.name, values, categorical=True)
+    block = pa.RecordBatch.from_pydict(columns)
+    clean = cleaner.clean(block, 0)
+    return _to_batch(pa.Table.from_batches([clean]), schema)
+
+
+# -- cleaning: parse labels and numbers, locate bad rows ------------------------------------
+
+class _Cleaner:
+    """Turns a raw block into a clean one: label float32 in {0,1}, numeric float64 with
+    nulls for missing. ``where(i)`` names the location of stream row ``i`` for messages."""
+
+    def __init__(self, schema: FeatureSchema, where: Any, on_bad_row: OnBadRow,
+                 stats: ReadStats) -> None:
+        self.schema = schema
+        self.where = where
+        self.on_bad_row = on_bad_row
+        self.stats = stats
+
+    def label(self, col: pa.Array, first_row: int) -> pa.Array:
+        """Labels as float32, null where the value is not 0 or 1."""
+        t = col.type
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            ok = pc.is_in(col, value_set=pa.array(["0", "1"], t))
+            values = pc.cast(pc.equal(col, "1"), pa.float32())
+        elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+            values = pc.cast(col, pa.float32())
+            ok = pc.is_in(values, value_set=pa.array([0.0, 1.0], pa.float32()))
+        else:
+            raise DataError(f"{self.where(first_row)}: field {self.schema.label!r}: label "
+                            f"column has type {t}, expected 0/1 integers or strings")
+        return pc.if_else(pc.fill_null(ok, False), values, pa.scalar(None, pa.float32()))
+
+    def numeric(self, col: pa.Array, name: str) -> pa.Array:
+        """float64 with nulls for missing; unparseable or non-finite entries become NaN so
+        ``clean`` can find them (NaN never comes out of a valid cell)."""
+        t = col.type
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            col = pc.if_else(pc.equal(col, ""), pa.scalar(None, t), col)
+            try:
+                x = pc.cast(col, pa.float64())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                ok = pc.match_substring_regex(col, _NUMBER_RE)
+                x = pc.cast(pc.if_else(ok, col, pa.scalar("nan", t)), pa.float64())
+            # Text like "nan" or "inf" parses but is no usable value: flag it as bad.
+            return pc.if_else(pc.is_finite(x), x, pa.scalar(float("nan")))
+        if pa.types.is_integer(t) or pa.types.is_boolean(t):
+            return pc.cast(col, pa.float64())
+        if pa.types.is_floating(t):
+            x = pc.cast(col, pa.float64())
+            # In binary files NaN is how many writers spell "missing"; infinities are bad.
+            x = pc.if_else(pc.is_nan(x), pa.scalar(None, pa.float64()), x)
+            return pc.if_else(pc.is_inf(x), pa.scalar(float("nan")), x)
+        raise DataError(f"{self.where(0)}: field {name!r}: numeric column has type {t}")
+
+    def clean(self, block: pa.RecordBatch, first_row: int) -> pa.RecordBatch:
+        """Check and convert one raw block whose first row is stream row ``first_row``."""
+        schema = self.schema
+        columns: dict[str, pa.Array] = {}
+        bad: list[tuple[str, np.ndarray, pa.Array]] = []  # (field, bad mask, raw column)
+        raw_label = block.column(schema.label)
+        labels = self.label(raw_label, first_row)
+        columns[schema.label] = labels
+        if labels.null_count:
+            bad.append((schema.label, labels.is_null().to_numpy(zero_copy_only=False),
+                        raw_label))
+        for spec in schema.numeric:
+            raw = block.column(spec.name)
+            x = self.numeric(raw, spec.name)
+            columns[spec.name] = x
+            nan = pc.fill_null(pc.is_nan(x), False)
+            if pc.any(nan).as_py():
+                bad.append((spec.name, nan.to_numpy(zero_copy_only=False), raw))
+        for spec in schema.categorical:
+            columns[spec.name] = block.column(spec.name)
+        clean = pa.RecordBatch.from_pydict(columns)
+        if not bad:
+            return clean
+        any_bad = np.logical_or.reduce([mask for _, mask, _ in bad])
+        rows = np.flatnonzero(any_bad)
+        if self.on_bad_row == "error":
+            rows = rows[:1]
+        for i in rows:
+            name, _, raw = next(b for b in bad if b[1][i])
+            value = raw[int(i)].as_py()
+            what = ("label must be 0 or 1" if name == schema.label
+                    else "not a finite number")
+            message = (f"{self.where(first_row + int(i))}: field {name!r}: {what}, "
+                       f"got {'an empty value' if value in (None, '') else repr(value)}")
+            if self.on_bad_row == "error":
+                raise DataError(message)
+            self.stats.skip(message)
+        return clean.filter(pa.array(~any_bad))
+
+
+def _texts(name: str, values: list[Any], *, categorical: bool = False) -> pa.Array:
+    """Request values as strings, formatted the way they would appear in a text file."""
+    out: list[str | None] = []
+    for i, v in enumerate(values):
+        if v is None or isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, (bool, np.bool_)):
+            if categorical:
+                raise DataError(f"record {i}: field {name!r}: boolean is no categorical "
+                                "value; send a string or an integer")
+            out.append(str(int(v)))
+        elif isinstance(v, (int, np.integer)):
+            out.append(str(int(v)))
+        elif isinstance(v, (float, np.floating)):
+            if categorical:
+                raise DataError(f"record {i}: field {name!r}: {v!r} is a float; "
+                                "categorical values must be strings or integers")
+            out.append(None if v != v else repr(float(v)))  # NaN is missing, as in Parquet
+        else:
+            raise DataError(f"record {i}: field {name!r}: unsupported value {v!r} "
+                            f"({type(v).__name__})")
+    return pa.array(out, type=pa.string())
+
+
+def _label_text(value: Any) -> str:
+    """A request label as the text a file would hold; absent means 0."""
+    if value is None:
+        return "0"
+    if not isinstance(value, str) and value in (0, 1):  # 0, 1, 0.0, 1.0, False, True
+        return str(int(value))
+    return str(value)
+
+
+def _record_list(spec: FieldSpec, value: Any) -> list[str | None] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.split(spec.separator)
+    if isinstance(value, (list, tuple)):
+        return _texts(spec.name, list(value), categorical=True).to_pylist()
+    return _texts(spec.name, [value], categorical=True).to_pylist()
+
+
+# -- sources --------------------------------------------------------------------------------
+
+def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
+                 stats: ReadStats) -> Iterator[pa.RecordBatch]:
+    """Clean blocks of a Criteo TSV or a delimited file, tracking exact line numbers."""
+    criteo = schema.format == "criteo"
+    needed = [schema.label, *(f.name for f in schema.fields)]
+    if schema.has_header and not criteo:
+        header = _read_header(path, schema.delimiter)
+        header_lines = 1
+        names = header
+        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES)
+    else:
+        names = list(schema.column_names) or needed
+        header_lines = 0
+        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES,
+                                          column_names=names)
+    missing = [n for n in needed if n not in names]
+    if missing:
+        where = f"{path}: line 1" if header_lines else f"{path}"
+        raise DataError(f"{where}: field(s) {missing} are not among the file's columns "
+                        f"{names}")
+
+    # Rows with a wrong column count never reach us as data: pyarrow reports them to this
+    # handler (with their line number, since parsing is single-threaded) and drops them.
+    invalid: list[int] = []
+    first_invalid: list[str] = []
+
+    def on_invalid(row: Any) -> str:
+        got, want = row.actual_columns, row.expected_columns
+        culprit = names[got] if got < want else names[-1]
+        message = (f"{path}: line {row.number}: field {culprit!r}: "
+                   f"{got} columns, expected {want}"
+                   + (" (missing values from here on)" if got < want
+                      else " (extra values after the last field)"))
+        invalid.append(row.number)
+        if on_bad_row == "skip":
+            stats.skip(message)
+            return "skip"
+        first_invalid.append(message)
+        return "error"
+
+    def line_of(stream_row: int) -> int:
+        # The k-th delivered row sits after every dropped line that precedes it.
+        dropped = np.asarray(invalid, dtype=np.int64) - header_lines
+        t = stream_row + 1
+        shift = np.searchsorted(dropped - np.arange(dropped.size), t, side="right")
+        return header_lines + t + int(shift)
+
+    parse_options = pa_csv.ParseOptions(
+        delimiter=schema.delimiter, quote_char=False if criteo else '"',
+        invalid_row_handler=on_invalid, ignore_empty_lines=False)
+    convert_options = pa_csv.ConvertOptions(
+        include_columns=needed, column_types={n: pa.string() for n in needed},
+        strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""])
+    cleaner = _Cleaner(schema, lambda i: f"{path}: line {line_of(i)}", on_bad_row, stats)
+    try:
+        reader = pa_csv.open_csv(path, read_options=read_options,
+                                 parse_options=parse_options,
+                                 convert_options=convert_options)
+        stream_row = 0
+        for block in reader:
+            yield cleaner.clean(block, stream_row)
+            stream_row += block.num_rows
+    except pa.ArrowInvalid as exc:
+        if first_invalid:
+            raise DataError(first_invalid[0]) from None
+        raise DataError(f"{path}: {exc}") from exc
+
+
+def _read_header(path: Path, delimiter: str) -> list[str]:
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        first = fh.readline()
+    if not first.strip():
+        raise DataError(f"{path}: line 1: empty header line")
+    return next(csv.reader([first], delimiter=delimiter))
+
+
+def _parquet_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
+                    stats: ReadStats) -> Iterator[pa.RecordBatch]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file: {exc}") from exc
+    names = pf.schema_arrow.names
+    needed = [schema.label, *(f.name for f in schema.fields)]
+    missing = [n for n in needed if n not in names]
+    if missing:
+        raise DataError(f"{path}: field(s) {missing} are not among the file's columns {names}")
+    for spec in schema.categorical:
+        t = pf.schema_arrow.field(spec.name).type
+        is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
+        if is_list and spec.separator is None:
+            raise DataError(f"{path}: field {spec.name!r}: list column, but the schema "
+                            "declares the field single-valued; name it in multi_valued")
+        item = t.value_type if is_list else t
+        if pa.types.is_dictionary(item):
+            item = item.value_type
+        if not (pa.types.is_integer(item) or pa.types.is_string(item)
+                or pa.types.is_large_string(item) or pa.types.is_binary(item)
+                or pa.types.is_large_binary(item) or pa.types.is_null(item)):
+            raise DataError(f"{path}: field {spec.name!r}: categorical column has type {t}; "
+                            "store categorical values as strings or integers")
+    cleaner = _Cleaner(schema, lambda i: f"{path}: row {i + 1}", on_bad_row, stats)
+    stream_row = 0
+    for block in pf.iter_batches(batch_size=65536, columns=needed):
+        yield cleaner.clean(block, stream_row)
+        stream_row += block.num_rows
+
+
+def _rebatch(blocks: Iterator[pa.RecordBatch], batch_size: int) -> Iterator[pa.Table]:
+    """Re-cut blocks of any size into tables of exactly ``batch_size`` rows (zero-copy)."""
+    pending: list[pa.RecordBatch] = []
+    rows = 0
+    for block in blocks:
+        if block.num_rows == 0:
+            continue
+        pending.append(block)
+        rows += block.num_rows
+        while rows >= batch_size:
+            table = pa.Table.from_batches(pending)
+            yield table.slice(0, batch_size)
+            rest = table.slice(batch_size)
+            pending, rows = rest.to_batches(), rest.num_rows
+    if rows:
+        yield pa.Table.from_batches(pending)
+
+
+# -- conversion: clean table -> Batch -------------------------------------------------------
+
+def _to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
+    n = table.num_rows
+    labels = np.array(table.column(schema.label).to_numpy(), dtype=np.float32)  # writable
+    dense = np.zeros((n, schema.dense_dim), dtype=np.float32)
+    num_numeric = len(schema.numeric)
+    for j, spec in enumerate(schema.numeric):
+        x = table.column(spec.name).to_numpy()  # float64, NaN where missing
+        missing = np.isnan(x)
+        if spec.transform == "log1p":
+            x = np.sign(x) * np.log1p(np.abs(x))
+        dense[:, j] = np.where(missing, 0.0, x)
+        if schema.missing_flags:
+            dense[:, num_numeric + j] = missing
+    keys: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    for spec in schema.categorical:
+        col = table.column(spec.name)
+        if spec.separator is None:
+            keys.append(hash_column(spec.name, col, schema.hash_salt))
+            lengths.append(np.ones(n, dtype=np.int64))
+        else:
+            k, length = _multi_keys(spec, col, n, schema.hash_salt)
+            keys.append(k)
+            lengths.append(length)
+    values = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
+    lens = np.concatenate(lengths) if lengths else np.empty(0, dtype=np.int64)
+    if values.size == lens.size:  # one key per slot: offsets are just 0..F*B
+        offsets = torch.arange(lens.size + 1, dtype=torch.int64)
+        sparse = KeyedIds(schema.sparse_names, as_int64_tensor(values), offsets)
+    else:
+        sparse = KeyedIds.from_lengths(schema.sparse_names, as_int64_tensor(values),
+                                       torch.from_numpy(lens))
+    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
+
+
+def _multi_keys(spec: FieldSpec, col: pa.ChunkedArray, n: int,
+                salt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and per-row key counts of a multi-valued column; empty items are dropped, so
+    an empty or missing cell holds no keys (it pools to zero)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        if pa.types.is_dictionary(arr.type):
+            arr = arr.dictionary_decode()
+        if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
+            arr = pc.cast(arr, pa.string())
+        arr = pc.split_pattern(arr, spec.separator)
+    flat = pc.list_flatten(arr)
+    parents = pc.list_parent_indices(arr).to_numpy(zero_copy_only=False)
+    keep = flat.is_valid()
+    if pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type) \
+            or pa.types.is_binary(flat.type):
+        keep = pc.and_(keep, pc.fill_null(pc.greater(pc.binary_length(flat), 0), False))
+    keep_np = keep.to_numpy(zero_copy_only=False)
+    if not keep_np.all():
+        flat = flat.filter(keep)
+        parents = parents[keep_np]
+    keys = hash_column(spec.name, flat, salt)
+    return keys, np.bincount(parents, minlength=n).astype(np.int64)
