@@ -217,3 +217,18 @@ def test_dssm_item_vectors_rank_items_as_the_model_scores_them() -> None:
         logits = model(dense.expand(20, 2), emb)
     torch.testing.assert_close(logits, model.scale * scores + model.bias)
     assert torch.equal(scores.argsort(), logits.argsort())
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_torch_export_with_a_dynamic_batch_matches_eager(name: str) -> None:
+    """Serving may run an exported graph: it must hold for batch sizes other than the
+    example's, with the index buffers captured."""
+    schema = tiny_schema()
+    model = build_model(schema, small_config(name, schema)).eval()
+    dense, emb = random_inputs(model, batch=4)
+    batch = torch.export.Dim("batch")
+    exported = torch.export.export(model, (dense, emb.detach()),
+                                   dynamic_shapes=({0: batch}, {0: batch}))
+    dense, emb = random_inputs(model, batch=9, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(dense, emb), model(dense, emb))

@@ -47,8 +47,7 @@ def dense_linear(dense_dim: int) -> nn.Linear | None:
 
 def concat_dense(vectors: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """``[B, F, K]`` field vectors flattened to ``[B, F*K]`` with ``dense`` appended."""
-    flat = vectors.reshape(vectors.shape[0], -1)
-    return torch.cat([flat, dense], dim=1) if dense.shape[1] else flat
+    return torch.cat([vectors.reshape(vectors.shape[0], -1), dense], dim=1)
 
 
 def fm_pairwise(factors: torch.Tensor) -> torch.Tensor:
