@@ -12,8 +12,8 @@ class MLP(nn.Sequential):
     """``Linear -> ReLU (-> Dropout)`` for each width in ``widths``; with ``out_dim`` a last
     ``Linear`` without activation (a logit or a tower's output vector).
 
-    Xavier weights and zero biases keep the first steps well scaled even though the
-    embedding rows start tiny (N(0, 0.01)).
+    Xavier weights and zero biases: activations keep their scale through the layers, so
+    an untrained network's logit is O(1) and the loss starts near chance.
     """
 
     def __init__(self, in_dim: int, widths: tuple[int, ...], dropout: float = 0.0,
