@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -333,6 +333,11 @@ finite_rows = st.tuples(st.integers(0, 9), st.integers(1, 41)).flatmap(
 @settings(max_examples=60, deadline=None)
 @given(values=finite_rows, precision=st.sampled_from(PRECISIONS), stochastic=st.booleans(),
        seed=st.integers(0, 2**32 - 1))
+# A subnormal fp32 int8 scale: 1 / scale overflows float32.
+@example(values=np.array([[1.1754944e-38, 0.0]], dtype=np.float32), precision="int8",
+         stochastic=False, seed=0)
+@example(values=np.array([[1e-45, 0.0, 3e-45]], dtype=np.float32), precision="int4",
+         stochastic=True, seed=1)
 def test_round_trip_properties(values, precision, stochastic, seed):
     n, dim = values.shape
     codes = encode_rows(values, precision, stochastic=stochastic,

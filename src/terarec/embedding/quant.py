@@ -113,8 +113,9 @@ def encode_rows(values: np.ndarray, precision: Precision, *, stochastic: bool = 
         scale = _check_scale_range(high - bias, scale_dtype, bits).astype(scale_dtype)
     else:
         bias, scale = _minmax_grid(row_min, row_max, bits, scale_dtype)
-        scale32 = scale.astype(np.float32)
-        inv_scale = np.divide(1.0, scale32, out=np.zeros_like(scale32), where=scale32 > 0)
+        # float64: 1 / scale overflows float32 when an int8 row's fp32 scale is subnormal.
+        scale64 = scale.astype(np.float64)
+        inv_scale = np.divide(1.0, scale64, out=np.zeros_like(scale64), where=scale64 > 0)
         if stochastic:
             _quantize_stochastic(values, bias, inv_scale, bits, rng, out)
         else:
