@@ -1,17 +1,24 @@
 """terarec.data: raw logs -> ``Batch``. Streaming readers for Criteo TSV, CSV and Parquet,
-stable feature hashing, and a synthetic click-log generator with a known ground truth."""
+stable feature hashing, and a synthetic click-log generator with a known ground truth.
 
-from terarec.data.hashing import hash_column, hash_values, missing_key
-from terarec.data.readers import (
-    DataError,
-    ReadStats,
-    batch_from_records,
-    csv_schema,
-    iter_batches,
-    parquet_schema,
-)
+Names are re-exported lazily: a server that only hashes need not load the generator.
+"""
 
-__all__ = [
-    "DataError", "ReadStats", "batch_from_records", "csv_schema", "hash_column",
-    "hash_values", "iter_batches", "missing_key", "parquet_schema",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "hash_column": "hashing", "hash_values": "hashing", "missing_key": "hashing",
+    "DataError": "readers", "ReadStats": "readers", "batch_from_records": "readers",
+    "csv_schema": "readers", "iter_batches": "readers", "parquet_schema": "readers",
+    "SynthInfo": "synth", "generate": "synth", "generate_arrays": "synth",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"terarec.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'terarec.data' has no attribute {name!r}")
