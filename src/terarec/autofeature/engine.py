@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -65,7 +66,7 @@ class AutoFeatureEngine:
         self.threads = threads
         self.joins_per_query = joins_per_query
         self.stage_text = stage_text
-        self._own_temp_dir = temp_dir is None
+        self._cleanup: weakref.finalize | None = None
         self.temp_dir = Path(temp_dir) if temp_dir is not None else None
         self._con: duckdb.DuckDBPyConnection | None = None
         self._lock = threading.Lock()
@@ -85,6 +86,8 @@ class AutoFeatureEngine:
         """Where intermediate files go: DuckDB's spill directory, which is sized for them."""
         if self.temp_dir is None:
             self.temp_dir = Path(tempfile.mkdtemp(prefix="terarec-duckdb-"))
+            # Removed by close(), or at exit for engines never closed (the default one).
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.temp_dir, True)
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         return self.temp_dir
 
@@ -101,8 +104,9 @@ class AutoFeatureEngine:
                 self._con.close()
                 self._con = None
             self._loaded.clear()
-            if self._own_temp_dir and self.temp_dir is not None:
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
+            if self._cleanup is not None:
+                self._cleanup()
+                self._cleanup = None
                 self.temp_dir = None
 
     def __enter__(self) -> AutoFeatureEngine:
