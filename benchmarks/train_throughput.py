@@ -1,0 +1,129 @@
+"""Training throughput: terarec's pass-staged store against plain PyTorch, TorchRec and the
+dense-only bound, on the same synthetic data and the same DLRM network, in one run.
+
+terarec's figure includes everything a pass costs: finding the pass's unique keys,
+pulling their rows from an unbounded collisionless store (new keys created on the way),
+remapping samples to local rows, training, and writing rows back. The baselines use
+fixed tables of 1M rows per field (``key % 1M``: collisions allowed).
+
+Prints one JSON line. Usage: ``python benchmarks/train_throughput.py [--rows N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _baselines as baselines  # noqa: E402
+
+from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig  # noqa: E402
+from terarec.data.synth import generate_arrays  # noqa: E402
+from terarec.train.trainer import Trainer  # noqa: E402
+from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds  # noqa: E402
+
+
+def synthetic_inputs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zipf keys with planted signal (data/synth), hashed per field into int64 keys."""
+    arrays = generate_arrays(rows, model_seed=seed, sample_seed=seed + 1)
+    dense = np.log1p(np.nan_to_num(arrays.dense, nan=0.0).clip(min=0)).astype(np.float32)
+    field = np.arange(arrays.categorical.shape[1], dtype=np.uint64)
+    z = arrays.categorical.astype(np.uint64) + (field << np.uint64(40))
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    keys = (z ^ (z >> np.uint64(31))).view(np.int64)
+    return (torch.from_numpy(dense), torch.from_numpy(np.ascontiguousarray(keys)),
+            torch.from_numpy(arrays.labels.astype(np.float32)))
+
+
+def benchmark_schema() -> FeatureSchema:
+    numeric = tuple(FieldSpec(f"I{i}", "numeric") for i in range(1, 14))
+    cats = tuple(FieldSpec(f"C{i}", "categorical") for i in range(1, 27))
+    return FeatureSchema(label="label", fields=numeric + cats, missing_flags=False)
+
+
+def terarec_run(dense, ids, labels, *, batch_size: int, pass_batches: int,
+                passes: int) -> tuple[float, float]:
+    """(samples/s, staging share) over ``passes`` timed passes after one warm-up pass."""
+    schema = benchmark_schema()
+    config = TrainConfig(
+        batch_size=batch_size, seed=0,
+        model=ModelConfig(name="dlrm", embedding_dim=baselines.EMB_DIM,
+                          bottom_mlp=baselines.BOTTOM_MLP, top_mlp=baselines.TOP_MLP),
+        sparse_optimizer=SparseOptimizerConfig(name="adagrad", lr=baselines.EMBEDDING_LR))
+    trainer = Trainer(schema, config)
+    names = schema.sparse_names
+    batches = [Batch(dense[s:s + batch_size], KeyedIds.from_dense(names, ids[s:s + batch_size]),
+                     labels[s:s + batch_size])
+               for s in range(0, len(labels) - batch_size + 1, batch_size)]
+    need = pass_batches * (passes + 1)
+    if len(batches) < need:
+        raise SystemExit(f"need {need * batch_size} rows for {passes + 1} passes")
+    trainer.train_pass(batches[:pass_batches])  # warm-up: compilation, allocator
+    rows = busy = staging = 0.0
+    for p in range(1, passes + 1):
+        r = trainer.train_pass(batches[p * pass_batches:(p + 1) * pass_batches])
+        rows += r.rows
+        busy += r.staging_s + r.train_s + r.write_back_s
+        staging += r.staging_s + r.write_back_s
+    return rows / busy, staging / busy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=700_000)
+    parser.add_argument("--batch-size", type=int, default=baselines.BATCH_SIZE)
+    parser.add_argument("--pass-batches", type=int, default=50)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="default: all cores")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dense, ids, labels = synthetic_inputs(args.rows, seed=0)
+    common = dict(steps=args.steps, warmup=5, batch_size=args.batch_size)
+    runs: dict[str, list[float]] = {"terarec": [], "pytorch": [], "dense_only": [],
+                                    "torchrec": []}
+    shares = []
+    for _ in range(args.repeats):  # interleaved so machine noise hits all alike
+        sps, share = terarec_run(dense, ids, labels, batch_size=args.batch_size,
+                                 pass_batches=args.pass_batches, passes=args.passes)
+        runs["terarec"].append(sps)
+        shares.append(share)
+        runs["pytorch"].append(baselines.pytorch_sps(dense, ids, labels, **common))
+        runs["dense_only"].append(baselines.dense_only_sps(dense, ids, labels, **common))
+        tr = baselines.torchrec_sps(dense, ids, labels, **common)
+        if tr is not None:
+            runs["torchrec"].append(tr)
+    med = {k: statistics.median(v) if v else None for k, v in runs.items()}
+
+    def ratio(other: float | None) -> float | None:
+        return round(med["terarec"] / other, 3) if other else None
+
+    print(json.dumps({
+        "benchmark": "train_throughput",
+        "threads": torch.get_num_threads(),
+        "rows": args.rows,
+        "batch_size": args.batch_size,
+        "terarec_sps": round(med["terarec"]),
+        "pytorch_sps": round(med["pytorch"]),
+        "dense_only_sps": round(med["dense_only"]),
+        "torchrec_sps": round(med["torchrec"]) if med["torchrec"] else None,
+        "ratio_vs_pytorch": ratio(med["pytorch"]),
+        "ratio_vs_dense_only": ratio(med["dense_only"]),
+        "ratio_vs_torchrec": ratio(med["torchrec"]),
+        "staging_share": round(statistics.median(shares), 3),
+        "repeats": args.repeats,
+    }))
+
+
+if __name__ == "__main__":
+    main()
