@@ -229,3 +229,14 @@ def test_log1p_is_kept_for_non_negative_aggregates(tmp_path, engine):
     # Without log1p on the source, only the sum (which grows with group size) gets it.
     assert unlogged["max(I7)_by(C1)"] == "none" and unlogged["sum(I7)_by(C1)"] == "log1p"
     assert num_rows(rows) == 400
+
+
+def test_a_field_missing_from_the_file_is_named(tmp_path, engine):
+    path = tmp_path / "clicks.csv"
+    path.write_text("label,city\n1,paris\n0,oslo\n")
+    schema = FeatureSchema(label="label", format="csv", fields=(
+        dataclasses.replace(CRITEO.fields[13], name="city"),
+        dataclasses.replace(CRITEO.fields[14], name="device")))
+    with pytest.raises(AutoFeatureError, match='clicks.csv.*"device" do not exist'):
+        compute_tables([Candidate("count", ("city",))], path, schema, tmp_path / "f",
+                       engine=engine)

@@ -279,7 +279,7 @@ def _aggregate_sql(cand: Candidate) -> str:
 
 
 def copy_to_parquet(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, query: str,
-                 path: Path, what: str) -> None:
+                    path: Path, what: str) -> None:
     """COPY ``query`` to Parquet at ``path`` via a temp file, fsync and rename."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -299,8 +299,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _summary(exc: BaseException) -> str:
-    """DuckDB's message without its long advice: the error, the line and the file."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    """DuckDB's message without its long advice and echoed SQL: the error, the line and
+    the file."""
+    lines = [ln.strip() for ln in str(exc).splitlines()
+             if ln.strip().strip("^") and not ln.startswith("LINE ")]
     keep = lines[:3]
     keep += [ln for ln in lines[3:] if ln.startswith("file =")]
     return "; ".join(keep)

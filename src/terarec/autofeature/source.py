@@ -59,53 +59,50 @@ def expand_paths(paths: PathSpec, what: str = "training range") -> list[str]:
 
 
 def column_types(schema: FeatureSchema) -> dict[str, str]:
-    """DuckDB types for the schema's fields (and its label, when the file has no header)."""
+    """DuckDB types for the schema's fields; other columns are left to the reader."""
     numeric = "BIGINT" if schema.format == "criteo" else "DOUBLE"
-    types = {f.name: CATEGORICAL_KEY_TYPE if f.kind == "categorical" else numeric
-             for f in schema.fields}
-    return types
+    return {f.name: CATEGORICAL_KEY_TYPE if f.kind == "categorical" else numeric
+            for f in schema.fields}
+
+
+def _struct(mapping: dict[str, str]) -> str:
+    return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in mapping.items()) + "}"
 
 
 def source_sql(paths: Sequence[str], schema: FeatureSchema) -> str:
     """A table expression reading ``paths`` (already expanded) as ``schema`` describes."""
-    files_given = paths
-    files = "[" + ", ".join(literal(str(p)) for p in paths) + "]"
     fmt = schema.format
     if fmt == "parquet":
-        return f"read_parquet({files})"
+        return f"read_parquet([{', '.join(literal(str(p)) for p in paths)}])"
     if fmt not in ("criteo", "csv", "tsv"):
         raise AutoFeatureError(
             f"unsupported input format {fmt!r}; AutoFeature reads criteo, csv, tsv and parquet"
         )
     delimiter = "\t" if fmt in ("criteo", "tsv") else schema.delimiter
-    types = column_types(schema)
     options = [f"delim={literal(delimiter)}"]
     if fmt == "criteo":
         # Criteo lines are raw tab-separated values: a quote character is data.
         options += ["quote=''", "escape=''"]
     if schema.has_header and fmt != "criteo":
-        # The header names the columns, so DuckDB sniffs; a zero-byte file has no header to
-        # sniff (and no rows), so it is left out.
-        paths = [p for p in paths if os.path.getsize(p) > 0]
-        if not paths:
-            raise AutoFeatureError(f"{display(files_given)} holds no rows")
-        files = "[" + ", ".join(literal(str(p)) for p in paths) + "]"
-        options.append("header=true")
-        options.append("types={" + ", ".join(
-            f"{literal(k)}: {literal(v)}" for k, v in types.items()) + "}")
+        # The header names the columns, so DuckDB sniffs the files; a zero-byte file has no
+        # header to sniff (and no rows), so it is left out.
+        non_empty = [p for p in paths if os.path.getsize(p) > 0]
+        if not non_empty:
+            raise AutoFeatureError(f"{display(paths)} holds no rows")
+        paths = non_empty
+        options += ["header=true", f"types={_struct(column_types(schema))}"]
     else:
         if not schema.column_names:
             raise AutoFeatureError(
                 f"a {fmt} schema without a header needs column_names to name the columns"
             )
+        types = column_types(schema)
         label_type = "INTEGER" if fmt == "criteo" else "DOUBLE"
         columns = {name: types.get(name, label_type if name == schema.label else "VARCHAR")
                    for name in schema.column_names}
         # Every column is declared: no sniffing, which also reads empty files as no rows.
-        options += ["header=false", "auto_detect=false"]
-        options.append("columns={" + ", ".join(
-            f"{literal(k)}: {literal(v)}" for k, v in columns.items()) + "}")
-    return f"read_csv({files}, {', '.join(options)})"
+        options += ["header=false", "auto_detect=false", f"columns={_struct(columns)}"]
+    return f"read_csv([{', '.join(literal(str(p)) for p in paths)}], {', '.join(options)})"
 
 
 def key_type(schema: FeatureSchema, column: str) -> str:

@@ -6,7 +6,7 @@
 Counts become categorical strings ``str(floor(log2(1 + count)))``: the embedding learns
 one vector per order of magnitude, and a key never seen in training (count 0) gets "0".
 Aggregates become float columns; an unseen key gives NULL, which training treats as missing.
-A missing key (NULL) is a value of its own: it joins the row counted for missing keys.
+A missing key (NULL) is a key of its own: it gets the count of training rows missing it.
 
 Joins do not keep row order in DuckDB, so rows are numbered on the way in and sorted on
 the way out.
