@@ -57,11 +57,11 @@ DENSE_SIGMA = (1.0, 1.5, 1.3, 1.0, 1.8, 1.7, 1.3, 1.0, 1.3, 0.6, 0.8, 0.8, 1.0)
 FM_FIELDS = (1, 5, 8, 13, 16, 19, 22)  # C2, C6, C9, C14, C17, C20, C23: small vocabularies
 FM_RANK = 4
 TARGET_CTR = 0.225
-FIRST_ORDER_SCALE = 0.37  # typical |w| of an informative field's hot value
+FIRST_ORDER_STD = 0.27     # std of a typical informative field's term in the logit
+NUMERIC_STD = 0.45         # std of the 13 numeric fields' summed term
+PAIRWISE_STD = 0.45        # std of the pairwise (FM) term
 RANK_DECAY = 300.0         # weight scale halves around rank 3 * RANK_DECAY
-NUMERIC_SCALE = 0.25
-FM_SCALE = 0.45
-_CALIBRATION_ROWS = 200_000
+_CALIBRATION_ROWS = 100_000
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 
@@ -150,7 +150,12 @@ def _inverse_cdf(cdf: np.ndarray, guide: np.ndarray, u: np.ndarray,
 
 class GroundTruth:
     """The click model behind a synthetic data set, fixed by ``model_seed`` (and, through
-    the calibrated bias, by the vocabulary the data is drawn from)."""
+    the scales and the calibrated bias, by the value distribution the data is drawn from).
+
+    Each term's spread is set, not left to chance: field ``f``'s first-order term has std
+    ``field_scale[f]`` and the numeric and pairwise terms have std ``NUMERIC_STD`` and
+    ``PAIRWISE_STD`` over the drawn rows, so the ceiling AUC hardly moves with the seed.
+    """
 
     def __init__(self, model_seed: int = 0, exponent: float = 1.1,
                  vocab_scale: float = 1.0) -> None:
@@ -160,61 +165,78 @@ class GroundTruth:
         # About a quarter of the fields carry almost no signal, like real logs.
         importance = meta.uniform(0.4, 1.0, NUM_CATEGORICAL)
         importance[meta.permutation(NUM_CATEGORICAL)[:6]] = 0.08
-        self.field_scale = FIRST_ORDER_SCALE * importance
-        self.beta = NUMERIC_SCALE * meta.standard_normal(NUM_DENSE)
-        self.beta_missing = NUMERIC_SCALE * meta.standard_normal(NUM_DENSE)
-        self._first = [self._table(f, 0) * self.field_scale[f] for f in range(NUM_CATEGORICAL)]
-        # Each of the P field pairs adds a rank-k dot product of N(0, tau^2) entries,
-        # variance k * tau^4; scale so the whole interaction term has std FM_SCALE.
-        pairs = len(FM_FIELDS) * (len(FM_FIELDS) - 1) // 2
-        tau = np.sqrt(FM_SCALE / np.sqrt(pairs * FM_RANK))
-        self._latent = {
-            f: tau * np.stack([self._table(f, 1 + d) for d in range(FM_RANK)], axis=1)
-            for f in FM_FIELDS
-        }
+        importance *= np.sqrt(0.52 * NUM_CATEGORICAL / np.sum(importance**2))
+        self.field_scale = FIRST_ORDER_STD * importance
+        self._first = []
+        for f in range(NUM_CATEGORICAL):
+            raw = self._table(f, 0)
+            share = self._value_shares(f, exponent)
+            std = np.sqrt(np.sum(share * raw**2) - np.sum(share * raw) ** 2)
+            self._first.append(raw * (self.field_scale[f] / std))
+        self.beta = meta.standard_normal(NUM_DENSE)
+        self.beta_missing = meta.standard_normal(NUM_DENSE)
+        self._latent = {f: np.stack([self._table(f, 1 + d) for d in range(FM_RANK)], axis=1)
+                        for f in FM_FIELDS}
+        # One fixed sample (a function of the settings alone) sets the scales and the bias.
+        dense, cats = _draw_features(_CALIBRATION_ROWS, np.random.default_rng(0xCA11B),
+                                     self.vocab, exponent)
+        numeric_scale = NUMERIC_STD / self._numeric(dense).std()
+        self.beta *= numeric_scale
+        self.beta_missing *= numeric_scale
+        latent_scale = np.sqrt(PAIRWISE_STD / self._pairwise(cats).std())
+        for f in FM_FIELDS:
+            self._latent[f] *= latent_scale
         self.bias = 0.0
-        self.bias = self._calibrate(exponent)
+        self.bias = _bias_for_ctr(self.logits(dense, cats), TARGET_CTR)
 
     def _table(self, field: int, component: int) -> np.ndarray:
-        """Weights for ids ``0..V-1`` plus the missing value at index ``V`` (= ``[-1]``)."""
+        """Weights for ids ``0..V-1`` plus the missing value at index ``V`` (= ``[-1]``);
+        rare values get smaller weights, so most signal sits where data can find it."""
         vocab = self.vocab[field]
         ids = np.arange(vocab + 1, dtype=np.int64)
         decay = 1.0 / np.sqrt(1.0 + ids / RANK_DECAY)
         decay[-1] = 1.0
         return _hash_normal(_stream_key(self.model_seed, field, component), ids) * decay
 
+    def _value_shares(self, field: int, exponent: float) -> np.ndarray:
+        """Probability of each value id (and, last, of a missing cell) in drawn rows."""
+        cdf, _ = _zipf_table(self.vocab[field], exponent)
+        miss = CATEGORICAL_MISSING[field]
+        return np.append(np.diff(cdf, prepend=0.0) * (1.0 - miss), miss)
+
+    def _numeric(self, dense: np.ndarray) -> np.ndarray:
+        missing = np.isnan(dense)
+        z = (np.log1p(np.where(missing, 0.0, dense)) - np.asarray(DENSE_MU)) \
+            / np.asarray(DENSE_SIGMA)
+        return np.where(missing, self.beta_missing, self.beta * np.clip(z, -3, 3)).sum(1)
+
+    def _pairwise(self, categorical: np.ndarray) -> np.ndarray:
+        # Σ_{f<g} <v_f, v_g> = (|Σ v|^2 - Σ |v|^2) / 2
+        vecs = [self._latent[f][categorical[:, f]] for f in FM_FIELDS]
+        total = np.sum(vecs, axis=0)
+        return 0.5 * ((total * total).sum(1) - sum((v * v).sum(1) for v in vecs))
+
     def logits(self, dense: np.ndarray, categorical: np.ndarray) -> np.ndarray:
         """Ground-truth logit per row from raw counts (NaN = missing) and value ids."""
         logit = np.full(categorical.shape[0], self.bias)
         for f in range(NUM_CATEGORICAL):
             logit += self._first[f][categorical[:, f]]
-        missing = np.isnan(dense)
-        z = (np.log1p(np.where(missing, 0.0, dense)) - np.asarray(DENSE_MU)) \
-            / np.asarray(DENSE_SIGMA)
-        logit += np.where(missing, self.beta_missing, self.beta * np.clip(z, -3, 3)).sum(1)
-        # Σ_{f<g} <v_f, v_g> = (|Σ v|^2 - Σ |v|^2) / 2
-        vecs = [self._latent[f][categorical[:, f]] for f in FM_FIELDS]
-        total = np.sum(vecs, axis=0)
-        logit += 0.5 * ((total * total).sum(1) - sum((v * v).sum(1) for v in vecs))
-        return logit
+        return logit + self._numeric(dense) + self._pairwise(categorical)
 
     def probabilities(self, dense: np.ndarray, categorical: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-self.logits(dense, categorical)))
 
-    def _calibrate(self, exponent: float) -> float:
-        """Bias putting the mean click probability at TARGET_CTR, found on a fixed sample so
-        that it too is a function of the model seed alone."""
-        dense, cats = _draw_features(_CALIBRATION_ROWS, np.random.default_rng(0xCA11B),
-                                     self.vocab, exponent)
-        raw = self.logits(dense, cats)
-        lo, hi = -10.0, 10.0
-        for _ in range(60):
-            mid = 0.5 * (lo + hi)
-            if np.mean(1.0 / (1.0 + np.exp(-(raw + mid)))) < TARGET_CTR:
-                lo = mid
-            else:
-                hi = mid
-        return 0.5 * (lo + hi)
+
+def _bias_for_ctr(logits: np.ndarray, ctr: float) -> float:
+    """The shift of ``logits`` whose mean sigmoid is ``ctr`` (bisection; it is monotone)."""
+    lo, hi = -20.0, 20.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if np.mean(1.0 / (1.0 + np.exp(-(logits + mid)))) < ctr:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
 
 
 def ground_truth(model_seed: int = 0, exponent: float = 1.1,
