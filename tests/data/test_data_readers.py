@@ -326,3 +326,6 @@ def test_bad_records_name_record_and_field():
         batch_from_records([{"label": 3}], CRITEO)
     with pytest.raises(DataError, match="no records"):
         batch_from_records([], CRITEO)
+    tags = csv_schema("y", [], ["tags"], multi_valued=["tags"])
+    with pytest.raises(DataError, match=r"record 1: field 'tags'.*float"):
+        batch_from_records([{"tags": ["a"]}, {"tags": ["b", 1.5]}], tags)

@@ -17,7 +17,7 @@ reported with its file, 1-based line number and field instead of a bare parse er
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -190,7 +190,8 @@ def batch_from_records(records: Sequence[Mapping[str, Any]], schema: FeatureSche
         values = [r.get(spec.name) for r in records]
         if spec.separator is not None:
             columns[spec.name] = pa.array(
-                [_record_list(spec, v) for v in values], type=pa.list_(pa.string()))
+                [_record_list(spec, v, i) for i, v in enumerate(values)],
+                type=pa.list_(pa.string()))
         else:
             columns[spec.name] = _texts(spec.name, values, categorical=True)
     block = pa.RecordBatch.from_pydict(columns)
@@ -204,7 +205,7 @@ class _Cleaner:
     """Turns a raw block into a clean one: label float32 in {0,1}, numeric float64 with
     nulls for missing. ``where(i)`` names the location of stream row ``i`` for messages."""
 
-    def __init__(self, schema: FeatureSchema, where: Any, on_bad_row: OnBadRow,
+    def __init__(self, schema: FeatureSchema, where: Callable[[int], str], on_bad_row: OnBadRow,
                  stats: ReadStats) -> None:
         self.schema = schema
         self.where = where
@@ -287,10 +288,14 @@ class _Cleaner:
         return clean.filter(pa.array(~any_bad))
 
 
-def _texts(name: str, values: list[Any], *, categorical: bool = False) -> pa.Array:
-    """Request values as strings, formatted the way they would appear in a text file."""
+def _texts(name: str, values: list[Any], *, categorical: bool = False,
+           record: int | None = None) -> pa.Array:
+    """Request values as strings, formatted the way they would appear in a text file.
+    ``record`` is the record all values come from (a list cell), else value ``i`` is
+    record ``i``."""
     out: list[str | None] = []
-    for i, v in enumerate(values):
+    for j, v in enumerate(values):
+        i = j if record is None else record
         if v is None or isinstance(v, str):
             out.append(v)
         elif isinstance(v, (bool, np.bool_)):
@@ -320,14 +325,14 @@ def _label_text(value: Any) -> str:
     return str(value)
 
 
-def _record_list(spec: FieldSpec, value: Any) -> list[str | None] | None:
+def _record_list(spec: FieldSpec, value: Any, record: int) -> list[str | None] | None:
+    """A multi-valued request cell as a list, split like the file reader splits it."""
     if value is None:
         return None
     if isinstance(value, str):
         return value.split(spec.separator)
-    if isinstance(value, (list, tuple)):
-        return _texts(spec.name, list(value), categorical=True).to_pylist()
-    return _texts(spec.name, [value], categorical=True).to_pylist()
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    return _texts(spec.name, items, categorical=True, record=record).to_pylist()
 
 
 # -- sources --------------------------------------------------------------------------------
