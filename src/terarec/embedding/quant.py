@@ -539,7 +539,7 @@ def _encode_levels(values: np.ndarray, inv_rms: np.ndarray, levels: np.ndarray,
                     else:
                         high = middle
                 acc |= low << (slot * bits)
-                chosen = float(levels[low])
+                chosen = np.float64(levels[low])  # numba's float() keeps float32
                 overlap[i] += chosen * v
                 energy[i] += chosen * chosen
             out[i, k] = acc
