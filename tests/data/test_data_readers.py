@@ -238,7 +238,11 @@ def test_bad_rows_name_file_line_and_field(tmp_path, case):
     assert "line 3" in stats.examples[0] and repr(field) in stats.examples[0]
 
 
-def test_skip_mode_keeps_line_numbers_right_after_dropped_rows(tmp_path):
+@pytest.mark.parametrize("block_bytes", [None, 256])  # 256: about two rows per block
+def test_skip_mode_keeps_line_numbers_right_after_dropped_rows(tmp_path, monkeypatch,
+                                                               block_bytes):
+    if block_bytes:
+        monkeypatch.setattr(readers, "_BLOCK_BYTES", block_bytes)
     bad_count = GOOD + "\tx"
     bad_value = criteo_row("0", ["1"] * 12 + ["-"], ["aa"] * 26)
     bad_label = criteo_row("yes", ["1"] * 13, ["aa"] * 26)

@@ -10,8 +10,9 @@ a known model::
                  + Σ_{f<g in FM_FIELDS} <v_f[value_f], v_g[value_g]>   low-rank pairs
 
 Every weight is a pure function of ``(model_seed, field, value id)`` (a counter-based
-hash, no RNG state), so a train file and a validation file made with the same
-``model_seed`` and different ``sample_seed`` share one ground truth. The weight scale
+hash, no RNG state) times per-field scales fixed by the settings (``exponent``,
+``vocab_scale``), so a train file and a validation file made with the same settings and
+``model_seed`` but different ``sample_seed`` share one ground truth. The weight scale
 decays with a value's rank, which keeps most of the signal on values frequent enough to
 be learned from ~10^5-10^6 rows; the truth's own AUC is the ceiling a model can reach.
 
