@@ -17,6 +17,7 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; published files are meant to be read
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()

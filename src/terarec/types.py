@@ -86,10 +86,13 @@ class KeyedIds:
     @cached_property
     def one_per_slot(self) -> bool:
         """True when every (field, sample) holds exactly one key: the fast path."""
-        return self.values.numel() == self.offsets.numel() - 1 and bool(
-            torch.equal(self.offsets, torch.arange(self.offsets.numel(),
-                                                   device=self.offsets.device))
-        )
+        if self.values.numel() != self.offsets.numel() - 1:
+            return False
+        if self.offsets.device.type == "cpu":  # numpy: no intra-op thread pool for a check
+            offsets = self.offsets.numpy()
+            return bool(np.array_equal(offsets, np.arange(len(offsets))))
+        return bool(torch.equal(self.offsets, torch.arange(self.offsets.numel(),
+                                                           device=self.offsets.device)))
 
     @cached_property
     def sample_major(self) -> torch.Tensor:
@@ -108,7 +111,11 @@ class KeyedIds:
         """Same layout with replaced values (e.g. global keys remapped to local row ids)."""
         if values.shape != self.values.shape:
             raise ValueError(f"values shape {tuple(values.shape)} != {tuple(self.values.shape)}")
-        return KeyedIds(self.fields, values, self.offsets)
+        out = KeyedIds(self.fields, values, self.offsets)
+        for derived in ("lengths", "one_per_slot"):  # layout-only views carry over
+            if derived in self.__dict__:
+                out.__dict__[derived] = self.__dict__[derived]
+        return out
 
     def select_fields(self, names: list[str] | tuple[str, ...]) -> KeyedIds:
         """A KeyedIds holding only ``names`` (in that order)."""

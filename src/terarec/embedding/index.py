@@ -120,28 +120,28 @@ def _reinsert(table, keys, slots):
 
 
 @numba.njit(nogil=True, cache=True)
-def _unique_inverse(keys, used, tkeys, tpos, uniq, inverse):
-    # Separate arrays here: ``used`` comes from np.zeros, whose pages the OS zeroes lazily,
-    # so a table sized for the worst case (all keys distinct) costs nothing up front.
-    mask = np.uint64(used.shape[0] - 1)
-    n_uniq = 0
-    for i in range(keys.shape[0]):
+def _unique_inverse(keys, start, table, uniq, inverse, n_uniq, limit):
+    """Continue from ``start``; stop early (returning the position) once ``limit`` unique
+    keys fill the table to its load bound, so the caller can grow it."""
+    mask = np.uint64(table.shape[0] - 1)
+    for i in range(start, keys.shape[0]):
         k = keys[i]
         b = _mix(k) & mask
         while True:
-            if not used[b]:
-                used[b] = True
-                tkeys[b] = k
-                tpos[b] = n_uniq
+            if table[b, 1] == EMPTY:
+                if n_uniq >= limit:
+                    return i, n_uniq
+                table[b, 0] = k
+                table[b, 1] = n_uniq
                 uniq[n_uniq] = k
                 inverse[i] = n_uniq
                 n_uniq += 1
                 break
-            if tkeys[b] == k:
-                inverse[i] = tpos[b]
+            if table[b, 0] == k:
+                inverse[i] = table[b, 1]
                 break
             b = (b + np.uint64(1)) & mask
-    return n_uniq
+    return keys.shape[0], n_uniq
 
 
 def _capacity_for(n: int) -> int:
@@ -152,22 +152,27 @@ def _capacity_for(n: int) -> int:
 
 
 def _empty_table(cap: int) -> np.ndarray:
-    table = np.empty((cap, 2), np.int64)
-    table[:, 1] = EMPTY
-    return table
+    return np.full((cap, 2), EMPTY, np.int64)  # contiguous fill: faster than a strided one
 
 
 def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unique keys in first-seen order and, per input key, its position among them.
 
-    O(n) with a throwaway hash table (np.unique sorts: O(n log n), and slower here).
+    O(n) with a throwaway hash table sized for the unique keys seen so far and grown 4x
+    when full: a pass of 5 M keys has a few 100 k unique ones, and a table sized for the
+    worst case would spend its time on page faults. (np.unique sorts: O(n log n), slower.)
     """
     keys = np.ascontiguousarray(keys, dtype=np.int64)
-    cap = _capacity_for(len(keys))
     uniq = np.empty(len(keys), np.int64)
     inverse = np.empty(len(keys), np.int64)
-    n = _unique_inverse(keys, np.zeros(cap, np.bool_), np.empty(cap, np.int64),
-                        np.empty(cap, np.int64), uniq, inverse)
+    cap = _capacity_for(min(len(keys), 1 << 16))
+    table = _empty_table(cap)
+    pos, n = _unique_inverse(keys, 0, table, uniq, inverse, 0, int(cap * _MAX_LOAD))
+    while pos < len(keys):
+        cap *= 4
+        table = _empty_table(cap)
+        _reinsert(table, uniq[:n], np.arange(n, dtype=np.int64))
+        pos, n = _unique_inverse(keys, pos, table, uniq, inverse, n, int(cap * _MAX_LOAD))
     return uniq[:n].copy(), inverse
 
 

@@ -27,21 +27,21 @@ from terarec.embedding.optimizers import SparseOptimizer
 
 @numba.njit(nogil=True, cache=True)
 def _init_rows(keys, dim, std, seed):
-    """N(0, std) rows that depend only on (key, seed): any process initialises a key alike."""
+    """Uniform rows with standard deviation ``std`` that depend only on (key, seed): any
+    process, shard or resumed run initialises a key alike. Uniform, as DLRM and TorchRec
+    initialise tables, and cheaper than Gaussian (no log or cos per value)."""
     out = np.empty((keys.shape[0], dim), np.float32)
+    half_width = std * np.sqrt(3.0)
+    salt = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
     for i in range(keys.shape[0]):
-        for d in range(0, dim, 2):
-            z = np.uint64(keys[i]) ^ (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15))
-            z += np.uint64(d + 1) * np.uint64(0xD1B54A32D192ED03)
+        base = np.uint64(keys[i]) ^ salt
+        for d in range(dim):
+            z = base + np.uint64(d + 1) * np.uint64(0xD1B54A32D192ED03)
             z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
             z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
             z = z ^ (z >> np.uint64(31))
-            u1 = (np.float64(z >> np.uint64(40)) + 0.5) / 16777216.0
-            u2 = (np.float64(z & np.uint64(0xFFFFFF)) + 0.5) / 16777216.0
-            r = np.sqrt(-2.0 * np.log(u1)) * std
-            out[i, d] = r * np.cos(2.0 * np.pi * u2)
-            if d + 1 < dim:
-                out[i, d + 1] = r * np.sin(2.0 * np.pi * u2)
+            u = np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+            out[i, d] = (2.0 * u - 1.0) * half_width
     return out
 
 
@@ -161,6 +161,13 @@ class MemoryStore:
         which keys are admitted: the others train against the zero row.
         """
         keys = np.ascontiguousarray(keys, np.int64)
+        if self.config.admit_min_count <= 1:  # every key admitted: one probe per key
+            slots, inserted = self.index.lookup_or_insert(keys)
+            if inserted.any():
+                self._create_rows(keys[inserted], slots[inserted],
+                                  np.zeros(int(inserted.sum()), np.float32),
+                                  np.zeros(int(inserted.sum()), np.float32))
+            return self._count_and_gather(slots, show, click, pass_id), np.ones(len(keys), bool)
         slots = self.index.lookup(keys)
         missing = slots < 0
         if missing.any():
@@ -168,20 +175,28 @@ class MemoryStore:
                 keys[missing], show[missing], click[missing], pass_id)
             if len(new_keys):
                 new_slots, _ = self.index.lookup_or_insert(new_keys)
-                self._ensure_rows(self.index.slot_bound)
-                self.values[new_slots] = init_rows(new_keys, self.row_dim,
-                                                   self.config.init_std, self.seed)
-                self.state[new_slots] = self.optimizer.init_state(len(new_keys), self.row_dim)
-                self.show[new_slots] = earlier_show
-                self.click[new_slots] = earlier_click
-                self.admitted_total += len(new_keys)
+                self._create_rows(new_keys, new_slots, earlier_show, earlier_click)
                 slots[missing] = self.index.lookup(keys[missing])
         admitted = slots >= 0
-        live = slots[admitted]
-        self.show[live] += show[admitted]
-        self.click[live] += click[admitted]
-        self.last_seen[live] = pass_id
-        return RowBlock(self.values[live], self.state[live]), admitted
+        return self._count_and_gather(slots[admitted], show[admitted], click[admitted],
+                                      pass_id), admitted
+
+    def _create_rows(self, keys: np.ndarray, slots: np.ndarray, show: np.ndarray,
+                     click: np.ndarray) -> None:
+        self._ensure_rows(self.index.slot_bound)
+        self.values[slots] = init_rows(keys, self.row_dim, self.config.init_std, self.seed)
+        self.state[slots] = self.optimizer.init_state(len(keys), self.row_dim)
+        self.show[slots] = show
+        self.click[slots] = click
+        self.last_seen[slots] = 0
+        self.admitted_total += len(keys)
+
+    def _count_and_gather(self, slots: np.ndarray, show: np.ndarray, click: np.ndarray,
+                          pass_id: int) -> RowBlock:
+        self.show[slots] += show
+        self.click[slots] += click
+        self.last_seen[slots] = pass_id
+        return RowBlock(self.values[slots], self.state[slots])
 
     def push(self, keys: np.ndarray, block: RowBlock) -> None:
         """Write back trained rows of keys previously pulled (and not evicted since)."""

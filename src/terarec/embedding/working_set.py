@@ -35,6 +35,14 @@ def occurrence_labels(batch: Batch) -> np.ndarray:
     return np.repeat(per_slot, batch.sparse.lengths.numpy())
 
 
+def _with_zero_row(rows: np.ndarray, dim: int) -> torch.Tensor:
+    """``rows`` below one zero row (local id 0), as one contiguous float32 tensor."""
+    out = np.empty((len(rows) + 1, dim), np.float32)
+    out[0] = 0.0
+    out[1:] = rows
+    return torch.from_numpy(out)
+
+
 @dataclass
 class StagingStats:
     keys: int
@@ -86,13 +94,10 @@ class WorkingSet:
         n_adm = int(admitted.sum())
         local = np.zeros(len(uniq), np.int64)
         local[admitted] = np.arange(1, n_adm + 1)
-        weights = torch.zeros(n_adm + 1, dim, dtype=torch.float32)
-        weights[1:] = torch.from_numpy(rows)
+        weights = _with_zero_row(rows, dim)
         state = None
         if state_rows is not None:
-            state = torch.zeros(n_adm + 1, state_rows.shape[1], dtype=torch.float32)
-            state[1:] = torch.from_numpy(state_rows)
-            state = state.to(device)
+            state = _with_zero_row(state_rows, state_rows.shape[1]).to(device)
         remapped_all = torch.from_numpy(local[inverse])
         remapped, start = [], 0
         for b, v in zip(batches, values, strict=True):
