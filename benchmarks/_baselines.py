@@ -40,7 +40,7 @@ NUM_FIELDS = 26
 EMB_DIM = 16
 TABLE_ROWS = 1_000_000
 BATCH_SIZE = 4096
-BOTTOM_MLP = (64, EMB_DIM)
+BOTTOM_HIDDEN = 64
 TOP_MLP = (512, 256)
 DENSE_LR = 1e-3
 EMBEDDING_LR = 0.05
@@ -70,7 +70,7 @@ class DLRMDense(nn.Module):
     def __init__(self, num_dense: int = NUM_DENSE, num_fields: int = NUM_FIELDS,
                  emb_dim: int = EMB_DIM) -> None:
         super().__init__()
-        self.bottom = _mlp((num_dense, BOTTOM_MLP[0], emb_dim), final_relu=True)
+        self.bottom = _mlp((num_dense, BOTTOM_HIDDEN, emb_dim), final_relu=True)
         num_vectors = num_fields + 1
         rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
         # Flat positions of the strictly-upper triangle: each unordered pair once.
