@@ -56,7 +56,7 @@ def test_seeded_runs_are_reproducible(synth_files, tmp_path):
     results = []
     for run in ("a", "b"):
         out = tmp_path / run
-        assert main(["train", "--train", str(small), "--model", "dcnv2", "--out", str(out),
+        assert main(["train", "--train", str(small), "--model", "widedeep", "--out", str(out),
                      *FAST]) == 0
         results.append(json.loads((out / "metrics.json").read_text())["auc"])
     assert results[0] == results[1]
