@@ -15,6 +15,7 @@ After the pass, rows 1.. are pushed back to the store with their optimizer state
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -44,6 +45,42 @@ def _with_zero_row(rows: np.ndarray, dim: int) -> torch.Tensor:
 
 
 @dataclass
+class PassPlan:
+    """The key-only half of staging: needs no store, so it runs ahead, off the training
+    thread, while the previous pass trains. ``inverse`` maps each key occurrence (batches
+    concatenated) to its position in ``keys``."""
+
+    batches: list[Batch]
+    keys: np.ndarray
+    inverse: np.ndarray
+    show: np.ndarray | None
+    click: np.ndarray | None
+
+    @property
+    def rows(self) -> int:
+        return sum(len(b) for b in self.batches)
+
+    @cached_property
+    def all_admitted_ids(self) -> torch.Tensor:
+        """Local ids when every key is admitted: position + 1 (row 0 is the zero row)."""
+        return torch.from_numpy(self.inverse + 1)
+
+
+def plan_pass(batches: list[Batch], counts: bool = True) -> PassPlan:
+    """Unique keys of a pass, each occurrence's position among them, and (``counts``) each
+    key's shows and clicks in the pass."""
+    values = [b.sparse.values.numpy() for b in batches]
+    all_keys = np.concatenate(values) if values else np.empty(0, np.int64)
+    uniq, inverse = unique_inverse(all_keys)
+    show = click = None
+    if counts:
+        show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
+        occ = np.concatenate([occurrence_labels(b) for b in batches]) if batches else []
+        click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
+    return PassPlan(batches, uniq, inverse, show, click)
+
+
+@dataclass
 class StagingStats:
     keys: int
     unique_keys: int
@@ -70,43 +107,44 @@ class WorkingSet:
         return self.optimizer is not None
 
     @classmethod
-    def stage(cls, store: MemoryStore, batches: list[Batch], pass_id: int,
+    def stage(cls, store: MemoryStore, batches: list[Batch] | PassPlan, pass_id: int,
               device: torch.device | str = "cpu", train: bool = True) -> WorkingSet:
         """Pull the rows of every key in ``batches`` and remap the batches to local ids.
 
+        ``batches`` may be a ``PassPlan`` made ahead of time (off the training thread).
         ``train=False`` reads rows without counting or admitting keys (evaluation,
         prediction): unknown keys score with the zero row.
         """
-        values = [b.sparse.values.numpy() for b in batches]
-        all_keys = np.concatenate(values) if values else np.empty(0, np.int64)
-        uniq, inverse = unique_inverse(all_keys)
-        dim = store.row_dim
+        plan = batches if isinstance(batches, PassPlan) else plan_pass(batches, counts=train)
+        uniq = plan.keys
         if train:
-            show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
-            occ = np.concatenate([occurrence_labels(b) for b in batches]) if batches else []
-            click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
-            block, admitted = store.pull(uniq, show, click, pass_id)
+            if plan.show is None or plan.click is None:
+                raise ValueError("a training pass needs a plan made with counts=True")
+            block, admitted = store.pull(uniq, plan.show, plan.click, pass_id)
             rows, state_rows = block.values, block.state
         else:
             rows, admitted = store.lookup(uniq)
             rows = rows[admitted]
             state_rows = None
         n_adm = int(admitted.sum())
-        local = np.zeros(len(uniq), np.int64)
-        local[admitted] = np.arange(1, n_adm + 1)
-        weights = _with_zero_row(rows, dim)
+        if n_adm == len(uniq):
+            local_ids = plan.all_admitted_ids
+        else:
+            local = np.zeros(len(uniq), np.int64)
+            local[admitted] = np.arange(1, n_adm + 1)
+            local_ids = torch.from_numpy(local[plan.inverse])
         state = None
         if state_rows is not None:
             state = _with_zero_row(state_rows, state_rows.shape[1]).to(device)
-        remapped_all = torch.from_numpy(local[inverse])
         remapped, start = [], 0
-        for b, v in zip(batches, values, strict=True):
-            ids = remapped_all[start:start + len(v)]
-            start += len(v)
+        for b in plan.batches:
+            n = b.sparse.values.numel()
+            ids = local_ids[start:start + n]
+            start += n
             remapped.append(Batch(b.dense, b.sparse.with_values(ids), b.labels).to(device))
-        return cls(uniq[admitted], weights.to(device), state, remapped,
-                   store.optimizer if train else None,
-                   StagingStats(len(all_keys), len(uniq), n_adm))
+        return cls(uniq[admitted], _with_zero_row(rows, store.row_dim).to(device), state,
+                   remapped, store.optimizer if train else None,
+                   StagingStats(len(plan.inverse), len(uniq), n_adm))
 
     def write_back(self, store: MemoryStore) -> None:
         """Push trained rows and their optimizer state back to the store."""

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from terarec.config import TrainConfig
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import MemoryStore
-from terarec.embedding.working_set import WorkingSet
+from terarec.embedding.working_set import PassPlan, WorkingSet, plan_pass
 from terarec.models import build_model
 from terarec.train.metrics import evaluate_scores
 from terarec.train.passes import group_passes, iter_file_batches, prefetch
@@ -85,11 +85,15 @@ class Trainer:
         emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
         return self.model(batch.dense, emb)
 
-    def train_pass(self, batches: list[Batch], progress: tqdm | None = None) -> PassResult:
-        """Stage, train and write back one pass; returns its figures."""
+    def train_pass(self, batches: list[Batch] | PassPlan,
+                   progress: tqdm | None = None) -> PassResult:
+        """Stage, train and write back one pass; returns its figures. A ``PassPlan`` made
+        ahead (``plan_pass``, e.g. in the read-ahead thread) takes the key work off the
+        critical path."""
         self.model.train()
         t0 = time.perf_counter()
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True)
+        batches = ws.batches
         t1 = time.perf_counter()
         losses = []
         for batch in ws.batches:
@@ -163,11 +167,12 @@ class Trainer:
             for epoch in range(cfg.epochs):
                 batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
                                             on_bad_row=cfg.on_bad_row, stats=stats)
-                for group in prefetch(group_passes(batches, cfg.pass_rows)):
+                plans = _plans(group_passes(batches, cfg.pass_rows), seen, skip_passes)
+                for plan in prefetch(plans):
                     seen += 1
                     if seen <= skip_passes:
                         continue
-                    result = self.train_pass(group, bar)
+                    result = self.train_pass(plan, bar)
                     rows_total += result.rows
                     record = {"epoch": epoch, **result.as_dict()}
                     if valid_batches:
@@ -183,6 +188,13 @@ class Trainer:
         finally:
             bar.close()
         return self.history
+
+
+def _plans(groups: Iterator[list[Batch]], first: int, skip: int) -> Iterator:
+    """Plan each pass numbered ``first``, ``first + 1``, ...; passes below ``skip`` (already
+    trained, when resuming) pass through unplanned."""
+    for number, group in enumerate(groups, first):
+        yield plan_pass(group) if number >= skip else group
 
 
 def _dense_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
