@@ -40,7 +40,7 @@ def test_eval_and_predict_agree_with_training_metrics(trained, synth_files, tmp_
     evaluated = json.loads(out.read_text())
     trained_metrics = json.loads((trained / "metrics.json").read_text())
     assert evaluated["auc"] == pytest.approx(trained_metrics["auc"], abs=1e-9)
-    assert evaluated["rows"] == 30_000
+    assert evaluated["rows"] == 30_000 and evaluated["samples_per_s"] > 0
     scores_path = tmp_path / "scores.txt"
     assert main(["predict", "--model", str(trained), "--data", str(valid),
                  "--out", str(scores_path)]) == 0

@@ -21,7 +21,9 @@ class UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="terarec", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="terarec", description="Train and serve CTR models whose sparse embedding "
+        "tables outgrow one machine.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"terarec.cli.{name}").add_parser(sub)

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
                           on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
     seconds = time.perf_counter() - start
     save_checkpoint(args.out, trainer)
-    trained = [h for h in history]
+    trained = history
     rows = sum(h["rows"] for h in trained)
     busy = sum(h["staging_s"] + h["train_s"] + h["write_back_s"] for h in trained)
     if valid:
@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = trainer.evaluate(iter_file_batches(args.train, schema, config.batch_size,
                                                      on_bad_row=config.on_bad_row))
         metrics["evaluated_on"] = "train"
+    metrics.pop("samples_per_s")  # here: training throughput, set below
     metrics.update(
         eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
         samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
