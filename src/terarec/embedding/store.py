@@ -88,6 +88,8 @@ class MemoryStore:
         self._cand_seen = np.zeros(16, np.int32)
         self.admitted_total = 0
         self.evicted_total = 0
+        # Evicted keys since the last ``take_evicted``; None until ``track_evictions``.
+        self._evicted_log: list[np.ndarray] | None = None
 
     # -- storage ------------------------------------------------------------------------
     def _alloc(self, capacity: int) -> None:
@@ -231,6 +233,8 @@ class MemoryStore:
 
     def evict(self, keys: np.ndarray) -> int:
         slots = self.index.remove(keys)
+        if self._evicted_log is not None:
+            self._evicted_log.append(np.asarray(keys, np.int64)[slots >= 0].copy())
         slots = slots[slots >= 0]
         self.values[slots] = 0
         self.state[slots] = 0
@@ -238,6 +242,34 @@ class MemoryStore:
         self.click[slots] = 0
         self.evicted_total += len(slots)
         return len(slots)
+
+    # -- change tracking for incremental export --------------------------------------------
+    def changed_since(self, pass_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted keys (and their values) of rows touched in pass ``pass_id`` or later.
+
+        A row's values change only in passes that pull it, and every pull stamps
+        ``last_seen``, so these are all rows that may differ from an export taken before
+        pass ``pass_id`` (plus rows pulled but left unchanged: a superset is safe).
+        """
+        keys, slots = self.index.items()
+        recent = self.last_seen[slots] >= pass_id
+        keys, slots = keys[recent], slots[recent]
+        order = np.argsort(keys, kind="stable")
+        return keys[order], self.values[slots[order]]
+
+    def track_evictions(self) -> None:
+        """Start logging evicted keys (off by default, so a store nobody exports from
+        does not grow a log)."""
+        if self._evicted_log is None:
+            self._evicted_log = []
+
+    def take_evicted(self) -> np.ndarray:
+        """Unique sorted keys evicted since the previous call; the log is cleared."""
+        if not self._evicted_log:
+            return np.empty(0, np.int64)
+        keys = np.unique(np.concatenate(self._evicted_log))
+        self._evicted_log = []
+        return keys
 
     # -- persistence --------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:

@@ -1,0 +1,233 @@
+"""The export layout: versions of a model, each a folder with a manifest written last.
+
+::
+
+    URI/
+      LATEST                          name of the newest version (a hint, written last)
+      v000001/                        a full version
+        dense.safetensors             the network's weights (state_dict)
+        sparse/shard-00000.safetensors   keys int64 [n] (sorted) + values float32 [n, row_dim]
+        sparse/shard-00001.safetensors   ... shards hold disjoint, increasing key ranges
+        manifest.json                 written after every file it lists
+      v000002/                        a delta on v000001
+        dense.safetensors             the whole network again (a few MB)
+        sparse/shard-00000.safetensors   rows changed since v000001 (upserts)
+        sparse/deleted.safetensors    keys removed since v000001 (evicted)
+        manifest.json
+
+A version's rows are ``base`` with its ``deltas`` applied in order; within one delta,
+deletions apply before upserts (a key evicted and re-admitted ends up present). Rows hold
+values only: optimizer state stays in training checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save as save_numpy_bytes
+
+from terarec.export.storage import Storage, StorageError
+
+FORMAT = "terarec-export"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+DENSE_FILE = "dense.safetensors"
+DELETED_FILE = "sparse/deleted.safetensors"
+_VERSION_RE = re.compile(r"^v(\d{6,})$")
+_DTYPES = {"I64": np.int64, "F32": np.float32, "F16": np.float16, "I32": np.int32,
+           "F64": np.float64, "U8": np.uint8}
+
+
+class ExportError(ValueError):
+    """A version that is missing, half-written, corrupted or inconsistent with its chain."""
+
+
+def version_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def parse_version_name(name: str) -> int | None:
+    match = _VERSION_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def shard_name(i: int) -> str:
+    return f"sparse/shard-{i:05d}.safetensors"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rows_bytes(keys: np.ndarray, values: np.ndarray | None = None) -> bytes:
+    """A safetensors blob of ``keys`` (and ``values``), the shape of every sparse file."""
+    tensors = {"keys": np.ascontiguousarray(keys, np.int64)}
+    if values is not None:
+        tensors["values"] = np.ascontiguousarray(values, np.float32)
+    return save_numpy_bytes(tensors)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One version's manifest: what it is, what it builds on and what its files hold."""
+
+    data: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.data["name"]
+
+    @property
+    def version(self) -> int:
+        return int(self.data["version"])
+
+    @property
+    def kind(self) -> str:
+        return self.data["kind"]
+
+    @property
+    def base(self) -> str:
+        """The full version this one's chain starts from (itself for a full version)."""
+        return self.data["base"]
+
+    @property
+    def deltas(self) -> list[str]:
+        """Deltas applied on ``base``, oldest first, ending with this one for a delta."""
+        return list(self.data["deltas"])
+
+    @property
+    def chain(self) -> list[str]:
+        return [self.base, *self.deltas]
+
+    @property
+    def pass_id(self) -> int:
+        return int(self.data["pass_id"])
+
+    @property
+    def created(self) -> float:
+        return float(self.data["created"])
+
+    @property
+    def row_dim(self) -> int:
+        return int(self.data["row_dim"])
+
+    @property
+    def files(self) -> dict[str, dict]:
+        return self.data["files"]
+
+    @property
+    def shards(self) -> list[dict]:
+        return self.data["sparse"]["shards"]
+
+    @classmethod
+    def parse(cls, raw: bytes, where: str) -> Manifest:
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ExportError(f"{where}: manifest is not valid JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ExportError(f"{where}: not a {FORMAT} manifest")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ExportError(f"{where}: format_version {data.get('format_version')!r} is not "
+                              f"{FORMAT_VERSION}")
+        required = ("name", "version", "kind", "base", "deltas", "pass_id", "created",
+                    "schema", "model", "row_dim", "files", "sparse", "dense")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ExportError(f"{where}: manifest lacks {missing}")
+        if data["kind"] not in ("full", "delta"):
+            raise ExportError(f"{where}: kind {data['kind']!r} is neither 'full' nor 'delta'")
+        return cls(data)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.data, indent=2).encode()
+
+
+def read_manifest(storage: Storage, name: str) -> Manifest:
+    """The manifest of version ``name``; a version without one is half-written."""
+    try:
+        raw = storage.read_bytes(f"{name}/{MANIFEST}")
+    except StorageError:
+        raise ExportError(f"{storage.uri}: version {name} has no manifest "
+                          "(missing or half-written)") from None
+    manifest = Manifest.parse(raw, f"{storage.uri}/{name}/{MANIFEST}")
+    if manifest.name != name:
+        raise ExportError(f"{storage.uri}/{name}: manifest names version {manifest.name!r}")
+    return manifest
+
+
+def list_versions(storage: Storage) -> list[str]:
+    """Version folder names, oldest first (including half-written ones)."""
+    names = [n for n in storage.list_names() if parse_version_name(n) is not None]
+    return sorted(names, key=lambda n: parse_version_name(n) or 0)
+
+
+def latest_version(storage: Storage) -> str | None:
+    """The newest version with a manifest: ``LATEST`` when it is readable and points at
+    one, else the newest folder holding a manifest. None for an empty export."""
+    try:
+        name = storage.read_bytes(LATEST).decode().strip()
+        if parse_version_name(name) is not None and storage.exists(f"{name}/{MANIFEST}"):
+            return name
+    except (StorageError, UnicodeDecodeError):
+        pass
+    for name in reversed(list_versions(storage)):
+        if storage.exists(f"{name}/{MANIFEST}"):
+            return name
+    return None
+
+
+# -- reading safetensors files without copying them ---------------------------------------
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header, byte offset of the data section) of a safetensors file."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ExportError(f"{path}: truncated safetensors file")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100 << 20:
+            raise ExportError(f"{path}: implausible safetensors header size {size}")
+        raw = fh.read(size)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{path}: corrupted safetensors header ({exc})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def memmap_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as a read-only memory map (no bytes read yet)."""
+    header, start = safetensors_header(path)
+    size = path.stat().st_size
+    out = {}
+    for name, info in header.items():
+        dtype = _DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ExportError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')}")
+        shape = tuple(int(s) for s in info["shape"])
+        lo, hi = (int(x) for x in info["data_offsets"])
+        if start + hi > size or hi - lo != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise ExportError(f"{path}: tensor {name!r} does not fit the file")
+        if hi == lo:
+            out[name] = np.empty(shape, dtype)
+        else:
+            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=start + lo, shape=shape)
+    return out

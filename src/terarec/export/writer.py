@@ -1,0 +1,236 @@
+"""Writing versions: a full model from a checkpoint or a live trainer, and deltas during
+training holding only what changed since the previous version.
+
+Order of writes, for local folders and object stores alike: sparse shards, deleted keys,
+dense weights, then ``manifest.json`` (with every file's sha256), then ``LATEST``. A
+reader that finds a manifest finds every file it lists, whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save as save_torch_bytes
+
+from terarec.config import ModelConfig, to_dict
+from terarec.export.format import (
+    DELETED_FILE,
+    DENSE_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    ExportError,
+    Manifest,
+    latest_version,
+    list_versions,
+    parse_version_name,
+    read_manifest,
+    rows_bytes,
+    sha256_bytes,
+    shard_name,
+    version_name,
+)
+from terarec.export.storage import Storage
+from terarec.types import FeatureSchema
+
+log = logging.getLogger(__name__)
+DEFAULT_SHARD_ROWS = 1 << 20
+
+
+@dataclass
+class ExportedVersion:
+    """What one export wrote."""
+
+    name: str
+    kind: str
+    rows: int
+    deleted: int
+    bytes: int
+    seconds: float
+
+
+class ModelExporter:
+    """Writes versions of one model under one URI."""
+
+    def __init__(self, uri: str | Path, storage_options: dict[str, Any] | None = None,
+                 shard_rows: int = DEFAULT_SHARD_ROWS) -> None:
+        if shard_rows < 1:
+            raise ValueError(f"shard_rows must be >= 1, got {shard_rows}")
+        self.storage = Storage(uri, storage_options)
+        self.shard_rows = shard_rows
+
+    def latest(self) -> Manifest | None:
+        name = latest_version(self.storage)
+        return read_manifest(self.storage, name) if name else None
+
+    def _next_version(self) -> int:
+        # Past every folder, half-written ones included: a name is never reused.
+        numbers = [parse_version_name(n) or 0 for n in list_versions(self.storage)]
+        return max(numbers, default=0) + 1
+
+    def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
+                   dense: dict[str, torch.Tensor], keys: np.ndarray, values: np.ndarray,
+                   pass_id: int) -> ExportedVersion:
+        """A self-contained version: every row of the store and the dense weights."""
+        version = self._next_version()
+        name = version_name(version)
+        header = {"name": name, "version": version, "kind": "full", "base": name,
+                  "deltas": [], "parent": None, "schema": schema.to_dict(),
+                  "model": to_dict(model_config)}
+        return self._write(header, dense, keys, values, None, pass_id)
+
+    def write_delta(self, *, dense: dict[str, torch.Tensor], keys: np.ndarray,
+                    values: np.ndarray, deleted: np.ndarray, pass_id: int) -> ExportedVersion:
+        """Rows upserted and keys deleted since the latest version, plus the dense weights."""
+        parent = self.latest()
+        if parent is None:
+            raise ExportError(f"{self.storage.uri}: no version to build a delta on; "
+                              "write a full version first")
+        version = self._next_version()
+        name = version_name(version)
+        header = {"name": name, "version": version, "kind": "delta", "base": parent.base,
+                  "deltas": [*parent.deltas, name], "parent": parent.name,
+                  "schema": parent.data["schema"], "model": parent.data["model"]}
+        return self._write(header, dense, keys, values, deleted, pass_id)
+
+    def _write(self, header: dict, dense: dict[str, torch.Tensor], keys: np.ndarray,
+               values: np.ndarray, deleted: np.ndarray | None, pass_id: int) -> ExportedVersion:
+        t0 = time.perf_counter()
+        name = header["name"]
+        keys = np.ascontiguousarray(keys, np.int64)
+        values = np.ascontiguousarray(values, np.float32)
+        if values.ndim != 2 or len(values) != len(keys):
+            raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys")
+        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+            raise ValueError("keys must be sorted and unique")
+        files: dict[str, dict] = {}
+
+        def put(rel: str, data: bytes) -> None:
+            self.storage.write_bytes(f"{name}/{rel}", data)
+            files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+
+        shards = []
+        for i, lo in enumerate(range(0, len(keys), self.shard_rows)):
+            hi = min(lo + self.shard_rows, len(keys))
+            put(shard_name(i), rows_bytes(keys[lo:hi], values[lo:hi]))
+            shards.append({"file": shard_name(i), "rows": hi - lo,
+                           "first_key": int(keys[lo]), "last_key": int(keys[hi - 1])})
+        sparse: dict[str, Any] = {"shards": shards, "rows": int(len(keys)), "deleted": 0}
+        if deleted is not None:
+            deleted = np.unique(np.asarray(deleted, np.int64))
+            put(DELETED_FILE, rows_bytes(deleted))
+            sparse.update(deleted=int(len(deleted)), deleted_file=DELETED_FILE)
+        state = {k: v.detach().cpu().contiguous() for k, v in dense.items()}
+        put(DENSE_FILE, save_torch_bytes(state))
+        manifest = Manifest({
+            "format": FORMAT, "format_version": FORMAT_VERSION, **header,
+            "pass_id": int(pass_id), "created": time.time(), "row_dim": int(values.shape[1]),
+            "dense": DENSE_FILE, "sparse": sparse, "files": files,
+        })
+        raw = manifest.to_bytes()
+        self.storage.write_bytes(f"{name}/{MANIFEST}", raw)
+        self.storage.write_bytes(LATEST, name.encode())
+        written = sum(f["bytes"] for f in files.values()) + len(raw)
+        result = ExportedVersion(name=name, kind=header["kind"], rows=int(len(keys)),
+                                 deleted=sparse["deleted"], bytes=written,
+                                 seconds=time.perf_counter() - t0)
+        log.info("exported %s version %s: %d rows, %d deleted, %d bytes", result.kind, name,
+                 result.rows, result.deleted, result.bytes)
+        return result
+
+
+def export_model_dir(model_dir: str | Path, uri: str | Path,
+                     storage_options: dict[str, Any] | None = None,
+                     shard_rows: int = DEFAULT_SHARD_ROWS) -> ExportedVersion:
+    """Write the newest good checkpoint of a model directory as a full version."""
+    from terarec.train.checkpoint import load_checkpoint, read_model_meta
+
+    schema, config = read_model_meta(Path(model_dir))
+    ckpt = load_checkpoint(model_dir)
+    exporter = ModelExporter(uri, storage_options, shard_rows)
+    return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
+                               keys=ckpt.sparse["keys"], values=ckpt.sparse["values"],
+                               pass_id=int(ckpt.meta["pass_id"]))
+
+
+class IncrementalExporter:
+    """Exports a training run: a full version at the first export, then deltas.
+
+    Hook ``on_pass_end`` into ``Trainer.fit``; a delta is written every ``every_passes``
+    passes and/or once ``every_minutes`` have passed since the previous export (at the
+    next pass boundary), holding the rows of every key trained since the previous export
+    and the keys evicted since then.
+
+    When the target's newest version was exported at exactly the trainer's pass (a
+    resumed run), deltas continue from it; otherwise the first export is a full version,
+    since evictions between that version and this trainer's state are unknown.
+    """
+
+    def __init__(self, uri: str | Path, trainer, *, every_passes: int | None = None,
+                 every_minutes: float | None = None,
+                 storage_options: dict[str, Any] | None = None,
+                 shard_rows: int = DEFAULT_SHARD_ROWS) -> None:
+        if every_passes is not None and every_passes < 1:
+            raise ValueError(f"delta every {every_passes} passes: must be >= 1")
+        if every_minutes is not None and every_minutes <= 0:
+            raise ValueError(f"delta every {every_minutes} minutes: must be > 0")
+        self.exporter = ModelExporter(uri, storage_options, shard_rows)
+        self.every_passes = every_passes
+        self.every_minutes = every_minutes
+        self.exported: list[ExportedVersion] = []
+        trainer.store.track_evictions()
+        self._last_pass: int | None = None  # trainer.pass_id at the previous export
+        self._last_time = time.monotonic()
+        latest = self.exporter.latest()
+        if (latest is not None and latest.pass_id == trainer.pass_id
+                and latest.data["schema"] == trainer.schema.to_dict()
+                and latest.data["model"] == to_dict(trainer.config.model)):
+            self._last_pass = trainer.pass_id
+
+    def due(self, trainer) -> bool:
+        if self._last_pass is None:
+            return True
+        passes = trainer.pass_id - self._last_pass
+        if passes <= 0:
+            return False
+        if self.every_passes is not None and passes >= self.every_passes:
+            return True
+        minutes = (time.monotonic() - self._last_time) / 60.0
+        return self.every_minutes is not None and minutes >= self.every_minutes
+
+    def on_pass_end(self, trainer, record: dict | None = None) -> ExportedVersion | None:
+        return self.export(trainer) if self.due(trainer) else None
+
+    def finish(self, trainer) -> ExportedVersion | None:
+        """Export whatever the last passes changed, if anything was trained since."""
+        if self._last_pass is not None and trainer.pass_id == self._last_pass:
+            return None
+        return self.export(trainer)
+
+    def export(self, trainer, full: bool = False) -> ExportedVersion:
+        dense = trainer.model.state_dict()
+        store = trainer.store
+        if full or self._last_pass is None:
+            arrays = store.to_arrays()
+            store.take_evicted()  # a full version supersedes every earlier deletion
+            result = self.exporter.write_full(
+                schema=trainer.schema, model_config=trainer.config.model, dense=dense,
+                keys=arrays["keys"], values=arrays["values"], pass_id=trainer.pass_id)
+        else:
+            keys, values = store.changed_since(self._last_pass)
+            evicted = store.take_evicted()
+            # A key evicted and admitted again since the last export is an upsert.
+            deleted = np.setdiff1d(evicted, keys, assume_unique=True)
+            result = self.exporter.write_delta(dense=dense, keys=keys, values=values,
+                                               deleted=deleted, pass_id=trainer.pass_id)
+        self._last_pass = trainer.pass_id
+        self._last_time = time.monotonic()
+        self.exported.append(result)
+        return result

@@ -1,0 +1,393 @@
+"""The serving engine: load exported versions, follow new deltas, score requests.
+
+A version is built off to the side (files fetched and verified, dense weights loaded into
+a fresh network, delta rows merged into a new overlay) and then swapped in by replacing
+one reference under a lock, while requests keep scoring against whichever version they
+started with. A version that fails any check (missing or half-written manifest, checksum
+mismatch, broken chain, shapes that do not fit) is refused and logged; the engine keeps
+the newest good state, including the good prefix of a chain of deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file as load_torch_file
+
+from terarec.config import ModelConfig, from_dict
+from terarec.data.readers import batch_from_records
+from terarec.embedding.index import unique_inverse
+from terarec.embedding.working_set import StagingStats, WorkingSet
+from terarec.export.format import (
+    ExportError,
+    Manifest,
+    latest_version,
+    memmap_tensors,
+    read_manifest,
+    sha256_file,
+)
+from terarec.export.storage import Storage, StorageError
+from terarec.models import build_model
+from terarec.models.base import CTRModel
+from terarec.serving.metrics import ServingMetrics
+from terarec.serving.rows import RowCache, ShardedRows, VersionRows
+from terarec.types import Batch, FeatureSchema
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedVersion:
+    """Everything one version needs to score: schema, network and rows. Never mutated."""
+
+    manifest: Manifest
+    schema: FeatureSchema
+    model: CTRModel
+    rows: VersionRows
+    mean_fields: torch.Tensor | None
+    # Keys whose rows changed against the version this one was built from (for the cache).
+    touched: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.schema.fields)
+
+
+class NoVersionError(RuntimeError):
+    """Nothing has been loaded yet: the export is empty or every version was refused."""
+
+
+class ServingEngine:
+    """Serves the newest good version under ``uri`` and follows new ones.
+
+    ``cache_rows`` bounds the hot-key cache; ``cache_dir`` is where remote (non-local)
+    files are copied so shards can be memory-mapped (a temp folder by default; local
+    exports are mapped in place).
+    """
+
+    def __init__(self, uri: str | Path, *, storage_options: dict[str, Any] | None = None,
+                 cache_rows: int = 1_000_000, cache_dir: str | Path | None = None,
+                 metrics: ServingMetrics | None = None) -> None:
+        self.storage = Storage(uri, storage_options)
+        self.metrics = metrics or ServingMetrics()
+        self.cache_rows = cache_rows
+        self._own_cache_dir = cache_dir is None and not self.storage.is_local
+        self.cache_dir = (Path(tempfile.mkdtemp(prefix="terarec-serve-"))
+                          if self._own_cache_dir else Path(cache_dir) if cache_dir else None)
+        self.current: ServedVersion | None = None
+        self.cache: RowCache | None = None
+        self.refused: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    # -- loading ------------------------------------------------------------------------
+    def _fetch(self, manifest: Manifest, rel: str) -> Path:
+        """A verified local copy of one of the version's files."""
+        info = manifest.files.get(rel)
+        if info is None:
+            raise ExportError(f"{manifest.name}: {rel} is not listed in the manifest")
+        source = f"{manifest.name}/{rel}"
+        path = self.storage.local_path(source)
+        if path is None:
+            assert self.cache_dir is not None
+            path = self.cache_dir / manifest.name / rel
+            if not path.exists():
+                try:
+                    self.storage.download(source, path)
+                except StorageError as exc:
+                    raise ExportError(str(exc)) from None
+        elif not path.exists():
+            raise ExportError(f"{self.storage.uri}/{source}: missing")
+        if path.stat().st_size != int(info["bytes"]) or sha256_file(path) != info["sha256"]:
+            if self.storage.local_path(source) is None:
+                path.unlink(missing_ok=True)  # a bad download is not kept
+            raise ExportError(f"{self.storage.uri}/{source}: checksum mismatch, the file is "
+                              "corrupted or was replaced")
+        return path
+
+    def _tensors(self, manifest: Manifest, rel: str, need: Sequence[str]) -> dict[str, np.ndarray]:
+        tensors = memmap_tensors(self._fetch(manifest, rel))
+        lacking = [n for n in need if n not in tensors]
+        if lacking:
+            raise ExportError(f"{manifest.name}/{rel}: lacks tensors {lacking}")
+        return tensors
+
+    def _network(self, manifest: Manifest, schema: FeatureSchema) -> CTRModel:
+        try:
+            config = from_dict(ModelConfig, manifest.data["model"])
+            model = build_model(schema, config)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ExportError(f"{manifest.name}: bad model config ({exc})") from None
+        state = load_torch_file(str(self._fetch(manifest, manifest.data["dense"])))
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise ExportError(f"{manifest.name}: dense weights do not fit the model "
+                              f"({str(exc).splitlines()[0]})") from None
+        if model.row_dim != manifest.row_dim:
+            raise ExportError(f"{manifest.name}: rows have {manifest.row_dim} floats, the "
+                              f"model needs {model.row_dim}")
+        return model.eval()
+
+    def _rows(self, manifest: Manifest, rel: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        t = self._tensors(manifest, rel, ("keys", "values"))
+        keys, values = t["keys"], t["values"]
+        if keys.shape != (rows,) or values.shape != (rows, manifest.row_dim):
+            raise ExportError(f"{manifest.name}/{rel}: holds keys {keys.shape} and values "
+                              f"{values.shape}, the manifest says {rows} rows of "
+                              f"{manifest.row_dim}")
+        return keys, values
+
+    def load_full(self, manifest: Manifest) -> ServedVersion:
+        if manifest.kind != "full":
+            raise ExportError(f"{manifest.name}: expected a full version, got a "
+                              f"{manifest.kind}")
+        try:
+            schema = FeatureSchema.from_dict(manifest.data["schema"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ExportError(f"{manifest.name}: bad feature schema ({exc})") from None
+        model = self._network(manifest, schema)
+        shards = []
+        for shard in manifest.shards:
+            keys, values = self._rows(manifest, shard["file"], int(shard["rows"]))
+            if len(keys) and (int(keys[0]) != shard["first_key"]
+                              or int(keys[-1]) != shard["last_key"]):
+                raise ExportError(f"{manifest.name}/{shard['file']}: key range differs "
+                                  "from the manifest")
+            if len(keys):
+                shards.append((keys, values))
+        try:
+            base = ShardedRows(shards, manifest.row_dim)
+        except ValueError as exc:
+            raise ExportError(f"{manifest.name}: {exc}") from None
+        mean = [f.pooling == "mean" for f in schema.categorical]
+        return ServedVersion(manifest, schema, model, VersionRows(base),
+                             torch.tensor(mean) if any(mean) else None)
+
+    def apply_delta(self, state: ServedVersion, manifest: Manifest) -> ServedVersion:
+        """``state`` with delta ``manifest`` applied, as a new ServedVersion."""
+        if manifest.kind != "delta" or manifest.data.get("parent") != state.name:
+            raise ExportError(f"{manifest.name}: not a delta on {state.name} "
+                              f"(kind {manifest.kind}, parent {manifest.data.get('parent')})")
+        for key in ("schema", "model", "row_dim"):
+            if manifest.data[key] != state.manifest.data[key]:
+                raise ExportError(f"{manifest.name}: {key} differs from its base "
+                                  f"{state.manifest.base}")
+        model = self._network(manifest, state.schema)
+        keys, values = [], []
+        for shard in manifest.shards:
+            k, v = self._rows(manifest, shard["file"], int(shard["rows"]))
+            keys.append(np.array(k))
+            values.append(np.array(v))
+        upserts = np.concatenate(keys) if keys else np.empty(0, np.int64)
+        rows = (np.concatenate(values) if values
+                else np.empty((0, manifest.row_dim), np.float32))
+        deleted = np.empty(0, np.int64)
+        if manifest.data["sparse"].get("deleted_file"):
+            deleted = np.array(self._tensors(manifest, manifest.data["sparse"]["deleted_file"],
+                                             ("keys",))["keys"])
+            if len(deleted) != int(manifest.data["sparse"]["deleted"]):
+                raise ExportError(f"{manifest.name}: {len(deleted)} deleted keys, the "
+                                  f"manifest says {manifest.data['sparse']['deleted']}")
+        touched = np.concatenate([state.touched, upserts, deleted])
+        return ServedVersion(manifest, state.schema, model,
+                             state.rows.with_delta(upserts, rows, deleted), state.mean_fields,
+                             touched)
+
+    def _manifest(self, name: str) -> Manifest:
+        try:
+            return read_manifest(self.storage, name)
+        except StorageError as exc:
+            raise ExportError(str(exc)) from None
+
+    def _refuse(self, name: str, reason: str) -> None:
+        if name not in self.refused:
+            log.error("refusing version %s: %s", name, reason)
+            self.refused[name] = reason
+            self.metrics.refused.inc()
+
+    def _build(self, target: Manifest) -> ServedVersion | None:
+        """The newest good state on the way to ``target``: from the current version when
+        ``target`` continues its chain, else from ``target``'s full version."""
+        current = self.current
+        chain = target.chain
+        if current is not None and chain[:len(current.manifest.chain)] == current.manifest.chain:
+            state, todo = current, chain[len(current.manifest.chain):]
+            state = ServedVersion(state.manifest, state.schema, state.model, state.rows,
+                                  state.mean_fields)  # touched: only this refresh's deltas
+        else:
+            if target.base in self.refused:
+                self._refuse(target.name, f"its full version {target.base} was refused")
+                return None
+            try:
+                state = self.load_full(self._manifest(target.base))
+            except ExportError as exc:
+                self._refuse(target.base, str(exc))
+                self._refuse(target.name, f"its full version {target.base} was refused")
+                return None
+            todo = target.deltas
+        for name in todo:
+            if name in self.refused:
+                self._refuse(target.name, f"it builds on refused version {name}")
+                break
+            try:
+                state = self.apply_delta(state, self._manifest(name))
+            except ExportError as exc:
+                self._refuse(name, str(exc))
+                if name != target.name:
+                    self._refuse(target.name, f"it builds on refused version {name}")
+                break
+        return state
+
+    def refresh(self) -> bool:
+        """Load the newest version if there is one; True when a new version was swapped in."""
+        with self._refresh_lock:
+            try:
+                name = latest_version(self.storage)
+            except (OSError, ExportError) as exc:
+                log.warning("cannot read %s: %s", self.storage.uri, exc)
+                return False
+            current = self.current
+            if name is None or name in self.refused or (current and name == current.name):
+                return False
+            try:
+                target = self._manifest(name)
+            except ExportError as exc:
+                self._refuse(name, str(exc))
+                return False
+            if current is not None and target.version <= current.version:
+                return False
+            state = self._build(target)
+            if state is None or (current is not None and state.name == current.name):
+                return False
+            self._swap(state)
+            return True
+
+    def _swap(self, state: ServedVersion) -> None:
+        """Make ``state`` the served version; cached rows follow it in the same step."""
+        current = self.current
+        same_base = current is not None and current.manifest.base == state.manifest.base
+        fresh_rows = None
+        if same_base and len(state.touched):
+            touched = np.unique(state.touched)
+            fresh_rows, _ = state.rows.lookup(touched)  # computed before taking the lock
+        with self._lock:
+            if self.cache is None or not same_base or self.cache.row_dim != state.rows.row_dim:
+                self.cache = RowCache(self.cache_rows, state.rows.row_dim)
+            elif fresh_rows is not None:
+                self.cache.refresh(touched, fresh_rows)
+            self.current = state
+        if not same_base:
+            self._prune_downloads(state.manifest)
+        self.metrics.served(state.version, state.manifest.created)
+        log.info("serving version %s (%s on %s, %d overlay rows)", state.name,
+                 state.manifest.kind, state.manifest.base, state.rows.overlay_rows)
+
+    def _prune_downloads(self, manifest: Manifest) -> None:
+        """Drop downloaded files of versions outside the served chain (remote exports)."""
+        if self.storage.is_local or self.cache_dir is None or not self.cache_dir.exists():
+            return
+        keep = set(manifest.chain)
+        for folder in self.cache_dir.iterdir():
+            if folder.is_dir() and folder.name not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    # -- polling --------------------------------------------------------------------------
+    def start_polling(self, interval_s: float) -> None:
+        """Check for new versions every ``interval_s`` seconds in a background thread."""
+        if self._poller is not None:
+            return
+        self._stop.clear()
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.refresh()
+                except Exception:  # keep serving whatever happens to one refresh
+                    log.exception("refresh failed; still serving the previous version")
+
+        self._poller = threading.Thread(target=loop, name="terarec-poll", daemon=True)
+        self._poller.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=10)
+            self._poller = None
+        if self._own_cache_dir and self.cache_dir is not None:
+            shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+    # -- scoring --------------------------------------------------------------------------
+    def served(self) -> ServedVersion:
+        current = self.current
+        if current is None:
+            raise NoVersionError(f"no model version loaded from {self.storage.uri} yet")
+        return current
+
+    def _rows_for(self, version: ServedVersion, keys: np.ndarray) -> np.ndarray:
+        """Rows of unique ``keys`` from the cache, then the version's own rows."""
+        with self._lock:
+            cache = self.cache if version is self.current else None
+            if cache is None:
+                return version.rows.lookup(keys)[0]
+            slots, hit = cache.get(keys)
+            rows = np.empty((len(keys), version.rows.row_dim), np.float32)
+            rows[hit] = cache.values[slots[hit]]
+            miss = np.flatnonzero(~hit)
+            if len(miss):
+                rows[miss] = version.rows.lookup(keys[miss])[0]
+                cache.put(keys[miss], rows[miss])
+        self.metrics.cache_counts(len(keys), len(keys) - len(miss))
+        return rows
+
+    @torch.no_grad()
+    def score_batch(self, batch: Batch, version: ServedVersion | None = None) -> np.ndarray:
+        """Click probabilities for a batch of global keys, as ``Trainer.predict_batches``
+        computes them (unknown keys pool as zero rows)."""
+        version = version or self.served()
+        sparse = batch.sparse
+        uniq, inverse = unique_inverse(sparse.values.numpy())
+        weights = torch.zeros(len(uniq) + 1, version.rows.row_dim)
+        weights[1:] = torch.from_numpy(self._rows_for(version, uniq))
+        local = sparse.with_values(torch.from_numpy(inverse + 1))
+        ws = WorkingSet(uniq, weights, None, [], None,
+                        StagingStats(len(inverse), len(uniq), len(uniq)))
+        emb = ws.lookup(local, version.mean_fields)
+        probs = torch.sigmoid(version.model(batch.dense, emb))
+        self.metrics.scored_rows.inc(len(batch))
+        return probs.numpy()
+
+    def score_records(self, records: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, int]:
+        """Scores of raw feature dicts, hashed with the served schema; and the version."""
+        version = self.served()
+        batch = batch_from_records(records, version.schema)
+        return self.score_batch(batch, version), version.version
+
+    def wait_for_version(self, timeout_s: float) -> bool:
+        """Poll until a version is loaded (startup on an export still being written)."""
+        deadline = time.monotonic() + timeout_s
+        while self.current is None and time.monotonic() < deadline:
+            self.refresh()
+            if self.current is None:
+                time.sleep(0.2)
+        return self.current is not None
