@@ -13,6 +13,7 @@ import sys
 
 SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
+    "export", "serve",
 ]
 
 

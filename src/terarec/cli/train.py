@@ -14,7 +14,9 @@ from terarec.cli.common import (
     report_skipped,
     schema_from_args,
 )
+from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.data.readers import ReadStats
+from terarec.export import IncrementalExporter
 from terarec.io import atomic_write_text
 from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
 from terarec.train.passes import iter_file_batches
@@ -33,7 +35,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_format_args(p)
     add_train_args(p)
+    add_export_args(p)
     p.set_defaults(func=run)
+
+
+def add_export_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("export for serving")
+    g.add_argument("--export-to", metavar="URI",
+                   help="write a full version after the first pass, then deltas here "
+                   "(every pass unless --delta-every / --delta-minutes say otherwise)")
+    g.add_argument("--delta-every", type=int, metavar="N", help="a delta every N passes")
+    g.add_argument("--delta-minutes", type=float, metavar="M",
+                   help="a delta at the first pass end M minutes after the previous export")
+    add_storage_args(g)
+
+
+def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExporter | None:
+    if args.export_to is None:
+        if args.delta_every is not None or args.delta_minutes is not None:
+            raise ValueError("--delta-every / --delta-minutes need --export-to")
+        return None
+    every_passes = args.delta_every
+    if every_passes is None and args.delta_minutes is None:
+        every_passes = 1  # a delta at every pass boundary
+    return IncrementalExporter(args.export_to, trainer, every_passes=every_passes,
+                               every_minutes=args.delta_minutes,
+                               storage_options=storage_options_from_args(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,15 +76,21 @@ def run(args: argparse.Namespace) -> int:
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
                                    on_bad_row=config.on_bad_row, stats=stats))
 
+    exporter = make_exporter(args, trainer)
+
     def on_pass_end(t: Trainer, record: dict) -> None:
         if t.pass_id % max(1, args.checkpoint_every) == 0:
             save_checkpoint(args.out, t)
+        if exporter is not None:
+            exporter.on_pass_end(t, record)
 
     start = time.perf_counter()
     history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
                           on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
     seconds = time.perf_counter() - start
     save_checkpoint(args.out, trainer)
+    if exporter is not None:
+        exporter.finish(trainer)
     trained = history
     rows = sum(h["rows"] for h in trained)
     busy = sum(h["staging_s"] + h["train_s"] + h["write_back_s"] for h in trained)

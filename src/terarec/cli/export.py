@@ -1,0 +1,31 @@
+"""``terarec export``: write a model directory's newest checkpoint as a full version."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.export import export_model_dir
+from terarec.export.writer import DEFAULT_SHARD_ROWS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="export a trained model for serving",
+                       description=__doc__)
+    p.add_argument("--model", required=True, type=Path, help="model directory")
+    p.add_argument("--out", required=True,
+                   help="export URI: a local folder or an fsspec URL such as s3://bucket/x")
+    p.add_argument("--shard-rows", type=int, default=DEFAULT_SHARD_ROWS,
+                   help=f"sparse rows per shard file (default {DEFAULT_SHARD_ROWS})")
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    result = export_model_dir(args.model, args.out, storage_options_from_args(args),
+                              shard_rows=args.shard_rows)
+    print(json.dumps({"uri": args.out, **asdict(result)}))
+    return 0

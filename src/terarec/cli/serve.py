@@ -1,0 +1,66 @@
+"""``terarec serve``: serve an exported model over HTTP and follow its new versions.
+
+Routes: ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/NAME``,
+``/v2/models/NAME/infer`` (Open Inference Protocol), ``/predict`` (raw feature values)
+and ``/metrics`` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve an exported model over HTTP", description=__doc__)
+    p.add_argument("uri", help="export URI written by `terarec export` or `train --export-to`")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--name", default="terarec", help="model name in /v2/models/NAME")
+    p.add_argument("--poll-seconds", type=float, default=5.0,
+                   help="how often to look for new versions (default 5)")
+    p.add_argument("--cache-rows", type=int, default=1_000_000,
+                   help="rows kept in the hot-key cache (default 1,000,000)")
+    p.add_argument("--cache-dir", type=Path,
+                   help="local folder for shards of a remote export (default: a temp folder)")
+    p.add_argument("--max-candidates", type=int, default=1000,
+                   help="most rows one request may score (default 1000)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body accepted (default 4 MiB)")
+    p.add_argument("--wait-seconds", type=float, default=0.0,
+                   help="at startup, wait this long for a first version (default: do not "
+                        "wait; /v2/health/ready says 503 until one is loaded)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from terarec.serving.app import create_app
+    from terarec.serving.engine import ServingEngine
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = ServingEngine(args.uri, storage_options=storage_options_from_args(args),
+                           cache_rows=args.cache_rows, cache_dir=args.cache_dir)
+    if args.wait_seconds > 0:
+        engine.wait_for_version(args.wait_seconds)
+    else:
+        engine.refresh()
+    if engine.current is None:
+        logging.getLogger(__name__).warning("no version under %s yet; polling every %.1fs",
+                                            args.uri, args.poll_seconds)
+    app = create_app(engine, model_name=args.name, max_candidates=args.max_candidates,
+                     max_body_bytes=args.max_body_bytes, poll_interval_s=args.poll_seconds)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False)
+    return 0
