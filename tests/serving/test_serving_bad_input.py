@@ -1,0 +1,147 @@
+"""Bad requests get a 4xx naming the problem; the server answers the next good one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from terarec.serving.app import create_app
+from terarec.serving.engine import ServingEngine
+
+MAX_CANDIDATES = 8
+MAX_BODY = 20_000
+
+
+@pytest.fixture(scope="module")
+def client(live_run):
+    engine = ServingEngine(live_run.export)
+    engine.refresh()
+    app = create_app(engine, max_candidates=MAX_CANDIDATES, max_body_bytes=MAX_BODY)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def good(live_run) -> dict:
+    return {"context": {"I1": 3, "C1": live_run.records[0]["C1"]},
+            "candidates": [{"C3": live_run.records[i].get("C3", "x")} for i in range(3)]}
+
+
+def _post(client, path: str, body) -> tuple[int, str]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    return r.status_code, r.json().get("error", "")
+
+
+PREDICT_CASES = [
+    ("malformed JSON", b'{"candidates": [', 400, "malformed JSON"),
+    ("empty body", b"", 400, "empty request body"),
+    ("not an object", [1, 2], 422, "got array"),
+    ("missing candidates", {"context": {}}, 422, "missing field 'candidates'"),
+    ("extra top-level field", {"candidates": [{}], "user": 1}, 422, "['user']"),
+    ("candidates not a list", {"candidates": {"C1": "a"}}, 422, "must be an array"),
+    ("no candidates", {"candidates": []}, 422, "empty"),
+    ("candidate not an object", {"candidates": ["a"]}, 422, "candidates[0] must be an object"),
+    ("context not an object", {"context": [1], "candidates": [{}]}, 422, "context must be"),
+    ("unknown feature", {"candidates": [{}, {"C99": "a"}]}, 422, "candidates[1]: unknown"),
+    ("label is no feature", {"candidates": [{"label": 1}]}, 422, "['label']"),
+    ("feature in context and candidate", {"context": {"C1": "a"},
+                                          "candidates": [{"C1": "b"}]}, 422, "['C1']"),
+    ("numeric not a number", {"candidates": [{}, {"I2": "many"}]}, 422,
+     "candidates[1]: field 'I2': not a finite number"),
+    ("numeric infinity", {"candidates": [{"I2": 1e400}]}, 422, "field 'I2'"),
+    ("float categorical", {"candidates": [{"C4": 2.5}]}, 422, "field 'C4'"),
+    ("boolean categorical", {"candidates": [{"C4": True}]}, 422, "field 'C4'"),
+    ("object value", {"candidates": [{"C4": {"a": 1}}]}, 422, "field 'C4'"),
+    ("list for a single-valued field", {"candidates": [{"C4": ["a", "b"]}]}, 422, "field 'C4'"),
+    ("too many candidates", {"candidates": [{}] * (MAX_CANDIDATES + 1)}, 413,
+     f"limit of {MAX_CANDIDATES}"),
+    ("body too large", {"candidates": [{"C1": "x" * MAX_BODY}]}, 413, "exceeds the limit"),
+]
+
+
+@pytest.mark.parametrize("case", PREDICT_CASES, ids=[c[0] for c in PREDICT_CASES])
+def test_bad_predict_requests_get_a_4xx_naming_the_problem(client, good, case):
+    _, body, status, message = case
+    got_status, error = _post(client, "/predict", body)
+    assert got_status == status, error
+    assert message in error
+    # The server is unharmed: the next good request scores.
+    ok, _ = _post(client, "/predict", good)
+    assert ok == 200
+
+
+def _kserve(n: int = 2, **override) -> dict:
+    tensor = {"name": "C1", "shape": [n], "datatype": "BYTES", "data": ["a"] * n}
+    tensor.update(override)
+    return {"inputs": [tensor, {"name": "I1", "shape": [n], "datatype": "INT64",
+                                "data": [1] * n}]}
+
+
+INFER_CASES = [
+    ("no inputs", {"id": "a"}, 422, "missing field 'inputs'"),
+    ("inputs not a list", {"inputs": {}}, 422, "non-empty array"),
+    ("extra field", {**_kserve(), "priority": 1}, 422, "['priority']"),
+    ("tensor lacks data", {"inputs": [{"name": "C1", "shape": [1], "datatype": "BYTES"}]},
+     422, "['data']"),
+    ("unknown input", _kserve(name="C99"), 422, "unknown input 'C99'"),
+    ("unknown datatype", _kserve(datatype="STRING"), 422, "unknown datatype 'STRING'"),
+    ("bad shape", _kserve(shape=[2, 3]), 422, "shape must be [N] or [N, 1]"),
+    ("shape disagrees with data", _kserve(shape=[3]), 422, "does not match 2 values"),
+    ("row counts differ", {"inputs": [_kserve()["inputs"][0],
+                                      {"name": "I1", "shape": [3], "datatype": "INT64",
+                                       "data": [1, 2, 3]}]}, 422, "3 rows, other inputs have 2"),
+    ("input twice", {"inputs": [_kserve()["inputs"][0]] * 2}, 422, "given twice"),
+    ("wrong value type", _kserve(name="I2", datatype="FP32", data=["x", "y"]), 422,
+     "field 'I2'"),
+    ("unknown output", {**_kserve(), "outputs": [{"name": "logit"}]}, 422, "'score'"),
+    ("too many rows", _kserve(MAX_CANDIDATES + 1), 413, f"limit of {MAX_CANDIDATES}"),
+]
+
+
+@pytest.mark.parametrize("case", INFER_CASES, ids=[c[0] for c in INFER_CASES])
+def test_bad_infer_requests_get_a_4xx_naming_the_problem(client, case):
+    _, body, status, message = case
+    got_status, error = _post(client, "/v2/models/terarec/infer", body)
+    assert got_status == status, error
+    assert message in error
+    assert _post(client, "/v2/models/terarec/infer", _kserve())[0] == 200
+
+
+def test_unknown_model_name_is_404(client):
+    assert client.get("/v2/models/other").status_code == 404
+    status, error = _post(client, "/v2/models/other/infer", _kserve())
+    assert status == 404 and "'other'" in error
+
+
+def test_chunked_body_past_the_limit_is_413(client):
+    def chunks():
+        yield b'{"candidates": [{"C1": "'
+        for _ in range(MAX_BODY // 1000 + 1):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    r = client.post("/predict", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_nested_kserve_data_and_flat_data_agree(client):
+    flat = _post(client, "/v2/models/terarec/infer", _kserve())
+    assert flat[0] == 200
+    nested = _kserve(shape=[2, 1], data=[["a"], ["a"]])
+    r1 = client.post("/v2/models/terarec/infer", json=_kserve()).json()
+    r2 = client.post("/v2/models/terarec/infer", json=nested).json()
+    np.testing.assert_allclose(r1["outputs"][0]["data"], r2["outputs"][0]["data"])
+
+
+def test_no_version_yet_means_not_ready(tmp_path):
+    engine = ServingEngine(tmp_path / "empty")
+    assert not engine.refresh()
+    with TestClient(create_app(engine), raise_server_exceptions=False) as c:
+        assert c.get("/v2/health/live").status_code == 200
+        assert c.get("/v2/health/ready").status_code == 503
+        r = c.post("/predict", json={"candidates": [{}]})
+        assert r.status_code == 503 and "no model version" in r.json()["error"]
