@@ -8,8 +8,10 @@ reader that finds a manifest finds every file it lists, whole.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,11 @@ class ModelExporter:
         return result
 
 
+def _as_json(value: Any) -> Any:
+    """``value`` as a manifest holds it once read back (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
 def export_model_dir(model_dir: str | Path, uri: str | Path,
                      storage_options: dict[str, Any] | None = None,
                      shard_rows: int = DEFAULT_SHARD_ROWS) -> ExportedVersion:
@@ -176,7 +183,8 @@ class IncrementalExporter:
     def __init__(self, uri: str | Path, trainer, *, every_passes: int | None = None,
                  every_minutes: float | None = None,
                  storage_options: dict[str, Any] | None = None,
-                 shard_rows: int = DEFAULT_SHARD_ROWS) -> None:
+                 shard_rows: int = DEFAULT_SHARD_ROWS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if every_passes is not None and every_passes < 1:
             raise ValueError(f"delta every {every_passes} passes: must be >= 1")
         if every_minutes is not None and every_minutes <= 0:
@@ -187,11 +195,12 @@ class IncrementalExporter:
         self.exported: list[ExportedVersion] = []
         trainer.store.track_evictions()
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
-        self._last_time = time.monotonic()
+        self._clock = clock
+        self._last_time = clock()
         latest = self.exporter.latest()
         if (latest is not None and latest.pass_id == trainer.pass_id
-                and latest.data["schema"] == trainer.schema.to_dict()
-                and latest.data["model"] == to_dict(trainer.config.model)):
+                and latest.data["schema"] == _as_json(trainer.schema.to_dict())
+                and latest.data["model"] == _as_json(to_dict(trainer.config.model))):
             self._last_pass = trainer.pass_id
 
     def due(self, trainer) -> bool:
@@ -202,7 +211,7 @@ class IncrementalExporter:
             return False
         if self.every_passes is not None and passes >= self.every_passes:
             return True
-        minutes = (time.monotonic() - self._last_time) / 60.0
+        minutes = (self._clock() - self._last_time) / 60.0
         return self.every_minutes is not None and minutes >= self.every_minutes
 
     def on_pass_end(self, trainer, record: dict | None = None) -> ExportedVersion | None:
@@ -231,6 +240,6 @@ class IncrementalExporter:
             result = self.exporter.write_delta(dense=dense, keys=keys, values=values,
                                                deleted=deleted, pass_id=trainer.pass_id)
         self._last_pass = trainer.pass_id
-        self._last_time = time.monotonic()
+        self._last_time = self._clock()
         self.exported.append(result)
         return result

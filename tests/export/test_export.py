@@ -1,0 +1,230 @@
+"""Export layout and delta semantics: replaying base + deltas gives back the store."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from terarec.cli.main import main as cli_main
+from terarec.config import ModelConfig, StoreConfig, TrainConfig
+from terarec.data.synth import generate
+from terarec.export import (
+    ExportError,
+    IncrementalExporter,
+    ModelExporter,
+    Storage,
+    latest_version,
+    read_manifest,
+)
+from terarec.export.format import DELETED_FILE, LATEST, MANIFEST, sha256_file
+from terarec.train.checkpoint import load_checkpoint, save_checkpoint
+from terarec.train.trainer import Trainer
+from terarec.types import FeatureSchema
+
+SCHEMA = FeatureSchema.criteo()
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("export-data") / "train.tsv"
+    generate(path, 2400, model_seed=0, sample_seed=5, vocab_scale=0.01)
+    return path
+
+
+def _trainer(evict_after_passes: int | None = 1) -> Trainer:
+    config = TrainConfig(batch_size=200, pass_rows=600, seed=1, threads=1,
+                         model=ModelConfig(name="deepfm", embedding_dim=4, deep_mlp=(16,)),
+                         store=StoreConfig(evict_after_passes=evict_after_passes))
+    return Trainer(SCHEMA, config)
+
+
+def _replay(uri, name: str) -> dict[int, np.ndarray]:
+    """key -> row of version ``name``, rebuilt from its files with plain dicts."""
+    storage = Storage(uri)
+    manifest = read_manifest(storage, name)
+    rows: dict[int, np.ndarray] = {}
+    for version in manifest.chain:
+        m = read_manifest(storage, version)
+        folder = storage.local_path(version)
+        if m.kind == "delta":
+            for key in load_file(str(folder / DELETED_FILE))["keys"].tolist():
+                rows.pop(key, None)
+        for shard in m.shards:
+            t = load_file(str(folder / shard["file"]))
+            rows.update(zip(t["keys"].tolist(), t["values"], strict=True))
+    return rows
+
+
+def _store_rows(trainer: Trainer) -> dict[int, np.ndarray]:
+    arrays = trainer.store.to_arrays()
+    return dict(zip(arrays["keys"].tolist(), arrays["values"], strict=True))
+
+
+def test_base_plus_deltas_replays_to_the_store_after_every_pass(data, tmp_path):
+    uri = tmp_path / "export"
+    trainer = _trainer(evict_after_passes=2)
+    exporter = IncrementalExporter(uri, trainer, every_passes=1)
+    checked = []
+
+    def on_pass_end(t, record):
+        result = exporter.on_pass_end(t, record)
+        replayed, live = _replay(uri, result.name), _store_rows(t)
+        assert replayed.keys() == live.keys()
+        for key, row in live.items():
+            np.testing.assert_array_equal(replayed[key], row)
+        checked.append(result)
+
+    trainer.fit([data], progress=False, on_pass_end=on_pass_end)
+    assert [r.kind for r in checked] == ["full", "delta", "delta", "delta"]
+    # Deltas hold the keys trained since the last version, not the whole store (which
+    # keeps two passes' keys), and carry the keys evicted since (from the third pass on).
+    assert all(0 < r.rows < len(trainer.store) for r in checked[1:])
+    assert [r.deleted > 0 for r in checked[1:]] == [False, True, True]
+    manifest = read_manifest(Storage(uri), "v000004")
+    assert manifest.base == "v000001" and manifest.deltas == ["v000002", "v000003", "v000004"]
+    assert manifest.data["parent"] == "v000003" and manifest.pass_id == 4
+
+
+def test_manifest_lists_every_file_with_its_checksum(data, tmp_path):
+    uri = tmp_path / "export"
+    trainer = _trainer()
+    exporter = IncrementalExporter(uri, trainer, every_passes=2, shard_rows=500)
+    trainer.fit([data], progress=False, on_pass_end=exporter.on_pass_end)
+    assert [r.name for r in exporter.exported] == ["v000001", "v000002"]
+    assert (uri / LATEST).read_text() == "v000002"
+    for name in ("v000001", "v000002"):
+        manifest = read_manifest(Storage(uri), name)
+        on_disk = {p.relative_to(uri / name).as_posix()
+                   for p in (uri / name).rglob("*") if p.is_file()} - {MANIFEST}
+        assert on_disk == set(manifest.files)
+        for rel, info in manifest.files.items():
+            assert sha256_file(uri / name / rel) == info["sha256"]
+    full = read_manifest(Storage(uri), "v000001")
+    assert len(full.shards) > 1 and sum(s["rows"] for s in full.shards) == full.data[
+        "sparse"]["rows"]
+    lasts = [s["last_key"] for s in full.shards]
+    firsts = [s["first_key"] for s in full.shards]
+    assert all(last < first for last, first in zip(lasts, firsts[1:], strict=False))
+    assert FeatureSchema.from_dict(full.data["schema"]) == SCHEMA
+
+
+def test_delta_every_minutes_waits_for_the_clock(data, tmp_path):
+    clock = [1000.0]
+    trainer = _trainer()
+    exporter = IncrementalExporter(tmp_path / "export", trainer, every_minutes=20,
+                                   clock=lambda: clock[0])
+
+    def on_pass_end(t, record):
+        clock[0] += 15 * 60  # each pass takes 15 minutes
+        exporter.on_pass_end(t, record)
+
+    trainer.fit([data], progress=False, on_pass_end=on_pass_end)
+    # full at pass 1; then 30 min since it at pass 3 -> delta; pass 4 only 15 min after.
+    assert [(r.name, r.kind) for r in exporter.exported] == [("v000001", "full"),
+                                                            ("v000002", "delta")]
+    assert exporter.finish(trainer).kind == "delta"
+    assert exporter.finish(trainer) is None
+
+
+def test_a_failed_write_leaves_the_previous_version_current(data, tmp_path, monkeypatch):
+    uri = tmp_path / "export"
+    trainer = _trainer()
+    exporter = IncrementalExporter(uri, trainer, every_passes=1)
+    trainer.fit([data], progress=False, on_pass_end=exporter.on_pass_end)
+    storage = exporter.exporter.storage
+    real_write = storage.write_bytes
+
+    def crash_on_dense(rel, payload):
+        if rel.endswith("dense.safetensors"):
+            raise OSError("disk full")
+        real_write(rel, payload)
+
+    monkeypatch.setattr(storage, "write_bytes", crash_on_dense)
+    with pytest.raises(OSError, match="disk full"):
+        exporter.export(trainer, full=True)
+    assert not (uri / "v000005" / MANIFEST).exists()
+    assert latest_version(storage) == "v000004"
+    monkeypatch.setattr(storage, "write_bytes", real_write)
+    assert exporter.export(trainer).name == "v000006"  # never reuses a half-written name
+    assert not list(uri.rglob("*.tmp"))
+
+
+def test_resume_continues_deltas_only_from_the_exact_pass(data, tmp_path):
+    uri = tmp_path / "export"
+    trainer = _trainer()
+    exporter = IncrementalExporter(uri, trainer, every_passes=1)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_two(t, record):
+        exporter.on_pass_end(t, record)
+        if t.pass_id == 2:
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        trainer.fit([data], progress=False, on_pass_end=stop_after_two)
+    same = IncrementalExporter(uri, trainer, every_passes=1)
+    assert not same.due(trainer)
+    trainer.pass_id += 1  # as if a pass had been trained without exporting
+    behind = IncrementalExporter(uri, trainer, every_passes=1)
+    assert behind.export(trainer).kind == "full"
+
+
+def test_delta_needs_a_version_to_build_on(tmp_path):
+    with pytest.raises(ExportError, match="no version to build a delta on"):
+        ModelExporter(tmp_path / "empty").write_delta(
+            dense={}, keys=np.empty(0, np.int64), values=np.empty((0, 2), np.float32),
+            deleted=np.empty(0, np.int64), pass_id=0)
+
+
+def test_unsorted_keys_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="sorted"):
+        ModelExporter(tmp_path / "x").write_full(
+            schema=SCHEMA, model_config=ModelConfig(), dense={},
+            keys=np.array([3, 1], np.int64), values=np.zeros((2, 4), np.float32), pass_id=0)
+
+
+def test_cli_export_writes_the_checkpoint_as_a_full_version(data, tmp_path, capsys):
+    trainer = _trainer(evict_after_passes=None)
+    trainer.fit([data], progress=False)
+    save_checkpoint(tmp_path / "model", trainer)
+    uri = tmp_path / "export"
+    assert cli_main(["export", "--model", str(tmp_path / "model"), "--out", str(uri),
+                     "--shard-rows", "700"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["name"] == "v000001" and printed["kind"] == "full"
+    ckpt = load_checkpoint(tmp_path / "model")
+    replayed = _replay(uri, "v000001")
+    assert sorted(replayed) == ckpt.sparse["keys"].tolist()
+    np.testing.assert_array_equal(np.stack([replayed[k] for k in sorted(replayed)]),
+                                  ckpt.sparse["values"])
+    manifest = read_manifest(Storage(uri), "v000001")
+    assert manifest.pass_id == trainer.pass_id
+    assert manifest.data["model"]["name"] == "deepfm"
+
+
+def test_cli_train_exports_a_full_version_and_deltas(data, tmp_path):
+    uri = tmp_path / "export"
+    assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "model"),
+                     "--pass-rows", "800", "--batch-size", "400", "--embedding-dim", "4",
+                     "--threads", "1", "--no-progress", "--export-to", str(uri),
+                     "--delta-every", "1"]) == 0
+    storage = Storage(uri)
+    assert latest_version(storage) == "v000003"
+    kinds = [read_manifest(storage, f"v00000{i}").kind for i in (1, 2, 3)]
+    assert kinds == ["full", "delta", "delta"]
+    assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "m2"),
+                     "--delta-every", "2"]) == 2
