@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from terarec.data.readers import DataError
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
+from terarec.serving.features import request_batch
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +124,12 @@ def _check_features(features: Any, where: str, version: ServedVersion) -> Mappin
     return features
 
 
-def _score(engine: ServingEngine, version: ServedVersion, records: list[dict],
-           where: str) -> list[float]:
-    from terarec.data.readers import batch_from_records
-
+def _score(engine: ServingEngine, version: ServedVersion, context: Mapping[str, Any],
+           candidates: list[dict], where: str) -> list[float]:
     try:
-        batch = batch_from_records(records, version.schema)
+        batch = request_batch(context, candidates, version.schema)
     except (DataError, ValueError, TypeError, pa.ArrowException) as exc:
-        message = re.sub(r"^record (\d+)", lambda m: f"{where}[{m.group(1)}]", str(exc))
+        message = str(exc).replace("candidates[", f"{where}[", 1)
         raise BadRequest(message) from None
     return engine.score_batch(batch, version).tolist()
 
@@ -203,7 +202,7 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
         version = served_model(name)
         body = await _read_json(request, max_body_bytes)
         records, request_id = _kserve_records(body, version, max_candidates)
-        scores = _score(engine, version, records, "inputs row")
+        scores = _score(engine, version, {}, records, "row")
         out = {"model_name": model_name, "model_version": str(version.version),
                "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(scores)],
                             "data": scores}]}
@@ -215,8 +214,8 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     async def predict(request: Request) -> dict:
         version = engine.served()
         body = await _read_json(request, max_body_bytes)
-        records = _predict_records(body, version, max_candidates)
-        scores = _score(engine, version, records, "candidates")
+        context, candidates = _predict_request(body, version, max_candidates)
+        scores = _score(engine, version, context, candidates, "candidates")
         return {"model": model_name, "version": version.version, "scores": scores}
 
     @app.get("/metrics")
@@ -227,7 +226,8 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     return app
 
 
-def _predict_records(body: Any, version: ServedVersion, max_candidates: int) -> list[dict]:
+def _predict_request(body: Any, version: ServedVersion,
+                     max_candidates: int) -> tuple[Mapping[str, Any], list[dict]]:
     if not isinstance(body, dict):
         raise BadRequest(f"request must be a JSON object with 'candidates' (and optionally "
                          f"'context'), got {_type_name(body)}")
@@ -246,14 +246,12 @@ def _predict_records(body: Any, version: ServedVersion, max_candidates: int) -> 
     if len(candidates) > max_candidates:
         raise BadRequest(f"{len(candidates)} candidates exceed the limit of {max_candidates}",
                          413)
-    records = []
     for i, cand in enumerate(candidates):
-        cand = _check_features(cand, f"candidates[{i}]", version)
+        _check_features(cand, f"candidates[{i}]", version)
         both = [k for k in cand if k in context]
         if both:
             raise BadRequest(f"candidates[{i}]: feature(s) {both} also given in 'context'")
-        records.append({**context, **cand})
-    return records
+    return context, candidates
 
 
 def _kserve_records(body: Any, version: ServedVersion,

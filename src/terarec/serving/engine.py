@@ -25,7 +25,6 @@ import torch
 from safetensors.torch import load_file as load_torch_file
 
 from terarec.config import ModelConfig, from_dict
-from terarec.data.readers import batch_from_records
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.working_set import StagingStats, WorkingSet
 from terarec.export.format import (
@@ -39,6 +38,7 @@ from terarec.export.format import (
 from terarec.export.storage import Storage, StorageError
 from terarec.models import build_model
 from terarec.models.base import CTRModel
+from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
 from terarec.serving.rows import RowCache, ShardedRows, VersionRows
 from terarec.types import Batch, FeatureSchema
@@ -377,10 +377,12 @@ class ServingEngine:
         self.metrics.scored_rows.inc(len(batch))
         return probs.numpy()
 
-    def score_records(self, records: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, int]:
-        """Scores of raw feature dicts, hashed with the served schema; and the version."""
+    def score_records(self, records: Sequence[Mapping[str, Any]],
+                      context: Mapping[str, Any] | None = None) -> tuple[np.ndarray, int]:
+        """Scores of raw feature dicts (each merged with ``context``), hashed with the
+        served schema; and the version that scored them."""
         version = self.served()
-        batch = batch_from_records(records, version.schema)
+        batch = request_batch(context or {}, records, version.schema)
         return self.score_batch(batch, version), version.version
 
     def wait_for_version(self, timeout_s: float) -> bool:
