@@ -32,6 +32,61 @@ def _part(schema: FeatureSchema, fields: list[FieldSpec]) -> FeatureSchema:
     return replace(schema, fields=tuple(fields))
 
 
+class _Plan:
+    """Where each field of ``schema`` comes from when ``row_names`` are per candidate:
+    index arrays into the per-row and the shared part, so assembly is a few gathers."""
+
+    def __init__(self, schema: FeatureSchema, row_names: frozenset[str]) -> None:
+        self.row = _part(schema, [f for f in schema.fields if f.name in row_names])
+        self.shared = _part(schema, [f for f in schema.fields if f.name not in row_names])
+        self.has_rows = bool(row_names)
+        self.one_per_slot = all(f.separator is None for f in schema.categorical)
+        self.dense_row, self.dense_shared = _dense_sources(schema, self.row, self.shared,
+                                                           row_names)
+        self.sparse_from_row = torch.tensor([f.name in row_names for f in schema.categorical])
+        row_sparse = [f.name for f in self.row.categorical]
+        shared_sparse = [f.name for f in self.shared.categorical]
+        self.sparse_index = torch.tensor([
+            row_sparse.index(f.name) if f.name in row_names else shared_sparse.index(f.name)
+            for f in schema.categorical])
+
+
+def _dense_sources(schema: FeatureSchema, row: FeatureSchema, shared: FeatureSchema,
+                   row_names: frozenset[str]) -> tuple[tuple, tuple]:
+    """(target columns, source columns) of ``Batch.dense`` for the per-row and the shared
+    part: a value column per numeric field, then its missing flag column."""
+    pairs: dict[bool, tuple[list[int], list[int]]] = {True: ([], []), False: ([], [])}
+    num = len(schema.numeric)
+    for j, spec in enumerate(schema.numeric):
+        from_row = spec.name in row_names
+        part = row if from_row else shared
+        k = [f.name for f in part.numeric].index(spec.name)
+        targets, sources = pairs[from_row]
+        targets.append(j)
+        sources.append(k)
+        if schema.missing_flags:
+            targets.append(num + j)
+            sources.append(len(part.numeric) + k)
+    as_index = lambda p: (torch.tensor(p[0], dtype=torch.int64),  # noqa: E731
+                          torch.tensor(p[1], dtype=torch.int64))
+    return as_index(pairs[True]), as_index(pairs[False])
+
+
+_PLANS: dict[tuple[int, frozenset[str]], tuple[FeatureSchema, _Plan]] = {}
+
+
+def _plan(schema: FeatureSchema, row_names: frozenset[str]) -> _Plan:
+    """The plan for this split, cached per schema object (requests mostly share one)."""
+    hit = _PLANS.get((id(schema), row_names))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    if len(_PLANS) >= 256:
+        _PLANS.clear()
+    plan = _Plan(schema, row_names)
+    _PLANS[(id(schema), row_names)] = (schema, plan)
+    return plan
+
+
 def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, Any]],
                   schema: FeatureSchema) -> Batch:
     """The Batch of rows ``{**context, **c}`` for every candidate ``c``.
@@ -40,40 +95,42 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
     """
     if not candidates:
         raise DataError("no candidates")
-    per_row = set().union(*candidates)
-    row_fields = [f for f in schema.fields if f.name in per_row]
-    shared_fields = [f for f in schema.fields if f.name not in per_row]
-    if not shared_fields or not schema.categorical:
+    row_names = frozenset(k for c in candidates for k in c)
+    if len(row_names) == len(schema.fields) or not schema.categorical:
         merged = [{**context, **c} for c in candidates]
         return _relabel(lambda: batch_from_records(merged, schema), "candidates")
-    overlap = [k for k in context if k in per_row]
+    overlap = [k for k in context if k in row_names]
     if overlap:  # a candidate that lacks a field still takes the context's value
         fallback = {k: context[k] for k in overlap}
         candidates = [{**fallback, **c} for c in candidates]
+    plan = _plan(schema, row_names)
     n = len(candidates)
-    shared = _relabel(lambda: batch_from_records([context], _part(schema, shared_fields)),
-                      "context")
-    rows = (_relabel(lambda: batch_from_records(candidates, _part(schema, row_fields)),
-                     "candidates") if row_fields else None)
-    row_names = {f.name for f in row_fields}
+    shared = _relabel(lambda: batch_from_records([context], plan.shared), "context")
+    rows = (_relabel(lambda: batch_from_records(candidates, plan.row), "candidates")
+            if plan.has_rows else None)
 
-    def side(name: str) -> tuple[Batch, FeatureSchema]:
-        if name in row_names:
-            assert rows is not None
-            return rows, _part(schema, row_fields)
-        return shared, _part(schema, shared_fields)
+    dense = torch.empty(n, schema.dense_dim)
+    targets, sources = plan.dense_shared
+    dense[:, targets] = shared.dense[0, sources]
+    if rows is not None:
+        targets, sources = plan.dense_row
+        dense[:, targets] = rows.dense[:, sources]
 
-    dense = torch.zeros(n, schema.dense_dim)
-    num_numeric = len(schema.numeric)
-    for j, spec in enumerate(schema.numeric):
-        batch, part = side(spec.name)
-        k = [f.name for f in part.numeric].index(spec.name)
-        dense[:, j] = batch.dense[:, k]
-        if schema.missing_flags:
-            dense[:, num_numeric + j] = batch.dense[:, len(part.numeric) + k]
+    if plan.one_per_slot:
+        # [F, n] keys, field-major as KeyedIds stores them: shared keys broadcast.
+        shared_keys = shared.sparse.values[plan.sparse_index]
+        ids = shared_keys.unsqueeze(1).expand(-1, n)
+        if rows is not None:
+            row_keys = rows.sparse.values.view(len(plan.row.categorical), n)
+            ids = torch.where(plan.sparse_from_row.unsqueeze(1),
+                              row_keys[plan.sparse_index.clamp(max=len(row_keys) - 1)], ids)
+        sparse = KeyedIds(schema.sparse_names, ids.reshape(-1).contiguous(),
+                          torch.arange(ids.numel() + 1, dtype=torch.int64))
+        return Batch(dense, sparse, torch.zeros(n))
+
     values, lengths = [], []
     for spec in schema.categorical:
-        batch, _ = side(spec.name)
+        batch = rows if rows is not None and spec.name in row_names else shared
         sparse = batch.sparse
         f = sparse.fields.index(spec.name)
         keys = sparse.field_values(spec.name)
