@@ -12,6 +12,8 @@ from terarec.serving.features import request_batch
 
 SCHEMA = csv_schema("y", ["n1", "n2", "n3"], ["user", "item", "tags", "ctx"],
                     multi_valued=["tags"], separator="|", transform={"n2": "log1p"})
+SINGLE_SCHEMA = csv_schema("y", ["n1", "n2", "n3"], ["user", "item", "tags", "ctx"],
+                           transform={"n3": "log1p"})
 MEAN_SCHEMA = csv_schema("y", ["n1"], ["user", "tags"], multi_valued=["tags"],
                          separator="|", pooling="mean", missing_flags=False)
 
@@ -35,15 +37,20 @@ def _assert_same(a, b):
     assert len(a) == len(b)
 
 
-@settings(max_examples=80, deadline=None)
+@pytest.mark.parametrize("schema", [SCHEMA, SINGLE_SCHEMA], ids=["multi-valued", "single"])
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), n=st.integers(1, 6))
-def test_context_once_equals_every_merged_row(data, n):
+def test_context_once_equals_every_merged_row(schema, data, n):
     context_names = data.draw(st.sets(st.sampled_from(sorted(VALUE))))
     context = data.draw(features(sorted(context_names)))
     others = sorted(set(VALUE) - set(context))
     candidates = [data.draw(features(others)) for _ in range(n)]
+    if schema is SINGLE_SCHEMA:
+        context = {k: "|".join(v) if isinstance(v, list) else v for k, v in context.items()}
+        candidates = [{k: "|".join(v) if isinstance(v, list) else v for k, v in c.items()}
+                      for c in candidates]
     merged = [{**context, **c} for c in candidates]
-    _assert_same(request_batch(context, candidates, SCHEMA), batch_from_records(merged, SCHEMA))
+    _assert_same(request_batch(context, candidates, schema), batch_from_records(merged, schema))
 
 
 def test_candidates_may_override_the_context_where_they_carry_a_field():

@@ -44,11 +44,14 @@ class _Plan:
         self.dense_row, self.dense_shared = _dense_sources(schema, self.row, self.shared,
                                                            row_names)
         self.sparse_from_row = torch.tensor([f.name in row_names for f in schema.categorical])
+        # Per field of ``schema``: its position in each part (0 where it is not there).
         row_sparse = [f.name for f in self.row.categorical]
         shared_sparse = [f.name for f in self.shared.categorical]
-        self.sparse_index = torch.tensor([
-            row_sparse.index(f.name) if f.name in row_names else shared_sparse.index(f.name)
-            for f in schema.categorical])
+        self.row_index = torch.tensor([row_sparse.index(f.name) if f.name in row_names
+                                       else 0 for f in schema.categorical])
+        self.shared_index = torch.tensor([0 if f.name in row_names
+                                          else shared_sparse.index(f.name)
+                                          for f in schema.categorical])
 
 
 def _dense_sources(schema: FeatureSchema, row: FeatureSchema, shared: FeatureSchema,
@@ -118,12 +121,10 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
 
     if plan.one_per_slot:
         # [F, n] keys, field-major as KeyedIds stores them: shared keys broadcast.
-        shared_keys = shared.sparse.values[plan.sparse_index]
-        ids = shared_keys.unsqueeze(1).expand(-1, n)
+        ids = shared.sparse.values[plan.shared_index].unsqueeze(1).expand(-1, n)
         if rows is not None:
             row_keys = rows.sparse.values.view(len(plan.row.categorical), n)
-            ids = torch.where(plan.sparse_from_row.unsqueeze(1),
-                              row_keys[plan.sparse_index.clamp(max=len(row_keys) - 1)], ids)
+            ids = torch.where(plan.sparse_from_row.unsqueeze(1), row_keys[plan.row_index], ids)
         sparse = KeyedIds(schema.sparse_names, ids.reshape(-1).contiguous(),
                           torch.arange(ids.numel() + 1, dtype=torch.int64))
         return Batch(dense, sparse, torch.zeros(n))
