@@ -257,6 +257,8 @@ def main() -> None:
         "concurrency": args.concurrency,
         "candidates": args.candidates,
         "seconds": args.seconds,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
     }))
 
 

@@ -116,11 +116,10 @@ def _check_features(features: Any, where: str, version: ServedVersion) -> Mappin
     if not isinstance(features, dict):
         raise BadRequest(f"{where} must be an object of feature values, got "
                          f"{_type_name(features)}")
-    known = version.feature_names
-    unknown = [k for k in features if k not in known]
-    if unknown:
+    if not features.keys() <= version.feature_set:
+        unknown = [k for k in features if k not in version.feature_set]
         raise BadRequest(f"{where}: unknown feature(s) {unknown}; the model's features are "
-                         f"{list(known)}")
+                         f"{list(version.feature_names)}")
     return features
 
 
@@ -248,8 +247,8 @@ def _predict_request(body: Any, version: ServedVersion,
                          413)
     for i, cand in enumerate(candidates):
         _check_features(cand, f"candidates[{i}]", version)
-        both = [k for k in cand if k in context]
-        if both:
+        if not context.keys().isdisjoint(cand):
+            both = [k for k in cand if k in context]
             raise BadRequest(f"candidates[{i}]: feature(s) {both} also given in 'context'")
     return context, candidates
 
@@ -288,7 +287,7 @@ def _kserve_records(body: Any, version: ServedVersion,
         if extra:
             raise BadRequest(f"{where}: unknown field(s) {extra}")
         name, shape, datatype, data = (tensor[k] for k in ("name", "shape", "datatype", "data"))
-        if not isinstance(name, str) or name not in known:
+        if not isinstance(name, str) or name not in version.feature_set:
             raise BadRequest(f"{where}: unknown input {name!r}; the model's inputs are "
                              f"{list(known)}")
         where = f"input {name!r}"

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +67,13 @@ class ServedVersion:
     def version(self) -> int:
         return self.manifest.version
 
-    @property
+    @cached_property
     def feature_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.schema.fields)
+
+    @cached_property
+    def feature_set(self) -> frozenset[str]:
+        return frozenset(self.feature_names)
 
 
 class NoVersionError(RuntimeError):
