@@ -39,6 +39,7 @@ def _post(client, path: str, body) -> tuple[int, str]:
 PREDICT_CASES = [
     ("malformed JSON", b'{"candidates": [', 400, "malformed JSON"),
     ("empty body", b"", 400, "empty request body"),
+    ("nested too deeply", b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
     ("not an object", [1, 2], 422, "got array"),
     ("missing candidates", {"context": {}}, 422, "missing field 'candidates'"),
     ("extra top-level field", {"candidates": [{}], "user": 1}, 422, "['user']"),

@@ -105,6 +105,8 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON: {exc}", 400) from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply", 400) from None
 
 
 def _type_name(value: Any) -> str:

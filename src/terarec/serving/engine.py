@@ -292,14 +292,12 @@ class ServingEngine:
         """Make ``state`` the served version; cached rows follow it in the same step."""
         current = self.current
         same_base = current is not None and current.manifest.base == state.manifest.base
-        fresh_rows = None
-        if same_base and len(state.touched):
-            touched = np.unique(state.touched)
-            fresh_rows, _ = state.rows.lookup(touched)  # computed before taking the lock
+        touched = np.unique(state.touched) if same_base else np.empty(0, np.int64)
+        fresh_rows, _ = state.rows.lookup(touched)  # computed before taking the lock
         with self._lock:
             if self.cache is None or not same_base or self.cache.row_dim != state.rows.row_dim:
                 self.cache = RowCache(self.cache_rows, state.rows.row_dim)
-            elif fresh_rows is not None:
+            else:
                 self.cache.refresh(touched, fresh_rows)
             self.current = state
         if not same_base:
