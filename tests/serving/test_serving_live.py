@@ -3,9 +3,19 @@ and swaps under load lose no request and never mix two versions in one answer.""
 
 from __future__ import annotations
 
-import numpy as np
-from serving_helpers import SCHEMA, ServerThread, split_context
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import numpy as np
+from serving_helpers import SCHEMA, ServerThread, free_port, split_context
+
+import terarec
 from terarec.data.readers import batch_from_records
 from terarec.serving.app import create_app
 from terarec.serving.engine import ServingEngine
@@ -73,3 +83,33 @@ def test_context_is_merged_into_every_candidate(live_run):
     np.testing.assert_allclose(with_context, flat, atol=1e-7)
     expected = live_run.trainer.predict_batches([batch_from_records(merged, SCHEMA)])
     np.testing.assert_allclose(with_context, expected, atol=TOL)
+
+
+def test_serve_command_answers_and_stops_cleanly(live_run):
+    port = free_port()
+    src = Path(terarec.__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "terarec", "serve", str(live_run.export), "--port", str(port),
+         "--threads", "1", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                conn.request("POST", "/predict", json.dumps({"candidates": live_run.records}))
+                response = conn.getresponse()
+                body = json.loads(response.read())
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        assert response.status == 200 and body["version"] == 3
+        np.testing.assert_allclose(body["scores"], live_run.cli_scores[3], atol=TOL)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 0, output
