@@ -193,6 +193,11 @@ class IncrementalExporter:
         self.every_passes = every_passes
         self.every_minutes = every_minutes
         self.exported: list[ExportedVersion] = []
+        missing = [m for m in ("changed_since", "track_evictions", "take_evicted", "to_arrays")
+                   if not hasattr(trainer.store, m)]
+        if missing:
+            raise TypeError(f"{type(trainer.store).__name__} cannot be exported incrementally: "
+                            f"it lacks {missing}")
         trainer.store.track_evictions()
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
         self._clock = clock
