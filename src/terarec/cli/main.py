@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
     "export", "serve",
+    "autofeature",
 ]
 
 
