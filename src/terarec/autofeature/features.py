@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,3 +131,22 @@ def feature_inputs(config: FeatureConfig | None, paths: Sequence[str | os.PathLi
         return
     with tempfile.TemporaryDirectory(prefix="terarec-features-") as tmp:
         yield config.augment(paths, tmp, schema=schema, engine=engine)
+
+
+@contextlib.contextmanager
+def model_inputs(model_dir: str | os.PathLike, model_schema: FeatureSchema,
+                 paths: Sequence[str | os.PathLike],
+                 read_as: Callable[[FeatureSchema], FeatureSchema] = lambda s: s,
+                 ) -> Iterator[tuple[FeatureSchema, list[Path]]]:
+    """(schema, paths) to read ``paths`` with for the model in ``model_dir``.
+
+    A model trained with features gets the raw files joined with its own tables (read
+    with ``read_as(base schema)``, e.g. another container format), and its own schema;
+    any other model gets ``read_as(model_schema)`` and the files themselves.
+    """
+    features = model_features(model_dir)
+    if features is None:
+        yield read_as(model_schema), [Path(p) for p in paths]
+        return
+    with feature_inputs(features, paths, schema=read_as(features.base_schema)) as augmented:
+        yield (model_schema if features.tables.tables else read_as(model_schema)), augmented

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from terarec.autofeature.features import model_inputs
 from terarec.cli.common import add_format_args, report_skipped, schema_for_data
 from terarec.data.readers import ReadStats
 from terarec.io import atomic_open
@@ -26,9 +27,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     trainer = restore_trainer(args.model)
-    schema = schema_for_data(trainer.schema, args)
+    # A model trained with AutoFeature tables joins them onto the raw rows first.
+    with model_inputs(args.model, trainer.schema, args.data,
+                      lambda s: schema_for_data(s, args)) as (schema, data):
+        return _run(args, trainer, schema, data)
+
+
+def _run(args: argparse.Namespace, trainer, schema, data: list[Path]) -> int:
     stats = ReadStats()
-    batches = iter_file_batches(args.data, schema, trainer.config.batch_size,
+    batches = iter_file_batches(data, schema, trainer.config.batch_size,
                                 on_bad_row=args.on_bad_row, stats=stats)
     if args.out:
         with atomic_open(args.out, "w") as fh:

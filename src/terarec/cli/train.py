@@ -7,11 +7,18 @@ import json
 import time
 from pathlib import Path
 
+from terarec.autofeature.features import (
+    FeatureConfig,
+    feature_inputs,
+    install_features,
+    model_features,
+)
 from terarec.cli.common import (
     add_format_args,
     add_train_args,
     config_from_args,
     report_skipped,
+    schema_for_data,
     schema_from_args,
 )
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
@@ -33,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=1,
                    help="commit a checkpoint every N passes (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--features", type=Path,
+                   help="feature config from `terarec autofeature`: its tables are copied "
+                   "into the model and joined onto every input row (raw files are read "
+                   "with the config's schema; --format may name another container)")
     add_format_args(p)
     add_train_args(p)
     add_export_args(p)
@@ -64,13 +75,30 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train; with AutoFeature tables, on copies of the inputs joined with them."""
+    features = None
+    if args.resume and list_checkpoints(args.out):
+        features = model_features(args.out)
+    elif args.features:
+        features = install_features(args.out, FeatureConfig.load(args.features))
+        print(f"features: {', '.join(features.selected) or 'none selected'}")
+    if features is None:
+        return _run(args, None)
+    raw = schema_for_data(features.base_schema, args)
+    with feature_inputs(features, args.train, schema=raw) as train, \
+            feature_inputs(features, args.valid, schema=raw) as valid:
+        return _run(argparse.Namespace(**{**vars(args), "train": train, "valid": valid}),
+                    features)
+
+
+def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     config = config_from_args(args)
     if args.resume and list_checkpoints(args.out):
         trainer = restore_trainer(args.out, config)
         print(f"resuming {args.out} after pass {trainer.pass_id}")
         schema = trainer.schema
     else:
-        schema = schema_from_args(args)
+        schema = features.schema if features else schema_from_args(args)
         trainer = Trainer(schema, config)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
