@@ -1,0 +1,166 @@
+"""``terarec autofeature`` and ``terarec train --features`` end to end, and their errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pyarrow.csv as pa_csv
+import pytest
+
+from terarec.autofeature.features import FeatureConfig, model_features
+from terarec.autofeature.lookup import FeatureLookup
+from terarec.cli import autofeature as autofeature_cli
+from terarec.cli.main import main
+from terarec.data.readers import batch_from_records
+from terarec.data.synth_features import generate_planted
+from terarec.train.checkpoint import restore_trainer
+
+SCHEMA_ARGS = ["--format", "csv", "--label", "label", "--numeric", "I1,I2",
+               "--categorical", "C1,C2,C3,C4,C5,C6,C7,C8", "--log1p", "I1,I2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    return generate_planted(root / "train.csv", root / "valid.csv", 15_000, 4000, seed=5)
+
+
+@pytest.fixture(scope="module")
+def selected(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("features") / "features.json"
+    code = main(["autofeature", "--train", str(data.train), "--valid", str(data.valid),
+                 *SCHEMA_ARGS, "--kinds", "count,cross_count", "--budget", "3",
+                 "--memory-limit", "256MB", "--threads", "2", "--out", str(out)])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(selected, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("model") / "m"
+    code = main(["train", "--features", str(selected), "--train", str(data.train),
+                 "--valid", str(data.valid), "--out", str(out), "--model", "lr",
+                 "--batch-size", "512", "--threads", "1", "--no-progress"])
+    assert code == 0
+    return out
+
+
+def test_autofeature_writes_config_tables_and_gains(selected, data):
+    config = FeatureConfig.load(selected)
+    assert set(data.planted) <= set(config.selected) and len(config.selected) <= 3
+    assert config.base_schema == data.schema
+    assert config.tables.directory == selected.parent / "features.tables"
+    summary = json.loads(selected.with_name("features.gains.json").read_text())
+    assert summary["candidates"] == 8 + 16
+    assert summary["gain"] == pytest.approx(summary["auc_with_features"] - summary["auc_raw"])
+    assert summary["gain"] > 0.02
+    with open(selected.with_name("features.gains.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 24
+    assert {r["name"] for r in rows if r["selected"] == "True"} == set(config.selected)
+    gains = [float(r["gain"]) for r in rows]
+    assert gains == sorted(gains, reverse=True)
+    png = selected.with_name("features.gains.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_model_carries_its_tables_and_scores_raw_rows_like_records(model, data, selected,
+                                                                    tmp_path, capsys):
+    features = model_features(model)
+    assert features is not None
+    assert features.tables.directory == model / "features"
+    assert features.selected == FeatureConfig.load(selected).selected
+    trainer = restore_trainer(model)
+    assert trainer.schema == features.schema
+    assert [f.name for f in trainer.schema.fields][-len(features.selected):] == \
+        list(features.selected)
+
+    # New rows, some with values training never saw: predict reads the raw file.
+    raw = pa_csv.read_csv(data.valid, convert_options=pa_csv.ConvertOptions(
+        column_types={c: "string" for c in ["label", "I1", "I2", *[f"C{i}" for i in
+                                                                     range(1, 9)]]}))
+    records = raw.slice(0, 300).to_pylist()
+    for i in range(0, 300, 3):
+        records[i]["C3"] = f"new-{i}"
+        records[i]["C5"] = "unseen"
+    new = tmp_path / "new.csv"
+    with open(new, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=raw.column_names)
+        writer.writeheader()
+        writer.writerows(records)
+    scores = tmp_path / "scores.txt"
+    assert main(["predict", "--model", str(model), "--data", str(new),
+                 "--out", str(scores)]) == 0
+    from_file = np.loadtxt(scores)
+
+    # The same rows as request records through the in-memory lookup.
+    augmented = FeatureLookup(features.tables).apply_records(records)
+    assert {augmented[i]["count(C3)"] for i in range(0, 300, 3)} == {"0"}
+    from_records = trainer.predict_batches([batch_from_records(augmented, trainer.schema)])
+    np.testing.assert_allclose(from_file, from_records, rtol=1e-5, atol=1e-6)
+
+    capsys.readouterr()
+    assert main(["eval", "--model", str(model), "--data", str(data.valid),
+                 "--out", str(tmp_path / "m.json")]) == 0
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # Evaluating the raw validation file repeats what training measured on its copy.
+    trained = json.loads((model / "metrics.json").read_text())
+    assert trained["evaluated_on"] == "valid"
+    assert metrics["rows"] == 4000
+    assert metrics["auc"] == pytest.approx(trained["auc"], abs=1e-9)
+
+
+def run_error(capsys, *argv):
+    capsys.readouterr()
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("terarec autofeature: error: ")
+    return err
+
+
+def test_bad_input_is_one_clear_line(data, tmp_path, capsys):
+    base = ["autofeature", "--train", str(data.train), "--valid", str(data.valid),
+            *SCHEMA_ARGS, "--out", str(tmp_path / "f.json")]
+    err = run_error(capsys, *base, "--candidates", "count(C99)")
+    assert "count(C99): unknown column 'C99'" in err
+    err = run_error(capsys, *base, "--candidates", "max(C1)_by(C2)")
+    assert "needs a numeric column, but 'C1' is categorical" in err
+    err = run_error(capsys, *base, "--candidates", "median(I1)_by(C2)")
+    assert "cannot parse candidate name" in err
+    empty = tmp_path / "empty.csv"
+    empty.write_text("label,I1,I2,C1,C2,C3,C4,C5,C6,C7,C8\n")
+    err = run_error(capsys, "autofeature", "--train", str(empty), "--valid",
+                    str(data.valid), *SCHEMA_ARGS, "--candidates", "count(C1)",
+                    "--out", str(tmp_path / "f.json"))
+    assert "training range is empty" in err
+    err = run_error(capsys, "autofeature", "--train", str(tmp_path / "none-*.csv"),
+                    "--valid", str(data.valid), *SCHEMA_ARGS, "--out", str(tmp_path / "f.json"))
+    assert "no file matches" in err
+    lacking = [a if a != "C1,C2,C3,C4,C5,C6,C7,C8" else "C1,C2,C9" for a in SCHEMA_ARGS]
+    err = run_error(capsys, "autofeature", "--train", str(data.train), "--valid",
+                    str(data.valid), *lacking, "--candidates", "count(C9)",
+                    "--out", str(tmp_path / "f.json"))
+    assert "C9" in err
+    assert not (tmp_path / "f.json").exists()
+
+
+def test_memory_limit_and_temp_dir_reach_duckdb(data, tmp_path, monkeypatch):
+    seen = {}
+
+    class Recording(autofeature_cli.AutoFeatureEngine):
+        def duckdb_config(self):
+            config = super().duckdb_config()
+            seen.update(config)
+            return config
+
+    monkeypatch.setattr(autofeature_cli, "AutoFeatureEngine", Recording)
+    assert main(["autofeature", "--train", str(data.train), "--valid", str(data.valid),
+                 *SCHEMA_ARGS, "--candidates", "count(C3)", "--memory-limit", "123MB",
+                 "--temp-dir", str(tmp_path / "spill"), "--sample-rows", "2000",
+                 "--valid-rows", "1000", "--out", str(tmp_path / "f.json")]) == 0
+    assert seen["memory_limit"] == "123MB"
+    assert seen["temp_directory"] == str(tmp_path / "spill")
