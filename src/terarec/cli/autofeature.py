@@ -24,6 +24,7 @@ from terarec.autofeature import (
     Candidate,
     compute_tables,
     enumerate_candidates,
+    validate_candidates,
 )
 from terarec.autofeature.features import FeatureConfig
 from terarec.autofeature.selection import (
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
                                              dir=engine.scratch_dir()) as tmp:
         work = Path(tmp)
         if args.candidates:
-            candidates = [Candidate.from_name(n) for n in args.candidates]
+            candidates = validate_candidates([Candidate.from_name(n) for n in args.candidates],
+                                             schema)
         else:
             candidates = enumerate_candidates(
                 schema, kinds=_split(args.kinds), aggs=_split(args.aggs),
