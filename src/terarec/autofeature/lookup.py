@@ -84,11 +84,13 @@ def _hash_key(values: pa.Array, name: str) -> np.ndarray:
     return h
 
 
-def _hash_keys(columns: Sequence[pa.Array], names: Sequence[str]) -> np.ndarray:
-    h = np.zeros(len(columns[0]), np.uint64)
-    for col, name in zip(columns, names, strict=True):
-        h = _splitmix(h * _COMBINE + _hash_key(col, name))
-    return (h >> np.uint64(1)).view(np.int64)  # non-negative: KeyIndex reserves negatives
+def _combine(hashes: Sequence[np.ndarray]) -> np.ndarray:
+    """One non-negative int64 per row from the key columns' hashes (KeyIndex reserves
+    negative keys)."""
+    h = np.zeros(len(hashes[0]), np.uint64)
+    for part in hashes:
+        h = _splitmix(h * _COMBINE + part)
+    return (h >> np.uint64(1)).view(np.int64)
 
 
 def _same(a: pa.Array, b: pa.Array) -> np.ndarray:
@@ -106,15 +108,16 @@ class _LoadedTable:
     values: pa.Array  # bucket strings for counts, float64 for aggregates
     default: Any      # "0" for counts, None for aggregates
 
-    def lookup(self, batch: Mapping[str, pa.Array | pa.ChunkedArray], rows: int) -> pa.Array:
+    def lookup(self, keys: _KeyCache) -> pa.Array:
         names = self.table.candidate.keys
-        missing = [k for k in names if k not in batch]
+        missing = [k for k in names if k not in keys.source]
         if missing:
             raise AutoFeatureError(f"feature {self.table.name} needs column {missing[0]!r}, "
-                                   f"which the rows lack (they have {', '.join(batch)})")
-        query = [_as_key(batch[k], t, k) for k, t in zip(names, self.table.key_types,
-                                                         strict=True)]
-        slots = self.index.lookup(_hash_keys(query, names)) if rows else np.empty(0, np.int64)
+                                   f"which the rows lack (they have {', '.join(keys.source)})")
+        query = [keys.key(k, t) for k, t in zip(names, self.table.key_types, strict=True)]
+        hashed = _combine([keys.hash(k, t) for k, t in zip(names, self.table.key_types,
+                                                              strict=True)])
+        slots = self.index.lookup(hashed) if keys.rows else np.empty(0, np.int64)
         found = slots >= 0
         if found.any():
             take = pa.array(np.where(found, slots, 0))
@@ -124,6 +127,26 @@ class _LoadedTable:
         if found.all():
             return out
         return pc.if_else(pa.array(found), out, pa.scalar(self.default, self.values.type))
+
+
+class _KeyCache:
+    """A batch's key columns converted and hashed once, however many tables use them."""
+
+    def __init__(self, source: Mapping[str, pa.Array | pa.ChunkedArray], rows: int) -> None:
+        self.source = source
+        self.rows = rows
+        self._keys: dict[tuple[str, str], pa.Array] = {}
+        self._hashes: dict[tuple[str, str], np.ndarray] = {}
+
+    def key(self, name: str, key_type: str) -> pa.Array:
+        if (name, key_type) not in self._keys:
+            self._keys[name, key_type] = _as_key(self.source[name], key_type, name)
+        return self._keys[name, key_type]
+
+    def hash(self, name: str, key_type: str) -> np.ndarray:
+        if (name, key_type) not in self._hashes:
+            self._hashes[name, key_type] = _hash_key(self.key(name, key_type), name)
+        return self._hashes[name, key_type]
 
 
 def count_buckets(counts: np.ndarray) -> pa.Array:
@@ -155,7 +178,7 @@ class FeatureLookup:
         names = table.candidate.keys
         keys = tuple(_as_key(data.column(k), t, k)
                      for k, t in zip(names, table.key_types, strict=True))
-        hashed = _hash_keys(keys, names)
+        hashed = _combine([_hash_key(k, n) for k, n in zip(keys, names, strict=True)])
         index = KeyIndex(capacity=max(16, len(hashed)))
         slots, inserted = index.lookup_or_insert(hashed)
         if not inserted.all():
@@ -181,7 +204,8 @@ class FeatureLookup:
         else:
             source = dict(batch)
             rows = len(next(iter(source.values()))) if source else 0
-        return {t.table.name: t.lookup(source, rows) for t in self._loaded}
+        cache = _KeyCache(source, rows)
+        return {t.table.name: t.lookup(cache) for t in self._loaded}
 
     def apply(self, batch: pa.Table) -> pa.Table:
         """``batch`` with one column per table appended: the same result as ``apply``."""
