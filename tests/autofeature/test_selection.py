@@ -66,3 +66,9 @@ def test_bad_selection_settings_are_refused():
         SelectionConfig(model="deepfm")
     with pytest.raises(AutoFeatureError, match="budget"):
         SelectionConfig(budget=-1)
+
+
+def test_fm_selection_model_also_ranks_the_planted_pair_first(planted):
+    result = select(planted, model="fm", budget=1)
+    assert result.selected == ["cross_count(C5,C7)"]
+    assert result.gain > 0.01
