@@ -24,6 +24,7 @@ from terarec.cli.common import (
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.data.readers import ReadStats
 from terarec.export import IncrementalExporter
+from terarec.export.writer import model_features_dir
 from terarec.io import atomic_write_text
 from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
 from terarec.train.passes import iter_file_batches
@@ -71,7 +72,8 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
         every_passes = 1  # a delta at every pass boundary
     return IncrementalExporter(args.export_to, trainer, every_passes=every_passes,
                                every_minutes=args.delta_minutes,
-                               storage_options=storage_options_from_args(args))
+                               storage_options=storage_options_from_args(args),
+                               features_dir=model_features_dir(args.out))
 
 
 def run(args: argparse.Namespace) -> int:

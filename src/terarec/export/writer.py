@@ -44,6 +44,7 @@ from terarec.types import FeatureSchema
 
 log = logging.getLogger(__name__)
 DEFAULT_SHARD_ROWS = 1 << 20
+FEATURES_DIR = "features"  # a version's copy of the model's AutoFeature tables
 
 
 @dataclass
@@ -79,14 +80,20 @@ class ModelExporter:
 
     def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
                    dense: dict[str, torch.Tensor], keys: np.ndarray, values: np.ndarray,
-                   pass_id: int) -> ExportedVersion:
-        """A self-contained version: every row of the store and the dense weights."""
+                   pass_id: int, features_dir: str | Path | None = None) -> ExportedVersion:
+        """A self-contained version: every row of the store and the dense weights, and the
+        model's AutoFeature tables (``features_dir``) when it was trained with them."""
         version = self._next_version()
         name = version_name(version)
         header = {"name": name, "version": version, "kind": "full", "base": name,
                   "deltas": [], "parent": None, "schema": schema.to_dict(),
                   "model": to_dict(model_config)}
-        return self._write(header, dense, keys, values, None, pass_id)
+        extra = {}
+        if features_dir is not None:
+            header["features"] = FEATURES_DIR
+            extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
+                     for p in sorted(Path(features_dir).iterdir()) if p.is_file()}
+        return self._write(header, dense, keys, values, None, pass_id, extra)
 
     def write_delta(self, *, dense: dict[str, torch.Tensor], keys: np.ndarray,
                     values: np.ndarray, deleted: np.ndarray, pass_id: int) -> ExportedVersion:
@@ -100,10 +107,13 @@ class ModelExporter:
         header = {"name": name, "version": version, "kind": "delta", "base": parent.base,
                   "deltas": [*parent.deltas, name], "parent": parent.name,
                   "schema": parent.data["schema"], "model": parent.data["model"]}
+        if "features" in parent.data:  # the base version holds the tables
+            header["features"] = parent.data["features"]
         return self._write(header, dense, keys, values, deleted, pass_id)
 
     def _write(self, header: dict, dense: dict[str, torch.Tensor], keys: np.ndarray,
-               values: np.ndarray, deleted: np.ndarray | None, pass_id: int) -> ExportedVersion:
+               values: np.ndarray, deleted: np.ndarray | None, pass_id: int,
+               extra: dict[str, bytes] | None = None) -> ExportedVersion:
         t0 = time.perf_counter()
         name = header["name"]
         keys = np.ascontiguousarray(keys, np.int64)
@@ -131,6 +141,8 @@ class ModelExporter:
             sparse.update(deleted=int(len(deleted)), deleted_file=DELETED_FILE)
         state = {k: v.detach().cpu().contiguous() for k, v in dense.items()}
         put(DENSE_FILE, save_torch_bytes(state))
+        for rel, data in (extra or {}).items():
+            put(rel, data)
         manifest = Manifest({
             "format": FORMAT, "format_version": FORMAT_VERSION, **header,
             "pass_id": int(pass_id), "created": time.time(), "row_dim": int(values.shape[1]),
@@ -164,7 +176,16 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     exporter = ModelExporter(uri, storage_options, shard_rows)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
                                keys=ckpt.sparse["keys"], values=ckpt.sparse["values"],
-                               pass_id=int(ckpt.meta["pass_id"]))
+                               pass_id=int(ckpt.meta["pass_id"]),
+                               features_dir=model_features_dir(model_dir))
+
+
+def model_features_dir(model_dir: str | Path) -> Path | None:
+    """The AutoFeature tables a model directory carries, or None."""
+    from terarec.autofeature.features import CONFIG_FILE, MODEL_FEATURES_DIR
+
+    path = Path(model_dir) / MODEL_FEATURES_DIR
+    return path if (path / CONFIG_FILE).exists() else None
 
 
 class IncrementalExporter:
@@ -184,12 +205,14 @@ class IncrementalExporter:
                  every_minutes: float | None = None,
                  storage_options: dict[str, Any] | None = None,
                  shard_rows: int = DEFAULT_SHARD_ROWS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 features_dir: str | Path | None = None) -> None:
         if every_passes is not None and every_passes < 1:
             raise ValueError(f"delta every {every_passes} passes: must be >= 1")
         if every_minutes is not None and every_minutes <= 0:
             raise ValueError(f"delta every {every_minutes} minutes: must be > 0")
         self.exporter = ModelExporter(uri, storage_options, shard_rows)
+        self.features_dir = features_dir  # AutoFeature tables, sent with full versions
         self.every_passes = every_passes
         self.every_minutes = every_minutes
         self.exported: list[ExportedVersion] = []
@@ -236,7 +259,8 @@ class IncrementalExporter:
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
-                keys=arrays["keys"], values=arrays["values"], pass_id=trainer.pass_id)
+                keys=arrays["keys"], values=arrays["values"], pass_id=trainer.pass_id,
+                features_dir=self.features_dir)
         else:
             keys, values = store.changed_since(self._last_pass)
             evicted = store.take_evicted()

@@ -30,7 +30,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from terarec.data.readers import DataError
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
-from terarec.serving.features import request_batch
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ def _check_features(features: Any, where: str, version: ServedVersion) -> Mappin
 def _score(engine: ServingEngine, version: ServedVersion, context: Mapping[str, Any],
            candidates: list[dict], where: str) -> list[float]:
     try:
-        batch = request_batch(context, candidates, version.schema)
+        batch = version.batch(context, candidates)
     except (DataError, ValueError, TypeError, pa.ArrowException) as exc:
         message = str(exc).replace("candidates[", f"{where}[", 1)
         raise BadRequest(message) from None

@@ -25,6 +25,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file as load_torch_file
 
+from terarec.autofeature.candidates import AutoFeatureError
+from terarec.autofeature.features import CONFIG_FILE, FeatureConfig
+from terarec.autofeature.lookup import FeatureLookup
 from terarec.config import ModelConfig, from_dict
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.working_set import StagingStats, WorkingSet
@@ -58,6 +61,9 @@ class ServedVersion:
     mean_fields: torch.Tensor | None
     # Keys whose rows changed against the version this one was built from (for the cache).
     touched: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    # AutoFeature tables the model was trained with, joined onto every request's raw values.
+    features: FeatureLookup | None = None
+    raw_schema: FeatureSchema | None = None
 
     @property
     def name(self) -> str:
@@ -69,7 +75,15 @@ class ServedVersion:
 
     @cached_property
     def feature_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.schema.fields)
+        """What a request may send: the raw fields (features are computed, not sent)."""
+        return tuple(f.name for f in (self.raw_schema or self.schema).fields)
+
+    def batch(self, context: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> Batch:
+        """Raw request values -> the Batch training would have built from the same row."""
+        if self.features is None:
+            return request_batch(context, records, self.schema)
+        rows = self.features.apply_records([{**context, **r} for r in records])
+        return request_batch({}, rows, self.schema)
 
     @cached_property
     def feature_set(self) -> frozenset[str]:
@@ -186,8 +200,27 @@ class ServingEngine:
         except ValueError as exc:
             raise ExportError(f"{manifest.name}: {exc}") from None
         mean = [f.pooling == "mean" for f in schema.categorical]
+        lookup, raw_schema = self._features(manifest)
         return ServedVersion(manifest, schema, model, VersionRows(base),
-                             torch.tensor(mean) if any(mean) else None)
+                             torch.tensor(mean) if any(mean) else None,
+                             features=lookup, raw_schema=raw_schema)
+
+    def _features(self, manifest: Manifest) -> tuple[FeatureLookup | None, FeatureSchema | None]:
+        """The version's AutoFeature tables, verified and held in memory, if it has any."""
+        folder = manifest.data.get("features")
+        if folder is None:
+            return None, None
+        local = [self._fetch(manifest, rel) for rel in manifest.files
+                 if rel.startswith(f"{folder}/")]
+        try:
+            config = FeatureConfig.load(local[0].parent / CONFIG_FILE) if local else None
+        except (AutoFeatureError, OSError) as exc:
+            raise ExportError(f"{manifest.name}: bad feature tables ({exc})") from None
+        if config is None:
+            raise ExportError(f"{manifest.name}: lists feature tables but holds none")
+        if not config.tables.tables:
+            return None, None
+        return FeatureLookup(config.tables), config.base_schema
 
     def apply_delta(self, state: ServedVersion, manifest: Manifest) -> ServedVersion:
         """``state`` with delta ``manifest`` applied, as a new ServedVersion."""
@@ -217,7 +250,7 @@ class ServingEngine:
         touched = np.concatenate([state.touched, upserts, deleted])
         return ServedVersion(manifest, state.schema, model,
                              state.rows.with_delta(upserts, rows, deleted), state.mean_fields,
-                             touched)
+                             touched, state.features, state.raw_schema)
 
     def _manifest(self, name: str) -> Manifest:
         try:
@@ -239,7 +272,8 @@ class ServingEngine:
         if current is not None and chain[:len(current.manifest.chain)] == current.manifest.chain:
             state, todo = current, chain[len(current.manifest.chain):]
             state = ServedVersion(state.manifest, state.schema, state.model, state.rows,
-                                  state.mean_fields)  # touched: only this refresh's deltas
+                                  state.mean_fields, features=state.features,
+                                  raw_schema=state.raw_schema)  # touched: this refresh's
         else:
             if target.base in self.refused:
                 self._refuse(target.name, f"its full version {target.base} was refused")
@@ -385,7 +419,7 @@ class ServingEngine:
         """Scores of raw feature dicts (each merged with ``context``), hashed with the
         served schema; and the version that scored them."""
         version = self.served()
-        batch = request_batch(context or {}, records, version.schema)
+        batch = version.batch(context or {}, records)
         return self.score_batch(batch, version), version.version
 
     def wait_for_version(self, timeout_s: float) -> bool:
