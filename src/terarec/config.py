@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +60,46 @@ class DenseOptimizerConfig:
 
 @dataclass
 class StoreConfig:
-    """Embedding store policies: admission by count, eviction by age, row initialisation."""
+    """Embedding store policies: admission by count, eviction by age, row initialisation.
+
+    ``memory_budget`` (bytes, or a size such as "512MB" / "2GB", powers of 1024) or
+    ``disk_path`` selects the tiered store: hot rows in RAM under the budget, every row
+    in slab files under ``disk_path`` (a temporary folder when unset). ``cache_policy``
+    picks which rows stay in RAM: "lfu" (highest show count) or "lru" (latest use).
+    """
 
     admit_min_count: int = 1
     evict_after_passes: int | None = None
     init_std: float = 0.01
+    memory_budget: int | str | None = None
+    disk_path: str | None = None
+    cache_policy: Literal["lfu", "lru"] = "lfu"
+
+    @property
+    def tiered(self) -> bool:
+        return self.memory_budget is not None or self.disk_path is not None
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
+               "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30,
+               "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+
+def parse_bytes(size: int | str) -> int:
+    """``2GB`` -> 2 * 2**30. Units B, KB, MB, GB, TB (and KiB ... TiB), powers of 1024:
+    memory budgets are about RAM, which comes in binary sizes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value, unit = float(size), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+        if m is None or m.group(2).upper() not in _SIZE_UNITS:
+            raise ValueError(f"size {size!r}: expected a number with an optional unit "
+                             f"(B, KB, MB, GB, TB), e.g. 512MB")
+        value, unit = float(m.group(1)), m.group(2).upper()
+    out = int(value * _SIZE_UNITS[unit])
+    if out <= 0:
+        raise ValueError(f"size {size!r} must be positive")
+    return out
 
 
 @dataclass

@@ -285,7 +285,30 @@ class MemoryStore:
             "click": self.click[slots],
             "last_seen": self.last_seen[slots],
             "counters": np.array([self.admitted_total, self.evicted_total], np.int64),
+            **self.candidate_arrays(),
         }
+
+    def candidate_arrays(self) -> dict[str, np.ndarray]:
+        """Keys still waiting for admission and their counts: saved so that a resumed run
+        admits exactly the keys an uninterrupted one would."""
+        keys, slots = self._cand_index.items()
+        order = np.argsort(keys, kind="stable")
+        keys, slots = keys[order], slots[order]
+        return {"cand_keys": keys, "cand_show": self._cand_show[slots],
+                "cand_click": self._cand_click[slots], "cand_seen": self._cand_seen[slots]}
+
+    def load_candidate_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        keys = arrays.get("cand_keys", np.empty(0, np.int64))
+        n = len(keys)
+        self._cand_index = KeyIndex.from_items(keys, np.arange(n, dtype=np.int64))
+        size = max(n, 16)
+        self._cand_show = np.zeros(size, np.float32)
+        self._cand_click = np.zeros(size, np.float32)
+        self._cand_seen = np.zeros(size, np.int32)
+        if n:
+            self._cand_show[:n] = arrays["cand_show"]
+            self._cand_click[:n] = arrays["cand_click"]
+            self._cand_seen[:n] = arrays["cand_seen"]
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         keys = arrays["keys"]
@@ -302,3 +325,4 @@ class MemoryStore:
         self.last_seen[:n] = arrays["last_seen"]
         if "counters" in arrays:
             self.admitted_total, self.evicted_total = (int(x) for x in arrays["counters"])
+        self.load_candidate_arrays(arrays)
