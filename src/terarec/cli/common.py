@@ -78,6 +78,13 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-lr", type=float)
     g.add_argument("--admit-min-count", type=int, help="a key gets a row once seen this often")
     g.add_argument("--evict-after-passes", type=int, help="drop keys unseen for N passes")
+    g.add_argument("--memory-budget",
+                   help="RAM for the embedding store, e.g. 512MB or 2GB: rows beyond it live "
+                   "on disk (tiered store)")
+    g.add_argument("--store-dir", help="folder for the tiered store's disk tier "
+                   "(default: OUT/store for train)")
+    g.add_argument("--cache-policy", choices=["lfu", "lru"],
+                   help="which rows the tiered store keeps in RAM (default lfu)")
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int)
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
@@ -94,6 +101,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ("store", "admit_min_count"): args.admit_min_count,
         ("store", "evict_after_passes"): args.evict_after_passes, ("seed",): args.seed,
         ("threads",): args.threads, ("device",): args.device,
+        ("store", "memory_budget"): getattr(args, "memory_budget", None),
+        ("store", "disk_path"): getattr(args, "store_dir", None),
+        ("store", "cache_policy"): getattr(args, "cache_policy", None),
         ("on_bad_row",): getattr(args, "on_bad_row", None),
     }
     for path, value in overrides.items():

@@ -22,6 +22,7 @@ from terarec.cli.common import (
     schema_from_args,
 )
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
@@ -95,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     config = config_from_args(args)
+    if config.store.memory_budget is not None:
+        parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
+        if config.store.disk_path is None:
+            config.store.disk_path = str(args.out / "store")
     if args.resume and list_checkpoints(args.out):
         trainer = restore_trainer(args.out, config)
         print(f"resuming {args.out} after pass {trainer.pass_id}")

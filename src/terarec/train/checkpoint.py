@@ -10,6 +10,11 @@
           dense.safetensors       model weights
           dense_optimizer.pt      dense optimizer state
           sparse.safetensors      keys (sorted) + values + optimizer state + counters
+          sparse/                 instead, for a tiered store (docs/tiered-store.md):
+            slab-NNNNNN.bin         disk-tier slabs, hard-linked from the previous
+                                    checkpoint where unchanged since it
+            index.safetensors       key -> slot
+            store.safetensors       admission candidates, counters
           meta.json               pass id, history, sha256 of each file: written last
       LATEST                      name of the newest committed checkpoint
 
@@ -21,13 +26,14 @@ same moment (the store between passes), never from two snapshots.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +44,9 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
 
 from terarec.config import TrainConfig, from_dict, to_dict
+from terarec.embedding.optimizers import SparseOptimizer
 from terarec.io import atomic_write_text, fsync_dir
+from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -93,15 +101,29 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
         dense = {k: v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}
         save_torch(dense, str(tmp / "dense.safetensors"))
         torch.save(trainer.dense_optimizer.state_dict(), tmp / "dense_optimizer.pt")
-        save_numpy(trainer.store.to_arrays(), str(tmp / "sparse.safetensors"))
-        files = ["dense.safetensors", "dense_optimizer.pt", "sparse.safetensors"]
+        files = ["dense.safetensors", "dense_optimizer.pt"]
+        store = trainer.store
+        tiered = hasattr(store, "save_snapshot")
+        if tiered:
+            # The tiered store writes its own files: the table is never materialised in RAM.
+            sparse_digests = {f"sparse/{name}": digest for name, digest in
+                              store.save_snapshot(tmp / "sparse").items()}
+            files += list(sparse_digests)
+            fsync_dir(tmp / "sparse")
+        else:
+            save_numpy(store.to_arrays(), str(tmp / "sparse.safetensors"))
+            files.append("sparse.safetensors")
+            sparse_digests = {}
         for f in files:
             _fsync_file(tmp / f)
+        digests = {f: sparse_digests.get(f) or _sha256(tmp / f) for f in files}
         meta = {
             "pass_id": trainer.pass_id,
             "history": trainer.history,
             "rng": {"torch": torch.get_rng_state().tolist()},
-            "sha256": {f: _sha256(tmp / f) for f in files},
+            "sha256": digests,
+            "sparse_format": "tiered" if tiered else "arrays",
+            "store": _store_summary(store),
             **(extra or {}),
         }
         with open(tmp / "meta.json", "w") as fh:
@@ -117,9 +139,20 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if tiered:
+        store.snapshot_committed(final / "sparse", {k[len("sparse/"):]: v for k, v in
+                                                    sparse_digests.items()})
     atomic_write_text(model_dir / "LATEST", name)
     _prune(ckpt_root, keep=KEEP_CHECKPOINTS)
     return final
+
+
+def _store_summary(store) -> dict:
+    """Key counts and bytes per tier at commit time, for ``terarec inspect``."""
+    out = asdict(store.stats())
+    if hasattr(store, "tier_stats"):
+        out["tiers"] = asdict(store.tier_stats())
+    return out
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:
@@ -164,7 +197,29 @@ class LoadedCheckpoint:
     meta: dict
     dense: dict[str, torch.Tensor]
     dense_optimizer: dict
-    sparse: dict[str, np.ndarray]
+
+    @property
+    def tiered(self) -> bool:
+        return self.meta.get("sparse_format") == "tiered"
+
+    @property
+    def sparse_dir(self) -> Path:
+        """The tiered store's snapshot folder (``tiered`` checkpoints)."""
+        return self.path / "sparse"
+
+    @functools.cached_property
+    def sparse(self) -> dict[str, np.ndarray]:
+        """The store as sorted-key arrays (``MemoryStore.to_arrays`` form), read on first
+        use; for a tiered checkpoint this materialises the table, so restoring a tiered
+        store goes through ``sparse_dir`` instead."""
+        if not self.tiered:
+            return load_numpy(str(self.path / "sparse.safetensors"))
+        from terarec.embedding.tiered import snapshot_arrays
+
+        _, config = read_model_meta(self.path.parents[1])
+        row_dim = row_dim_for(config.model.name, config.model)
+        state_dim = SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
+        return snapshot_arrays(self.sparse_dir, row_dim, state_dim)
 
 
 def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedCheckpoint:
@@ -191,8 +246,7 @@ def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedChe
         return LoadedCheckpoint(
             path=path, meta=meta,
             dense=load_torch(str(path / "dense.safetensors")),
-            dense_optimizer=torch.load(path / "dense_optimizer.pt", weights_only=True),
-            sparse=load_numpy(str(path / "sparse.safetensors")))
+            dense_optimizer=torch.load(path / "dense_optimizer.pt", weights_only=True))
     raise CheckpointError("no loadable checkpoint: " + "; ".join(errors))
 
 
@@ -206,7 +260,12 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     trainer = Trainer(schema, config or saved_config)
     trainer.model.load_state_dict(ckpt.dense)
     trainer.dense_optimizer.load_state_dict(ckpt.dense_optimizer)
-    trainer.store.load_arrays(ckpt.sparse)
+    if ckpt.tiered and hasattr(trainer.store, "load_snapshot"):
+        trainer.store.load_snapshot(ckpt.sparse_dir, {
+            k[len("sparse/"):]: v for k, v in ckpt.meta["sha256"].items()
+            if k.startswith("sparse/")})
+    else:
+        trainer.store.load_arrays(ckpt.sparse)
     trainer.pass_id = int(ckpt.meta["pass_id"])
     trainer.history = list(ckpt.meta.get("history", []))
     torch.set_rng_state(torch.tensor(ckpt.meta["rng"]["torch"], dtype=torch.uint8))

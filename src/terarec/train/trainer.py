@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -23,8 +24,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from terarec.config import TrainConfig
+from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import MemoryStore
+from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, plan_pass
 from terarec.models import build_model
 from terarec.train.metrics import evaluate_scores
@@ -60,7 +63,7 @@ class Trainer:
     """Owns the model, the store and the optimizers; trains pass by pass."""
 
     def __init__(self, schema: FeatureSchema, config: TrainConfig,
-                 store: MemoryStore | None = None) -> None:
+                 store: MemoryStore | TieredStore | None = None) -> None:
         self.schema = schema
         self.config = config
         if config.threads:
@@ -70,8 +73,8 @@ class Trainer:
         self.device = resolve_device(config.device)
         self.model = build_model(schema, config.model).to(self.device)
         self.sparse_optimizer = SparseOptimizer(config.sparse_optimizer)
-        self.store = store if store is not None else MemoryStore(
-            self.model.row_dim, self.sparse_optimizer, config.store, seed=config.seed)
+        self.store = store if store is not None else make_store(
+            self.model.row_dim, self.sparse_optimizer, config)
         self.dense_optimizer = _dense_optimizer(self.model, config)
         # The fused lookup's backward needs a graph input that requires grad.
         self._anchor = torch.zeros((), requires_grad=True, device=self.device)
@@ -85,15 +88,20 @@ class Trainer:
         emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
         return self.model(batch.dense, emb)
 
-    def train_pass(self, batches: list[Batch] | PassPlan,
-                   progress: tqdm | None = None) -> PassResult:
+    def train_pass(self, batches: list[Batch] | PassPlan, progress: tqdm | None = None,
+                   upcoming: list[Batch] | PassPlan | None = None) -> PassResult:
         """Stage, train and write back one pass; returns its figures. A ``PassPlan`` made
         ahead (``plan_pass``, e.g. in the read-ahead thread) takes the key work off the
-        critical path."""
+        critical path.
+
+        ``upcoming``: the next pass, whose rows a store with a disk tier reads into RAM in
+        a thread while this pass trains.
+        """
         self.model.train()
         t0 = time.perf_counter()
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True)
         batches = ws.batches
+        prefetcher = _start_prefetch(self.store, upcoming)
         t1 = time.perf_counter()
         losses = []
         for batch in ws.batches:
@@ -106,6 +114,8 @@ class Trainer:
             if progress is not None:
                 progress.update(len(batch))
         t2 = time.perf_counter()
+        if prefetcher is not None:
+            prefetcher.join()  # the store is the pass's own again before write-back
         ws.write_back(self.store)
         evicted = self.store.end_pass(self.pass_id)
         t3 = time.perf_counter()
@@ -172,11 +182,11 @@ class Trainer:
                 batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
                                             on_bad_row=cfg.on_bad_row, stats=stats)
                 plans = _plans(group_passes(batches, cfg.pass_rows), seen, skip_passes)
-                for plan in prefetch(plans):
+                for plan, upcoming in _with_next(prefetch(plans)):
                     seen += 1
                     if seen <= skip_passes:
                         continue
-                    result = self.train_pass(plan, bar)
+                    result = self.train_pass(plan, bar, upcoming)
                     rows_total += result.rows
                     record = {"epoch": epoch, **result.as_dict()}
                     if valid_batches:
@@ -199,6 +209,56 @@ def _plans(groups: Iterator[list[Batch]], first: int, skip: int) -> Iterator:
     trained, when resuming) pass through unplanned."""
     for number, group in enumerate(groups, first):
         yield plan_pass(group) if number >= skip else group
+
+
+def make_store(row_dim: int, optimizer: SparseOptimizer,
+               config: TrainConfig) -> MemoryStore | TieredStore:
+    """The tiered store when a memory budget or a disk path is configured, else all in RAM."""
+    if config.store.tiered:
+        return TieredStore(row_dim, optimizer, config.store, seed=config.seed)
+    return MemoryStore(row_dim, optimizer, config.store, seed=config.seed)
+
+
+def _with_next(items: Iterator) -> Iterator[tuple]:
+    """Each pass with the one after it (None for the last): the read-ahead pass is what
+    the store prefetches while the current one trains."""
+    current = next(items, None)
+    while current is not None:
+        following = next(items, None)
+        yield current, following
+        current = following
+
+
+class _Prefetcher(threading.Thread):
+    """Reads the next pass's rows from the disk tier; errors re-raised on join."""
+
+    def __init__(self, store: TieredStore, upcoming: list[Batch] | PassPlan) -> None:
+        super().__init__(name="terarec-store-prefetch", daemon=True)
+        self.store, self.upcoming, self.error = store, upcoming, None
+
+    def run(self) -> None:
+        try:
+            if isinstance(self.upcoming, PassPlan):
+                keys = self.upcoming.keys
+            else:
+                keys, _ = unique_inverse(np.concatenate([b.sparse.values.numpy()
+                                                         for b in self.upcoming]))
+            self.store.prefetch(keys)
+        except BaseException as exc:  # handed to the trainer thread
+            self.error = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _start_prefetch(store, upcoming: list[Batch] | PassPlan | None) -> _Prefetcher | None:
+    if not upcoming or not hasattr(store, "prefetch"):
+        return None
+    thread = _Prefetcher(store, upcoming)
+    thread.start()
+    return thread
 
 
 def _dense_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
