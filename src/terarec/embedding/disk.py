@@ -194,7 +194,10 @@ class DiskTier:
         if not len(keys):
             return
         t0 = time.perf_counter()
-        slots, _ = self.index.lookup_or_insert(keys)
+        slots = self.index.lookup(keys)
+        new = slots < 0
+        if new.any():  # insert only the new keys: the index reserves room per inserted key
+            slots[new], _ = self.index.lookup_or_insert(keys[new])
         self._ensure_slots(self.index.slot_bound)
         records = np.ascontiguousarray(records, np.float32)
         _scatter(self._bases, slots, self.shift, self.mask, records, self._dirty)
