@@ -112,9 +112,14 @@ class DiskTier:
     ``restore`` from a committed snapshot.
     """
 
-    def __init__(self, path: str | Path, width: int, slab_bytes: int = SLAB_BYTES) -> None:
+    def __init__(self, path: str | Path, width: int, slab_bytes: int = SLAB_BYTES,
+                 mapped_bytes: int = 64 << 20) -> None:
         self.path = Path(path)
         self.width = int(width)
+        # Slab pages a read or write maps count in the process's resident set until they
+        # are unmapped (they stay in the page cache): unmap after this many bytes.
+        self.mapped_bytes = int(mapped_bytes)
+        self._touched = 0
         rows = max(1024, slab_bytes // (4 * self.width))
         self.shift = int(rows).bit_length() - 1
         self.slab_rows = 1 << self.shift
@@ -143,6 +148,9 @@ class DiskTier:
             with open(path, "ab") as fh:
                 fh.truncate(size)  # sparse: blocks are allocated when written
         mm = np.memmap(path, np.float32, "r+", shape=(self.slab_rows, self.width))
+        # Rows are read at random: no read-ahead, and no mapping of the 15 neighbouring
+        # pages on each fault (they would count in the process's resident set).
+        mm._mmap.madvise(mmap.MADV_RANDOM)
         self._maps.append(mm)
         self._bases = np.array([m.ctypes.data for m in self._maps], np.int64)
         dirty = np.zeros(len(self._maps), np.bool_)
@@ -179,12 +187,27 @@ class DiskTier:
         slots = self.index.lookup(keys)
         return self.read_slots(slots), slots >= 0
 
+    @property
+    def _chunk_rows(self) -> int:
+        """Rows per kernel call: what maps at most ``mapped_bytes`` of slab pages."""
+        page_span = 4096 * (2 + 4 * self.width // 4096)
+        return max(256, self.mapped_bytes // page_span)
+
+    def _touch(self, rows: int) -> None:
+        self._touched += rows
+        if self._touched >= self._chunk_rows:
+            self.release_pages()
+
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
+        slots = np.ascontiguousarray(slots, np.int64)
         out = np.zeros((len(slots), self.width), np.float32)
         if len(slots) and len(self._bases):
-            _gather(self._bases, np.ascontiguousarray(slots, np.int64), self.shift, self.mask,
-                    out)
+            step = self._chunk_rows
+            for start in range(0, len(slots), step):
+                _gather(self._bases, slots[start:start + step], self.shift, self.mask,
+                        out[start:start + step])
+                self._touch(len(slots[start:start + step]))
         self.rows_read += int((slots >= 0).sum())
         self.read_s += time.perf_counter() - t0
         return out
@@ -200,7 +223,11 @@ class DiskTier:
             slots[new], _ = self.index.lookup_or_insert(keys[new])
         self._ensure_slots(self.index.slot_bound)
         records = np.ascontiguousarray(records, np.float32)
-        _scatter(self._bases, slots, self.shift, self.mask, records, self._dirty)
+        step = self._chunk_rows
+        for start in range(0, len(slots), step):
+            _scatter(self._bases, slots[start:start + step], self.shift, self.mask,
+                     records[start:start + step], self._dirty)
+            self._touch(len(slots[start:start + step]))
         self.last_seen[slots] = records[:, -1].view(np.int32)
         self.rows_written += len(keys)
         self.write_s += time.perf_counter() - t0
@@ -221,6 +248,7 @@ class DiskTier:
         the process's resident set bounded by one pass of disk traffic, not the table."""
         for mm in self._maps:
             mm._mmap.madvise(mmap.MADV_DONTNEED)
+        self._touched = 0
 
     def flush(self) -> None:
         """Write dirty mapped pages to the files and wait for them (msync)."""

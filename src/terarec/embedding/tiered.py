@@ -23,6 +23,8 @@ whose key index alone outgrows the budget is refused with the numbers.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import shutil
 import tempfile
 import threading
@@ -92,7 +94,9 @@ class TieredStore:
         if path is None:
             path = tempfile.mkdtemp(prefix="terarec-store-")
             weakref.finalize(self, shutil.rmtree, path, True)
-        self.disk = DiskTier(path, self.width)
+        self.disk = DiskTier(path, self.width, mapped_bytes=self._mapped_bytes)
+        if self.budget is not None:
+            _return_freed_buffers_to_os()
         self._lock = threading.RLock()
         self._tick = 0
         self._capacity_at_alloc = 0
@@ -103,6 +107,12 @@ class TieredStore:
         self._pull_disk_s = 0.0
         self._snapshot_dir: Path | None = None
         self._snapshot_digests: dict[str, str] = {}
+
+    @property
+    def _mapped_bytes(self) -> int:
+        """Slab pages mapped at once: a quarter of the budget, at most 64 MB."""
+        return 64 << 20 if self.budget is None else max(1 << 20, min(64 << 20,
+                                                                      self.budget // 4))
 
     # -- memory tier --------------------------------------------------------------------
     @property
@@ -182,9 +192,7 @@ class TieredStore:
 
     def _spill(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Move rows out of the memory tier, writing back those the disk lacks."""
-        dirty = self._dirty[slots] | ~self._on_disk[slots]
-        if dirty.any():
-            self.disk.write(keys[dirty], self._records(slots[dirty]))
+        self._write_back(keys, slots)
         self.memory.index.remove(keys)
         self._dirty[slots] = False
         self._on_disk[slots] = False
@@ -273,6 +281,8 @@ class TieredStore:
                 empty = RowBlock(np.empty((0, self.row_dim), np.float32),
                                  np.empty((0, self.state_dim), np.float32))
                 return empty, np.zeros(0, np.bool_)
+            if len(masks) == 1:  # the usual case: no second copy of the pass's rows
+                return RowBlock(values[0], states[0]), masks[0]
             return RowBlock(np.concatenate(values), np.concatenate(states)), \
                 np.concatenate(masks)
 
@@ -375,11 +385,18 @@ class TieredStore:
         """Write every dirty hot row to disk: afterwards the disk tier holds the store."""
         with self._lock:
             keys, slots = self.memory.index.items()
-            dirty = self._dirty[slots] | ~self._on_disk[slots]
-            if dirty.any():
-                self.disk.write(keys[dirty], self._records(slots[dirty]))
+            self._write_back(keys, slots)
             self._dirty[slots] = False
             self._on_disk[slots] = True
+
+    def _write_back(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Write the rows of ``slots`` the disk lacks, a bounded chunk at a time (a
+        whole-tier copy would double the memory tier's RAM for a moment)."""
+        dirty = self._dirty[slots] | ~self._on_disk[slots]
+        keys, slots = keys[dirty], slots[dirty]
+        step = self.disk._chunk_rows
+        for start in range(0, len(keys), step):
+            self.disk.write(keys[start:start + step], self._records(slots[start:start + step]))
 
     # -- sizes and stats ----------------------------------------------------------------
     def __len__(self) -> int:
@@ -458,7 +475,7 @@ class TieredStore:
 
     def _reset(self) -> None:
         self.disk.close()
-        self.disk = DiskTier(self.disk.path, self.width)
+        self.disk = DiskTier(self.disk.path, self.width, mapped_bytes=self._mapped_bytes)
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._snapshot_dir, self._snapshot_digests = None, {}
@@ -504,6 +521,18 @@ class TieredStore:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.disk.close()
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+@functools.cache
+def _return_freed_buffers_to_os() -> None:
+    """Pin glibc's mmap threshold at 1 MB. By default it adapts upwards to 32 MB, after
+    which freed pass-sized buffers stay in the heap, counted in the resident set, and a
+    memory budget is not kept. Elsewhere (not glibc) this is a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 1 << 20)
 
 
 def records_to_arrays(keys: np.ndarray, rec: np.ndarray, row_dim: int,
