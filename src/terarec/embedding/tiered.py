@@ -230,10 +230,12 @@ class TieredStore:
         absent = np.zeros(len(keys), np.bool_)
         if not len(missing):
             return absent
-        rec, found = self.disk.read(missing)
+        dslots = self.disk.index.lookup(missing)
+        found = dslots >= 0
         absent[np.flatnonzero(~inmem)[~found]] = True
-        self._make_room(len(missing), mslots[inmem] if protect_present else np.empty(0, np.int64))
-        loaded, rec = missing[found], rec[found]
+        loaded = missing[found]
+        self._make_room(len(loaded), mslots[inmem] if protect_present else np.empty(0, np.int64))
+        rec = self.disk.read_slots(dslots[found])
         if len(loaded):
             slots, _ = self.memory.index.lookup_or_insert(loaded)
             self.memory._ensure_rows(self.memory.index.slot_bound)
