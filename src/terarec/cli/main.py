@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
     "export", "serve",
     "autofeature",
+    "inspect",
 ]
 
 

@@ -289,7 +289,8 @@ class DiskTier:
                 os.link(old, dst / name)
                 digests[name] = previous_digests[name]
             else:
-                shutil.copyfile(self.slab_path(i), dst / name)
+                used = min(self.slab_rows, self.index.slot_bound - i * self.slab_rows)
+                _copy_prefix(self.slab_path(i), dst / name, max(0, used) * self.width * 4)
                 digests[name] = file_sha256(dst / name)
         keys, slots = self.index.items()
         save_numpy({"keys": keys, "slots": slots,
@@ -326,6 +327,18 @@ class DiskTier:
             self.last_seen[slots] = self.read_slots(slots)[:, -1].view(np.int32)
 
 
+def _copy_prefix(src: Path, dst: Path, nbytes: int) -> None:
+    """Copy the first ``nbytes`` of ``src``: a slab's rows past the highest slot in use
+    are empty and stay out of checkpoints (``restore`` extends the file again)."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        offset = 0
+        while offset < nbytes:
+            sent = os.sendfile(fout.fileno(), fin.fileno(), offset, nbytes - offset)
+            if sent == 0:
+                raise OSError(f"{src}: shorter than {nbytes} bytes")
+            offset += sent
+
+
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -347,8 +360,9 @@ def read_snapshot_records(src: Path, chunk: int = 1 << 20):
         out = np.empty((len(k), width), np.float32)
         for slab in np.unique(s >> shift):
             sel = (s >> shift) == slab
-            mm = np.memmap(src / f"slab-{int(slab):06d}.bin", np.float32, "r",
-                           shape=(slab_rows, width))
+            path = src / f"slab-{int(slab):06d}.bin"
+            rows = path.stat().st_size // (4 * width)
+            mm = np.memmap(path, np.float32, "r", shape=(rows, width))
             out[sel] = mm[s[sel] & (slab_rows - 1)]
             del mm
         yield k, out

@@ -1,0 +1,67 @@
+"""``terarec inspect`` on model directories trained with the memory and tiered stores."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from terarec.cli.inspect import show_histogram, summarise
+from terarec.cli.main import main
+from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
+from terarec.data.synth import generate
+from terarec.train.checkpoint import load_checkpoint, save_checkpoint
+from terarec.train.trainer import Trainer
+from terarec.types import FeatureSchema
+
+
+def test_show_histogram_buckets_by_powers_of_two():
+    show = np.array([0, 1, 1, 2, 3, 4, 7, 8, 100], np.float32)
+    assert show_histogram(show) == {"0": 1, "1": 2, "2-3": 2, "4-7": 2, "8-15": 1,
+                                    "64-127": 1}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("inspect") / "train.tsv"
+    generate(path, 6000, model_seed=1, sample_seed=2)
+    return path
+
+
+@pytest.mark.parametrize("budget", [None, "2MB"])
+def test_inspect_reports_keys_tiers_and_counts(data, tmp_path, budget, capsys):
+    torch.set_num_threads(1)
+    config = TrainConfig(batch_size=500, pass_rows=2000, model=ModelConfig(
+        name="fm", embedding_dim=16), sparse_optimizer=SparseOptimizerConfig(name="adam"),
+        store=StoreConfig(
+        admit_min_count=2, evict_after_passes=1, memory_budget=budget,
+        disk_path=str(tmp_path / "store") if budget else None))
+    trainer = Trainer(FeatureSchema.criteo(), config)
+    model = tmp_path / "model"
+    trainer.fit([data], progress=False, on_pass_end=lambda t, _: save_checkpoint(model, t))
+    info = summarise(model)
+    arrays = load_checkpoint(model).sparse
+    stats = trainer.store.stats()
+    assert info["store"] == ("tiered" if budget else "memory")
+    assert info["passes"] == 3
+    assert info["keys"] == len(arrays["keys"]) == stats.keys
+    assert (info["admitted"], info["evicted"], info["candidates"]) == (
+        stats.admitted, stats.evicted, stats.candidates)
+    assert info["evicted"] > 0 and info["candidates"] > 0
+    assert info["show_histogram"] == show_histogram(arrays["show"])
+    assert sum(info["show_histogram"].values()) == info["keys"]
+    if budget:
+        assert 0 < info["memory_keys"] < info["keys"]
+        assert info["bytes"]["disk_tier_files"] > 0
+    assert main(["inspect", str(model), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(info))
+    assert main(["inspect", str(model)]) == 0
+    text = capsys.readouterr().out
+    assert f"keys        {info['keys']:,}" in text and "show count" in text
+
+
+def test_inspect_without_checkpoint_is_a_clear_error(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "no committed checkpoint" in capsys.readouterr().err
