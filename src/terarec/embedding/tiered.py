@@ -43,7 +43,9 @@ from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import MemoryStore, RowBlock, StoreStats
 
 STORE_FILE = "store.safetensors"
-_INDEX_BYTES_PER_ROW = 64  # a KeyIndex bucket pair at its lowest load (25 %)
+# The memory tier's KeyIndex is sized for 1.5x its rows (a pull inserts up to half the
+# tier on top of a full one): 3-6 buckets of 16 B per row.
+_INDEX_BYTES_PER_ROW = 96
 
 
 class MemoryBudgetError(MemoryError):
@@ -147,7 +149,7 @@ class TieredStore:
         cap = self.memory_capacity()
         alloc = int(min(cap, 1 << 16)) if self.budget is None else int(cap)
         m = MemoryStore(self.row_dim, self.optimizer, self.config, seed=self.seed,
-                        capacity=max(alloc, 16))
+                        capacity=max(alloc + alloc // 2, 16))
         if carry is not None:
             m._cand_index, m._cand_show = carry._cand_index, carry._cand_show
             m._cand_click, m._cand_seen = carry._cand_click, carry._cand_seen
