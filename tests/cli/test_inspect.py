@@ -30,7 +30,7 @@ def data(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("budget", [None, "2MB"])
+@pytest.mark.parametrize("budget", [None, "3MB"])
 def test_inspect_reports_keys_tiers_and_counts(data, tmp_path, budget, capsys):
     torch.set_num_threads(1)
     config = TrainConfig(batch_size=500, pass_rows=2000, model=ModelConfig(

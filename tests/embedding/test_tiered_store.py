@@ -75,7 +75,8 @@ def test_evicted_key_leaves_both_tiers(tmp_path):
     _, tiered = _stores(tmp_path)
     keys = np.arange(1, 30_001, dtype=np.int64)
     ones = np.ones(len(keys), np.float32)
-    tiered.pull(keys, ones, ones * 0, 0)
+    block, _ = tiered.pull(keys, ones, ones * 0, 0)
+    tiered.push(keys, block)
     tiered.flush()  # every key now on disk, the hot ones in memory too
     hot = keys[tiered.memory.index.lookup(keys) >= 0]
     cold = keys[tiered.memory.index.lookup(keys) < 0]
@@ -150,4 +151,6 @@ def test_budget_too_small_for_the_key_index_is_refused(tmp_path):
     ones = np.ones(len(keys), np.float32)
     with pytest.raises(MemoryBudgetError, match="raise --memory-budget"):
         for start in range(0, len(keys), 1000):
-            store.pull(keys[start:start + 1000], ones[:1000], ones[:1000], 0)
+            part = keys[start:start + 1000]
+            block, _ = store.pull(part, ones[:1000], ones[:1000], 0)
+            store.push(part, block)

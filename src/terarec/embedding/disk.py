@@ -198,10 +198,14 @@ class DiskTier:
         if self._touched >= self._chunk_rows:
             self.release_pages()
 
-    def read_slots(self, slots: np.ndarray) -> np.ndarray:
+    def read_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Records at ``slots`` (zeros where a slot is -1), into ``out`` if given."""
         t0 = time.perf_counter()
         slots = np.ascontiguousarray(slots, np.int64)
-        out = np.zeros((len(slots), self.width), np.float32)
+        if out is None:
+            out = np.zeros((len(slots), self.width), np.float32)
+        else:
+            out[slots < 0] = 0
         if len(slots) and len(self._bases):
             step = self._chunk_rows
             for start in range(0, len(slots), step):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import mmap
 import shutil
 import tempfile
 import threading
@@ -39,8 +40,9 @@ from safetensors.numpy import save_file as save_numpy
 
 from terarec.config import StoreConfig, parse_bytes
 from terarec.embedding.disk import DiskTier, file_sha256, read_snapshot_records, record_width
+from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock, StoreStats
+from terarec.embedding.store import MemoryStore, RowBlock, StoreStats, init_rows
 
 STORE_FILE = "store.safetensors"
 # The memory tier's KeyIndex is sized for 1.5x its rows (a pull inserts up to half the
@@ -101,7 +103,6 @@ class TieredStore:
             _return_freed_buffers_to_os()
         self._lock = threading.RLock()
         self._tick = 0
-        self._capacity_at_alloc = 0
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._counters = dict(spilled=0, loaded=0, prefetched=0, hits=0, misses=0)
@@ -109,6 +110,9 @@ class TieredStore:
         self._pull_disk_s = 0.0
         self._snapshot_dir: Path | None = None
         self._snapshot_digests: dict[str, str] = {}
+        # This pass's rows that were not in RAM at pull: (key -> row index, records,
+        # on disk), written back or placed in RAM by push.
+        self._pending: tuple[KeyIndex, np.ndarray, np.ndarray] | None = None
 
     @property
     def _mapped_bytes(self) -> int:
@@ -143,19 +147,14 @@ class TieredStore:
                 f"{self._fixed_bytes():,} B (about 64-100 B per key); raise --memory-budget")
         return free // self._row_bytes
 
-    def _new_memory_tier(self, carry: MemoryStore | None = None) -> None:
-        """(Re)allocate the memory tier at the current capacity. Arrays are np.zeros, so
+    def _new_memory_tier(self) -> None:
+        """Allocate an empty memory tier at the current capacity. Arrays are np.zeros, so
         rows never used cost no RAM; the index is sized for the capacity up front."""
         cap = self.memory_capacity()
         alloc = int(min(cap, 1 << 16)) if self.budget is None else int(cap)
         m = MemoryStore(self.row_dim, self.optimizer, self.config, seed=self.seed,
                         capacity=max(alloc + alloc // 2, 16))
-        if carry is not None:
-            m._cand_index, m._cand_show = carry._cand_index, carry._cand_show
-            m._cand_click, m._cand_seen = carry._cand_click, carry._cand_seen
-            m.admitted_total, m.evicted_total = carry.admitted_total, carry.evicted_total
         self.memory = m
-        self._capacity_at_alloc = alloc
         self._meta_size = 0
         self._ensure_meta()
 
@@ -164,7 +163,8 @@ class TieredStore:
         need = len(self.memory.show)
         if need <= self._meta_size:
             return
-        for name, dtype in (("_used", np.int64), ("_dirty", np.bool_), ("_on_disk", np.bool_)):
+        for name, dtype in (("_used", np.int64), ("_dirty", np.bool_), ("_on_disk", np.bool_),
+                            ("_pinned", np.bool_)):
             old = getattr(self, name, None) if self._meta_size else None
             grown = np.zeros(need, dtype)
             if old is not None:
@@ -198,117 +198,168 @@ class TieredStore:
         self.memory.index.remove(keys)
         self._dirty[slots] = False
         self._on_disk[slots] = False
+        self._pinned[slots] = False
         self._counters["spilled"] += len(keys)
 
-    def _make_room(self, need: int, protect: np.ndarray) -> None:
-        """Spill the coldest rows (by policy) until ``need`` more fit; ``protect``: memory
-        slots that must stay (the keys being pulled)."""
-        cap = self.memory_capacity()
-        free = cap - len(self.memory)
-        if need <= free:
-            return
-        keys, slots = self.memory.index.items()
-        n_out = min(need - free, len(keys))
+    def _priority(self, slots: np.ndarray) -> np.ndarray:
+        """Keep-in-RAM priority of memory rows: show count (LFU) or last use (LRU); pinned
+        rows (this pass's, or prefetched for the next) are never chosen to leave."""
         if self.config.cache_policy == "lfu":
             prio = self.memory.show[slots].astype(np.float64)
         else:
             prio = self._used[slots].astype(np.float64)
-        if len(protect):
-            keep = np.zeros(len(self._used), np.bool_)
-            keep[protect] = True
-            prio[keep[slots]] = np.inf
-        victims = np.argpartition(prio, n_out - 1)[:n_out] if n_out < len(prio) else \
-            np.arange(len(prio))
-        victims = victims[np.isfinite(prio[victims])]
-        self._spill(keys[victims], slots[victims])
+        prio[self._pinned[slots]] = np.inf
+        return prio
 
-    def _load(self, keys: np.ndarray, protect_present: bool = True) -> np.ndarray:
-        """Bring the disk rows of ``keys`` that the memory tier lacks into it; returns the
-        mask of keys found in neither tier."""
-        mslots = self.memory.index.lookup(keys)
-        inmem = mslots >= 0
-        self._used[mslots[inmem]] = self._tick
-        missing = keys[~inmem]
-        absent = np.zeros(len(keys), np.bool_)
-        if not len(missing):
-            return absent
-        dslots = self.disk.index.lookup(missing)
-        found = dslots >= 0
-        absent[np.flatnonzero(~inmem)[~found]] = True
-        loaded = missing[found]
-        self._make_room(len(loaded), mslots[inmem] if protect_present else np.empty(0, np.int64))
-        rec = self.disk.read_slots(dslots[found])
-        if len(loaded):
-            slots, _ = self.memory.index.lookup_or_insert(loaded)
-            self.memory._ensure_rows(self.memory.index.slot_bound)
-            self._ensure_meta()
-            self._set_records(slots, rec)
-            self._dirty[slots] = False
-            self._on_disk[slots] = True
-            self._used[slots] = self._tick
-            self._counters["loaded"] += len(loaded)
-        return absent
+    def _make_room(self, need: int) -> None:
+        """Spill the lowest-priority unpinned rows until ``need`` more fit."""
+        free = self.memory_capacity() - len(self.memory)
+        if need <= free:
+            return
+        keys, slots = self.memory.index.items()
+        n_out = min(need - free, len(keys))
+        prio = self._priority(slots)
+        out = np.argpartition(prio, n_out - 1)[:n_out] if n_out < len(prio) else \
+            np.arange(len(prio))
+        out = out[np.isfinite(prio[out])]
+        self._spill(keys[out], slots[out])
+
+    def _install(self, keys: np.ndarray, rec: np.ndarray, dirty: bool | np.ndarray,
+                 on_disk: bool | np.ndarray) -> np.ndarray:
+        """Put rows into the memory tier (room already made); returns their slots."""
+        slots, _ = self.memory.index.lookup_or_insert(keys)
+        self.memory._ensure_rows(self.memory.index.slot_bound)
+        self._ensure_meta()
+        self._set_records(slots, rec)
+        self._dirty[slots] = dirty
+        self._on_disk[slots] = on_disk
+        self._used[slots] = self._tick
+        self._pinned[slots] = False
+        return slots
 
     # -- the MemoryStore API ------------------------------------------------------------
     def pull(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
              pass_id: int) -> tuple[RowBlock, np.ndarray]:
-        """Rows of the unique ``keys`` of a pass (see ``MemoryStore.pull``), loading misses
-        from disk in batches no larger than half the memory tier."""
+        """Rows of the unique ``keys`` of a pass (see ``MemoryStore.pull``).
+
+        Hot rows are counted in place and pinned until ``push``; the others are read from
+        disk (or created, after admission) in one batch and held as this pass's pending
+        rows, so a cold row costs one read here and one write (or a place in RAM) at push.
+        """
         keys = np.ascontiguousarray(keys, np.int64)
         with self._lock:
             self._tick += 1
-            chunk = max(1, self.memory_capacity() // 2)
-            values, states, masks = [], [], []
-            for start in range(0, len(keys), chunk):
-                k = keys[start:start + chunk]
-                hits = int((self.memory.index.lookup(k) >= 0).sum())
-                self._counters["hits"] += hits
-                self._counters["misses"] += len(k) - hits
-                t0 = time.perf_counter()
-                absent = self._load(k)
-                self._pull_disk_s += time.perf_counter() - t0
-                # Room for the new keys admission may add (at most the absent ones).
-                present = self.memory.index.lookup(k)
-                self._make_room(int(absent.sum()), present[present >= 0])
-                block, admitted = self.memory.pull(k, show[start:start + chunk],
-                                                   click[start:start + chunk], pass_id)
-                self._ensure_meta()
-                slots = self.memory.index.lookup(k[admitted])
-                self._dirty[slots] = True
-                self._used[slots] = self._tick
-                new = absent[admitted]
-                self._on_disk[slots[new]] = False
-                values.append(block.values)
-                states.append(block.state)
-                masks.append(admitted)
-            if not masks:
-                empty = RowBlock(np.empty((0, self.row_dim), np.float32),
-                                 np.empty((0, self.state_dim), np.float32))
-                return empty, np.zeros(0, np.bool_)
-            if len(masks) == 1:  # the usual case: no second copy of the pass's rows
-                return RowBlock(values[0], states[0]), masks[0]
-            return RowBlock(np.concatenate(values), np.concatenate(states)), \
-                np.concatenate(masks)
+            self._pinned[:] = False
+            m, d, s = self.memory, self.row_dim, self.state_dim
+            n = len(keys)
+            mslots = m.index.lookup(keys)
+            hot = mslots >= 0
+            self._counters["hits"] += int(hot.sum())
+            self._counters["misses"] += n - int(hot.sum())
+            cold = np.flatnonzero(~hot)
+            ck = keys[cold]
+            t0 = time.perf_counter()
+            dslots = self.disk.index.lookup(ck)
+            on_disk = dslots >= 0
+            rec = self.disk.read_slots(dslots, out=np.empty((len(ck), self.width), np.float32))
+            self._pull_disk_s += time.perf_counter() - t0
+            admitted = np.ones(n, np.bool_)
+            absent = np.flatnonzero(~on_disk)
+            if len(absent):
+                ak = ck[absent]
+                new_keys, earlier_show, earlier_click = m._admit(
+                    ak, show[cold[absent]], click[cold[absent]], pass_id)
+                ok = np.ones(len(ak), np.bool_) if len(new_keys) == len(ak) else \
+                    np.isin(ak, new_keys)
+                admitted[cold[absent[~ok]]] = False
+                rows = absent[ok]
+                rec[rows, :d] = init_rows(new_keys, d, self.config.init_std, self.seed)
+                rec[rows, d:d + s] = self.optimizer.init_state(len(new_keys), d)
+                rec[rows, d + s] = earlier_show
+                rec[rows, d + s + 1] = earlier_click
+                m.admitted_total += len(new_keys)
+            keep = admitted[cold]
+            ck, rec, on_disk, cold = ck[keep], rec[keep], on_disk[keep], cold[keep]
+            rec[:, d + s] += show[cold]
+            rec[:, d + s + 1] += click[cold]
+            rec[:, d + s + 2] = np.full(len(ck), pass_id, np.int32).view(np.float32)
+            self._pending = (KeyIndex.from_items(ck, np.arange(len(ck), dtype=np.int64)),
+                             rec, on_disk)
+            hs = mslots[hot]
+            m.show[hs] += show[hot]
+            m.click[hs] += click[hot]
+            m.last_seen[hs] = pass_id
+            self._dirty[hs] = True
+            self._used[hs] = self._tick
+            self._pinned[hs] = True
+            values = np.empty((n, d), np.float32)
+            state = np.empty((n, s), np.float32)
+            values[hot], state[hot] = m.values[hs], m.state[hs]
+            values[cold], state[cold] = rec[:, :d], rec[:, d:d + s]
+            if admitted.all():
+                return RowBlock(values, state), admitted
+            return RowBlock(values[admitted], state[admitted]), admitted
 
     def push(self, keys: np.ndarray, block: RowBlock) -> None:
-        """Write back trained rows: in place where hot, to disk where spilled meanwhile."""
+        """Write back trained rows: hot ones in place; the pass's pending rows compete by
+        priority with the memory tier's for its places, and the losers go to disk."""
         keys = np.ascontiguousarray(keys, np.int64)
         with self._lock:
-            mslots = self.memory.index.lookup(keys)
+            m, d, s = self.memory, self.row_dim, self.state_dim
+            mslots = m.index.lookup(keys)
             hot = mslots >= 0
-            s = mslots[hot]
-            self.memory.values[s] = block.values[hot]
-            self.memory.state[s] = block.state[hot]
-            self._dirty[s] = True
-            cold = keys[~hot]
-            if len(cold):
-                rec, found = self.disk.read(cold)
+            hs = mslots[hot]
+            m.values[hs] = block.values[hot]
+            m.state[hs] = block.state[hot]
+            self._dirty[hs] = True
+            self._pinned[hs] = False
+            rest = np.flatnonzero(~hot)
+            if not len(rest):
+                return
+            rk = keys[rest]
+            if self._pending is not None:
+                index, pending, pending_on_disk = self._pending
+                p = index.lookup(rk)
+            else:
+                p = np.full(len(rk), -1, np.int64)
+            if (p < 0).any():  # pushed without a pull this pass: rows that live on disk
+                cold = p < 0
+                rec, found = self.disk.read(rk[cold])
                 if not found.all():
                     raise KeyError(f"{int((~found).sum())} pushed keys are not in the store")
-                d = self.row_dim
-                rec[:, :d] = block.values[~hot]
-                rec[:, d:d + self.state_dim] = block.state[~hot]
-                self.disk.write(cold, rec)
+                rec[:, :d] = block.values[rest[cold]]
+                rec[:, d:d + s] = block.state[rest[cold]]
+                self.disk.write(rk[cold], rec)
+                rk, rest, p = rk[~cold], rest[~cold], p[~cold]
+            if len(rk):
+                same_order = len(p) == len(pending) and (p == np.arange(len(p))).all()
+                rec = pending if same_order else pending[p]
+                rec[:, :d] = block.values[rest]
+                rec[:, d:d + s] = block.state[rest]
+                self._place(rk, rec, pending_on_disk[p])
+            self._pending = None
+
+    def _place(self, keys: np.ndarray, rec: np.ndarray, on_disk: np.ndarray) -> None:
+        """Keep the ``cap`` highest-priority rows of memory tier + ``keys`` in RAM; spill
+        the memory rows that lose, write the new rows that lose straight to disk."""
+        cap = self.memory_capacity()
+        mk, ms = self.memory.index.items()
+        n_out = len(mk) + len(keys) - cap
+        stay = np.ones(len(keys), np.bool_)
+        if n_out > 0:
+            col = self.row_dim + self.state_dim
+            prio_new = rec[:, col].astype(np.float64) if self.config.cache_policy == "lfu" \
+                else np.full(len(keys), float(self._tick))
+            prio = np.concatenate([self._priority(ms), prio_new])
+            out = np.argpartition(prio, n_out - 1)[:n_out] if n_out < len(prio) else \
+                np.arange(len(prio))
+            out = out[np.isfinite(prio[out])]
+            out_mem = out[out < len(mk)]
+            stay[out[out >= len(mk)] - len(mk)] = False
+            self._spill(mk[out_mem], ms[out_mem])
+            self.disk.write(keys[~stay], rec[~stay])
+        if stay.any():
+            self._install(keys[stay], rec[stay], True, on_disk[stay])
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Read-only values of ``keys`` (zero rows where absent) and the found mask; the
@@ -324,19 +375,26 @@ class TieredStore:
             return values, found
 
     def prefetch(self, keys: np.ndarray) -> int:
-        """Load the disk rows of ``keys`` (the next pass's) into the memory tier, as many
-        as half of it holds; run in a thread while the current pass trains. Returns the
-        number of rows read."""
+        """Read the disk rows of ``keys`` (the next pass's) into the memory tier, pinned
+        until that pass pulls them, as many as the unpinned part of the tier holds; run in
+        a thread while the current pass trains. Returns the number of rows read."""
         keys = np.ascontiguousarray(keys, np.int64)
         with self._lock:
             t0 = time.perf_counter()
-            self._tick += 1
             keys = keys[self.memory.index.lookup(keys) < 0]
-            keys = keys[:max(0, self.memory_capacity() // 2)]
-            before = self._counters["loaded"]
-            self._load(keys, protect_present=False)
-            n = self._counters["loaded"] - before
+            if self._pending is not None:  # their newer rows arrive with push
+                keys = keys[self._pending[0].lookup(keys) < 0]
+            dslots = self.disk.index.lookup(keys)
+            keys, dslots = keys[dslots >= 0], dslots[dslots >= 0]
+            n = min(len(keys), max(0, self.memory_capacity() - int(self._pinned.sum())))
+            keys, dslots = keys[:n], dslots[:n]
+            self._make_room(n)
+            n = min(n, max(0, self.memory_capacity() - len(self.memory)))
+            if n:
+                slots = self._install(keys[:n], self.disk.read_slots(dslots[:n]), False, True)
+                self._pinned[slots] = True
             self._counters["prefetched"] += n
+            self._counters["loaded"] += n
             self._prefetch_s += time.perf_counter() - t0
             return n
 
@@ -365,15 +423,36 @@ class TieredStore:
             return evicted
 
     def _fit_budget(self) -> None:
+        """Spill down to the capacity; if the key index grew enough that rows sit in slots
+        past it, compact the hot rows into the lowest slots and release the rest."""
         if self.budget is None:
             return
+        self._make_room(0)
         cap = self.memory_capacity()
-        if cap < 0.875 * self._capacity_at_alloc:
-            # The key index grew: rebuild the memory tier smaller so RAM stays in budget.
-            self.flush()
-            self._new_memory_tier(carry=self.memory)
-            return
-        self._make_room(0, np.empty(0, np.int64))
+        if self.memory.index.slot_bound > cap + cap // 8:
+            self._compact(cap)
+
+    def _compact(self, cap: int) -> None:
+        """Move the hot rows to slots 0..n-1 (in slot order, chunk by chunk: a row only
+        moves down, onto a slot already vacated) and hand the pages past them back to the
+        OS, so the tier's RAM follows its shrunken capacity without a second copy."""
+        m = self.memory
+        keys, slots = m.index.items()
+        order = np.argsort(slots, kind="stable")
+        keys, slots = keys[order], slots[order]
+        target = np.arange(len(slots), dtype=np.int64)
+        moved = np.flatnonzero(slots != target)
+        arrays = [m.values, m.state, m.show, m.click, m.last_seen, self._used, self._dirty,
+                  self._on_disk, self._pinned]
+        for start in range(0, len(moved), 8192):
+            sel = moved[start:start + 8192]
+            for a in arrays:
+                a[target[sel]] = a[slots[sel]]
+        index = KeyIndex(cap + cap // 2)
+        index.lookup_or_insert(keys)  # slots 0..n-1 in this order: no free slots yet
+        m.index = index
+        for a in arrays:
+            _release_rows(a, len(keys))
 
     def evict(self, keys: np.ndarray) -> int:
         keys = np.ascontiguousarray(keys, np.int64)
@@ -483,6 +562,7 @@ class TieredStore:
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._snapshot_dir, self._snapshot_digests = None, {}
+        self._pending = None
 
     def save_snapshot(self, dst: Path) -> dict[str, str]:
         """Write the store into the empty folder ``dst`` (inside an uncommitted checkpoint);
@@ -528,6 +608,21 @@ class TieredStore:
 
 
 _M_MMAP_THRESHOLD = -3
+_MADV_DONTNEED = 4
+
+
+def _release_rows(arr: np.ndarray, start: int) -> None:
+    """Return the whole pages of ``arr``'s rows ``start:`` to the OS; they read as zeros
+    again (as after np.zeros), and cost RAM only once written."""
+    if arr.ndim == 0 or start >= len(arr):
+        return
+    page = mmap.PAGESIZE
+    lo = arr.ctypes.data + start * arr.strides[0]
+    hi = arr.ctypes.data + arr.nbytes
+    lo, hi = -(-lo // page) * page, hi // page * page
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 
 
 @functools.cache

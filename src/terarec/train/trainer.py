@@ -54,6 +54,7 @@ class PassResult:
     admitted_keys: int
     evicted_keys: int
     store_keys: int
+    prefetch_wait_s: float = 0.0  # time the pass waited for the next pass's disk reads
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -116,6 +117,7 @@ class Trainer:
         t2 = time.perf_counter()
         if prefetcher is not None:
             prefetcher.join()  # the store is the pass's own again before write-back
+        wait_s = time.perf_counter() - t2
         ws.write_back(self.store)
         evicted = self.store.end_pass(self.pass_id)
         t3 = time.perf_counter()
@@ -126,7 +128,7 @@ class Trainer:
             pass_id=self.pass_id, rows=rows, train_loss=mean_loss, staging_s=t1 - t0,
             train_s=t2 - t1, write_back_s=t3 - t2, samples_per_s=rows / (t3 - t0),
             unique_keys=ws.stats.unique_keys, admitted_keys=ws.stats.admitted_keys,
-            evicted_keys=evicted, store_keys=len(self.store))
+            evicted_keys=evicted, store_keys=len(self.store), prefetch_wait_s=wait_s)
         self.pass_id += 1
         return result
 
