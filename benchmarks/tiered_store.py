@@ -13,7 +13,7 @@ and ``prefetch_hidden_share``: the share of disk-read time spent in the prefetch
 while the trainer did not wait for it.
 
 Prints one JSON line. Usage: ``python benchmarks/tiered_store.py [--rows N]
-[--budget 96MB] [--policies lfu,lru]``.
+[--budget 90MB] [--policies lfu,lru]``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _spawn(args: argparse.Namespace, arm: str, policy: str = "lfu") -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=400_000)
-    parser.add_argument("--budget", default="96MB", help="memory budget of the tiered arm")
+    parser.add_argument("--budget", default="90MB", help="memory budget of the tiered arm")
     parser.add_argument("--dim", type=int, default=64, help="embedding dim (Adam rows)")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--pass-batches", type=int, default=20)

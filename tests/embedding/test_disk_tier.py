@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from terarec.embedding.disk import DiskTier, read_snapshot_records
 
@@ -66,6 +67,9 @@ def test_snapshot_restore_and_stale_files_cleared(tmp_path):
     digests = disk.snapshot(tmp_path / "snap", None, {})
     assert set(digests) == {f"slab-{i:06d}.bin" for i in range(3)} | {"index.safetensors"}
     disk.write(keys[10:20], _records(keys[10:20], salt=9.0))  # after the snapshot
+    with pytest.raises(RuntimeError, match="in use by another process"):
+        DiskTier(tmp_path / "live", WIDTH)
+    disk.release()
     # A new tier on the same folder starts empty: leftovers of a killed run are not data.
     fresh = DiskTier(tmp_path / "live", WIDTH, slab_bytes=4096)
     assert len(fresh) == 0 and not list((tmp_path / "live").glob("slab-*"))

@@ -24,11 +24,13 @@ RAM per key: the ``KeyIndex`` (16 B per bucket at 25-50 % load: 32-64 B per key)
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import mmap
 import os
 import shutil
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,24 +73,28 @@ def _record(bases, s, shift, mask, width):
 
 
 @numba.njit(nogil=True, cache=True)
-def _gather(bases, slots, shift, mask, out):
+def _gather(bases, slots, order, shift, mask, out):
+    """out[order[i]] = record at slots[order[i]]: ``order`` sorts the slots, so the files
+    are read front to back (measured 3x faster than in key order)."""
     width = out.shape[1]
-    for i in range(slots.shape[0]):
-        s = slots[i]
+    for i in range(order.shape[0]):
+        k = order[i]
+        s = slots[k]
         if s >= 0:
             src = _record(bases, s, shift, mask, width)
             for j in range(width):
-                out[i, j] = src[j]
+                out[k, j] = src[j]
 
 
 @numba.njit(nogil=True, cache=True)
-def _scatter(bases, slots, shift, mask, rows, dirty):
+def _scatter(bases, slots, order, shift, mask, rows, dirty):
     width = rows.shape[1]
-    for i in range(slots.shape[0]):
-        s = slots[i]
+    for i in range(order.shape[0]):
+        k = order[i]
+        s = slots[k]
         dst = _record(bases, s, shift, mask, width)
         for j in range(width):
-            dst[j] = rows[i, j]
+            dst[j] = rows[k, j]
         dirty[s >> shift] = True
 
 
@@ -119,12 +125,13 @@ class DiskTier:
         # Slab pages a read or write maps count in the process's resident set until they
         # are unmapped (they stay in the page cache): unmap after this many bytes.
         self.mapped_bytes = int(mapped_bytes)
-        self._touched = 0
         rows = max(1024, slab_bytes // (4 * self.width))
         self.shift = int(rows).bit_length() - 1
         self.slab_rows = 1 << self.shift
         self.mask = self.slab_rows - 1
         self.path.mkdir(parents=True, exist_ok=True)
+        lock_fd = _lock_folder(self.path)
+        self._unlock = weakref.finalize(self, os.close, lock_fd)
         for old in self.path.glob("slab-*.bin"):
             old.unlink()
         self.index = KeyIndex(16)
@@ -167,10 +174,16 @@ class DiskTier:
             self.last_seen = grown
 
     def close(self) -> None:
+        """Unmap the slabs (the folder stays locked: ``restore`` maps them again)."""
         self._bases = np.zeros(0, np.int64)
         for mm in self._maps:
             mm._mmap.close()
         self._maps = []
+
+    def release(self) -> None:
+        """Unmap the slabs and unlock the folder for another store."""
+        self.close()
+        self._unlock()
 
     # -- rows ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -193,10 +206,25 @@ class DiskTier:
         page_span = 4096 * (2 + 4 * self.width // 4096)
         return max(256, self.mapped_bytes // page_span)
 
-    def _touch(self, rows: int) -> None:
-        self._touched += rows
-        if self._touched >= self._chunk_rows:
-            self.release_pages()
+    def _chunks(self, slots: np.ndarray):
+        """Positions of ``slots`` in slot order, in chunks; after each chunk, the slab
+        pages it mapped (one contiguous address range per slab) are unmapped again."""
+        order = np.argsort(slots, kind="stable")
+        order = order[slots[order] >= 0]
+        step = self._chunk_rows
+        for start in range(0, len(order), step):
+            part = order[start:start + step]
+            yield part
+            self._unmap(int(slots[part[0]]), int(slots[part[-1]]))
+
+    def _unmap(self, first: int, last: int) -> None:
+        row = 4 * self.width
+        for slab in range(first >> self.shift, (last >> self.shift) + 1):
+            lo = (first & self.mask) * row if slab == first >> self.shift else 0
+            hi = ((last & self.mask) + 1) * row if slab == last >> self.shift else \
+                self.slab_rows * row
+            lo -= lo % mmap.PAGESIZE
+            self._maps[slab]._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def read_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Records at ``slots`` (zeros where a slot is -1), into ``out`` if given."""
@@ -207,11 +235,8 @@ class DiskTier:
         else:
             out[slots < 0] = 0
         if len(slots) and len(self._bases):
-            step = self._chunk_rows
-            for start in range(0, len(slots), step):
-                _gather(self._bases, slots[start:start + step], self.shift, self.mask,
-                        out[start:start + step])
-                self._touch(len(slots[start:start + step]))
+            for part in self._chunks(slots):
+                _gather(self._bases, slots, part, self.shift, self.mask, out)
         self.rows_read += int((slots >= 0).sum())
         self.read_s += time.perf_counter() - t0
         return out
@@ -227,11 +252,8 @@ class DiskTier:
             slots[new], _ = self.index.lookup_or_insert(keys[new])
         self._ensure_slots(self.index.slot_bound)
         records = np.ascontiguousarray(records, np.float32)
-        step = self._chunk_rows
-        for start in range(0, len(slots), step):
-            _scatter(self._bases, slots[start:start + step], self.shift, self.mask,
-                     records[start:start + step], self._dirty)
-            self._touch(len(slots[start:start + step]))
+        for part in self._chunks(slots):
+            _scatter(self._bases, slots, part, self.shift, self.mask, records, self._dirty)
         self.last_seen[slots] = records[:, -1].view(np.int32)
         self.rows_written += len(keys)
         self.write_s += time.perf_counter() - t0
@@ -252,7 +274,6 @@ class DiskTier:
         the process's resident set bounded by one pass of disk traffic, not the table."""
         for mm in self._maps:
             mm._mmap.madvise(mmap.MADV_DONTNEED)
-        self._touched = 0
 
     def flush(self) -> None:
         """Write dirty mapped pages to the files and wait for them (msync)."""
@@ -329,6 +350,18 @@ class DiskTier:
         self.last_seen = np.zeros(max(16, self.index.slot_bound), np.int32)
         if len(slots):
             self.last_seen[slots] = self.read_slots(slots)[:, -1].view(np.int32)
+
+
+def _lock_folder(path: Path) -> int:
+    """Hold an exclusive lock on ``path`` for this process's lifetime: a second store on
+    the same folder would wipe and overwrite the first one's rows."""
+    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"{path}: store folder in use by another process") from None
+    return fd
 
 
 def _copy_prefix(src: Path, dst: Path, nbytes: int) -> None:

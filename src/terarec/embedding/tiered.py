@@ -557,7 +557,7 @@ class TieredStore:
                 self.memory.admitted_total, self.memory.evicted_total = c[0], c[1]
 
     def _reset(self) -> None:
-        self.disk.close()
+        self.disk.release()
         self.disk = DiskTier(self.disk.path, self.width, mapped_bytes=self._mapped_bytes)
         self._new_memory_tier()
         self._disk_only_evicted = 0
@@ -603,8 +603,9 @@ class TieredStore:
             self._snapshot_digests = dict(digests or {})
 
     def close(self) -> None:
+        """Unmap the slabs and unlock the store folder."""
         with contextlib.suppress(Exception):
-            self.disk.close()
+            self.disk.release()
 
 
 _M_MMAP_THRESHOLD = -3

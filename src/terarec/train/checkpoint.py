@@ -256,6 +256,10 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     from terarec.train.trainer import Trainer
 
     schema, saved_config = read_model_meta(Path(model_dir))
+    if config is None:
+        # Scoring a saved model: a tiered store gets a private scratch folder rather than
+        # the training run's live one (which may be in use).
+        saved_config.store.disk_path = None
     ckpt = load_checkpoint(model_dir, name)
     trainer = Trainer(schema, config or saved_config)
     trainer.model.load_state_dict(ckpt.dense)
