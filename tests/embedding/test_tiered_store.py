@@ -118,8 +118,8 @@ def test_load_arrays_round_trip_and_snapshot(tmp_path):
 
 def test_incremental_snapshot_links_unchanged_slabs(tmp_path):
     optimizer = SparseOptimizer(SparseOptimizerConfig())
-    store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget="4MB"), path=tmp_path / "s")
-    store.disk.__init__(tmp_path / "s", store.width, slab_bytes=64 << 10)  # small slabs
+    store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget="4MB"),
+                        path=tmp_path / "s", slab_bytes=64 << 10)  # many small slabs
     keys = np.arange(1, 20_001, dtype=np.int64)
     ones = np.ones(len(keys), np.float32)
     block, _ = store.pull(keys, ones, ones, 0)

@@ -39,7 +39,13 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 
 from terarec.config import StoreConfig, parse_bytes
-from terarec.embedding.disk import DiskTier, file_sha256, read_snapshot_records, record_width
+from terarec.embedding.disk import (
+    SLAB_BYTES,
+    DiskTier,
+    file_sha256,
+    read_snapshot_records,
+    record_width,
+)
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import MemoryStore, RowBlock, StoreStats, init_rows
@@ -83,7 +89,7 @@ class TieredStore:
 
     def __init__(self, row_dim: int, optimizer: SparseOptimizer,
                  config: StoreConfig | None = None, seed: int = 0,
-                 path: str | Path | None = None) -> None:
+                 path: str | Path | None = None, slab_bytes: int = SLAB_BYTES) -> None:
         self.row_dim = row_dim
         self.optimizer = optimizer
         self.config = config or StoreConfig()
@@ -98,7 +104,8 @@ class TieredStore:
         if path is None:
             path = tempfile.mkdtemp(prefix="terarec-store-")
             weakref.finalize(self, shutil.rmtree, path, True)
-        self.disk = DiskTier(path, self.width, mapped_bytes=self._mapped_bytes)
+        self._slab_bytes = slab_bytes
+        self.disk = DiskTier(path, self.width, slab_bytes, mapped_bytes=self._mapped_bytes)
         if self.budget is not None:
             _return_freed_buffers_to_os()
         self._lock = threading.RLock()
@@ -558,7 +565,8 @@ class TieredStore:
 
     def _reset(self) -> None:
         self.disk.release()
-        self.disk = DiskTier(self.disk.path, self.width, mapped_bytes=self._mapped_bytes)
+        self.disk = DiskTier(self.disk.path, self.width, self._slab_bytes,
+                             mapped_bytes=self._mapped_bytes)
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._snapshot_dir, self._snapshot_digests = None, {}
