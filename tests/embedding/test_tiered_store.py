@@ -154,3 +154,21 @@ def test_budget_too_small_for_the_key_index_is_refused(tmp_path):
             part = keys[start:start + 1000]
             block, _ = store.pull(part, ones[:1000], ones[:1000], 0)
             store.push(part, block)
+
+
+def test_change_tracking_matches_memory_store(tmp_path):
+    """What incremental export reads: rows touched since a pass, and evicted keys."""
+    mem, tiered = _stores(tmp_path, budget="2MB", evict_after_passes=3)
+    for store in (mem, tiered):
+        store.track_evictions()
+        _run_passes(store, 5, rng_seed=4)
+    assert len(tiered.disk) > len(tiered.memory) > 0
+    for since in (0, 3, 4):
+        keys_m, values_m = mem.changed_since(since)
+        keys_t, values_t = tiered.changed_since(since)
+        np.testing.assert_array_equal(keys_m, keys_t)
+        np.testing.assert_array_equal(values_m, values_t)
+    evicted = tiered.take_evicted()
+    assert len(evicted) == tiered.evicted_total > 0
+    np.testing.assert_array_equal(evicted, mem.take_evicted())
+    assert len(tiered.take_evicted()) == 0

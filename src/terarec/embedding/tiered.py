@@ -56,7 +56,7 @@ STORE_FILE = "store.safetensors"
 _INDEX_BYTES_PER_ROW = 96
 
 
-class MemoryBudgetError(MemoryError):
+class MemoryBudgetError(ValueError):
     """The store's fixed RAM (key indexes) no longer fits the configured budget."""
 
 
@@ -120,6 +120,8 @@ class TieredStore:
         # This pass's rows that were not in RAM at pull: (key -> row index, records,
         # on disk), written back or placed in RAM by push.
         self._pending: tuple[KeyIndex, np.ndarray, np.ndarray] | None = None
+        # Evicted keys since the last ``take_evicted``; None until ``track_evictions``.
+        self._evicted_log: list[np.ndarray] | None = None
 
     @property
     def _mapped_bytes(self) -> int:
@@ -425,6 +427,7 @@ class TieredStore:
                 disk_only = disk_only[~np.isin(disk_only, mem_stale)]
                 self._disk_only_evicted += len(disk_only)
                 evicted += len(disk_only)
+                self._log_evicted(np.concatenate([mem_stale, disk_only]))
             self._fit_budget()
             self.disk.release_pages()
             return evicted
@@ -469,7 +472,45 @@ class TieredStore:
             on_disk = self.disk.remove(keys)
             disk_only = int((on_disk & ~inmem).sum())
             self._disk_only_evicted += disk_only
+            self._log_evicted(keys[inmem | on_disk])
             return n + disk_only
+
+    # -- change tracking for incremental export (as MemoryStore) ------------------------
+    def _log_evicted(self, keys: np.ndarray) -> None:
+        if self._evicted_log is not None and len(keys):
+            self._evicted_log.append(np.asarray(keys, np.int64).copy())
+
+    def changed_since(self, pass_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted keys (and values) of rows touched in pass ``pass_id`` or later, from both
+        tiers: the disk tier's last-seen mirror finds them without reading the files."""
+        with self._lock:
+            m = self.memory
+            mkeys, mslots = m.index.items()
+            recent = m.last_seen[mslots] >= pass_id
+            mkeys, mvalues = mkeys[recent], m.values[mslots[recent]]
+            dkeys, dslots = self.disk.items()
+            recent = self.disk.last_seen[dslots] >= pass_id
+            dkeys, dslots = dkeys[recent], dslots[recent]
+            cold = m.index.lookup(dkeys) < 0
+            dkeys, dslots = dkeys[cold], dslots[cold]
+            dvalues = self.disk.read_slots(dslots)[:, :self.row_dim]
+            keys = np.concatenate([mkeys, dkeys])
+            values = np.concatenate([mvalues, dvalues])
+            order = np.argsort(keys, kind="stable")
+            return keys[order], values[order]
+
+    def track_evictions(self) -> None:
+        """Start logging evicted keys (off by default: no log grows unless exported)."""
+        if self._evicted_log is None:
+            self._evicted_log = []
+
+    def take_evicted(self) -> np.ndarray:
+        """Unique sorted keys evicted since the previous call; the log is cleared."""
+        if not self._evicted_log:
+            return np.empty(0, np.int64)
+        keys = np.unique(np.concatenate(self._evicted_log))
+        self._evicted_log = []
+        return keys
 
     def flush(self) -> None:
         """Write every dirty hot row to disk: afterwards the disk tier holds the store."""
