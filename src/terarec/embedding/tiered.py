@@ -3,11 +3,13 @@
 Same API as ``MemoryStore`` (pull / push / lookup / end_pass / evict / stats), so the
 trainer and the working set use either unchanged::
 
-    pull(keys) ──> memory tier (MemoryStore, <= budget) ──miss──> disk tier (slab files)
-                    │  hit: rows copied out                         batched read
-                    └─ full: coldest rows spilled (written back if dirty)
-    prefetch(next pass keys)   disk -> memory in a thread while this pass trains
-    push(keys)                 memory rows updated in place; spilled ones written to disk
+    pull(keys)      hot rows: counted in place, pinned      cold rows: one batched disk
+                    (memory tier, MemoryStore <= budget)    read (or new, after admission)
+                                                            -> the pass's pending rows
+    prefetch(next)  disk -> memory tier in a thread while this pass trains, pinned
+    push(keys)      hot rows updated in place; pending rows compete by priority (LFU: show
+                    count, LRU: last use) for RAM: losers written to disk, once
+    end_pass        TTL eviction in both tiers, spill to capacity, unmap slab pages
 
 Invariant: a key lives in the memory tier, the disk tier or both; where both, the memory
 copy is authoritative and ``dirty`` says whether the disk copy is behind. ``flush``
