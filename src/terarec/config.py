@@ -49,6 +49,9 @@ class SparseOptimizerConfig:
     ftrl_l1: float = 0.0
     ftrl_l2: float = 0.0
     weight_decay: float = 0.0
+    # Group lasso: after each update a row shrinks by ``step * group_lasso`` in L2 norm
+    # (to exactly zero when shorter); zero rows are pruned from the store at pass end.
+    group_lasso: float = 0.0
 
 
 @dataclass
@@ -74,6 +77,15 @@ class StoreConfig:
     memory_budget: int | str | None = None
     disk_path: str | None = None
     cache_policy: Literal["lfu", "lru"] = "lfu"
+    # Compression (docs/compression.md). ``precision`` is how row values are kept (the
+    # optimizer state stays fp32); ``variable_dims`` are the widths of the rarer frequency
+    # classes below the full row, ``promote_at`` the show counts that move a key up a class,
+    # ``class_precisions`` optionally one precision per class (rarest first, full row last).
+    precision: Literal["fp32", "fp16", "int8", "int4"] = "fp32"
+    stochastic_rounding: bool = False
+    variable_dims: tuple[int, ...] = ()
+    promote_at: tuple[float, ...] = ()
+    class_precisions: tuple[str, ...] = ()
 
     @property
     def tiered(self) -> bool:

@@ -88,6 +88,40 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int)
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
+    add_compression_args(parser)
+
+
+def add_compression_args(parser: argparse.ArgumentParser) -> None:
+    """Store compression flags (docs/compression.md)."""
+    g = parser.add_argument_group("embedding compression")
+    g.add_argument("--precision", choices=["fp32", "fp16", "int8", "int4"],
+                   help="how the store keeps row values (optimizer state stays fp32)")
+    g.add_argument("--stochastic-rounding", action="store_true", default=None,
+                   help="round values stochastically when rows are written back")
+    g.add_argument("--variable-dims", type=_int_list,
+                   help="widths of the rarer frequency classes, e.g. 1,4 (full row above)")
+    g.add_argument("--promote-at", type=_float_list,
+                   help="show counts that move a key to the next class, e.g. 10,100")
+    g.add_argument("--group-lasso", type=float, metavar="LAMBDA",
+                   help="group-lasso strength on embedding rows; zero rows are pruned")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -105,6 +139,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ("store", "disk_path"): getattr(args, "store_dir", None),
         ("store", "cache_policy"): getattr(args, "cache_policy", None),
         ("on_bad_row",): getattr(args, "on_bad_row", None),
+        ("store", "precision"): getattr(args, "precision", None),
+        ("store", "stochastic_rounding"): getattr(args, "stochastic_rounding", None),
+        ("store", "variable_dims"): getattr(args, "variable_dims", None),
+        ("store", "promote_at"): getattr(args, "promote_at", None),
+        ("sparse_optimizer", "group_lasso"): getattr(args, "group_lasso", None),
     }
     for path, value in overrides.items():
         if value is None:

@@ -15,6 +15,17 @@ State layout per row (``S`` floats):
 
 Row 0 of every working set is the shared zero row of unadmitted and unknown keys: it is
 never updated.
+
+Group lasso (``group_lasso = lambda``) follows each row's update with the proximal step of
+``lambda * ||w||_2``::
+
+    w <- w * max(0, 1 - step * lambda / ||w||)
+
+``step`` is the row's own step size: ``lr / (sqrt(acc) + eps)`` for row-wise Adagrad (its
+metric is the same for every column of a row, so this is the exact proximal step), ``lr``
+for Adam and SGD. Rows shrink as a whole and reach exactly zero, which is what lets the
+store prune them. FTRL recomputes weights from its accumulators at every step, so a
+shrink applied to ``w`` would not stick; it has its own ``ftrl_l1`` instead.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ _KINDS = {"adagrad": _ADAGRAD, "adam": _ADAM, "ftrl": _FTRL, "sgd": _SGD}
 
 @numba.njit(nogil=True, cache=True)
 def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, beta2,
-                  alpha, beta, l1, l2):
+                  alpha, beta, l1, l2, group_lasso):
     n, dim = grads.shape
     touched = np.empty(n, np.int64)
     gsum = np.empty((n, dim), np.float32)
@@ -59,6 +70,7 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
         if wd != 0.0:
             for d in range(dim):
                 g[d] += wd * w[d]
+        step = lr
         if kind == _ADAGRAD:
             sq = 0.0
             for d in range(dim):
@@ -91,6 +103,15 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
         else:
             for d in range(dim):
                 w[d] -= lr * g[d]
+        if group_lasso > 0.0:
+            norm = 0.0
+            for d in range(dim):
+                norm += w[d] * w[d]
+            norm = np.sqrt(norm)
+            shrink = step * group_lasso
+            factor = 0.0 if norm <= shrink else 1.0 - shrink / norm
+            for d in range(dim):
+                w[d] *= factor
     return n_t
 
 
@@ -100,6 +121,11 @@ class SparseOptimizer:
     def __init__(self, config: SparseOptimizerConfig) -> None:
         if config.name not in _KINDS:
             raise ValueError(f"unknown sparse optimizer {config.name!r}; known: {sorted(_KINDS)}")
+        if config.group_lasso < 0:
+            raise ValueError(f"group_lasso must be >= 0, got {config.group_lasso}")
+        if config.group_lasso and config.name == "ftrl":
+            raise ValueError("group_lasso does not apply to ftrl (it recomputes weights from "
+                             "its accumulators); use ftrl_l1, or adagrad/adam/sgd")
         self.config = config
         self.kind = _KINDS[config.name]
         self.lr = config.lr
@@ -132,7 +158,7 @@ class SparseOptimizer:
                 self.kind, weights.numpy(), state.numpy(), rows.numpy(),
                 grads.detach().to(torch.float32).contiguous().numpy(), scratch,
                 self.lr, c.eps, c.weight_decay, c.beta1, c.beta2, c.ftrl_alpha,
-                c.ftrl_beta, c.ftrl_l1, c.ftrl_l2))
+                c.ftrl_beta, c.ftrl_l1, c.ftrl_l2, c.group_lasso))
         return self.step_torch(weights, state, rows, grads)
 
     @torch.no_grad()
@@ -150,9 +176,11 @@ class SparseOptimizer:
         dim = w.shape[1]
         if c.weight_decay:
             g = g + c.weight_decay * w
+        step = torch.full((len(uniq), 1), self.lr, dtype=torch.float32, device=w.device)
         if self.kind == _ADAGRAD:
             s[:, 0] += (g * g).mean(dim=1)
-            w -= (self.lr / (s[:, :1].sqrt() + c.eps)) * g
+            step = self.lr / (s[:, :1].sqrt() + c.eps)
+            w -= step * g
         elif self.kind == _ADAM:
             s[:, 2 * dim] += 1.0
             t = s[:, 2 * dim:2 * dim + 1]
@@ -172,6 +200,11 @@ class SparseOptimizer:
                 / ((c.ftrl_beta + n_new.sqrt()) / c.ftrl_alpha + c.ftrl_l2))
         else:
             w -= self.lr * g
+        if c.group_lasso > 0:
+            norm = w.norm(dim=1, keepdim=True)
+            shrink = step * c.group_lasso
+            w = torch.where(norm <= shrink, torch.zeros_like(w),
+                            w * (1 - shrink / norm.clamp_min(1e-30)))
         weights[uniq] = w
         state[uniq] = s
         return int(len(uniq))

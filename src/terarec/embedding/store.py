@@ -6,7 +6,8 @@ are policies applied here, at pass boundaries and on pull.
 
 Row arrays (one entry per slot of the key index)::
 
-    values     float32 [slots, row_dim]   the embedding row
+    values     float32 [slots, row_dim]   the embedding row (a ``CodedRows`` that encodes
+                                          and decodes by slot when compressed)
     state      float32 [slots, S]         per-row optimizer state (see optimizers.py)
     show       float32 [slots]            times seen
     click      float32 [slots]            positive labels seen with it
@@ -21,6 +22,7 @@ import numba
 import numpy as np
 
 from terarec.config import StoreConfig
+from terarec.embedding.compression import CodedRows, make_row_values
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
 
@@ -55,6 +57,9 @@ class RowBlock:
 
     values: np.ndarray
     state: np.ndarray
+    # Stored width of each row when rows have variable length: columns past it are zero
+    # and must stay zero in training. None: every row is full width.
+    widths: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.values)
@@ -67,6 +72,8 @@ class StoreStats:
     admitted: int
     evicted: int
     bytes: int
+    value_bytes: int = 0  # encoded values incl. row scale/bias; no optimizer state
+    pruned: int = 0  # keys dropped because group lasso zeroed their row (part of evicted)
 
 
 class MemoryStore:
@@ -90,10 +97,17 @@ class MemoryStore:
         self.evicted_total = 0
         # Evicted keys since the last ``take_evicted``; None until ``track_evictions``.
         self._evicted_log: list[np.ndarray] | None = None
+        self.pruned_total = 0
 
     # -- storage ------------------------------------------------------------------------
     def _alloc(self, capacity: int) -> None:
-        self.values = np.zeros((capacity, self.row_dim), np.float32)
+        c = self.config
+        coded = make_row_values(self.row_dim, c.precision, tuple(c.variable_dims),
+                                tuple(c.promote_at), class_precisions=tuple(c.class_precisions),
+                                stochastic=c.stochastic_rounding, seed=self.seed,
+                                capacity=capacity)
+        self.values = coded if coded is not None else np.zeros((capacity, self.row_dim),
+                                                                np.float32)
         self.state = np.zeros((capacity, self.state_dim), np.float32)
         self.show = np.zeros(capacity, np.float32)
         self.click = np.zeros(capacity, np.float32)
@@ -104,7 +118,11 @@ class MemoryStore:
         if n <= cap:
             return
         new_cap = max(n, 2 * cap)
+        if isinstance(self.values, CodedRows):
+            self.values.grow(new_cap)
         for name in ("values", "state", "show", "click", "last_seen"):
+            if name == "values" and isinstance(self.values, CodedRows):
+                continue
             old = getattr(self, name)
             grown = np.zeros((new_cap,) + old.shape[1:], old.dtype)
             grown[:cap] = old
@@ -114,15 +132,25 @@ class MemoryStore:
         return len(self.index)
 
     @property
+    def value_bytes(self) -> int:
+        """Bytes of the live rows' values as stored (codes + row scale/bias when encoded)."""
+        if isinstance(self.values, CodedRows):
+            return self.values.value_bytes(self.index.items()[1])
+        return len(self.index) * 4 * self.row_dim
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by live rows plus the index."""
-        per_row = 4 * (self.row_dim + self.state_dim) + 4 + 4 + 4
-        return len(self.index) * per_row + self.index.nbytes
+        per_row = 4 * self.state_dim + 4 + 4 + 4
+        if isinstance(self.values, CodedRows):
+            per_row += self.values.overhead_bytes_per_slot
+        return self.value_bytes + len(self.index) * per_row + self.index.nbytes
 
     def stats(self) -> StoreStats:
         return StoreStats(keys=len(self.index), candidates=len(self._cand_index),
                           admitted=self.admitted_total, evicted=self.evicted_total,
-                          bytes=self.nbytes)
+                          bytes=self.nbytes, value_bytes=self.value_bytes,
+                          pruned=self.pruned_total)
 
     # -- admission ----------------------------------------------------------------------
     def _admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
@@ -168,7 +196,8 @@ class MemoryStore:
             if inserted.any():
                 self._create_rows(keys[inserted], slots[inserted],
                                   np.zeros(int(inserted.sum()), np.float32),
-                                  np.zeros(int(inserted.sum()), np.float32))
+                                  np.zeros(int(inserted.sum()), np.float32),
+                                  first_show=show[inserted])
             return self._count_and_gather(slots, show, click, pass_id), np.ones(len(keys), bool)
         slots = self.index.lookup(keys)
         missing = slots < 0
@@ -177,15 +206,22 @@ class MemoryStore:
                 keys[missing], show[missing], click[missing], pass_id)
             if len(new_keys):
                 new_slots, _ = self.index.lookup_or_insert(new_keys)
-                self._create_rows(new_keys, new_slots, earlier_show, earlier_click)
                 slots[missing] = self.index.lookup(keys[missing])
+                newly = missing & (slots >= 0)  # new_keys, in ``keys`` order
+                self._create_rows(new_keys, new_slots, earlier_show, earlier_click,
+                                  first_show=earlier_show + show[newly])
         admitted = slots >= 0
         return self._count_and_gather(slots[admitted], show[admitted], click[admitted],
                                       pass_id), admitted
 
     def _create_rows(self, keys: np.ndarray, slots: np.ndarray, show: np.ndarray,
-                     click: np.ndarray) -> None:
+                     click: np.ndarray, first_show: np.ndarray | None = None) -> None:
+        """Fresh rows; ``first_show`` (shows including this pass's) picks their width class
+        when rows have variable length."""
         self._ensure_rows(self.index.slot_bound)
+        if self._classes is not None:
+            self.values.set_class(slots, self._classes.classify(
+                show if first_show is None else first_show))
         self.values[slots] = init_rows(keys, self.row_dim, self.config.init_std, self.seed)
         self.state[slots] = self.optimizer.init_state(len(keys), self.row_dim)
         self.show[slots] = show
@@ -198,7 +234,25 @@ class MemoryStore:
         self.show[slots] += show
         self.click[slots] += click
         self.last_seen[slots] = pass_id
-        return RowBlock(self.values[slots], self.state[slots])
+        block = RowBlock(self.values[slots], self.state[slots])
+        if self._classes is not None:
+            self._promote(slots)
+            block.widths = self.values.widths_of(slots)
+        return block
+
+    @property
+    def _classes(self):
+        """Frequency classes when rows have variable length, else None."""
+        values = self.values
+        if isinstance(values, CodedRows) and len(values.classes.widths) > 1:
+            return values.classes
+        return None
+
+    def _promote(self, slots: np.ndarray) -> None:
+        """Move rows whose show count reached a wider class there (zeros in the new
+        columns, so their decoded values, and the model's output, do not change)."""
+        target = np.maximum(self.values.cls[slots], self._classes.classify(self.show[slots]))
+        self.values.set_class(slots, target)
 
     def push(self, keys: np.ndarray, block: RowBlock) -> None:
         """Write back trained rows of keys previously pulled (and not evicted since)."""
@@ -217,13 +271,15 @@ class MemoryStore:
         return values, found
 
     def end_pass(self, pass_id: int) -> int:
-        """Apply eviction after pass ``pass_id``; returns the number of keys evicted."""
+        """Apply eviction after pass ``pass_id``; returns the number of keys evicted
+        (rows pruned by group lasso included)."""
+        evicted = self.prune_zero_rows(pass_id) if self.optimizer.config.group_lasso else 0
         ttl = self.config.evict_after_passes
         if ttl is None:
-            return 0
+            return evicted
         keys, slots = self.index.items()
         stale = self.last_seen[slots] <= pass_id - ttl
-        evicted = self.evict(keys[stale])
+        evicted += self.evict(keys[stale])
         ckeys, cslots = self._cand_index.items()
         cstale = self._cand_seen[cslots] <= pass_id - ttl
         freed = self._cand_index.remove(ckeys[cstale])
@@ -231,12 +287,27 @@ class MemoryStore:
         self._cand_click[freed] = 0
         return evicted
 
+    def prune_zero_rows(self, pass_id: int | None = None) -> int:
+        """Drop keys whose row is exactly zero (group lasso's doing), among those seen in
+        pass ``pass_id`` (all keys when None: only trained rows can have become zero)."""
+        keys, slots = self.index.items()
+        if pass_id is not None:
+            seen = self.last_seen[slots] == pass_id
+            keys, slots = keys[seen], slots[seen]
+        zero = ~(self.values[slots] != 0).any(axis=1)
+        pruned = self.evict(keys[zero])
+        self.pruned_total += pruned
+        return pruned
+
     def evict(self, keys: np.ndarray) -> int:
         slots = self.index.remove(keys)
         if self._evicted_log is not None:
             self._evicted_log.append(np.asarray(keys, np.int64)[slots >= 0].copy())
         slots = slots[slots >= 0]
-        self.values[slots] = 0
+        if isinstance(self.values, CodedRows):
+            self.values.release(slots)
+        else:
+            self.values[slots] = 0
         self.state[slots] = 0
         self.show[slots] = 0
         self.click[slots] = 0
@@ -318,6 +389,8 @@ class MemoryStore:
                              f"expected ({n}, {self.row_dim})")
         self.index = KeyIndex.from_items(keys, np.arange(n, dtype=np.int64))
         self._alloc(max(n, 16))
+        if self._classes is not None:
+            self.values.set_class(np.arange(n), self._classes.classify(arrays["show"]))
         self.values[:n] = arrays["values"]
         self.state[:n] = arrays["state"]
         self.show[:n] = arrays["show"]

@@ -10,6 +10,9 @@ dense table, at ordinary PyTorch speed, whatever the size of the store behind it
     local ids:   [ 1  2  1  3  2  0]          (batches carry these)
 
 After the pass, rows 1.. are pushed back to the store with their optimizer state.
+
+Variable-length rows (``RowBlock.widths``) arrive zero-padded to ``row_dim``; a column mask
+keeps the gradient off the padding, so a short row stays short while it trains.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class WorkingSet:
         self.batches = batches
         self.optimizer = optimizer
         self.stats = stats
+        # [rows, row_dim] 1/0 mask of the stored columns of variable-length rows, or None.
+        self.column_mask: torch.Tensor | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and optimizer is not None else None)
 
@@ -136,15 +141,22 @@ class WorkingSet:
         state = None
         if state_rows is not None:
             state = _with_zero_row(state_rows, state_rows.shape[1]).to(device)
+        column_mask = None
+        if train and block.widths is not None:
+            dim = store.row_dim
+            widths = torch.from_numpy(np.concatenate([[dim], block.widths]).astype(np.int64))
+            column_mask = (torch.arange(dim) < widths[:, None]).to(torch.float32).to(device)
         remapped, start = [], 0
         for b in plan.batches:
             n = b.sparse.values.numel()
             ids = local_ids[start:start + n]
             start += n
             remapped.append(Batch(b.dense, b.sparse.with_values(ids), b.labels).to(device))
-        return cls(uniq[admitted], _with_zero_row(rows, store.row_dim).to(device), state,
-                   remapped, store.optimizer if train else None,
-                   StagingStats(len(plan.inverse), len(uniq), n_adm))
+        ws = cls(uniq[admitted], _with_zero_row(rows, store.row_dim).to(device), state,
+                 remapped, store.optimizer if train else None,
+                 StagingStats(len(plan.inverse), len(uniq), n_adm))
+        ws.column_mask = column_mask
+        return ws
 
     def write_back(self, store: MemoryStore) -> None:
         """Push trained rows and their optimizer state back to the store."""
@@ -211,5 +223,7 @@ class _FusedLookup(torch.autograd.Function):
             rows = sparse.values
             occ_grad = per_slot.repeat_interleave(sparse.lengths, dim=0)
         assert ws.optimizer is not None and ws.state is not None
+        if ws.column_mask is not None:
+            occ_grad = occ_grad * ws.column_mask.index_select(0, rows)
         ws.optimizer.step(ws.weights, ws.state, rows, occ_grad, ws._scratch)
         return torch.zeros((), device=grad.device), None, None, None
