@@ -141,9 +141,18 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
         eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
         samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
         skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name)
+    metrics.update(_store_size(trainer))
     atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
     atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
     report_skipped(stats)
     print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows", "samples_per_s")}))
     print(f"model written to {args.out}")
     return 0
+
+
+def _store_size(trainer: Trainer) -> dict:
+    """Stored value bytes (codes + row scale/bias, no optimizer state) and pruned keys."""
+    st = trainer.store.stats()
+    return {"store_value_bytes": st.value_bytes,
+            "store_bytes_per_key": st.value_bytes / max(st.keys, 1),
+            "store_precision": trainer.config.store.precision, "pruned_keys": st.pruned}
