@@ -150,13 +150,18 @@ def lookup_rows(rows: CompressedRows, keys: np.ndarray) -> tuple[np.ndarray, np.
     return out, found
 
 
-def save_compressed(rows: CompressedRows, path: str | Path) -> None:
-    """Write one shard (safetensors, atomically: a reader never sees half a file)."""
+def shard_bytes(rows: CompressedRows) -> bytes:
+    """One shard as safetensors bytes (for any storage that writes bytes)."""
     tensors = {"keys": rows.keys, "codes": rows.codes}
     if rows.codebook is not None:
         tensors["codebook"] = rows.codebook
     meta = {"format": FORMAT, "codec": rows.codec.name, "dim": str(rows.dim)}
-    atomic_write_bytes(path, save(tensors, metadata=meta))
+    return save(tensors, metadata=meta)
+
+
+def save_compressed(rows: CompressedRows, path: str | Path) -> None:
+    """Write one shard (safetensors, atomically: a reader never sees half a file)."""
+    atomic_write_bytes(path, shard_bytes(rows))
 
 
 def load_compressed(path: str | Path) -> CompressedRows:
