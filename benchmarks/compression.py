@@ -115,6 +115,7 @@ def run_dataset(data: Dataset, schema: FeatureSchema) -> list[dict]:
             record["pruned_keys"] = stats.pruned
             record["pruned_share"] = stats.pruned / max(stats.admitted, 1)
         if mode == "varlen+int8":
+            record["bookkeeping_bytes_per_key"] = trainer.store.values.overhead_bytes_per_slot
             counts = trainer.store.values.class_counts(trainer.store.index.items()[1])
             record["keys_per_width"] = dict(zip(
                 map(str, trainer.store.values.classes.widths), counts.tolist(), strict=True))

@@ -149,7 +149,8 @@ class CodedRows:
         self._direct = len(widths) == 1
         self.pools = [_Pool(b, capacity if self._direct else 16) for b in self.class_bytes]
         self.cls = np.full(0 if self._direct else capacity, -1, np.int8)
-        self.pos = np.full(0 if self._direct else capacity, -1, np.int64)
+        # int32 positions: 2**31 rows per class and process, 4 bytes a key instead of 8.
+        self.pos = np.full(0 if self._direct else capacity, -1, np.int32)
         self._direct_live = 0
 
     # -- array-like access --------------------------------------------------------------
