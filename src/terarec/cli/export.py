@@ -9,6 +9,7 @@ from pathlib import Path
 
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.export import export_model_dir
+from terarec.export.compressed import RowCodec
 from terarec.export.writer import DEFAULT_SHARD_ROWS
 
 
@@ -20,12 +21,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="export URI: a local folder or an fsspec URL such as s3://bucket/x")
     p.add_argument("--shard-rows", type=int, default=DEFAULT_SHARD_ROWS,
                    help=f"sparse rows per shard file (default {DEFAULT_SHARD_ROWS})")
+    p.add_argument("--bits", type=int, choices=[32, 16, 8, 4, 2, 1], default=32,
+                   help="bits per sparse value: 32/16 float, 8/4/2/1 integer codes with a "
+                   "row-wise scale and bias (default 32); see docs/compression.md")
+    p.add_argument("--codebook", action="store_true",
+                   help="with --bits 8/4/2/1: shared k-means levels times a row scale")
     add_storage_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    codec = None if args.bits == 32 and not args.codebook else RowCodec(args.bits,
+                                                                        args.codebook)
     result = export_model_dir(args.model, args.out, storage_options_from_args(args),
-                              shard_rows=args.shard_rows)
+                              shard_rows=args.shard_rows, codec=codec)
     print(json.dumps({"uri": args.out, **asdict(result)}))
     return 0

@@ -132,6 +132,38 @@ def decode_selected(rows: CompressedRows, index: np.ndarray) -> np.ndarray:
     return decode_rows(codes, _PRECISION_BY_BITS[rows.codec.bits], rows.dim)  # type: ignore
 
 
+class EncodedRows:
+    """A shard's encoded rows (often a memory map) indexed like a float32 ``[n, dim]``
+    array: ``rows[positions]`` decodes just those rows, so a server holds codes in memory
+    and pays the decoding only for the keys a request touches."""
+
+    def __init__(self, codes: np.ndarray, dim: int, codec: RowCodec,
+                 codebook: np.ndarray | None = None) -> None:
+        if codes.ndim != 2 or codes.shape[1] != codec.row_bytes(dim):
+            raise ValueError(f"codes of shape {codes.shape} are not {codec.name} rows of "
+                             f"dim {dim} ({codec.row_bytes(dim)} bytes each)")
+        if codec.codebook and (codebook is None or len(codebook) != 1 << codec.bits):
+            raise ValueError(f"{codec.name} rows need a codebook of {1 << codec.bits} levels")
+        self._rows = CompressedRows(np.empty(0, np.int64), codes, dim, codec,
+                                    None if codebook is None else np.asarray(codebook))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self._rows.codes), self._rows.dim)
+
+    def __len__(self) -> int:
+        return len(self._rows.codes)
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(len(self)))
+        return decode_selected(self._rows, np.atleast_1d(np.asarray(index, np.int64)))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = decode_selected(self._rows, np.arange(len(self)))
+        return out if dtype is None else out.astype(dtype)
+
+
 def decompress_rows(rows: CompressedRows) -> np.ndarray:
     """All rows back as float32 ``[n, dim]``."""
     return decode_selected(rows, np.arange(len(rows)))

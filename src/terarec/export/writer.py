@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
+from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     DELETED_FILE,
     DENSE_FILE,
@@ -63,11 +64,13 @@ class ModelExporter:
     """Writes versions of one model under one URI."""
 
     def __init__(self, uri: str | Path, storage_options: dict[str, Any] | None = None,
-                 shard_rows: int = DEFAULT_SHARD_ROWS) -> None:
+                 shard_rows: int = DEFAULT_SHARD_ROWS, codec: RowCodec | None = None) -> None:
         if shard_rows < 1:
             raise ValueError(f"shard_rows must be >= 1, got {shard_rows}")
         self.storage = Storage(uri, storage_options)
         self.shard_rows = shard_rows
+        # Rows encoded for serving (export/compressed.py); None keeps plain fp32 values.
+        self.codec = codec
 
     def latest(self) -> Manifest | None:
         name = latest_version(self.storage)
@@ -131,10 +134,16 @@ class ModelExporter:
         shards = []
         for i, lo in enumerate(range(0, len(keys), self.shard_rows)):
             hi = min(lo + self.shard_rows, len(keys))
-            put(shard_name(i), rows_bytes(keys[lo:hi], values[lo:hi]))
+            if self.codec is None:
+                put(shard_name(i), rows_bytes(keys[lo:hi], values[lo:hi]))
+            else:
+                put(shard_name(i), shard_bytes(compress_rows(keys[lo:hi], values[lo:hi],
+                                                             self.codec)))
             shards.append({"file": shard_name(i), "rows": hi - lo,
                            "first_key": int(keys[lo]), "last_key": int(keys[hi - 1])})
         sparse: dict[str, Any] = {"shards": shards, "rows": int(len(keys)), "deleted": 0}
+        if self.codec is not None:
+            sparse["codec"] = self.codec.name
         if deleted is not None:
             deleted = np.unique(np.asarray(deleted, np.int64))
             put(DELETED_FILE, rows_bytes(deleted))
@@ -167,13 +176,15 @@ def _as_json(value: Any) -> Any:
 
 def export_model_dir(model_dir: str | Path, uri: str | Path,
                      storage_options: dict[str, Any] | None = None,
-                     shard_rows: int = DEFAULT_SHARD_ROWS) -> ExportedVersion:
-    """Write the newest good checkpoint of a model directory as a full version."""
+                     shard_rows: int = DEFAULT_SHARD_ROWS,
+                     codec: RowCodec | None = None) -> ExportedVersion:
+    """Write the newest good checkpoint of a model directory as a full version
+    (rows encoded with ``codec`` when given)."""
     from terarec.train.checkpoint import load_checkpoint, read_model_meta
 
     schema, config = read_model_meta(Path(model_dir))
     ckpt = load_checkpoint(model_dir)
-    exporter = ModelExporter(uri, storage_options, shard_rows)
+    exporter = ModelExporter(uri, storage_options, shard_rows, codec)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
                                keys=ckpt.sparse["keys"], values=ckpt.sparse["values"],
                                pass_id=int(ckpt.meta["pass_id"]),

@@ -31,6 +31,7 @@ from terarec.autofeature.lookup import FeatureLookup
 from terarec.config import ModelConfig, from_dict
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.working_set import StagingStats, WorkingSet
+from terarec.export.compressed import EncodedRows, RowCodec
 from terarec.export.format import (
     ExportError,
     Manifest,
@@ -169,7 +170,17 @@ class ServingEngine:
         return model.eval()
 
     def _rows(self, manifest: Manifest, rel: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        t = self._tensors(manifest, rel, ("keys", "values"))
+        codec = manifest.data["sparse"].get("codec")
+        if codec is not None:  # encoded rows, decoded per lookup (export/compressed.py)
+            t = self._tensors(manifest, rel, ("keys", "codes"))
+            try:
+                values = EncodedRows(t["codes"], manifest.row_dim, RowCodec.parse(codec),
+                                     t.get("codebook"))
+            except ValueError as exc:
+                raise ExportError(f"{manifest.name}/{rel}: {exc}") from None
+            t["values"] = values  # type: ignore[assignment]
+        else:
+            t = self._tensors(manifest, rel, ("keys", "values"))
         keys, values = t["keys"], t["values"]
         if keys.shape != (rows,) or values.shape != (rows, manifest.row_dim):
             raise ExportError(f"{manifest.name}/{rel}: holds keys {keys.shape} and values "
