@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from terarec.config import StoreConfig
-from terarec.embedding.compression import CodedRows, make_row_values
+from terarec.embedding.compression import CodedRows, FrequencyClasses, make_row_values
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
 
@@ -241,7 +241,7 @@ class MemoryStore:
         return block
 
     @property
-    def _classes(self):
+    def _classes(self) -> FrequencyClasses | None:
         """Frequency classes when rows have variable length, else None."""
         values = self.values
         if isinstance(values, CodedRows) and len(values.classes.widths) > 1:
