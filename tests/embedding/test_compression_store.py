@@ -222,3 +222,11 @@ def test_promotion_leaves_predictions_unchanged_at_that_moment():
     with torch.no_grad():
         at_promotion = torch.sigmoid(trainer._logits(ws, ws.batches[0], train=False)).numpy()
     np.testing.assert_allclose(at_promotion, before, rtol=0, atol=1e-7)
+
+
+def test_tiered_store_refuses_compressed_rows_clearly(tmp_path):
+    from terarec.embedding.tiered import TieredStore
+
+    with pytest.raises(ValueError, match="in-memory store"):
+        TieredStore(DIM, SparseOptimizer(SparseOptimizerConfig()),
+                    StoreConfig(precision="int8", disk_path=str(tmp_path / "s")))

@@ -153,6 +153,8 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
 def _store_size(trainer: Trainer) -> dict:
     """Stored value bytes (codes + row scale/bias, no optimizer state) and pruned keys."""
     st = trainer.store.stats()
-    return {"store_value_bytes": st.value_bytes,
-            "store_bytes_per_key": st.value_bytes / max(st.keys, 1),
+    # A store that does not encode rows (the tiered store) keeps fp32 values.
+    value_bytes = getattr(trainer.store, "value_bytes", st.keys * 4 * trainer.store.row_dim)
+    return {"store_value_bytes": value_bytes,
+            "store_bytes_per_key": value_bytes / max(st.keys, 1),
             "store_precision": trainer.config.store.precision, "pruned_keys": st.pruned}

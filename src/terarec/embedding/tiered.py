@@ -102,6 +102,13 @@ class TieredStore:
                        if self.config.memory_budget is not None else None)
         if self.config.cache_policy not in ("lfu", "lru"):
             raise ValueError(f"cache_policy {self.config.cache_policy!r}: expected lfu or lru")
+        c = self.config
+        if c.precision != "fp32" or c.variable_dims or c.class_precisions:
+            # The tiers move fp32 records; encoded rows (embedding/compression.py) are kept
+            # by the in-memory store only, for now.
+            raise ValueError("compressed rows (precision, variable_dims) need the in-memory "
+                             "store: drop memory_budget / disk_path, or the compression "
+                             "settings")
         path = path or self.config.disk_path
         if path is None:
             path = tempfile.mkdtemp(prefix="terarec-store-")
