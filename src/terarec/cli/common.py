@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from terarec.config import TrainConfig, from_dict, load_train_config, to_dict
@@ -159,3 +161,29 @@ def report_skipped(stats: ReadStats, what: str = "rows") -> None:
     if stats.skipped:
         print(f"skipped {stats.skipped} bad {what}; first: " + " | ".join(stats.examples),
               file=sys.stderr)
+
+
+def add_model_data_args(parser: argparse.ArgumentParser, data_help: str) -> None:
+    """``--model DIR --data FILE...`` plus the format args, for commands that score."""
+    parser.add_argument("--model", required=True, type=Path, help="model directory")
+    parser.add_argument("--data", nargs="+", required=True, type=Path, help=data_help)
+    add_format_args(parser)
+
+
+@contextlib.contextmanager
+def model_data(args: argparse.Namespace) -> Iterator[tuple]:
+    """(trainer restored from ``--model``, batches of ``--data``, their ReadStats).
+
+    A model trained with AutoFeature tables has them joined onto the raw rows first, so
+    new rows get exactly the features training computed.
+    """
+    from terarec.autofeature.features import model_inputs
+    from terarec.train.checkpoint import restore_trainer
+    from terarec.train.passes import iter_file_batches
+
+    trainer = restore_trainer(args.model)
+    with model_inputs(args.model, trainer.schema, args.data,
+                      lambda s: schema_for_data(s, args)) as (schema, data):
+        stats = ReadStats()
+        yield trainer, iter_file_batches(data, schema, trainer.config.batch_size,
+                                         on_bad_row=args.on_bad_row, stats=stats), stats
