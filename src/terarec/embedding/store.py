@@ -76,7 +76,30 @@ class StoreStats:
     pruned: int = 0  # keys dropped because group lasso zeroed their row (part of evicted)
 
 
-class MemoryStore:
+class EvictionLog:
+    """Keys evicted since the last export: what an incremental export deletes. Logging is
+    off until ``track_evictions``, so a store nobody exports from grows no log."""
+
+    _evicted_log: list[np.ndarray] | None = None
+
+    def track_evictions(self) -> None:
+        if self._evicted_log is None:
+            self._evicted_log = []
+
+    def _log_evicted(self, keys: np.ndarray) -> None:
+        if self._evicted_log is not None and len(keys):
+            self._evicted_log.append(np.asarray(keys, np.int64).copy())
+
+    def take_evicted(self) -> np.ndarray:
+        """Unique sorted keys evicted since the previous call; the log is cleared."""
+        if not self._evicted_log:
+            return np.empty(0, np.int64)
+        keys = np.unique(np.concatenate(self._evicted_log))
+        self._evicted_log = []
+        return keys
+
+
+class MemoryStore(EvictionLog):
     """All rows in RAM, grown on demand; the memory tier and the single-process store."""
 
     def __init__(self, row_dim: int, optimizer: SparseOptimizer, config: StoreConfig | None = None,
@@ -96,7 +119,6 @@ class MemoryStore:
         self.admitted_total = 0
         self.evicted_total = 0
         # Evicted keys since the last ``take_evicted``; None until ``track_evictions``.
-        self._evicted_log: list[np.ndarray] | None = None
         self.pruned_total = 0
 
     # -- storage ------------------------------------------------------------------------
@@ -301,8 +323,7 @@ class MemoryStore:
 
     def evict(self, keys: np.ndarray) -> int:
         slots = self.index.remove(keys)
-        if self._evicted_log is not None:
-            self._evicted_log.append(np.asarray(keys, np.int64)[slots >= 0].copy())
+        self._log_evicted(np.asarray(keys, np.int64)[slots >= 0])
         slots = slots[slots >= 0]
         if isinstance(self.values, CodedRows):
             self.values.release(slots)
@@ -327,20 +348,6 @@ class MemoryStore:
         keys, slots = keys[recent], slots[recent]
         order = np.argsort(keys, kind="stable")
         return keys[order], self.values[slots[order]]
-
-    def track_evictions(self) -> None:
-        """Start logging evicted keys (off by default, so a store nobody exports from
-        does not grow a log)."""
-        if self._evicted_log is None:
-            self._evicted_log = []
-
-    def take_evicted(self) -> np.ndarray:
-        """Unique sorted keys evicted since the previous call; the log is cleared."""
-        if not self._evicted_log:
-            return np.empty(0, np.int64)
-        keys = np.unique(np.concatenate(self._evicted_log))
-        self._evicted_log = []
-        return keys
 
     # -- persistence --------------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:

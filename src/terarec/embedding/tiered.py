@@ -50,7 +50,7 @@ from terarec.embedding.disk import (
 )
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock, StoreStats, init_rows
+from terarec.embedding.store import EvictionLog, MemoryStore, RowBlock, StoreStats, init_rows
 
 STORE_FILE = "store.safetensors"
 # The memory tier's KeyIndex is sized for 1.5x its rows (a pull inserts up to half the
@@ -85,7 +85,7 @@ class TierStats:
     pull_disk_s: float
 
 
-class TieredStore:
+class TieredStore(EvictionLog):
     """``MemoryStore`` API over a memory tier bounded by ``config.memory_budget`` and a
     disk tier under ``path`` (default ``config.disk_path``, else a temporary folder)."""
 
@@ -129,8 +129,6 @@ class TieredStore:
         # This pass's rows that were not in RAM at pull: (key -> row index, records,
         # on disk), written back or placed in RAM by push.
         self._pending: tuple[KeyIndex, np.ndarray, np.ndarray] | None = None
-        # Evicted keys since the last ``take_evicted``; None until ``track_evictions``.
-        self._evicted_log: list[np.ndarray] | None = None
 
     @property
     def _mapped_bytes(self) -> int:
@@ -485,10 +483,6 @@ class TieredStore:
             return n + disk_only
 
     # -- change tracking for incremental export (as MemoryStore) ------------------------
-    def _log_evicted(self, keys: np.ndarray) -> None:
-        if self._evicted_log is not None and len(keys):
-            self._evicted_log.append(np.asarray(keys, np.int64).copy())
-
     def changed_since(self, pass_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Sorted keys (and values) of rows touched in pass ``pass_id`` or later, from both
         tiers: the disk tier's last-seen mirror finds them without reading the files."""
@@ -507,19 +501,6 @@ class TieredStore:
             values = np.concatenate([mvalues, dvalues])
             order = np.argsort(keys, kind="stable")
             return keys[order], values[order]
-
-    def track_evictions(self) -> None:
-        """Start logging evicted keys (off by default: no log grows unless exported)."""
-        if self._evicted_log is None:
-            self._evicted_log = []
-
-    def take_evicted(self) -> np.ndarray:
-        """Unique sorted keys evicted since the previous call; the log is cleared."""
-        if not self._evicted_log:
-            return np.empty(0, np.int64)
-        keys = np.unique(np.concatenate(self._evicted_log))
-        self._evicted_log = []
-        return keys
 
     def flush(self) -> None:
         """Write every dirty hot row to disk: afterwards the disk tier holds the store."""
