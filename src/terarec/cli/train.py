@@ -24,6 +24,8 @@ from terarec.cli.common import (
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
+from terarec.distributed.context import launched_by_torchrun
+from terarec.distributed.run import add_distributed_args, train_main
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
 from terarec.io import atomic_write_text
@@ -49,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_format_args(p)
     add_train_args(p)
     add_export_args(p)
+    add_distributed_args(p)
     p.set_defaults(func=run)
 
 
@@ -79,6 +82,8 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
 
 def run(args: argparse.Namespace) -> int:
     """Train; with AutoFeature tables, on copies of the inputs joined with them."""
+    if launched_by_torchrun():  # one rank of `torchrun ... -m terarec train`
+        return train_main(args)
     features = None
     if args.resume and list_checkpoints(args.out):
         features = model_features(args.out)

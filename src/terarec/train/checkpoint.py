@@ -212,6 +212,8 @@ class LoadedCheckpoint:
         """The store as sorted-key arrays (``MemoryStore.to_arrays`` form), read on first
         use; for a tiered checkpoint this materialises the table, so restoring a tiered
         store goes through ``sparse_dir`` instead."""
+        if self.meta.get("sparse_shards"):
+            return load_sparse(self.path, self.meta)
         if not self.tiered:
             return load_numpy(str(self.path / "sparse.safetensors"))
         from terarec.embedding.tiered import snapshot_arrays
@@ -220,6 +222,26 @@ class LoadedCheckpoint:
         row_dim = row_dim_for(config.model.name, config.model)
         state_dim = SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
         return snapshot_arrays(self.sparse_dir, row_dim, state_dim)
+
+
+def load_sparse(path: Path, meta: dict) -> dict[str, np.ndarray]:
+    """A checkpoint's sparse rows as one sorted-key table.
+
+    A checkpoint written by N torchrun ranks lists one file per rank under
+    ``sparse_shards`` (disjoint key sets): they are merged, so any number of processes
+    can restore, export or score a model trained by any number of ranks.
+    """
+    shards = meta.get("sparse_shards")
+    if not shards:
+        return load_numpy(str(path / "sparse.safetensors"))
+    parts = [load_numpy(str(path / name)) for name in shards]
+    keys = np.concatenate([p["keys"] for p in parts])
+    order = np.argsort(keys, kind="stable")
+    merged = {name: np.concatenate([p[name] for p in parts])[order]
+              for name in parts[0] if name != "counters"}
+    if "counters" in parts[0]:
+        merged["counters"] = np.sum([p["counters"] for p in parts], axis=0)
+    return merged
 
 
 def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedCheckpoint:

@@ -164,6 +164,15 @@ class Trainer:
         return metrics
 
     # -- whole runs ---------------------------------------------------------------------
+    def iter_passes(self, train_paths: list[str | Path], stats=None, first: int = 0,
+                    skip: int = 0) -> Iterator[list[Batch] | PassPlan]:
+        """The passes ``fit`` trains, numbered from ``first``; runs in the read-ahead thread
+        (a sharded trainer reads only its rank's share here)."""
+        cfg = self.config
+        batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
+                                    on_bad_row=cfg.on_bad_row, stats=stats)
+        return _plans(group_passes(batches, cfg.pass_rows), first, skip)
+
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
             *, progress: bool = True, stats=None, on_pass_end=None,
             skip_passes: int = 0) -> list[dict]:
@@ -181,10 +190,8 @@ class Trainer:
         seen = 0
         try:
             for epoch in range(cfg.epochs):
-                batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
-                                            on_bad_row=cfg.on_bad_row, stats=stats)
-                plans = _plans(group_passes(batches, cfg.pass_rows), seen, skip_passes)
-                for plan, upcoming in _with_next(prefetch(plans)):
+                passes = self.iter_passes(train_paths, stats, seen, skip_passes)
+                for plan, upcoming in _with_next(prefetch(passes)):
                     seen += 1
                     if seen <= skip_passes:
                         continue

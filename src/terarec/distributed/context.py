@@ -1,0 +1,101 @@
+"""The process group a rank trains in, set up from torchrun's environment.
+
+``torchrun`` (``python -m torch.distributed.run``) exports ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` to every worker; the default
+``env://`` rendezvous reads them. gloo carries CPU tensors, NCCL CUDA tensors: the backend
+follows the training device, and each rank on a GPU node takes GPU ``LOCAL_RANK``.
+
+Two groups over the same ranks: DDP's gradient all-reduce runs in the default group and
+the embedding row exchanges in their own, so the two never queue behind each other.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a worker started by torchrun (or any launcher exporting its variables)."""
+    return all(v in os.environ for v in _TORCHRUN_VARS)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker group (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    sparse_group: dist.ProcessGroup | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where tensors handed to collectives must live for this backend."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    # -- small collectives on host values ------------------------------------------------
+    def barrier(self) -> None:
+        if self.backend == "nccl":
+            dist.barrier(device_ids=[self.device.index or 0])
+        else:
+            dist.barrier()
+
+    def all_gather_object(self, obj):
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj, src: int = 0):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_sum(self, values: list[float]) -> np.ndarray:
+        """Element-wise sum over ranks (float64 on the wire: exact for counts < 2^53)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(t)
+        return t.cpu().numpy()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistContext:
+    """Join the process group torchrun set up; pick the backend from the device."""
+    if not launched_by_torchrun():
+        raise RuntimeError("not started by torchrun: RANK / WORLD_SIZE / MASTER_ADDR unset")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {device} asked for, but CUDA is not available")
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    sparse_group = dist.new_group(backend=backend) if world > 1 else None
+    return DistContext(rank=rank, world=world, local_rank=local_rank, device=dev,
+                       backend=backend, sparse_group=sparse_group)

@@ -1,0 +1,106 @@
+"""``terarec train`` under torchrun: the same command, one process per rank.
+
+``cli/train.py`` hands over here when torchrun's variables are set. Differences from the
+single-process run: every rank reads its share, checkpoints are committed by all ranks
+together, only rank 0 writes metrics and prints, and a worker group restarted by
+torchrun (``--max-restarts``) resumes from the last committed pass on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+from terarec.cli.common import config_from_args, report_skipped, schema_from_args
+from terarec.data.readers import ReadStats
+from terarec.distributed.checkpoint import restore_sharded_trainer, save_sharded_checkpoint
+from terarec.distributed.context import init_distributed, restart_count
+from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
+from terarec.distributed.trainer import ShardedTrainer
+from terarec.io import atomic_write_text
+from terarec.train.checkpoint import list_checkpoints
+from terarec.train.passes import iter_file_batches
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--dense-comm", choices=DENSE_COMMS, default="none",
+                   help="dense gradient exchange: none (all-reduce), fp16, or dgc "
+                        "(Deep Gradient Compression)")
+    g.add_argument("--dgc-ratio", type=float, default=0.001,
+                   help="DGC: share of gradient entries sent per step (default 0.001)")
+    g.add_argument("--dgc-momentum", type=float, default=0.9,
+                   help="DGC: momentum of the local momentum correction (default 0.9)")
+    g.add_argument("--dgc-warmup-steps", type=int, default=100,
+                   help="DGC: steps over which sparsity rises from 75%% to its target")
+
+
+def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
+    return DenseCommConfig(mode=args.dense_comm, dgc_ratio=args.dgc_ratio,
+                           dgc_momentum=args.dgc_momentum,
+                           dgc_warmup_steps=args.dgc_warmup_steps)
+
+
+def train_main(args: argparse.Namespace,
+               on_commit: Callable[[ShardedTrainer], None] | None = None) -> int:
+    """Run ``terarec train`` as one rank. ``on_commit`` is called on every rank after
+    each committed checkpoint."""
+    config = config_from_args(args)
+    comm = dense_comm_from_args(args)
+    ctx = init_distributed(config.device)
+    try:
+        resume = args.resume or restart_count() > 0
+        if resume and list_checkpoints(args.out):
+            trainer = restore_sharded_trainer(args.out, ctx, config, comm)
+            if ctx.is_main:
+                print(f"rank 0/{ctx.world}: resuming {args.out} after pass {trainer.pass_id}")
+        else:
+            trainer = ShardedTrainer(schema_from_args(args), config, ctx, comm)
+        schema = trainer.schema
+        stats = ReadStats()
+        valid = list(iter_file_batches(args.valid, schema, config.batch_size,
+                                       on_bad_row=config.on_bad_row, stats=stats))
+
+        def commit(t: ShardedTrainer) -> None:
+            save_sharded_checkpoint(args.out, t)
+            if on_commit is not None:
+                on_commit(t)
+
+        def on_pass_end(t: ShardedTrainer, record: dict) -> None:
+            if t.pass_id % max(1, args.checkpoint_every) == 0:
+                commit(t)
+
+        start = time.perf_counter()
+        history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
+                              on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
+        seconds = time.perf_counter() - start
+        if not history or trainer.pass_id % max(1, args.checkpoint_every):
+            commit(trainer)
+        eval_source = valid or iter_file_batches(args.train, schema, config.batch_size,
+                                                 on_bad_row=config.on_bad_row)
+        metrics = trainer.evaluate(eval_source)
+        metrics["evaluated_on"] = "valid" if valid else "train"
+        rows = sum(h["rows"] for h in history)
+        busy = sum(h["rows"] / h["samples_per_s"] for h in history if h["samples_per_s"])
+        steps = [h for h in history if h.get("dense_bytes_per_step") is not None]
+        metrics.update(
+            eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
+            samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
+            skipped_rows=stats.skipped, store_keys=int(ctx.all_sum([len(trainer.store)])[0]),
+            model=config.model.name, world_size=ctx.world, dense_comm=comm.mode,
+            dense_bytes_per_step=(sum(h["dense_bytes_per_step"] for h in steps) / len(steps)
+                                  if steps else 0.0),
+            sparse_bytes_per_step=(sum(h["sparse_bytes_per_step"] for h in steps) / len(steps)
+                                   if steps else 0.0))
+        if ctx.is_main:
+            atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
+            atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
+            report_skipped(stats)
+            print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows",
+                                                      "samples_per_s", "world_size")}))
+            print(f"model written to {args.out}")
+        return 0
+    finally:
+        ctx.close()

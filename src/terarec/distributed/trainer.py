@@ -1,0 +1,185 @@
+"""``ShardedTrainer``: the pass loop of ``Trainer`` over N torchrun ranks.
+
+Each rank reads its round-robin share of every pass (see ``sharding``), owns one shard of
+the store, and trains one local batch per global step::
+
+    stage       ShardedWorkingSet.stage: keys to owners, owners pull rows (once a pass)
+    per step    table = ws.fetch(s)                       rows from their owners
+                loss = sum_bce(local) * world / global_rows
+                loss.backward()                           DDP all-reduces dense grads
+                ws.push_gradients(s, table.grad / world)  owners apply the sparse optimizer
+                dense_optimizer.step()
+    pass end    owners write rows back to their own store
+
+Scaling: a single process minimises the mean loss over the global batch. Rank r's local
+loss is ``sum_bce_r * world / B``, so DDP's average over ranks gives the single-process
+dense gradient, and dividing the row gradients by ``world`` gives the single-process row
+gradient once the owner sums what every rank sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm.auto import tqdm
+
+from terarec.config import TrainConfig
+from terarec.data.readers import ReadStats
+from terarec.distributed.context import DistContext
+from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
+from terarec.distributed.lookup import ShardedWorkingSet
+from terarec.distributed.sharding import deal_batches, iter_rank_passes
+from terarec.embedding.store import MemoryStore
+from terarec.embedding.working_set import _pooled
+from terarec.train.metrics import evaluate_scores
+from terarec.train.passes import group_passes
+from terarec.train.trainer import PassResult, Trainer
+from terarec.types import Batch, FeatureSchema
+
+
+@dataclass
+class ShardedPassResult(PassResult):
+    """``PassResult`` (global figures: rows, loss, keys summed over ranks) plus traffic."""
+
+    world_size: int = 1
+    dense_bytes_per_step: float = 0.0
+    sparse_bytes_per_step: float = 0.0
+
+
+class ShardedTrainer(Trainer):
+    """A ``Trainer`` whose store holds this rank's key shard and whose dense model is
+    wrapped in DistributedDataParallel with the chosen communication hook."""
+
+    def __init__(self, schema: FeatureSchema, config: TrainConfig, ctx: DistContext,
+                 dense_comm: DenseCommConfig | None = None,
+                 store: MemoryStore | None = None) -> None:
+        super().__init__(schema, replace(config, device=str(ctx.device)), store)
+        self.ctx = ctx
+        self.dense_comm_config = dense_comm or DenseCommConfig()
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+        self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, ctx.world)
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    # -- training -----------------------------------------------------------------------
+    def _step_loss(self, table: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Summed BCE of a local batch. A rank with no rows this step still runs the
+        model (DDP all-reduces on every rank), on one zero sample weighted 0."""
+        if len(batch) == 0:
+            dense = torch.zeros(1, batch.dense.shape[1], device=self.device)
+            emb = torch.zeros(1, batch.sparse.num_fields, self.model.row_dim,
+                              device=self.device)
+            logits = self.ddp(dense, emb)
+            return F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits),
+                                                      reduction="sum") * 0.0
+        emb = _pooled(table, batch.sparse, self.mean_fields)
+        logits = self.ddp(batch.dense, emb)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+
+    def iter_passes(self, train_paths: list[str | Path],
+                    stats: ReadStats | None = None) -> Iterator[list[Batch]]:
+        cfg = self.config
+        return iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
+                                self.ctx.rank, self.ctx.world, on_bad_row=cfg.on_bad_row,
+                                stats=stats)
+
+    def train_pass(self, batches: list[Batch], progress: tqdm | None = None) -> PassResult:
+        """Collective: stage, train and write back this rank's share of one pass."""
+        self.model.train()
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True)
+        t1 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        bytes_before = self.dense_comm.meter.bytes
+        for step, batch in enumerate(ws.batches):
+            table = ws.fetch(step).requires_grad_(True)
+            bce = self._step_loss(table, batch)
+            global_rows = max(int(ws.global_sizes[step]), 1)
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            (bce * (ctx.world / global_rows)).backward()
+            grad = table.grad if table.grad is not None else torch.zeros_like(table)
+            ws.push_gradients(step, grad / ctx.world)
+            self.dense_optimizer.step()
+            self.dense_comm.count_step()
+            loss_sum += bce.detach().to(torch.float64).cpu()
+            if progress is not None:
+                progress.update(global_rows)
+        t2 = time.perf_counter()
+        ws.write_back(self.store)
+        evicted = self.store.end_pass(self.pass_id)
+        t3 = time.perf_counter()
+        steps = max(len(ws.batches), 1)
+        local_rows = sum(len(b) for b in batches)
+        totals = ctx.all_sum([float(loss_sum), local_rows, ws.stats.unique_keys,
+                              ws.stats.admitted_keys, evicted, len(self.store),
+                              (ws.stats.staging_bytes + ws.step_bytes) / steps,
+                              (self.dense_comm.meter.bytes - bytes_before) / steps,
+                              t3 - t0])
+        rows = int(totals[1])
+        result = ShardedPassResult(
+            pass_id=self.pass_id, rows=rows, train_loss=float(totals[0] / max(rows, 1)),
+            staging_s=t1 - t0, train_s=t2 - t1, write_back_s=t3 - t2,
+            samples_per_s=rows / (totals[8] / ctx.world), unique_keys=int(totals[2]),
+            admitted_keys=int(totals[3]), evicted_keys=int(totals[4]),
+            store_keys=int(totals[5]), world_size=ctx.world,
+            dense_bytes_per_step=float(totals[7] / ctx.world),
+            sparse_bytes_per_step=float(totals[6] / ctx.world))
+        self.pass_id += 1
+        return result
+
+    # -- scoring ------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict_batches(self, batches: list[Batch]) -> np.ndarray:
+        """Collective: probabilities for this rank's batches (one per step, as in
+        training); rows come from their owners, the store is unchanged."""
+        self.model.eval()
+        ws = ShardedWorkingSet.stage(self.ctx, self.store, batches, self.pass_id, train=False)
+        out = []
+        for step, batch in enumerate(ws.batches):
+            table = ws.fetch(step)
+            if len(batch):
+                emb = _pooled(table, batch.sparse, self.mean_fields)
+                out.append(torch.sigmoid(self.model(batch.dense, emb)).cpu())
+        return torch.cat(out).numpy() if out else np.empty(0, np.float32)
+
+    def predict_stream(self, batches: Iterable[Batch]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Collective over the same global batches on every rank: each rank scores its
+        round-robin share and yields (probabilities, labels) for it."""
+        for group in group_passes(batches, self.config.pass_rows):
+            mine = deal_batches(group, self.ctx.rank, self.ctx.world)
+            labels = (torch.cat([b.labels for b in mine]).numpy() if mine
+                      else np.empty(0, np.float32))
+            yield self.predict_batches(mine), labels
+
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        """Collective: metrics over all ranks' predictions (the same on every rank)."""
+        probs, labels = [], []
+        for p, y in self.predict_stream(batches):
+            probs.append(p)
+            labels.append(y)
+        local = (np.concatenate(labels) if labels else np.empty(0, np.float32),
+                 np.concatenate(probs) if probs else np.empty(0, np.float32))
+        parts = self.ctx.all_gather_object(local)
+        all_labels = np.concatenate([p[0] for p in parts])
+        all_probs = np.concatenate([p[1] for p in parts])
+        if not len(all_labels):
+            raise ValueError("no rows to evaluate")
+        metrics = evaluate_scores(all_labels, all_probs)
+        metrics["rows"] = int(len(all_labels))
+        return metrics
+
+    def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
+            *, progress: bool = True, **kwargs) -> list[dict]:
+        return super().fit(train_paths, valid_batches, progress=progress and self.ctx.is_main,
+                           **kwargs)
