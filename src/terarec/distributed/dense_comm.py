@@ -16,8 +16,7 @@ exchanged. At ``ratio=0.001`` a rank sends 8 * numel / 1000 bytes instead of 4 *
 500x less. The optimizer then applies the returned gradient as usual.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hooks' annotations at runtime.
 import math
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -102,10 +101,12 @@ class DGCState:
         return got
 
 
-def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    grad = bucket.buffer()
+def dgc_sparsify(state: DGCState, index: int,
+                 grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's DGC step on a flat gradient: returns the (values, indices) to send and
+    keeps the rest in the bucket's residual."""
     n = grad.numel()
-    u, v = state.buffers(bucket.index(), grad)
+    u, v = state.buffers(index, grad)
     g = grad.to(torch.float32)
     if state.config.dgc_momentum:
         u.mul_(state.config.dgc_momentum).add_(g)
@@ -117,6 +118,14 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     values = v[idx]
     v[idx] = 0.0
     u[idx] = 0.0
+    return values, idx
+
+
+def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    grad = bucket.buffer()
+    n = grad.numel()
+    values, idx = dgc_sparsify(state, bucket.index(), grad)
+    k = values.numel()
     payload = torch.cat([values.view(torch.int32), idx.to(torch.int32)])
     gathered = torch.empty(state.world * 2 * k, dtype=torch.int32, device=grad.device)
     state.meter.add(payload.numel() * payload.element_size())
@@ -126,7 +135,7 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
                                        async_op=True)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
-        parts = fut.value()[0].view(state.world, 2, k)
+        parts = gathered.view(state.world, 2, k)  # the future carries the input
         vals = parts[:, 0].reshape(-1).view(torch.float32)
         where = parts[:, 1].reshape(-1).to(torch.int64)
         dense = torch.zeros(n, dtype=torch.float32, device=grad.device)
