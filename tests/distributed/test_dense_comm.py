@@ -10,8 +10,9 @@ import torch
 from terarec.distributed.dense_comm import CommMeter, DenseCommConfig, DGCState, dgc_sparsify
 
 
-def _state(**kw) -> DGCState:
-    return DGCState(DenseCommConfig(mode="dgc", **kw), world=1, meter=CommMeter())
+def _state(n: int = 8, **kw) -> DGCState:
+    return DGCState(DenseCommConfig(mode="dgc", **kw), world=1, meter=CommMeter(),
+                    params=[torch.zeros(n)])
 
 
 def test_density_decays_from_a_quarter_to_the_ratio_over_warmup():
@@ -29,41 +30,50 @@ def test_density_decays_from_a_quarter_to_the_ratio_over_warmup():
 
 def test_nothing_is_lost_without_momentum_sent_plus_residual_is_the_gradient_sum():
     torch.manual_seed(0)
-    state = _state(dgc_ratio=0.01, dgc_momentum=0.0, dgc_warmup_steps=5)
     n, total, sent = 2000, torch.zeros(2000), torch.zeros(2000)
+    state = _state(n, dgc_ratio=0.01, dgc_momentum=0.0, dgc_warmup_steps=5)
     for step in range(20):
         state.step = step
         grad = torch.randn(n)
         total += grad
-        values, idx = dgc_sparsify(state, 0, grad)
+        values, idx = dgc_sparsify(state, grad)
         assert values.numel() == math.ceil(n * state.density())
         assert idx.unique().numel() == idx.numel()
         sent.index_add_(0, idx, values)
-    residual = state.buffers(0, torch.zeros(n))[1]
+    residual = state.v
     torch.testing.assert_close(sent + residual, total, rtol=0, atol=1e-4)
 
 
 def test_top_k_sends_the_largest_accumulated_entries_and_masks_momentum():
     state = _state(dgc_ratio=0.25, dgc_momentum=0.5, dgc_warmup_steps=0)
     grad = torch.tensor([0.1, -3.0, 0.2, 2.0, 0.0, 0.05, -0.3, 0.4])
-    values, idx = dgc_sparsify(state, 7, grad)
+    values, idx = dgc_sparsify(state, grad)
     assert sorted(idx.tolist()) == [1, 3]
     torch.testing.assert_close(values[idx.argsort()], torch.tensor([-3.0, 2.0]))
-    u, v = state.buffers(7, grad)
+    u, v = state.u, state.v
     assert u[1] == 0 and u[3] == 0 and v[1] == 0 and v[3] == 0  # momentum factor masking
     torch.testing.assert_close(u[[0, 2]], torch.tensor([0.1, 0.2]))
     # Next step: momentum correction accumulates u = 0.5 u + g into the residual.
-    dgc_sparsify(state, 7, torch.zeros(8))
+    dgc_sparsify(state, torch.zeros(8))
     torch.testing.assert_close(v[0], torch.tensor(0.1 + 0.05))
 
 
-def test_buckets_keep_separate_residuals_and_reset_on_a_new_shape():
-    state = _state(dgc_ratio=0.5, dgc_momentum=0.0, dgc_warmup_steps=0)
-    dgc_sparsify(state, 0, torch.tensor([1.0, 0.1]))
-    dgc_sparsify(state, 1, torch.tensor([0.2, 2.0, 0.3, 0.1]))
-    assert state.buffers(0, torch.zeros(2))[1].tolist() == pytest.approx([0.0, 0.1])
-    assert state.buffers(1, torch.zeros(4))[1].tolist() == pytest.approx([0.2, 0, 0, 0.1])
-    assert state.buffers(0, torch.zeros(5))[1].tolist() == [0.0] * 5
+def test_residuals_follow_parameters_whatever_the_bucket_layout():
+    # DDP re-forms buckets after the first step: the same parameters, another order.
+    a, b = torch.zeros(2), torch.zeros(4)
+    state = DGCState(DenseCommConfig(mode="dgc", dgc_ratio=0.5, dgc_momentum=0.0,
+                                     dgc_warmup_steps=0), 1, CommMeter(), params=[a, b])
+    values, idx = dgc_sparsify(state, torch.tensor([1.0, 0.1, 0.2, 2.0, 0.3, 0.1]),
+                               state.positions([a, b]))
+    assert sorted(idx.tolist()) == [0, 3, 4]
+    torch.testing.assert_close(state.v, torch.tensor([0.0, 0.1, 0.2, 0.0, 0.0, 0.1]))
+    # Bucket [b, a]: b's entries first; residuals are added to the right parameters.
+    flat = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 5.0])
+    values, idx = dgc_sparsify(state, flat, state.positions([b, a]))
+    # Accumulated, in bucket order: b = [0.2, 0, 0, 0.1], a = [0, 0.1 + 5.0].
+    assert sorted(idx.tolist()) == [0, 3, 5]
+    torch.testing.assert_close(values.sort().values, torch.tensor([0.1, 0.2, 5.1]))
+    torch.testing.assert_close(state.v, torch.zeros(6))
 
 
 @pytest.mark.parametrize("bad", [dict(mode="zip"), dict(dgc_ratio=0.0), dict(dgc_ratio=2.0),

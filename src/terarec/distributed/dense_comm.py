@@ -11,7 +11,7 @@ DDP bucket (a flat view of many parameters' gradients), on every rank::
     gradient = sum over ranks of the sent pairs / world
 
 The pairs travel as one int32 tensor (float32 bits + int32 index: 8 bytes per entry)
-through ``all_gather_into_tensor``; every rank sends the same k, so no sizes are
+through one all-gather into a tensor; every rank sends the same k, so no sizes are
 exchanged. At ``ratio=0.001`` a rank sends 8 * numel / 1000 bytes instead of 4 * numel:
 500x less. The optimizer then applies the returned gradient as usual.
 """
@@ -29,6 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 DenseCommMode = Literal["none", "fp16", "dgc"]
 DENSE_COMMS: tuple[str, ...] = ("none", "fp16", "dgc")
 _WARMUP_START_DENSITY = 0.25
+# torch 2.13 renamed all_gather_into_tensor (same semantics); older releases lack the new name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -67,16 +69,30 @@ class CommMeter:
 
 
 class DGCState:
-    """Per-bucket momentum ``u`` and residual ``v`` plus the warm-up clock."""
+    """Momentum ``u`` and residual ``v`` of every dense parameter, plus the warm-up clock.
+
+    Both are flat over the model's parameters in ``model.parameters()`` order, not per
+    DDP bucket: DDP re-forms its buckets after the first step (and again after a
+    restart), and a residual must stay with its parameter through that.
+    """
 
     def __init__(self, config: DenseCommConfig, world: int, meter: CommMeter,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 params: list[torch.Tensor], process_group: dist.ProcessGroup | None = None
+                 ) -> None:
         self.config = config
         self.world = world
         self.meter = meter
         self.process_group = process_group
         self.step = 0
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._span: dict[int, tuple[int, int]] = {}
+        total = 0
+        for p in params:
+            self._span[p.data_ptr()] = (total, p.numel())
+            total += p.numel()
+        device = params[0].device if params else torch.device("cpu")
+        self.u = torch.zeros(total, device=device)
+        self.v = torch.zeros(total, device=device)
+        self._positions: dict[tuple[int, ...], torch.Tensor] = {}
 
     def density(self) -> float:
         """Share of entries sent: exponential decay from 25 % to ``ratio`` over warm-up,
@@ -87,26 +103,26 @@ class DGCState:
             return c.dgc_ratio
         return start * (c.dgc_ratio / start) ** (self.step / c.dgc_warmup_steps)
 
-    def buffers(self, index: int, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        got = self._buffers.get(index)
-        if got is not None and got[0].device != grad.device:  # restored from a checkpoint
-            got = (got[0].to(grad.device), got[1].to(grad.device))
-            self._buffers[index] = got
-        if got is None or got[0].shape != grad.shape:
-            # DDP re-forms its buckets once after the first step; a changed bucket starts
-            # over rather than mixing residuals of different parameters.
-            got = (torch.zeros_like(grad, dtype=torch.float32),
-                   torch.zeros_like(grad, dtype=torch.float32))
-            self._buffers[index] = got
+    def positions(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Indices into ``u`` / ``v`` of a bucket's flat gradient (its parameters in order)."""
+        key = tuple(p.data_ptr() for p in params)
+        got = self._positions.get(key)
+        if got is None:
+            spans = [self._span[k] for k in key]
+            got = torch.cat([torch.arange(s, s + n) for s, n in spans]).to(self.u.device)
+            self._positions[key] = got
         return got
 
 
-def dgc_sparsify(state: DGCState, index: int,
-                 grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's DGC step on a flat gradient: returns the (values, indices) to send and
-    keeps the rest in the bucket's residual."""
+def dgc_sparsify(state: DGCState, grad: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's DGC step on a flat gradient whose entries sit at ``positions`` of the
+    state (all of it by default): returns the (values, indices into ``grad``) to send and
+    keeps the rest in the residual."""
     n = grad.numel()
-    u, v = state.buffers(index, grad)
+    whole = positions is None
+    u = state.u if whole else state.u[positions]
+    v = state.v if whole else state.v[positions]
     g = grad.to(torch.float32)
     if state.config.dgc_momentum:
         u.mul_(state.config.dgc_momentum).add_(g)
@@ -118,21 +134,23 @@ def dgc_sparsify(state: DGCState, index: int,
     values = v[idx]
     v[idx] = 0.0
     u[idx] = 0.0
+    if not whole:
+        state.u[positions] = u
+        state.v[positions] = v
     return values, idx
 
 
 def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     grad = bucket.buffer()
     n = grad.numel()
-    values, idx = dgc_sparsify(state, bucket.index(), grad)
+    values, idx = dgc_sparsify(state, grad, state.positions(bucket.parameters()))
     k = values.numel()
     payload = torch.cat([values.view(torch.int32), idx.to(torch.int32)])
     gathered = torch.empty(state.world * 2 * k, dtype=torch.int32, device=grad.device)
     state.meter.add(payload.numel() * payload.element_size())
     if bucket.is_last():
         state.step += 1
-    work = dist.all_gather_into_tensor(gathered, payload, group=state.process_group,
-                                       async_op=True)
+    work = _all_gather(gathered, payload, group=state.process_group, async_op=True)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         parts = gathered.view(state.world, 2, k)  # the future carries the input
@@ -168,7 +186,8 @@ class DenseComm:
         if config.mode == "fp16":
             ddp.register_comm_hook(self.meter, _fp16_hook)
         elif config.mode == "dgc":
-            self.dgc = DGCState(config, world, self.meter, process_group)
+            params = [p for p in ddp.module.parameters() if p.requires_grad]
+            self.dgc = DGCState(config, world, self.meter, params, process_group)
             ddp.register_comm_hook(self.dgc, dgc_hook)
 
     def count_step(self) -> None:
@@ -185,12 +204,14 @@ class DenseComm:
         run loses none of the gradient it had accumulated but not yet sent."""
         if self.dgc is None:
             return {}
-        return {"step": self.dgc.step,
-                "buffers": {i: torch.stack(uv) for i, uv in self.dgc._buffers.items()}}
+        return {"step": self.dgc.step, "u": self.dgc.u.cpu(), "v": self.dgc.v.cpu()}
 
     def load_state_dict(self, state: dict) -> None:
         if self.dgc is None or not state:
             return
+        if state["u"].shape != self.dgc.u.shape:
+            raise ValueError(f"DGC state for {state['u'].numel()} dense weights, the model "
+                             f"has {self.dgc.u.numel()}")
         self.dgc.step = int(state["step"])
-        self.dgc._buffers = {int(i): (uv[0].clone(), uv[1].clone())
-                             for i, uv in state["buffers"].items()}
+        self.dgc.u.copy_(state["u"])
+        self.dgc.v.copy_(state["v"])

@@ -6,10 +6,11 @@ the rows of the keys it owns, ``shard_of(key) == rank``). At pass start, once::
     requester: unique keys of its local batches ──all_to_all──> owners
                (+ show/click counts, so admission sees the whole pass's counts)
     owner:     union of requested keys -> store.pull -> weights (row 0 = zero row)
-    requester: per step, the *positions* (in its key request) of the keys that step
-               needs ──all_to_all──> owners, which turn them into working-set rows
+    requester: for every step, the *positions* (int32, in its key request) of the keys
+               that step needs ──all_to_all──> owners, which turn them into rows once
 
-so no int64 key crosses the wire during the steps. Per step s, twice::
+so the steps carry no keys and owners do no hash lookups while training: each step is
+two exchanges of float rows instead of three (keys, rows, gradients). Per step s::
 
     forward   owner gathers weights[rows(s)]  ──all_to_all──> requester's step table
     backward  requester's table.grad / world  ──all_to_all──> owner: sparse optimizer
@@ -145,11 +146,14 @@ class ShardedWorkingSet:
         recv_keys = exchange(ctx, torch.from_numpy(uniq[order]), key_counts,
                              recv_key_counts).cpu().numpy()
         sent += 8 * int(key_counts[off_rank].sum())
+        # Positions are below the number of keys sent to one owner: int32 halves the bytes.
+        if key_counts.max(initial=0) >= 2**31:
+            raise ValueError(f"pass {pass_id}: over 2^31 keys for one owner; use more passes")
         ids_send = np.concatenate([np.concatenate(p) if p else np.empty(0, np.int64)
-                                   for p in ids_by_owner])
+                                   for p in ids_by_owner]).astype(np.int32)
         recv_ids = exchange(ctx, torch.from_numpy(ids_send), request_splits.sum(axis=0),
-                            serve_by_source.sum(axis=1)).cpu().numpy()
-        sent += 8 * int(request_splits.sum(axis=0)[off_rank].sum())
+                            serve_by_source.sum(axis=1)).cpu().numpy().astype(np.int64)
+        sent += 4 * int(request_splits.sum(axis=0)[off_rank].sum())
 
         # Owner: the union of what every rank asked for, pulled once.
         owned, owned_inv = unique_inverse(recv_keys)

@@ -50,57 +50,57 @@ def train_main(args: argparse.Namespace,
     config = config_from_args(args)
     comm = dense_comm_from_args(args)
     ctx = init_distributed(config.device)
-    try:
-        resume = args.resume or restart_count() > 0
-        if resume and list_checkpoints(args.out):
-            trainer = restore_sharded_trainer(args.out, ctx, config, comm)
-            if ctx.is_main:
-                print(f"rank 0/{ctx.world}: resuming {args.out} after pass {trainer.pass_id}")
-        else:
-            trainer = ShardedTrainer(schema_from_args(args), config, ctx, comm)
-        schema = trainer.schema
-        stats = ReadStats()
-        valid = list(iter_file_batches(args.valid, schema, config.batch_size,
-                                       on_bad_row=config.on_bad_row, stats=stats))
-
-        def commit(t: ShardedTrainer) -> None:
-            save_sharded_checkpoint(args.out, t)
-            if on_commit is not None:
-                on_commit(t)
-
-        def on_pass_end(t: ShardedTrainer, record: dict) -> None:
-            if t.pass_id % max(1, args.checkpoint_every) == 0:
-                commit(t)
-
-        start = time.perf_counter()
-        history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
-                              on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
-        seconds = time.perf_counter() - start
-        if not history or trainer.pass_id % max(1, args.checkpoint_every):
-            commit(trainer)
-        eval_source = valid or iter_file_batches(args.train, schema, config.batch_size,
-                                                 on_bad_row=config.on_bad_row)
-        metrics = trainer.evaluate(eval_source)
-        metrics["evaluated_on"] = "valid" if valid else "train"
-        rows = sum(h["rows"] for h in history)
-        busy = sum(h["rows"] / h["samples_per_s"] for h in history if h["samples_per_s"])
-        steps = [h for h in history if h.get("dense_bytes_per_step") is not None]
-        metrics.update(
-            eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
-            samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
-            skipped_rows=stats.skipped, store_keys=int(ctx.all_sum([len(trainer.store)])[0]),
-            model=config.model.name, world_size=ctx.world, dense_comm=comm.mode,
-            dense_bytes_per_step=(sum(h["dense_bytes_per_step"] for h in steps) / len(steps)
-                                  if steps else 0.0),
-            sparse_bytes_per_step=(sum(h["sparse_bytes_per_step"] for h in steps) / len(steps)
-                                   if steps else 0.0))
+    # No try/finally around the run: a rank that fails must exit rather than wait in
+    # destroy_process_group for peers stuck in a collective; torchrun then stops them.
+    resume = args.resume or restart_count() > 0
+    if resume and list_checkpoints(args.out):
+        trainer = restore_sharded_trainer(args.out, ctx, config, comm)
         if ctx.is_main:
-            atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
-            atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
-            report_skipped(stats)
-            print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows",
-                                                      "samples_per_s", "world_size")}))
-            print(f"model written to {args.out}")
-        return 0
-    finally:
-        ctx.close()
+            print(f"rank 0/{ctx.world}: resuming {args.out} after pass {trainer.pass_id}")
+    else:
+        trainer = ShardedTrainer(schema_from_args(args), config, ctx, comm)
+    schema = trainer.schema
+    stats = ReadStats()
+    valid = list(iter_file_batches(args.valid, schema, config.batch_size,
+                                   on_bad_row=config.on_bad_row, stats=stats))
+
+    def commit(t: ShardedTrainer) -> None:
+        save_sharded_checkpoint(args.out, t)
+        if on_commit is not None:
+            on_commit(t)
+
+    def on_pass_end(t: ShardedTrainer, record: dict) -> None:
+        if t.pass_id % max(1, args.checkpoint_every) == 0:
+            commit(t)
+
+    start = time.perf_counter()
+    history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
+                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
+    seconds = time.perf_counter() - start
+    if not history or trainer.pass_id % max(1, args.checkpoint_every):
+        commit(trainer)
+    eval_source = valid or iter_file_batches(args.train, schema, config.batch_size,
+                                             on_bad_row=config.on_bad_row)
+    metrics = trainer.evaluate(eval_source)
+    metrics["evaluated_on"] = "valid" if valid else "train"
+    rows = sum(h["rows"] for h in history)
+    busy = sum(h["rows"] / h["samples_per_s"] for h in history if h["samples_per_s"])
+    steps = [h for h in history if h.get("dense_bytes_per_step") is not None]
+    metrics.update(
+        eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
+        samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
+        skipped_rows=stats.skipped, store_keys=int(ctx.all_sum([len(trainer.store)])[0]),
+        model=config.model.name, world_size=ctx.world, dense_comm=comm.mode,
+        dense_bytes_per_step=(sum(h["dense_bytes_per_step"] for h in steps) / len(steps)
+                              if steps else 0.0),
+        sparse_bytes_per_step=(sum(h["sparse_bytes_per_step"] for h in steps) / len(steps)
+                               if steps else 0.0))
+    if ctx.is_main:
+        atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
+        atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
+        report_skipped(stats)
+        print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows",
+                                                  "samples_per_s", "world_size")}))
+        print(f"model written to {args.out}")
+    ctx.close()
+    return 0

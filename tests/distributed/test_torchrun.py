@@ -1,0 +1,204 @@
+"""Training under the real launcher: ``python -m torch.distributed.run`` with 2 gloo ranks.
+
+Each test starts torchrun in a subprocess (so every rank is a fresh process with its own
+process group), then compares what the ranks wrote against a single-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from terarec.distributed.checkpoint import rank_arrays
+from terarec.distributed.sharding import shard_of
+from terarec.train.checkpoint import list_checkpoints, restore_trainer
+
+pytestmark = pytest.mark.dist
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+TIMEOUT_S = 240
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session, so that a hang is ended with all its workers."""
+    proc = subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {TIMEOUT_S}s: {' '.join(cmd)}\n{err[-6000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}\n{err[-6000:]}"
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def single(args: list[str]) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "terarec", "train", *args])
+
+
+def torchrun(args: list[str], nproc: int = 2, script: Path | None = None,
+             launcher: tuple[str, ...] = (), env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    target = [str(script)] if script else ["-m", "terarec"]
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                 "--master_port", str(_free_port()), *launcher, *target, "train", *args],
+                env)
+
+
+# -- sharded training equals single-process training -----------------------------------
+
+CSV_ARGS = ["--format", "csv", "--label", "label", "--numeric", "x1,x2",
+            "--categorical", "a,b,tags", "--multi-sep", "|", "--multi-valued", "tags",
+            "--batch-size", "256", "--pass-rows", "512", "--admit-min-count", "2",
+            "--sparse-optimizer", "adam", "--embedding-dim", "8", "--threads", "1",
+            "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def csv_runs(tmp_path_factory):
+    """One CSV with a multi-valued field, trained by 1 process and by 2 ranks.
+
+    6 full batches of 256 + 100 rows: the last pass is one step holding a single local
+    batch (128 rows per rank), so rank 1 has no rows and no keys for that whole pass.
+    """
+    root = tmp_path_factory.mktemp("csv")
+    rng = np.random.default_rng(3)
+    n = 6 * 256 + 100
+    a = rng.zipf(1.3, n) % 400
+    b = rng.integers(0, 12, n)
+    logit = 0.8 * np.sin(a) + 0.5 * (b % 3) - 1.0
+    labels = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(int)
+    lines = ["label,x1,x2,a,b,tags"]
+    for i in range(n):
+        tags = "|".join(f"t{t}" for t in rng.integers(0, 30, rng.integers(0, 4)))
+        lines.append(f"{labels[i]},{rng.random():.3f},{rng.normal():.3f},a{a[i]},b{b[i]},{tags}")
+    data = root / "train.csv"
+    data.write_text("\n".join(lines) + "\n")
+    common = ["--train", str(data), "--valid", str(data), *CSV_ARGS]
+    single([*common, "--out", str(root / "single")])
+    torchrun([*common, "--out", str(root / "dist")])
+    return root
+
+
+def test_two_ranks_train_the_same_model_as_one_process(csv_runs):
+    one = restore_trainer(csv_runs / "single")
+    two = restore_trainer(csv_runs / "dist")  # merges the two ranks' shards
+    a, b = one.store.to_arrays(), two.store.to_arrays()
+    assert len(a["keys"]) > 150
+    assert np.array_equal(a["keys"], b["keys"])  # same admissions: counts summed over ranks
+    assert np.array_equal(a["show"], b["show"]) and np.array_equal(a["click"], b["click"])
+    np.testing.assert_allclose(b["values"], a["values"], atol=2e-5)
+    np.testing.assert_allclose(b["state"], a["state"], atol=2e-5, rtol=1e-4)
+    for name, weight in one.model.state_dict().items():
+        torch.testing.assert_close(two.model.state_dict()[name], weight, atol=2e-5, rtol=1e-4)
+    h1 = json.loads((csv_runs / "single" / "history.json").read_text())
+    h2 = json.loads((csv_runs / "dist" / "history.json").read_text())
+    assert [h["rows"] for h in h2] == [h["rows"] for h in h1] == [512, 512, 512, 100]
+    assert [h["unique_keys"] for h in h2] == [h["unique_keys"] for h in h1]
+    assert [h["admitted_keys"] for h in h2] == [h["admitted_keys"] for h in h1]
+    np.testing.assert_allclose([h["train_loss"] for h in h2], [h["train_loss"] for h in h1],
+                               rtol=1e-5)
+    m1 = json.loads((csv_runs / "single" / "metrics.json").read_text())
+    m2 = json.loads((csv_runs / "dist" / "metrics.json").read_text())
+    assert m2["world_size"] == 2 and m2["eval_rows"] == m1["eval_rows"] == 6 * 256 + 100
+    assert m2["auc"] == pytest.approx(m1["auc"], abs=1e-5)
+
+
+def test_checkpoint_has_one_disjoint_shard_per_rank_and_splits_for_any_world(csv_runs):
+    path = list_checkpoints(csv_runs / "dist")[0]
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["pass_id"] == 4
+    assert set(meta["sha256"]) >= {"dense.safetensors", *meta["sparse_shards"]}
+    shards = [rank_arrays(path, meta, r, 2)["keys"] for r in range(2)]
+    for rank, keys in enumerate(shards):
+        assert len(keys) and np.all(shard_of(keys, 2) == rank)
+    merged = restore_trainer(csv_runs / "dist").store.to_arrays()
+    # Resuming on 3 ranks: every rank keeps exactly the keys it now owns.
+    three = [rank_arrays(path, meta, r, 3) for r in range(3)]
+    assert sum(len(t["keys"]) for t in three) == len(merged["keys"])
+    for rank, part in enumerate(three):
+        assert np.all(shard_of(part["keys"], 3) == rank)
+        where = np.searchsorted(merged["keys"], part["keys"])
+        np.testing.assert_array_equal(merged["values"][where], part["values"])
+
+
+# -- dense gradient compression and kill-and-resume on synthetic data ------------------
+
+def _synth_args(root: Path) -> list[str]:
+    return ["--train", str(root / "train.txt"), "--valid", str(root / "valid.txt"),
+            "--batch-size", "512", "--pass-rows", "8192", "--threads", "1", "--no-progress",
+            "--dgc-ratio", "0.001", "--dgc-warmup-steps", "20"]
+
+
+@pytest.fixture(scope="module")
+def synth_runs(tmp_path_factory):
+    from terarec.data.synth import generate
+
+    root = tmp_path_factory.mktemp("synth")
+    generate(root / "train.txt", 32_768, sample_seed=1)
+    generate(root / "valid.txt", 8192, sample_seed=2)
+    for comm in ("none", "dgc"):
+        torchrun([*_synth_args(root), "--out", str(root / comm), "--dense-comm", comm])
+    return root
+
+
+def test_dgc_sends_500x_fewer_dense_bytes_and_keeps_auc(synth_runs):
+    none = json.loads((synth_runs / "none" / "metrics.json").read_text())
+    dgc = json.loads((synth_runs / "dgc" / "metrics.json").read_text())
+    last_none = json.loads((synth_runs / "none" / "history.json").read_text())[-1]
+    last_dgc = json.loads((synth_runs / "dgc" / "history.json").read_text())[-1]
+    # After warm-up: 8 bytes per sent entry, 0.1 % of the entries, vs 4 bytes each.
+    assert last_none["dense_bytes_per_step"] / last_dgc["dense_bytes_per_step"] > 400
+    assert none["auc"] > 0.70
+    assert dgc["auc"] - none["auc"] > -0.005
+
+
+def test_killed_rank_resumes_from_last_commit_and_matches_uninterrupted_run(synth_runs):
+    out = synth_runs / "killed"
+    done = torchrun([*_synth_args(synth_runs), "--out", str(out), "--dense-comm", "dgc"],
+                    script=HERE / "kill_and_resume.py", launcher=("--max-restarts", "1"),
+                    env={"KILL_RANK": "1", "KILL_AFTER_PASS": "2"})
+    assert "resuming" in done.stdout and "after pass 2" in done.stdout
+    resumed, reference = restore_trainer(out), restore_trainer(synth_runs / "dgc")
+    assert resumed.pass_id == reference.pass_id == 4
+    a, b = reference.store.to_arrays(), resumed.store.to_arrays()
+    assert np.array_equal(a["keys"], b["keys"])
+    np.testing.assert_allclose(b["values"], a["values"], atol=1e-6)
+    for name, weight in reference.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], weight, atol=1e-6,
+                                   rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+def test_nccl_rank_on_gpu_trains_the_same_model_as_one_cpu_process(csv_runs, tmp_path):
+    data = csv_runs / "train.csv"
+    common = ["--train", str(data), *CSV_ARGS]
+    torchrun([*common, "--out", str(tmp_path / "gpu"), "--device", "cuda"],
+             nproc=min(2, torch.cuda.device_count()))
+    cpu, gpu = restore_trainer(csv_runs / "single"), restore_trainer(tmp_path / "gpu")
+    a, b = cpu.store.to_arrays(), gpu.store.to_arrays()
+    assert np.array_equal(a["keys"], b["keys"])
+    np.testing.assert_allclose(b["values"], a["values"], atol=1e-4)
