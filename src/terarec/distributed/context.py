@@ -32,6 +32,22 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
+    """The launcher's store, with keys scoped to this restart attempt.
+
+    With torchrun's static rendezvous (``--master_port`` without ``--rdzv-backend``), a
+    worker group restarted by ``--max-restarts`` reuses the agent's store, where the
+    previous attempt's rank addresses are still published: the new ranks would try to
+    connect to dead peers. A per-attempt prefix gives every attempt fresh keys. Other
+    launches (elastic rendezvous, or no agent store) keep the default ``env://`` set-up.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=world, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"terarec/attempt_{restart_count()}", store)
+
+
 @dataclass
 class DistContext:
     rank: int
@@ -95,7 +111,11 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        timeout = timedelta(seconds=timeout_s)
+        store = _attempt_store(world, timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=rank, world_size=world)
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
     sparse_group = dist.new_group(backend=backend) if world > 1 else None
     return DistContext(rank=rank, world=world, local_rank=local_rank, device=dev,
                        backend=backend, sparse_group=sparse_group)
