@@ -12,7 +12,7 @@ gradients exchanged with none / fp16 / dgc), then prints one JSON line:
     dgc_compression                      bytes none / bytes dgc
     auc_none, auc_dgc, delta_auc_dgc     validation AUC of the 2-rank runs
 
-Usage: ``python benchmarks/distributed_scaling.py [--rows 300000] [--workdir DIR]``.
+Usage: ``python benchmarks/distributed_scaling.py [--rows 250000] [--workdir DIR]``.
 The default run takes about 3 minutes on 2 cores.
 """
 
@@ -64,8 +64,8 @@ def train(args: argparse.Namespace, out: Path, ranks: int, dense_comm: str = "no
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=300_000)
-    p.add_argument("--valid-rows", type=int, default=50_000)
+    p.add_argument("--rows", type=int, default=250_000)
+    p.add_argument("--valid-rows", type=int, default=30_000)
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--pass-rows", type=int, default=100_000)
     p.add_argument("--model", default="deepfm")
