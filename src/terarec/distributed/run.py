@@ -37,6 +37,13 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="DGC: steps over which sparsity rises from 75%% to its target")
 
 
+def reject_distributed_args(args: argparse.Namespace) -> None:
+    """A single process has no dense gradients to exchange: say so instead of ignoring."""
+    if args.dense_comm != "none":
+        raise ValueError(f"--dense-comm {args.dense_comm} needs several ranks: launch with "
+                         "torchrun --nproc_per_node N -m terarec train ...")
+
+
 def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
     return DenseCommConfig(mode=args.dense_comm, dgc_ratio=args.dgc_ratio,
                            dgc_momentum=args.dgc_momentum,

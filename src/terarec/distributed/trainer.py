@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,11 +60,18 @@ class ShardedTrainer(Trainer):
     def __init__(self, schema: FeatureSchema, config: TrainConfig, ctx: DistContext,
                  dense_comm: DenseCommConfig | None = None,
                  store: MemoryStore | None = None) -> None:
-        super().__init__(schema, replace(config, device=str(ctx.device)), store)
+        # The config keeps the user's device ("auto" stays "auto" in the saved model, so
+        # one process can load it anywhere); the rank itself runs on the device it got.
+        super().__init__(schema, config, store)
         self.ctx = ctx
+        self.device = ctx.device
+        self.model.to(ctx.device)
+        if self.mean_fields is not None:
+            self.mean_fields = self.mean_fields.to(ctx.device)
         self.dense_comm_config = dense_comm or DenseCommConfig()
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(self.model, device_ids=ids)
+        self.ddp = DistributedDataParallel(self.model, device_ids=ids, broadcast_buffers=False,
+                                           gradient_as_bucket_view=True)
         self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, ctx.world)
 
     @property
@@ -130,7 +137,7 @@ class ShardedTrainer(Trainer):
         result = ShardedPassResult(
             pass_id=self.pass_id, rows=rows, train_loss=float(totals[0] / max(rows, 1)),
             staging_s=t1 - t0, train_s=t2 - t1, write_back_s=t3 - t2,
-            samples_per_s=rows / (totals[8] / ctx.world), unique_keys=int(totals[2]),
+            samples_per_s=float(rows / (totals[8] / ctx.world)), unique_keys=int(totals[2]),
             admitted_keys=int(totals[3]), evicted_keys=int(totals[4]),
             store_keys=int(totals[5]), world_size=ctx.world,
             dense_bytes_per_step=float(totals[7] / ctx.world),
@@ -180,6 +187,8 @@ class ShardedTrainer(Trainer):
         return metrics
 
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
-            *, progress: bool = True, **kwargs) -> list[dict]:
+            *, progress: bool = True, stats: ReadStats | None = None, on_pass_end=None,
+            skip_passes: int = 0) -> list[dict]:
+        """Collective ``Trainer.fit``; only rank 0 shows a progress bar."""
         return super().fit(train_paths, valid_batches, progress=progress and self.ctx.is_main,
-                           **kwargs)
+                           stats=stats, on_pass_end=on_pass_end, skip_passes=skip_passes)
