@@ -25,7 +25,11 @@ from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import launched_by_torchrun
-from terarec.distributed.run import add_distributed_args, train_main
+from terarec.distributed.run import (
+    add_distributed_args,
+    reject_distributed_args,
+    train_main,
+)
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
 from terarec.io import atomic_write_text
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     """Train; with AutoFeature tables, on copies of the inputs joined with them."""
     if launched_by_torchrun():  # one rank of `torchrun ... -m terarec train`
         return train_main(args)
+    reject_distributed_args(args)
     features = None
     if args.resume and list_checkpoints(args.out):
         features = model_features(args.out)
