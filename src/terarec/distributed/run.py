@@ -37,6 +37,15 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="DGC: steps over which sparsity rises from 75%% to its target")
 
 
+def _reject_single_process_args(args: argparse.Namespace) -> None:
+    """Options of the single-process run that the ranks do not implement yet."""
+    for flag, value in (("--features", getattr(args, "features", None)),
+                        ("--export-to", getattr(args, "export_to", None))):
+        if value:
+            raise ValueError(f"{flag} is not available under torchrun yet: train, then run "
+                             "the single-process command on the model directory")
+
+
 def reject_distributed_args(args: argparse.Namespace) -> None:
     """A single process has no dense gradients to exchange: say so instead of ignoring."""
     if args.dense_comm != "none":
@@ -54,6 +63,7 @@ def train_main(args: argparse.Namespace,
                on_commit: Callable[[ShardedTrainer], None] | None = None) -> int:
     """Run ``terarec train`` as one rank. ``on_commit`` is called on every rank after
     each committed checkpoint."""
+    _reject_single_process_args(args)
     config = config_from_args(args)
     comm = dense_comm_from_args(args)
     ctx = init_distributed(config.device)

@@ -93,8 +93,9 @@ class ShardedTrainer(Trainer):
         logits = self.ddp(batch.dense, emb)
         return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
 
-    def iter_passes(self, train_paths: list[str | Path],
-                    stats: ReadStats | None = None) -> Iterator[list[Batch]]:
+    def iter_passes(self, train_paths: list[str | Path], stats: ReadStats | None = None,
+                    first: int = 0, skip: int = 0) -> Iterator[list[Batch]]:
+        """This rank's share of every pass (staging needs the batches, not a plan)."""
         cfg = self.config
         return iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
                                 self.ctx.rank, self.ctx.world, on_bad_row=cfg.on_bad_row,
@@ -172,9 +173,11 @@ class ShardedTrainer(Trainer):
     def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
         """Collective: metrics over all ranks' predictions (the same on every rank)."""
         probs, labels = [], []
+        start = time.perf_counter()
         for p, y in self.predict_stream(batches):
             probs.append(p)
             labels.append(y)
+        seconds = time.perf_counter() - start
         local = (np.concatenate(labels) if labels else np.empty(0, np.float32),
                  np.concatenate(probs) if probs else np.empty(0, np.float32))
         parts = self.ctx.all_gather_object(local)
@@ -184,6 +187,7 @@ class ShardedTrainer(Trainer):
             raise ValueError("no rows to evaluate")
         metrics = evaluate_scores(all_labels, all_probs)
         metrics["rows"] = int(len(all_labels))
+        metrics["samples_per_s"] = metrics["rows"] / seconds if seconds > 0 else 0.0
         return metrics
 
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
