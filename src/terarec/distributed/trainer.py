@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +62,8 @@ class ShardedTrainer(Trainer):
                  store: MemoryStore | None = None) -> None:
         # The config keeps the user's device ("auto" stays "auto" in the saved model, so
         # one process can load it anywhere); the rank itself runs on the device it got.
-        super().__init__(schema, config, store)
+        super().__init__(schema, _rank_store_config(config, ctx.rank), store)
+        self.config = config
         self.ctx = ctx
         self.device = ctx.device
         self.model.to(ctx.device)
@@ -101,8 +102,11 @@ class ShardedTrainer(Trainer):
                                 self.ctx.rank, self.ctx.world, on_bad_row=cfg.on_bad_row,
                                 stats=stats)
 
-    def train_pass(self, batches: list[Batch], progress: tqdm | None = None) -> PassResult:
-        """Collective: stage, train and write back this rank's share of one pass."""
+    def train_pass(self, batches: list[Batch], progress: tqdm | None = None,
+                   upcoming: list[Batch] | None = None) -> PassResult:
+        """Collective: stage, train and write back this rank's share of one pass.
+        (``upcoming`` is not read ahead here: which keys a rank will own rows for is
+        known only after the next pass's key exchange.)"""
         self.model.train()
         ctx = self.ctx
         t0 = time.perf_counter()
@@ -196,3 +200,11 @@ class ShardedTrainer(Trainer):
         """Collective ``Trainer.fit``; only rank 0 shows a progress bar."""
         return super().fit(train_paths, valid_batches, progress=progress and self.ctx.is_main,
                            stats=stats, on_pass_end=on_pass_end, skip_passes=skip_passes)
+
+
+def _rank_store_config(config: TrainConfig, rank: int) -> TrainConfig:
+    """Each rank's tiered store gets its own disk folder under ``--store-dir``."""
+    if not config.store.disk_path:
+        return config
+    folder = str(Path(config.store.disk_path) / f"rank-{rank:05d}")
+    return replace(config, store=replace(config.store, disk_path=folder))
