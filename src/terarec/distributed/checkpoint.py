@@ -51,6 +51,7 @@ from terarec.train.checkpoint import (
     list_checkpoints,
     load_sparse,
     read_model_meta,
+    sparse_key_column,
     verify_checkpoint,
     write_model_meta,
 )
@@ -148,10 +149,15 @@ def rank_arrays(path: Path, meta: dict, rank: int, world: int) -> dict[str, np.n
     if meta.get("world_size") == world and meta.get("sparse_shards"):
         return load_numpy(str(path / shard_file(rank, world)))
     merged = load_sparse(path, meta)
-    mine = shard_of(merged["keys"], world) == rank
-    out = {k: v[mine] for k, v in merged.items() if k != "counters"}
-    if "counters" in merged:
-        out["counters"] = merged["counters"] if rank == 0 else np.zeros_like(merged["counters"])
+    mine = {col: shard_of(merged[col], world) == rank
+            for col in ("keys", "cand_keys") if col in merged}
+    out = {}
+    for name, values in merged.items():
+        column = sparse_key_column(name)
+        if column is None:  # store-wide totals stay with rank 0
+            out[name] = values if rank == 0 else np.zeros_like(values)
+        else:
+            out[name] = values[mine[column]]
     return out
 
 

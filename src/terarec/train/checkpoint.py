@@ -224,6 +224,14 @@ class LoadedCheckpoint:
         return snapshot_arrays(self.sparse_dir, row_dim, state_dim)
 
 
+def sparse_key_column(name: str) -> str | None:
+    """Which key array orders sparse array ``name``: rows by ``keys``, admission
+    candidates by ``cand_keys``; None for store-wide totals (``counters``)."""
+    if name == "counters":
+        return None
+    return "cand_keys" if name.startswith("cand_") else "keys"
+
+
 def load_sparse(path: Path, meta: dict) -> dict[str, np.ndarray]:
     """A checkpoint's sparse rows as one sorted-key table.
 
@@ -235,12 +243,15 @@ def load_sparse(path: Path, meta: dict) -> dict[str, np.ndarray]:
     if not shards:
         return load_numpy(str(path / "sparse.safetensors"))
     parts = [load_numpy(str(path / name)) for name in shards]
-    keys = np.concatenate([p["keys"] for p in parts])
-    order = np.argsort(keys, kind="stable")
-    merged = {name: np.concatenate([p[name] for p in parts])[order]
-              for name in parts[0] if name != "counters"}
-    if "counters" in parts[0]:
-        merged["counters"] = np.sum([p["counters"] for p in parts], axis=0)
+    orders = {col: np.argsort(np.concatenate([p[col] for p in parts]), kind="stable")
+              for col in ("keys", "cand_keys") if col in parts[0]}
+    merged = {}
+    for name in parts[0]:
+        column = sparse_key_column(name)
+        if column is None:
+            merged[name] = np.sum([p[name] for p in parts], axis=0)
+        else:
+            merged[name] = np.concatenate([p[name] for p in parts])[orders[column]]
     return merged
 
 
