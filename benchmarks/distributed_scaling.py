@@ -12,6 +12,9 @@ Same synthetic Criteo-format data, same global batch and passes. Two measurement
   of the whole ``terarec train`` command (start-up, reading, training, validation), as
   a user sees it.
 
+The scaling pair runs ``--repeats`` times (best counts: other processes on a shared
+machine only ever slow a run down); the fp16, dgc and end-to-end runs once.
+
 The 2-rank training loop runs three times, exchanging dense gradients with none / fp16 /
 dgc; one JSON line reports its figures, dense bytes per step and rank (dgc: after its
 warm-up), ``dgc_compression`` and the validation AUC of each (``delta_auc_dgc`` = dgc -
@@ -138,6 +141,8 @@ def main() -> None:
     p.add_argument("--model", default="deepfm")
     p.add_argument("--dgc-ratio", type=float, default=0.001)
     p.add_argument("--dgc-warmup-steps", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="training-loop runs per side of the scaling pair; the best counts")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dense-comm", default="none", help=argparse.SUPPRESS)
@@ -154,12 +159,18 @@ def main() -> None:
         if not (args.workdir / "train.txt").exists():
             generate(args.workdir / "train.txt", args.rows, sample_seed=1)
             generate(args.workdir / "valid.txt", args.valid_rows, sample_seed=2)
-        one = train_loop(args, 1, "none")
-        two = {c: train_loop(args, 2, c) for c in ("none", "fp16", "dgc")}
+        # Best of --repeats for the scaling pair: on a shared machine other processes only
+        # ever slow a run down. Runs are deterministic, so AUC and bytes do not change.
+        one = max((train_loop(args, 1, "none") for _ in range(args.repeats)),
+                  key=lambda r: r["samples_per_s"])
+        two = {"none": max((train_loop(args, 2, "none") for _ in range(args.repeats)),
+                           key=lambda r: r["samples_per_s"])}
+        two.update({c: train_loop(args, 2, c) for c in ("fp16", "dgc")})
         cli_one, cli_two = train_cli(args, 1), train_cli(args, 2)
     dense = {c: r["dense_bytes_per_step"] for c, r in two.items()}
     print(json.dumps({
         "rows": args.rows, "batch_size": args.batch_size, "model": args.model,
+        "repeats": args.repeats,
         "sps_1rank": round(one["samples_per_s"], 1),
         "sps_2ranks": round(two["none"]["samples_per_s"], 1),
         "scaling": round(two["none"]["samples_per_s"] / one["samples_per_s"], 3),
