@@ -91,6 +91,7 @@ class ShardedWorkingSet:
         self._request_splits = request_splits
         self.stats = stats
         self.step_bytes = 0
+        self.column_mask: torch.Tensor | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and train else None)
 
@@ -172,10 +173,10 @@ class ShardedWorkingSet:
             owned_click = np.bincount(owned_inv, weights=recv_counts[:, 1],
                                       minlength=len(owned)).astype(np.float32)
             block, admitted = store.pull(owned, owned_show, owned_click, pass_id)
-            rows, state_rows = block.values, block.state
+            rows, state_rows, widths = block.values, block.state, block.widths
         else:
             rows, admitted = store.lookup(owned)
-            rows, state_rows = rows[admitted], None
+            rows, state_rows, widths = rows[admitted], None, None
         n_adm = int(admitted.sum())
         local = np.zeros(len(owned), np.int64)
         local[admitted] = np.arange(1, n_adm + 1)
@@ -186,6 +187,11 @@ class ShardedWorkingSet:
             state = torch.zeros(n_adm + 1, state_rows.shape[1], dtype=torch.float32)
             state[1:] = torch.from_numpy(state_rows)
             state = state.to(ctx.device)
+        column_mask = None
+        if widths is not None:  # variable-length rows: gradients stay off the zero padding
+            full = np.concatenate([[dim], widths]).astype(np.int64)
+            column_mask = (torch.arange(dim) < torch.from_numpy(full)[:, None]).to(
+                torch.float32).to(ctx.device)
 
         # Owner: requested positions -> working-set rows, regrouped step-major.
         row_of_request = local[owned_inv]
@@ -198,9 +204,11 @@ class ShardedWorkingSet:
 
         stats = ShardedStats(keys=len(all_keys), unique_keys=len(owned), admitted_keys=n_adm,
                              staging_bytes=sent)
-        return cls(ctx, owned[admitted], weights.to(ctx.device), state, store, train,
-                   remapped, global_sizes, torch.from_numpy(served).to(ctx.device),
-                   serve_offsets, serve_by_source.T.copy(), request_splits, stats)
+        ws = cls(ctx, owned[admitted], weights.to(ctx.device), state, store, train,
+                 remapped, global_sizes, torch.from_numpy(served).to(ctx.device),
+                 serve_offsets, serve_by_source.T.copy(), request_splits, stats)
+        ws.column_mask = column_mask
+        return ws
 
     # -- per step -----------------------------------------------------------------------
     def _rows(self, step: int) -> torch.Tensor:
@@ -225,7 +233,10 @@ class ShardedWorkingSet:
         self.step_bytes += 4 * grad.shape[1] * self._off_rank(self._request_splits[step])
         received = exchange(self.ctx, grad, self._request_splits[step],
                             self._serve_splits[step]).to(self.weights.device)
-        self.optimizer.step(self.weights, self.state, self._rows(step), received, self._scratch)
+        rows = self._rows(step)
+        if self.column_mask is not None:
+            received = received * self.column_mask.index_select(0, rows)
+        self.optimizer.step(self.weights, self.state, rows, received, self._scratch)
 
     # -- pass end -----------------------------------------------------------------------
     def write_back(self, store: MemoryStore) -> None:
