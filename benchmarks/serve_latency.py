@@ -179,7 +179,8 @@ def offline_rows_per_s(export: Path, requests: list[dict], threads: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="load duration")
-    parser.add_argument("--concurrency", type=int, default=2, help="connections in flight")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="requests in flight (1: latency alone; more adds queueing)")
     parser.add_argument("--candidates", type=int, default=100)
     parser.add_argument("--requests", type=int, default=100, help="distinct request bodies")
     parser.add_argument("--rows-per-pass", type=int, default=20_000)
