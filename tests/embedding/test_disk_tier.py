@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from terarec.embedding.disk import DiskTier, read_snapshot_records
+from terarec.embedding.tiered import _MMAP_THRESHOLD_BYTES
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 WIDTH = 7
@@ -143,5 +144,9 @@ def test_peak_rss_stays_within_budget_for_a_table_four_times_larger(tmp_path):
     # read from disk, assembled, pushed, and slab pages mapped meanwhile), which depend on
     # the pass size, not on the table's (measured: 9-10 copies of the pass's rows).
     pass_overhead = 12 * 4000 * out["record_bytes"]
-    assert out["peak"] - out["baseline"] < budget + pass_overhead < table / 2, out
+    assert budget + pass_overhead < table / 2
+    # glibc keeps freed buffers below its mmap threshold, and up to its trim threshold at
+    # the heap top, for reuse: a fixed allowance, whatever the table's size.
+    allocator_slack = 2 * _MMAP_THRESHOLD_BYTES
+    assert out["peak"] - out["baseline"] < budget + pass_overhead + allocator_slack, out
     assert 0 < out["memory_keys"] < out["keys"] / 4
