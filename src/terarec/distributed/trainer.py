@@ -38,7 +38,6 @@ from terarec.distributed.lookup import ShardedWorkingSet
 from terarec.distributed.sharding import deal_batches, iter_rank_passes
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.working_set import _pooled
-from terarec.train.metrics import evaluate_scores
 from terarec.train.passes import group_passes
 from terarec.train.trainer import PassResult, Trainer
 from terarec.types import Batch, FeatureSchema
@@ -174,25 +173,12 @@ class ShardedTrainer(Trainer):
                       else np.empty(0, np.float32))
             yield self.predict_batches(mine), labels
 
-    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
-        """Collective: metrics over all ranks' predictions (the same on every rank)."""
-        probs, labels = [], []
-        start = time.perf_counter()
-        for p, y in self.predict_stream(batches):
-            probs.append(p)
-            labels.append(y)
-        seconds = time.perf_counter() - start
-        local = (np.concatenate(labels) if labels else np.empty(0, np.float32),
-                 np.concatenate(probs) if probs else np.empty(0, np.float32))
-        parts = self.ctx.all_gather_object(local)
-        all_labels = np.concatenate([p[0] for p in parts])
-        all_probs = np.concatenate([p[1] for p in parts])
-        if not len(all_labels):
-            raise ValueError("no rows to evaluate")
-        metrics = evaluate_scores(all_labels, all_probs)
-        metrics["rows"] = int(len(all_labels))
-        metrics["samples_per_s"] = metrics["rows"] / seconds if seconds > 0 else 0.0
-        return metrics
+    def _all_scores(self, labels: np.ndarray,
+                    probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Collective: every rank's (labels, probabilities), so ``evaluate`` gives the same
+        metrics on every rank."""
+        parts = self.ctx.all_gather_object((labels, probs))
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
             *, progress: bool = True, stats: ReadStats | None = None, on_pass_end=None,

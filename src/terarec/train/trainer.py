@@ -156,12 +156,20 @@ class Trainer:
             probs.append(p)
             labels.append(y)
         seconds = time.perf_counter() - start
-        if not probs:
+        all_labels, all_probs = self._all_scores(
+            np.concatenate(labels) if labels else np.empty(0, np.float32),
+            np.concatenate(probs) if probs else np.empty(0, np.float32))
+        if not len(all_labels):
             raise ValueError("no rows to evaluate")
-        metrics = evaluate_scores(np.concatenate(labels), np.concatenate(probs))
-        metrics["rows"] = int(sum(len(y) for y in labels))
+        metrics = evaluate_scores(all_labels, all_probs)
+        metrics["rows"] = int(len(all_labels))
         metrics["samples_per_s"] = metrics["rows"] / seconds if seconds > 0 else 0.0
         return metrics
+
+    def _all_scores(self, labels: np.ndarray,
+                    probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The (labels, probabilities) metrics are computed over: here, this process's."""
+        return labels, probs
 
     # -- whole runs ---------------------------------------------------------------------
     def iter_passes(self, train_paths: list[str | Path], stats=None, first: int = 0,
