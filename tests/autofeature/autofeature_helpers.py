@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from terarec.autofeature import Candidate, FeatureTables
 from terarec.types import FeatureSchema
@@ -138,3 +139,11 @@ def stored_table(tables: FeatureTables, name: str) -> dict[tuple, float]:
     data = pq.read_table(tables.path(t)).to_pydict()
     keys = zip(*(data[k] for k in t.candidate.keys), strict=True)
     return {tuple(k): v for k, v in zip(keys, data["value"], strict=True)}
+
+
+def assert_close_with_nulls(got: list, expected: list, where: str = "") -> None:
+    """Same NULL positions, and the other values equal to a relative 1e-12 (pytest.approx
+    refuses None inside a sequence)."""
+    assert [g is None for g in got] == [e is None for e in expected], where
+    pairs = [(g, e) for g, e in zip(got, expected, strict=True) if e is not None]
+    assert [g for g, _ in pairs] == pytest.approx([e for _, e in pairs], rel=1e-12), where
