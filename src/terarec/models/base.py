@@ -16,8 +16,8 @@ from terarec.types import FeatureSchema
 
 
 class CTRModel(nn.Module):
-    """Base class. Subclasses set ``row_dim`` (floats per key in the store) in ``__init__``
-    and implement ``forward(dense, emb) -> logits``.
+    """Base class. Subclasses define ``row_dim_for`` (floats per key in the store; the
+    constructor sets ``row_dim`` from it) and implement ``forward(dense, emb) -> logits``.
 
     ``dense``: float32 ``[B, schema.dense_dim]``; ``emb``: float32 ``[B, F, row_dim]`` for the
     ``F = len(schema.sparse_names)`` categorical fields, in schema order; returns logits
@@ -32,6 +32,10 @@ class CTRModel(nn.Module):
         self.config = config
         self.num_fields = len(schema.sparse_names)
         self.dense_dim = schema.dense_dim
+        if self.num_fields < 1:  # every model reads embedding rows
+            raise ValueError(f"model {type(self).__name__.lower()!r} needs at least one "
+                             "categorical field in the feature schema, found none")
+        self.row_dim = self.row_dim_for(config)  # validates config too
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:  # noqa: D102
         raise NotImplementedError

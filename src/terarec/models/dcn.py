@@ -6,7 +6,7 @@ import torch
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import MLP, CrossNetV2, concat_dense, require_categorical
+from terarec.models.layers import MLP, CrossNetV2, concat_dense
 from terarec.types import FeatureSchema
 
 
@@ -17,9 +17,6 @@ class DCNv2(CTRModel):
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
-        self.check_config(config)
-        require_categorical(self.num_fields, "dcnv2")
-        self.row_dim = self.row_dim_for(config)
         x0_dim = self.num_fields * config.embedding_dim + self.dense_dim
         self.cross = CrossNetV2(x0_dim, config.cross_layers, config.cross_rank)
         self.deep = MLP(x0_dim, tuple(config.deep_mlp), config.dropout, out_dim=1)

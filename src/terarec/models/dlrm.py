@@ -7,7 +7,7 @@ import torch
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import MLP, DotInteraction, require_categorical
+from terarec.models.layers import MLP, DotInteraction
 from terarec.types import FeatureSchema
 
 
@@ -25,9 +25,6 @@ class DLRM(CTRModel):
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
-        self.check_config(config)
-        require_categorical(self.num_fields, "dlrm")
-        self.row_dim = self.row_dim_for(config)
         has_dense = self.dense_dim > 0
         self.bottom = MLP(self.dense_dim, tuple(config.bottom_mlp), config.dropout) \
             if has_dense else None

@@ -9,7 +9,7 @@ from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import MLP, concat_dense, require_categorical
+from terarec.models.layers import MLP, concat_dense
 from terarec.types import FeatureSchema
 
 SIMILARITIES = ("cosine", "dot")
@@ -31,9 +31,6 @@ class DSSM(CTRModel):
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
-        self.check_config(config)
-        require_categorical(self.num_fields, "dssm")
-        self.row_dim = self.row_dim_for(config)
         self.user_fields, self.item_fields = self._split_fields(schema, config)
         names = schema.sparse_names
         self.register_buffer("user_index", torch.tensor([names.index(n) for n in

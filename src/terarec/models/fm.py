@@ -10,7 +10,7 @@ from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import MLP, concat_dense, dense_linear, fm_pairwise, require_categorical
+from terarec.models.layers import MLP, concat_dense, dense_linear, fm_pairwise
 from terarec.types import FeatureSchema
 
 
@@ -19,9 +19,6 @@ class FM(CTRModel):
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
-        self.check_config(config)
-        require_categorical(self.num_fields, "fm")
-        self.row_dim = self.row_dim_for(config)
         self.bias = nn.Parameter(torch.zeros(1))
         self.dense_linear = dense_linear(self.dense_dim)
 

@@ -114,10 +114,3 @@ class CrossNetV2(nn.Module):
             x = torch.addcmul(x, x0, layer(x))
         return x
 
-
-def require_categorical(num_fields: int, model_name: str) -> None:
-    """Every model here reads embedding rows; a schema without categorical fields is a
-    configuration mistake worth naming, not an empty matmul."""
-    if num_fields < 1:
-        raise ValueError(f"model {model_name!r} needs at least one categorical field in the "
-                         "feature schema, found none")

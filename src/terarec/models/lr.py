@@ -7,7 +7,7 @@ from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import dense_linear, require_categorical
+from terarec.models.layers import dense_linear
 from terarec.types import FeatureSchema
 
 
@@ -16,9 +16,6 @@ class LR(CTRModel):
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
-        self.check_config(config)
-        require_categorical(self.num_fields, "lr")
-        self.row_dim = self.row_dim_for(config)
         self.bias = nn.Parameter(torch.zeros(1))
         self.dense_linear = dense_linear(self.dense_dim)
 
