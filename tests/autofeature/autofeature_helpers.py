@@ -147,3 +147,14 @@ def assert_close_with_nulls(got: list, expected: list, where: str = "") -> None:
     assert [g is None for g in got] == [e is None for e in expected], where
     pairs = [(g, e) for g, e in zip(got, expected, strict=True) if e is not None]
     assert [g for g, _ in pairs] == pytest.approx([e for _, e in pairs], rel=1e-12), where
+
+
+def assert_features(out: pa.Table, candidates: list[Candidate], train, rows) -> None:
+    """Every candidate's column in ``out`` equals the plain-Python reference for ``rows``."""
+    for cand in candidates:
+        expected = reference_feature(cand, train, rows)
+        got = out.column(cand.name).to_pylist()
+        if cand.is_count:
+            assert got == expected, cand.name
+        else:
+            assert_close_with_nulls(got, expected, cand.name)
