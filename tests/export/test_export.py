@@ -20,7 +20,8 @@ from terarec.export import (
     latest_version,
     read_manifest,
 )
-from terarec.export.format import DELETED_FILE, LATEST, MANIFEST, sha256_file
+from terarec.export.format import DELETED_FILE, LATEST, MANIFEST
+from terarec.io import sha256_file
 from terarec.train.checkpoint import load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema

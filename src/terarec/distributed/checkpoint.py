@@ -42,12 +42,11 @@ from terarec.distributed.context import DistContext
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.distributed.sharding import shard_of
 from terarec.distributed.trainer import ShardedTrainer
-from terarec.io import atomic_write_text, fsync_dir
+from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.train.checkpoint import (
     CheckpointError,
     _fsync_file,
     _prune,
-    _sha256,
     list_checkpoints,
     load_sparse,
     read_model_meta,
@@ -67,7 +66,7 @@ def comm_file(rank: int, world: int) -> str:
 
 def _write(path: Path, files: dict[str, str]) -> None:
     _fsync_file(path)
-    files[path.name] = _sha256(path)
+    files[path.name] = sha256_file(path)
 
 
 def save_sharded_checkpoint(model_dir: str | Path, trainer: ShardedTrainer,

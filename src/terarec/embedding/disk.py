@@ -25,7 +25,6 @@ RAM per key: the ``KeyIndex`` (16 B per bucket at 25-50 % load: 32-64 B per key)
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import mmap
 import os
 import shutil
@@ -43,6 +42,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 
 from terarec.embedding.index import KeyIndex
+from terarec.io import sha256_file
 
 SLAB_BYTES = 64 << 20
 INDEX_FILE = "index.safetensors"
@@ -316,12 +316,12 @@ class DiskTier:
             else:
                 used = min(self.slab_rows, self.index.slot_bound - i * self.slab_rows)
                 _copy_prefix(self.slab_path(i), dst / name, max(0, used) * self.width * 4)
-                digests[name] = file_sha256(dst / name)
+                digests[name] = sha256_file(dst / name)
         keys, slots = self.index.items()
         save_numpy({"keys": keys, "slots": slots,
                     "meta": np.array([self.width, self.slab_rows, len(self._maps)], np.int64)},
                    str(dst / INDEX_FILE))
-        digests[INDEX_FILE] = file_sha256(dst / INDEX_FILE)
+        digests[INDEX_FILE] = sha256_file(dst / INDEX_FILE)
         return digests
 
     def mark_clean(self) -> None:
@@ -374,14 +374,6 @@ def _copy_prefix(src: Path, dst: Path, nbytes: int) -> None:
             if sent == 0:
                 raise OSError(f"{src}: shorter than {nbytes} bytes")
             offset += sent
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_snapshot_records(src: Path, chunk: int = 1 << 20):

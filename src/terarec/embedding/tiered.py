@@ -44,13 +44,13 @@ from terarec.config import StoreConfig, parse_bytes
 from terarec.embedding.disk import (
     SLAB_BYTES,
     DiskTier,
-    file_sha256,
     read_snapshot_records,
     record_width,
 )
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import EvictionLog, MemoryStore, RowBlock, StoreStats, init_rows
+from terarec.io import sha256_file
 
 STORE_FILE = "store.safetensors"
 # The memory tier's KeyIndex is sized for 1.5x its rows (a pull inserts up to half the
@@ -616,7 +616,7 @@ class TieredStore(EvictionLog):
             self.flush()
             digests = self.disk.snapshot(dst, self._snapshot_dir, self._snapshot_digests)
             save_numpy(self._store_arrays(), str(dst / STORE_FILE))
-            digests[STORE_FILE] = file_sha256(dst / STORE_FILE)
+            digests[STORE_FILE] = sha256_file(dst / STORE_FILE)
             return digests
 
     def snapshot_committed(self, path: Path, digests: dict[str, str]) -> None:

@@ -67,14 +67,6 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def rows_bytes(keys: np.ndarray, values: np.ndarray | None = None) -> bytes:
     """A safetensors blob of ``keys`` (and ``values``), the shape of every sparse file."""
     tensors = {"keys": np.ascontiguousarray(keys, np.int64)}

@@ -38,9 +38,9 @@ from terarec.export.format import (
     latest_version,
     memmap_tensors,
     read_manifest,
-    sha256_file,
 )
 from terarec.export.storage import Storage, StorageError
+from terarec.io import sha256_file
 from terarec.models import build_model
 from terarec.models.base import CTRModel
 from terarec.serving.features import request_batch

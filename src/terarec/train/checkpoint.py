@@ -27,7 +27,6 @@ same moment (the store between passes), never from two snapshots.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -45,7 +44,7 @@ from safetensors.torch import save_file as save_torch
 
 from terarec.config import TrainConfig, from_dict, to_dict
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.io import atomic_write_text, fsync_dir
+from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
@@ -55,14 +54,6 @@ KEEP_CHECKPOINTS = 2
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, half-written or corrupted."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -116,7 +107,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
             sparse_digests = {}
         for f in files:
             _fsync_file(tmp / f)
-        digests = {f: sparse_digests.get(f) or _sha256(tmp / f) for f in files}
+        digests = {f: sparse_digests.get(f) or sha256_file(tmp / f) for f in files}
         meta = {
             "pass_id": trainer.pass_id,
             "history": trainer.history,
@@ -177,7 +168,7 @@ def verify_checkpoint(path: Path) -> dict:
         fpath = path / fname
         if not fpath.exists():
             raise CheckpointError(f"{fpath}: missing from checkpoint")
-        if _sha256(fpath) != digest:
+        if sha256_file(fpath) != digest:
             raise CheckpointError(f"{fpath}: checksum mismatch, the file is corrupted")
     return meta
 
