@@ -224,9 +224,11 @@ def test_promotion_leaves_predictions_unchanged_at_that_moment():
     np.testing.assert_allclose(at_promotion, before, rtol=0, atol=1e-7)
 
 
-def test_tiered_store_refuses_compressed_rows_clearly(tmp_path):
+def test_tiered_store_keeps_compressed_rows_and_refuses_export_only_codes(tmp_path):
     from terarec.embedding.tiered import TieredStore
 
-    with pytest.raises(ValueError, match="in-memory store"):
-        TieredStore(DIM, SparseOptimizer(SparseOptimizerConfig()),
-                    StoreConfig(precision="int8", disk_path=str(tmp_path / "s")))
+    opt = SparseOptimizer(SparseOptimizerConfig())
+    store = TieredStore(DIM, opt, StoreConfig(precision="int8", disk_path=str(tmp_path / "s")))
+    assert store.layout.precisions == ("int8",)
+    with pytest.raises(ValueError, match="export only"):
+        TieredStore(DIM, opt, StoreConfig(precision="int2", disk_path=str(tmp_path / "t")))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from terarec.embedding.disk import read_snapshot_records
+from terarec.embedding.disk import read_snapshot_rows
 from terarec.train.checkpoint import load_checkpoint, read_model_meta
 
 
@@ -40,8 +40,8 @@ def show_histogram(show: np.ndarray) -> dict[str, int]:
 
 
 def _show_counts(ckpt) -> np.ndarray:
-    """The show column of every stored row, read without loading the rows themselves
-    where the format allows it."""
+    """The show column of every stored row, read without loading (or decoding) the rows
+    themselves where the format allows it."""
     if not ckpt.tiered:
         with safe_open(str(ckpt.path / "sparse.safetensors"), "np") as fh:
             return fh.get_tensor("show")
@@ -50,8 +50,9 @@ def _show_counts(ckpt) -> np.ndarray:
     from terarec.models import row_dim_for
 
     row_dim = row_dim_for(config.model.name, config.model)
-    col = row_dim + SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
-    parts = [rec[:, col].copy() for _, rec in read_snapshot_records(ckpt.sparse_dir)]
+    state_dim = SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
+    parts = [cols["show"] for _, cols in read_snapshot_rows(ckpt.sparse_dir, row_dim,
+                                                             state_dim, values=False)]
     return np.concatenate(parts) if parts else np.empty(0, np.float32)
 
 

@@ -254,6 +254,71 @@ class CodedRows:
         self.cls[slots] = -1
         self.pos[slots] = -1
 
+    # -- encoded bytes, for tiers that move rows without re-encoding them ----------------
+    @property
+    def variable(self) -> bool:
+        """True when rows have more than one width class."""
+        return not self._direct
+
+    def read_codes(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """Copy the encoded rows of ``slots`` into ``out`` (``uint8[n, >= max class
+        bytes]``), each in its first ``class_bytes[class]`` bytes; the rest is untouched."""
+        slots = self._slots(slots)
+        if self._direct:
+            out[:, :self.class_bytes[0]] = self.pools[0].codes[slots]
+            return
+        cls = self.cls[slots]
+        for c, nbytes in enumerate(self.class_bytes):
+            sel = np.flatnonzero(cls == c)
+            if len(sel):
+                out[sel, :nbytes] = self.pools[c].codes[self.pos[slots[sel]]]
+
+    def write_codes(self, slots: np.ndarray, classes: np.ndarray, codes: np.ndarray) -> None:
+        """Store encoded rows as they are: row i of class ``classes[i]`` is the first
+        ``class_bytes[classes[i]]`` bytes of ``codes[i]``. Moving a row between tiers this
+        way never re-encodes it, so its decoded values do not move."""
+        slots = self._slots(slots)
+        if self._direct:
+            self.pools[0].codes[slots] = codes[:, :self.class_bytes[0]]
+            return
+        classes = np.asarray(classes, np.int8)
+        old = self.cls[slots]
+        moved = old != classes
+        for c, pool in enumerate(self.pools):
+            leaving = moved & (old == c)
+            if leaving.any():
+                pool.free(self.pos[slots[leaving]])
+        for c, pool in enumerate(self.pools):
+            joining = moved & (classes == c)
+            if joining.any():
+                self.pos[slots[joining]] = pool.alloc(int(joining.sum()))
+        self.cls[slots] = classes
+        for c, nbytes in enumerate(self.class_bytes):
+            sel = np.flatnonzero(classes == c)
+            if len(sel):
+                self.pools[c].codes[self.pos[slots[sel]]] = codes[sel, :nbytes]
+
+    def slot_arrays(self) -> list[np.ndarray]:
+        """The arrays indexed by slot: moving a row to another slot moves their entries
+        (the codes with one class; class and pool position with several)."""
+        return [self.pools[0].codes] if self._direct else [self.cls, self.pos]
+
+    def truncate(self, n: int) -> None:
+        """Only slots below ``n`` hold rows now (rows were moved down through
+        ``slot_arrays``): forget the slots past them and repack each pool into the
+        positions in use, so the pools shrink with the rows."""
+        if self._direct:
+            return
+        self.cls[n:] = -1
+        self.pos[n:] = -1
+        cls = self.cls[:n]
+        for c, pool in enumerate(self.pools):
+            live = np.flatnonzero(cls == c)
+            codes = np.zeros((max(16, len(live)), pool.codes.shape[1]), np.uint8)
+            codes[:len(live)] = pool.codes[self.pos[live]]
+            pool.codes, pool._free, pool._top = codes, np.empty(0, np.int64), len(live)
+            self.pos[live] = np.arange(len(live), dtype=np.int32)
+
     # -- sizes --------------------------------------------------------------------------
     def value_bytes(self, live_slots: np.ndarray) -> int:
         """Encoded bytes (values + scale/bias) held by the rows of ``live_slots``."""

@@ -11,7 +11,11 @@ Layout (``slab_rows`` a power of two, so a slot splits with a shift and a mask):
 
     slot s  ->  slab s >> shift,  record s & mask
     slab-000000.bin  float32 [slab_rows, width]      slab-000001.bin ...
-    record: values[row_dim] | state[S] | show | click | last_seen (int32 bits)
+    record: values | state[S] | show | click | last_seen (int32 bits)
+
+The values part holds the row as the memory tier keeps it (``RecordLayout``): fp32 floats,
+or the bytes of ``quant.encode_rows`` at the row's precision padded to whole words, so an
+int8 row of 64 values takes 72 bytes here instead of 256.
 
 Slots come from the ``KeyIndex`` (dense, recycled after removal), so the files stay
 compact; growing the table adds a slab file and never moves a row. Writes mark their
@@ -25,6 +29,7 @@ RAM per key: the ``KeyIndex`` (16 B per bucket at 25-50 % load: 32-64 B per key)
 from __future__ import annotations
 
 import fcntl
+import json
 import mmap
 import os
 import shutil
@@ -38,10 +43,13 @@ import numpy as np
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from safetensors import safe_open
 from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 
+from terarec.embedding.compression import CodedRows, FrequencyClasses
 from terarec.embedding.index import KeyIndex
+from terarec.embedding.quant import decode_rows, encode_rows, row_bytes
 from terarec.io import sha256_file
 
 SLAB_BYTES = 64 << 20
@@ -49,8 +57,165 @@ INDEX_FILE = "index.safetensors"
 
 
 def record_width(row_dim: int, state_dim: int) -> int:
-    """float32 words per record: values, optimizer state, show, click, last_seen."""
+    """float32 words per fp32 record: values, optimizer state, show, click, last_seen."""
     return row_dim + state_dim + 3
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """How a store's rows sit in fixed-size float32 records::
+
+        values[value_words] | state[state_dim] | show | click | last_seen (int32 bits)
+
+    The values are the bytes of ``quant.encode_rows`` at the row's class precision and
+    width (for plain fp32 rows, the floats themselves), zero-padded to whole words: the
+    bytes the memory tier's ``CodedRows`` holds, so rows move between the tiers without
+    being re-encoded. A row's width class follows from its show count (classes only grow
+    with it), so records carry no class field; each has room for the widest class.
+    The last three words come last in every layout, so counts read without the layout.
+    """
+
+    row_dim: int
+    state_dim: int
+    precisions: tuple[str, ...] = ("fp32",)
+    widths: tuple[int, ...] = ()  # class widths, ascending; () means (row_dim,)
+    promote_at: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.widths:
+            object.__setattr__(self, "widths", (self.row_dim,))
+        if len(self.precisions) != len(self.widths) or self.widths[-1] != self.row_dim:
+            raise ValueError(f"record layout: {len(self.widths)} classes of widths "
+                             f"{self.widths} (the last must be {self.row_dim}) need one "
+                             f"precision each, got {self.precisions}")
+
+    @classmethod
+    def for_values(cls, values: np.ndarray | CodedRows, state_dim: int) -> RecordLayout:
+        """The layout of a store whose values array is ``values``."""
+        if not isinstance(values, CodedRows):
+            return cls(values.shape[1], state_dim)
+        return cls(values.row_dim, state_dim, tuple(values.precisions),
+                   tuple(values.classes.widths), tuple(values.classes.promote_at))
+
+    # -- shape --------------------------------------------------------------------------
+    @property
+    def plain(self) -> bool:
+        """fp32 rows of one width: values are the record's first ``row_dim`` words."""
+        return self.precisions == ("fp32",)
+
+    @property
+    def class_bytes(self) -> tuple[int, ...]:
+        return tuple(row_bytes(p, w) for p, w in zip(self.precisions, self.widths,  # type: ignore[arg-type]
+                                                      strict=True))
+
+    @property
+    def value_words(self) -> int:
+        return -(-max(self.class_bytes) // 4)
+
+    @property
+    def width(self) -> int:
+        return self.value_words + self.state_dim + 3
+
+    @property
+    def show_col(self) -> int:
+        return self.value_words + self.state_dim
+
+    # -- classes ------------------------------------------------------------------------
+    def classes(self, show: np.ndarray) -> np.ndarray:
+        """Width class (int8) of rows with these show counts."""
+        if len(self.widths) == 1:
+            return np.zeros(len(show), np.int8)
+        return FrequencyClasses(self.widths, self.promote_at).classify(show)
+
+    def widths_of(self, rec: np.ndarray) -> np.ndarray:
+        """Stored width (int32) of each record's row."""
+        return np.asarray(self.widths, np.int32)[self.classes(rec[:, self.show_col])]
+
+    # -- values -------------------------------------------------------------------------
+    def values(self, rec: np.ndarray) -> np.ndarray:
+        """Decoded float32 ``[n, row_dim]`` values of records (short rows zero-padded)."""
+        if self.plain:
+            return np.ascontiguousarray(rec[:, :self.row_dim])
+        codes = np.ascontiguousarray(rec).view(np.uint8)
+        if len(self.widths) == 1:
+            return decode_rows(codes[:, :self.class_bytes[0]], self.precisions[0],  # type: ignore[arg-type]
+                               self.row_dim)
+        out = np.zeros((len(rec), self.row_dim), np.float32)
+        cls = self.classes(rec[:, self.show_col])
+        for c, (p, w, nbytes) in enumerate(zip(self.precisions, self.widths,
+                                               self.class_bytes, strict=True)):
+            sel = np.flatnonzero(cls == c)
+            if len(sel):
+                out[sel, :w] = decode_rows(codes[sel, :nbytes], p, w)  # type: ignore[arg-type]
+        return out
+
+    def set_values(self, rec: np.ndarray, values: np.ndarray, rows: np.ndarray | None = None,
+                   *, stochastic: bool = False, rng: np.random.Generator | None = None) -> None:
+        """Encode ``values`` into records ``rows`` of the C-ordered ``rec`` (all when None),
+        each at the class of its record's show count."""
+        rows = np.arange(len(rec)) if rows is None else np.asarray(rows)
+        if rows.dtype == bool:
+            rows = np.flatnonzero(rows)
+        if self.plain:
+            rec[rows, :self.row_dim] = values
+            return
+        codes = rec.view(np.uint8)
+        cls = self.classes(rec[rows, self.show_col])
+        for c, (p, w, nbytes) in enumerate(zip(self.precisions, self.widths,
+                                               self.class_bytes, strict=True)):
+            sel = np.flatnonzero(cls == c)
+            if len(sel):
+                codes[rows[sel], :nbytes] = encode_rows(values[sel, :w], p,  # type: ignore[arg-type]
+                                                        stochastic=stochastic, rng=rng)
+
+    # -- whole records ------------------------------------------------------------------
+    def decode(self, rec: np.ndarray, values: bool = True) -> dict[str, np.ndarray]:
+        """Records as ``MemoryStore.to_arrays`` columns (``values`` decoded unless asked
+        not to, e.g. for counts only)."""
+        v, s = self.value_words, self.state_dim
+        out = {"state": np.ascontiguousarray(rec[:, v:v + s]),
+               "show": np.ascontiguousarray(rec[:, v + s]),
+               "click": np.ascontiguousarray(rec[:, v + s + 1]),
+               "last_seen": np.ascontiguousarray(rec[:, v + s + 2]).view(np.int32)}
+        if values:
+            out = {"values": self.values(rec), **out}
+        return out
+
+    def encode(self, arrays: dict[str, np.ndarray], *, stochastic: bool = False,
+               rng: np.random.Generator | None = None) -> np.ndarray:
+        """Records from ``MemoryStore.to_arrays`` columns."""
+        n = len(arrays["show"])
+        rec = np.zeros((n, self.width), np.float32)
+        v, s = self.value_words, self.state_dim
+        rec[:, v:v + s] = arrays["state"]
+        rec[:, v + s] = arrays["show"]
+        rec[:, v + s + 1] = arrays["click"]
+        rec[:, v + s + 2] = np.ascontiguousarray(arrays["last_seen"], np.int32).view(np.float32)
+        self.set_values(rec, np.asarray(arrays["values"], np.float32), stochastic=stochastic,
+                        rng=rng)
+        return rec
+
+    # -- persistence --------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({"row_dim": self.row_dim, "state_dim": self.state_dim,
+                           "precisions": list(self.precisions), "widths": list(self.widths),
+                           "promote_at": list(self.promote_at)})
+
+    @classmethod
+    def from_json(cls, text: str) -> RecordLayout:
+        d = json.loads(text)
+        return cls(int(d["row_dim"]), int(d["state_dim"]), tuple(d["precisions"]),
+                   tuple(int(w) for w in d["widths"]),
+                   tuple(float(x) for x in d["promote_at"]))
+
+    def describe(self) -> str:
+        if len(self.widths) == 1:
+            rows = f"{self.precisions[0]} rows of {self.row_dim}"
+        else:
+            rows = "rows of widths " + ", ".join(
+                f"{w} ({p})" for w, p in zip(self.widths, self.precisions, strict=True)) + \
+                f" promoted at {list(self.promote_at)} shows"
+        return f"{rows} with {self.state_dim} optimizer state floats"
 
 
 @intrinsic
@@ -119,9 +284,13 @@ class DiskTier:
     """
 
     def __init__(self, path: str | Path, width: int, slab_bytes: int = SLAB_BYTES,
-                 mapped_bytes: int = 64 << 20) -> None:
+                 mapped_bytes: int = 64 << 20, layout: RecordLayout | None = None) -> None:
         self.path = Path(path)
         self.width = int(width)
+        if layout is not None and layout.width != self.width:
+            raise ValueError(f"records of {self.width} floats, layout needs {layout.width}")
+        # What the records hold, saved with snapshots so a reader decodes them right.
+        self.layout = layout
         # Slab pages a read or write maps count in the process's resident set until they
         # are unmapped (they stay in the page cache): unmap after this many bytes.
         self.mapped_bytes = int(mapped_bytes)
@@ -320,7 +489,8 @@ class DiskTier:
         keys, slots = self.index.items()
         save_numpy({"keys": keys, "slots": slots,
                     "meta": np.array([self.width, self.slab_rows, len(self._maps)], np.int64)},
-                   str(dst / INDEX_FILE))
+                   str(dst / INDEX_FILE),
+                   metadata={"layout": self.layout.to_json()} if self.layout else None)
         digests[INDEX_FILE] = sha256_file(dst / INDEX_FILE)
         return digests
 
@@ -333,6 +503,14 @@ class DiskTier:
         slabs are written in place)."""
         arrays = load_numpy(str(src / INDEX_FILE))
         width, slab_rows, n_slabs = (int(x) for x in arrays["meta"])
+        if self.layout is not None:
+            saved = snapshot_layout(src, self.layout.row_dim, self.layout.state_dim)
+            if saved != self.layout:
+                raise ValueError(
+                    f"{src}: the snapshot holds {saved.describe()}; this store keeps "
+                    f"{self.layout.describe()}. Use the settings it was trained with "
+                    "(--precision, --variable-dims, --promote-at, optimizer), or load it "
+                    "into an in-memory store, which re-encodes rows")
         if width != self.width:
             raise ValueError(f"{src}: records of {width} floats, this store uses {self.width}")
         self.close()
@@ -374,6 +552,39 @@ def _copy_prefix(src: Path, dst: Path, nbytes: int) -> None:
             if sent == 0:
                 raise OSError(f"{src}: shorter than {nbytes} bytes")
             offset += sent
+
+
+def snapshot_layout(src: Path, row_dim: int | None = None,
+                    state_dim: int | None = None) -> RecordLayout:
+    """The record layout of the disk snapshot in ``src``. Snapshots from before layouts
+    were recorded hold fp32 rows: their layout follows from ``row_dim`` and the record
+    width. ``row_dim`` / ``state_dim``, when given, must match the saved layout."""
+    with safe_open(str(src / INDEX_FILE), "np") as fh:
+        text = (fh.metadata() or {}).get("layout")
+        width = int(fh.get_tensor("meta")[0])
+    if text is None:
+        if row_dim is None:
+            raise ValueError(f"{src}: fp32 snapshot without a layout; row_dim needed")
+        layout = RecordLayout(row_dim, width - row_dim - 3)
+    else:
+        layout = RecordLayout.from_json(text)
+    if (row_dim is not None and row_dim != layout.row_dim) or (
+            state_dim is not None and state_dim != layout.state_dim):
+        raise ValueError(f"{src}: the snapshot holds {layout.describe()}, expected rows of "
+                         f"{row_dim} with {state_dim} optimizer state floats")
+    if layout.width != width:
+        raise ValueError(f"{src}: records of {width} floats do not match "
+                         f"{layout.describe()} ({layout.width} floats)")
+    return layout
+
+
+def read_snapshot_rows(src: Path, row_dim: int | None = None, state_dim: int | None = None,
+                       values: bool = True, chunk: int = 1 << 20):
+    """Yield (keys, columns) chunks of a disk snapshot, decoded through its layout
+    (``RecordLayout.decode``): the one way records are read outside the store."""
+    layout = snapshot_layout(Path(src), row_dim, state_dim)
+    for keys, rec in read_snapshot_records(Path(src), chunk):
+        yield keys, layout.decode(rec, values=values)
 
 
 def read_snapshot_records(src: Path, chunk: int = 1 << 20):

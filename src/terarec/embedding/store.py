@@ -302,12 +302,16 @@ class MemoryStore(EvictionLog):
         keys, slots = self.index.items()
         stale = self.last_seen[slots] <= pass_id - ttl
         evicted += self.evict(keys[stale])
+        self.expire_candidates(pass_id - ttl)
+        return evicted
+
+    def expire_candidates(self, cutoff: int) -> None:
+        """Forget admission candidates last seen in pass ``cutoff`` or before."""
         ckeys, cslots = self._cand_index.items()
-        cstale = self._cand_seen[cslots] <= pass_id - ttl
+        cstale = self._cand_seen[cslots] <= cutoff
         freed = self._cand_index.remove(ckeys[cstale])
         self._cand_show[freed] = 0
         self._cand_click[freed] = 0
-        return evicted
 
     def prune_zero_rows(self, pass_id: int | None = None) -> int:
         """Drop keys whose row is exactly zero (group lasso's doing), among those seen in

@@ -41,11 +41,12 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 
 from terarec.config import StoreConfig, parse_bytes
+from terarec.embedding.compression import CodedRows, make_row_values
 from terarec.embedding.disk import (
     SLAB_BYTES,
     DiskTier,
-    read_snapshot_records,
-    record_width,
+    RecordLayout,
+    read_snapshot_rows,
 )
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
@@ -97,24 +98,31 @@ class TieredStore(EvictionLog):
         self.config = config or StoreConfig()
         self.seed = seed
         self.state_dim = optimizer.state_dim(row_dim)
-        self.width = record_width(row_dim, self.state_dim)
+        c = self.config
+        # Rows are kept as the memory tier's values keep them (fp32, or encoded by
+        # class), in RAM and in the disk records alike: see ``RecordLayout``.
+        coded = make_row_values(row_dim, c.precision, tuple(c.variable_dims),
+                                tuple(c.promote_at), class_precisions=tuple(c.class_precisions),
+                                capacity=1)
+        self.layout = RecordLayout.for_values(
+            coded if coded is not None else np.empty((0, row_dim), np.float32), self.state_dim)
+        self.width = self.layout.width
+        self._plain = self.layout.plain
+        self._variable = len(self.layout.widths) > 1
+        self._slot_overhead = coded.overhead_bytes_per_slot if coded is not None else 0
+        # Stochastic rounding of rows encoded into records (new rows, write-back).
+        self._rng = np.random.default_rng(seed)
         self.budget = (parse_bytes(self.config.memory_budget)
                        if self.config.memory_budget is not None else None)
         if self.config.cache_policy not in ("lfu", "lru"):
             raise ValueError(f"cache_policy {self.config.cache_policy!r}: expected lfu or lru")
-        c = self.config
-        if c.precision != "fp32" or c.variable_dims or c.class_precisions:
-            # The tiers move fp32 records; encoded rows (embedding/compression.py) are kept
-            # by the in-memory store only, for now.
-            raise ValueError("compressed rows (precision, variable_dims) need the in-memory "
-                             "store: drop memory_budget / disk_path, or the compression "
-                             "settings")
         path = path or self.config.disk_path
         if path is None:
             path = tempfile.mkdtemp(prefix="terarec-store-")
             weakref.finalize(self, shutil.rmtree, path, True)
         self._slab_bytes = slab_bytes
-        self.disk = DiskTier(path, self.width, slab_bytes, mapped_bytes=self._mapped_bytes)
+        self.disk = DiskTier(path, self.width, slab_bytes, mapped_bytes=self._mapped_bytes,
+                             layout=self.layout)
         if self.budget is not None:
             _return_freed_buffers_to_os()
         self._lock = threading.RLock()
@@ -129,6 +137,10 @@ class TieredStore(EvictionLog):
         # This pass's rows that were not in RAM at pull: (key -> row index, records,
         # on disk), written back or placed in RAM by push.
         self._pending: tuple[KeyIndex, np.ndarray, np.ndarray] | None = None
+        # Keys written to disk by this pass's push: with group lasso, end_pass checks them
+        # (and the memory tier's rows of the pass) for rows shrunk to zero.
+        self._pushed_to_disk: list[np.ndarray] = []
+        self._disk_only_pruned = 0
 
     @property
     def _mapped_bytes(self) -> int:
@@ -139,8 +151,9 @@ class TieredStore(EvictionLog):
     # -- memory tier --------------------------------------------------------------------
     @property
     def _row_bytes(self) -> int:
-        """RAM per hot row: record, LRU tick, two flags, and its share of the index."""
-        return 4 * self.width + 8 + 2 + _INDEX_BYTES_PER_ROW
+        """RAM per hot row: record (values as encoded, at the widest class), LRU tick,
+        flags, class and pool position (variable-length rows), and its index share."""
+        return 4 * self.width + 8 + 2 + self._slot_overhead + _INDEX_BYTES_PER_ROW
 
     def _fixed_bytes(self) -> int:
         """RAM that grows with the key count, not the hot set. The disk index counts
@@ -189,29 +202,55 @@ class TieredStore(EvictionLog):
         self._meta_size = need
 
     def _records(self, slots: np.ndarray) -> np.ndarray:
+        """Disk records of memory rows; encoded values are copied as bytes."""
         m = self.memory
         out = np.empty((len(slots), self.width), np.float32)
-        d, s = self.row_dim, self.state_dim
-        out[:, :d] = m.values[slots]
-        out[:, d:d + s] = m.state[slots]
-        out[:, d + s] = m.show[slots]
-        out[:, d + s + 1] = m.click[slots]
-        out[:, d + s + 2] = m.last_seen[slots].view(np.float32)
+        v, s = self.layout.value_words, self.state_dim
+        if self._plain:
+            out[:, :v] = m.values[slots]
+        else:
+            out[:, :v] = 0  # the padding past a row's codes
+            m.values.read_codes(slots, out.view(np.uint8))
+        out[:, v:v + s] = m.state[slots]
+        out[:, v + s] = m.show[slots]
+        out[:, v + s + 1] = m.click[slots]
+        out[:, v + s + 2] = m.last_seen[slots].view(np.float32)
         return out
 
     def _set_records(self, slots: np.ndarray, rec: np.ndarray) -> None:
+        """Memory rows from disk records: encoded values are copied as bytes, into the
+        width class of the record's show count."""
         m = self.memory
-        d, s = self.row_dim, self.state_dim
-        m.values[slots] = rec[:, :d]
-        m.state[slots] = rec[:, d:d + s]
-        m.show[slots] = rec[:, d + s]
-        m.click[slots] = rec[:, d + s + 1]
-        m.last_seen[slots] = np.ascontiguousarray(rec[:, d + s + 2]).view(np.int32)
+        v, s = self.layout.value_words, self.state_dim
+        if self._plain:
+            m.values[slots] = rec[:, :v]
+        else:
+            rec = np.ascontiguousarray(rec)
+            m.values.write_codes(slots, self.layout.classes(rec[:, v + s]), rec.view(np.uint8))
+        m.state[slots] = rec[:, v:v + s]
+        m.show[slots] = rec[:, v + s]
+        m.click[slots] = rec[:, v + s + 1]
+        m.last_seen[slots] = np.ascontiguousarray(rec[:, v + s + 2]).view(np.int32)
+
+    def _encode(self, rec: np.ndarray, values: np.ndarray,
+                rows: np.ndarray | None = None) -> None:
+        """Write ``values`` into records (``rows`` of them), encoded as the store keeps them."""
+        if self._plain and rows is None:
+            rec[:, :self.row_dim] = values
+        else:
+            self.layout.set_values(rec, values, rows, rng=self._rng,
+                                   stochastic=self.config.stochastic_rounding)
+
+    def _decode(self, rec: np.ndarray) -> np.ndarray:
+        """Decoded values of records (a view for fp32 records)."""
+        return rec[:, :self.row_dim] if self._plain else self.layout.values(rec)
 
     def _spill(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Move rows out of the memory tier, writing back those the disk lacks."""
         self._write_back(keys, slots)
         self.memory.index.remove(keys)
+        if self._variable:  # their pool positions go to the rows that take their places
+            self.memory.values.release(slots)
         self._dirty[slots] = False
         self._on_disk[slots] = False
         self._pinned[slots] = False
@@ -267,6 +306,7 @@ class TieredStore(EvictionLog):
             self._tick += 1
             self._pinned[:] = False
             m, d, s = self.memory, self.row_dim, self.state_dim
+            v = self.layout.value_words
             n = len(keys)
             mslots = m.index.lookup(keys)
             hot = mslots >= 0
@@ -279,6 +319,10 @@ class TieredStore(EvictionLog):
             on_disk = dslots >= 0
             rec = self.disk.read_slots(dslots, out=np.empty((len(ck), self.width), np.float32))
             self._pull_disk_s += time.perf_counter() - t0
+            # Encoded rows are decoded before this pass's shows may move them to a wider
+            # class (their records carry no class: it follows from the show count).
+            cold_values = None if self._plain else self.layout.values(rec)
+            fresh = np.zeros(len(ck), np.bool_)
             admitted = np.ones(n, np.bool_)
             absent = np.flatnonzero(~on_disk)
             if len(absent):
@@ -289,16 +333,24 @@ class TieredStore(EvictionLog):
                     np.isin(ak, new_keys)
                 admitted[cold[absent[~ok]]] = False
                 rows = absent[ok]
-                rec[rows, :d] = init_rows(new_keys, d, self.config.init_std, self.seed)
-                rec[rows, d:d + s] = self.optimizer.init_state(len(new_keys), d)
-                rec[rows, d + s] = earlier_show
-                rec[rows, d + s + 1] = earlier_click
+                init = init_rows(new_keys, d, self.config.init_std, self.seed)
+                if cold_values is None:
+                    rec[rows, :d] = init
+                else:
+                    cold_values[rows] = init
+                    fresh[rows] = True
+                rec[rows, v:v + s] = self.optimizer.init_state(len(new_keys), d)
+                rec[rows, v + s] = earlier_show
+                rec[rows, v + s + 1] = earlier_click
                 m.admitted_total += len(new_keys)
             keep = admitted[cold]
             ck, rec, on_disk, cold = ck[keep], rec[keep], on_disk[keep], cold[keep]
-            rec[:, d + s] += show[cold]
-            rec[:, d + s + 1] += click[cold]
-            rec[:, d + s + 2] = np.full(len(ck), pass_id, np.int32).view(np.float32)
+            old_show = rec[:, v + s].copy() if self._variable else None
+            rec[:, v + s] += show[cold]
+            rec[:, v + s + 1] += click[cold]
+            rec[:, v + s + 2] = np.full(len(ck), pass_id, np.int32).view(np.float32)
+            if cold_values is not None:
+                cold_values = self._encode_pulled(rec, cold_values[keep], fresh[keep], old_show)
             self._pending = (KeyIndex.from_items(ck, np.arange(len(ck), dtype=np.int64)),
                              rec, on_disk)
             hs = mslots[hot]
@@ -310,18 +362,44 @@ class TieredStore(EvictionLog):
             self._pinned[hs] = True
             values = np.empty((n, d), np.float32)
             state = np.empty((n, s), np.float32)
-            values[hot], state[hot] = m.values[hs], m.state[hs]
-            values[cold], state[cold] = rec[:, :d], rec[:, d:d + s]
+            values[hot], state[hot] = m.values[hs], m.state[hs]  # as MemoryStore: before
+            values[cold] = rec[:, :d] if cold_values is None else cold_values  # promotion
+            state[cold] = rec[:, v:v + s]
+            block = RowBlock(values, state)
+            if self._variable:
+                m._promote(hs)
+                block.widths = np.empty(n, np.int32)
+                block.widths[hot] = m.values.widths_of(hs)
+                block.widths[cold] = self.layout.widths_of(rec)
             if admitted.all():
-                return RowBlock(values, state), admitted
-            return RowBlock(values[admitted], state[admitted]), admitted
+                return block, admitted
+            return RowBlock(values[admitted], state[admitted], None if block.widths is None
+                            else block.widths[admitted]), admitted
+
+    def _encode_pulled(self, rec: np.ndarray, values: np.ndarray, fresh: np.ndarray,
+                       old_show: np.ndarray | None) -> np.ndarray:
+        """Encode this pull's new rows into their records, at the class of their first
+        shows, and return them as stored (as ``MemoryStore`` creates rows); re-encode rows
+        whose shows now reach a wider class there, their decoded values unchanged (zeros
+        in the new columns). Returns the decoded values the pass trains on."""
+        redo = fresh.copy()
+        if old_show is not None:
+            col = self.layout.show_col
+            redo |= self.layout.classes(old_show) != self.layout.classes(rec[:, col])
+        rows = np.flatnonzero(redo)
+        if len(rows):
+            self._encode(rec, values[rows], rows)
+        rows = np.flatnonzero(fresh)
+        if len(rows):
+            values[rows] = self.layout.values(rec[rows])
+        return values
 
     def push(self, keys: np.ndarray, block: RowBlock) -> None:
         """Write back trained rows: hot ones in place; the pass's pending rows compete by
         priority with the memory tier's for its places, and the losers go to disk."""
         keys = np.ascontiguousarray(keys, np.int64)
         with self._lock:
-            m, d, s = self.memory, self.row_dim, self.state_dim
+            m, v, s = self.memory, self.layout.value_words, self.state_dim
             mslots = m.index.lookup(keys)
             hot = mslots >= 0
             hs = mslots[hot]
@@ -343,15 +421,15 @@ class TieredStore(EvictionLog):
                 rec, found = self.disk.read(rk[cold])
                 if not found.all():
                     raise KeyError(f"{int((~found).sum())} pushed keys are not in the store")
-                rec[:, :d] = block.values[rest[cold]]
-                rec[:, d:d + s] = block.state[rest[cold]]
-                self.disk.write(rk[cold], rec)
+                self._encode(rec, block.values[rest[cold]])
+                rec[:, v:v + s] = block.state[rest[cold]]
+                self._write_pushed(rk[cold], rec)
                 rk, rest, p = rk[~cold], rest[~cold], p[~cold]
             if len(rk):
                 same_order = len(p) == len(pending) and (p == np.arange(len(p))).all()
                 rec = pending if same_order else pending[p]
-                rec[:, :d] = block.values[rest]
-                rec[:, d:d + s] = block.state[rest]
+                self._encode(rec, block.values[rest])
+                rec[:, v:v + s] = block.state[rest]
                 self._place(rk, rec, pending_on_disk[p])
             self._pending = None
 
@@ -363,7 +441,7 @@ class TieredStore(EvictionLog):
         n_out = len(mk) + len(keys) - cap
         stay = np.ones(len(keys), np.bool_)
         if n_out > 0:
-            col = self.row_dim + self.state_dim
+            col = self.layout.show_col
             prio_new = rec[:, col].astype(np.float64) if self.config.cache_policy == "lfu" \
                 else np.full(len(keys), float(self._tick))
             prio = np.concatenate([self._priority(ms), prio_new])
@@ -373,9 +451,15 @@ class TieredStore(EvictionLog):
             out_mem = out[out < len(mk)]
             stay[out[out >= len(mk)] - len(mk)] = False
             self._spill(mk[out_mem], ms[out_mem])
-            self.disk.write(keys[~stay], rec[~stay])
+            self._write_pushed(keys[~stay], rec[~stay])
         if stay.any():
             self._install(keys[stay], rec[stay], True, on_disk[stay])
+
+    def _write_pushed(self, keys: np.ndarray, rec: np.ndarray) -> None:
+        """Write trained rows straight to disk (remembered for group-lasso pruning)."""
+        self.disk.write(keys, rec)
+        if self.optimizer.config.group_lasso and len(keys):
+            self._pushed_to_disk.append(keys.copy())
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Read-only values of ``keys`` (zero rows where absent) and the found mask; the
@@ -386,7 +470,7 @@ class TieredStore(EvictionLog):
             cold = np.flatnonzero(~found)
             if len(cold):
                 rec, on_disk = self.disk.read(keys[cold])
-                values[cold[on_disk]] = rec[on_disk, :self.row_dim]
+                values[cold[on_disk]] = self._decode(rec[on_disk])
                 found[cold[on_disk]] = True
             return values, found
 
@@ -418,13 +502,16 @@ class TieredStore(EvictionLog):
         """TTL eviction across both tiers, then fit the memory tier to the budget again
         and unmap the slab pages this pass touched."""
         with self._lock:
-            evicted = 0
+            evicted = self._prune_zero_rows(pass_id) if self.optimizer.config.group_lasso \
+                else 0
+            self._pushed_to_disk = []
             ttl = self.config.evict_after_passes
             if ttl is not None:
                 cutoff = pass_id - ttl
                 mkeys, mslots = self.memory.index.items()
                 mem_stale = mkeys[self.memory.last_seen[mslots] <= cutoff]
-                evicted += self.memory.end_pass(pass_id)  # rows and admission candidates
+                evicted += self.memory.evict(mem_stale)
+                self.memory.expire_candidates(cutoff)
                 self.disk.remove(mem_stale)
                 dkeys, dslots = self.disk.items()
                 stale = dkeys[self.disk.last_seen[dslots] <= cutoff]
@@ -439,12 +526,42 @@ class TieredStore(EvictionLog):
             self.disk.release_pages()
             return evicted
 
+    def _prune_zero_rows(self, pass_id: int) -> int:
+        """Drop the keys whose rows group lasso shrank to exactly zero in this pass, from
+        both tiers: the pass's rows are in the memory tier or were written to disk by
+        push (``_pushed_to_disk``), so no other disk row needs reading."""
+        m = self.memory
+        mkeys, mslots = m.index.items()
+        seen = m.last_seen[mslots] == pass_id
+        mkeys, mslots = mkeys[seen], mslots[seen]
+        mzero = mkeys[~(m.values[mslots] != 0).any(axis=1)]
+        pruned = m.evict(mzero)
+        m.pruned_total += pruned
+        self.disk.remove(mzero)
+        if self._pushed_to_disk:
+            dkeys = np.unique(np.concatenate(self._pushed_to_disk))
+            dkeys = dkeys[m.index.lookup(dkeys) < 0]
+            rec, found = self.disk.read(dkeys)
+            seen = rec[:, -1].view(np.int32) == pass_id  # not rows pushed without a pull
+            zero = found & seen & ~(self._decode(rec) != 0).any(axis=1)
+            dzero = dkeys[zero]
+            self.disk.remove(dzero)
+            self._disk_only_evicted += len(dzero)
+            self._disk_only_pruned += len(dzero)
+            pruned += len(dzero)
+            mzero = np.concatenate([mzero, dzero])
+        self._log_evicted(mzero)
+        return pruned
+
     def _fit_budget(self) -> None:
         """Spill down to the capacity; if the key index grew enough that rows sit in slots
         past it, compact the hot rows into the lowest slots and release the rest."""
         if self.budget is None:
             return
-        self._make_room(0)
+        for _ in range(3):  # spilling grows the disk index, which lowers the capacity
+            self._make_room(0)
+            if len(self.memory) <= self.memory_capacity():
+                break
         cap = self.memory_capacity()
         if self.memory.index.slot_bound > cap + cap // 8:
             self._compact(cap)
@@ -459,7 +576,11 @@ class TieredStore(EvictionLog):
         keys, slots = keys[order], slots[order]
         target = np.arange(len(slots), dtype=np.int64)
         moved = np.flatnonzero(slots != target)
-        arrays = [m.values, m.state, m.show, m.click, m.last_seen, self._used, self._dirty,
+        coded = isinstance(m.values, CodedRows)
+        # Encoded rows move as bytes (one class: codes by slot), or by class and pool
+        # position (several classes: the pools are repacked after).
+        values = m.values.slot_arrays() if coded else [m.values]
+        arrays = [*values, m.state, m.show, m.click, m.last_seen, self._used, self._dirty,
                   self._on_disk, self._pinned]
         for start in range(0, len(moved), 8192):
             sel = moved[start:start + 8192]
@@ -468,6 +589,9 @@ class TieredStore(EvictionLog):
         index = KeyIndex(cap + cap // 2)
         index.lookup_or_insert(keys)  # slots 0..n-1 in this order: no free slots yet
         m.index = index
+        if coded and m.values.variable:
+            m.values.truncate(len(keys))
+            arrays = arrays[len(values):]
         for a in arrays:
             _release_rows(a, len(keys))
 
@@ -496,7 +620,7 @@ class TieredStore(EvictionLog):
             dkeys, dslots = dkeys[recent], dslots[recent]
             cold = m.index.lookup(dkeys) < 0
             dkeys, dslots = dkeys[cold], dslots[cold]
-            dvalues = self.disk.read_slots(dslots)[:, :self.row_dim]
+            dvalues = self._decode(self.disk.read_slots(dslots))
             keys = np.concatenate([mkeys, dkeys])
             values = np.concatenate([mvalues, dvalues])
             order = np.argsort(keys, kind="stable")
@@ -538,10 +662,19 @@ class TieredStore(EvictionLog):
         meta = self._used.nbytes + self._dirty.nbytes + self._on_disk.nbytes
         return self.memory.nbytes + meta + self.disk.ram_bytes
 
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of the rows' values as stored (codes + row scale/bias when encoded): hot
+        rows at their class's size, rows only on disk at the record's value area (fixed
+        size: the widest class's, padded to whole words)."""
+        disk_only = len(self) - len(self.memory)
+        return self.memory.value_bytes + disk_only * 4 * self.layout.value_words
+
     def stats(self) -> StoreStats:
         return StoreStats(keys=len(self), candidates=len(self.memory._cand_index),
                           admitted=self.admitted_total, evicted=self.evicted_total,
-                          bytes=self.nbytes)
+                          bytes=self.nbytes, value_bytes=self.value_bytes,
+                          pruned=self.memory.pruned_total + self._disk_only_pruned)
 
     def tier_stats(self) -> TierStats:
         d = self.disk.stats()
@@ -567,8 +700,8 @@ class TieredStore(EvictionLog):
             keys, slots = self.disk.items()
             order = np.argsort(keys, kind="stable")
             keys, slots = keys[order], slots[order]
-            arrays = {**records_to_arrays(keys, self.disk.read_slots(slots), self.row_dim,
-                                          self.state_dim), **self._store_arrays()}
+            arrays = {**records_to_arrays(keys, self.disk.read_slots(slots), self.layout),
+                      **self._store_arrays()}
             arrays["counters"] = arrays["counters"][:2]  # MemoryStore's form
             return arrays
 
@@ -580,14 +713,8 @@ class TieredStore(EvictionLog):
                              f"expected ({len(keys)}, {self.row_dim})")
         with self._lock:
             self._reset()
-            rec = np.empty((len(keys), self.width), np.float32)
-            d, s = self.row_dim, self.state_dim
-            rec[:, :d] = arrays["values"]
-            rec[:, d:d + s] = arrays["state"]
-            rec[:, d + s] = arrays["show"]
-            rec[:, d + s + 1] = arrays["click"]
-            rec[:, d + s + 2] = np.ascontiguousarray(arrays["last_seen"], np.int32).view(
-                np.float32)
+            rec = self.layout.encode(arrays, stochastic=self.config.stochastic_rounding,
+                                     rng=self._rng)
             self.disk.write(np.ascontiguousarray(keys, np.int64), rec)
             self.memory.load_candidate_arrays(arrays)
             if "counters" in arrays:
@@ -597,9 +724,11 @@ class TieredStore(EvictionLog):
     def _reset(self) -> None:
         self.disk.release()
         self.disk = DiskTier(self.disk.path, self.width, self._slab_bytes,
-                             mapped_bytes=self._mapped_bytes)
+                             mapped_bytes=self._mapped_bytes, layout=self.layout)
         self._new_memory_tier()
         self._disk_only_evicted = 0
+        self._disk_only_pruned = 0
+        self._pushed_to_disk = []
         self._snapshot_dir, self._snapshot_digests = None, {}
         self._pending = None
 
@@ -681,28 +810,26 @@ def _return_freed_buffers_to_os() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, _MMAP_THRESHOLD_BYTES)
 
 
-def records_to_arrays(keys: np.ndarray, rec: np.ndarray, row_dim: int,
-                      state_dim: int) -> dict[str, np.ndarray]:
-    d, s = row_dim, state_dim
-    return {"keys": keys, "values": np.ascontiguousarray(rec[:, :d]),
-            "state": np.ascontiguousarray(rec[:, d:d + s]),
-            "show": np.ascontiguousarray(rec[:, d + s]),
-            "click": np.ascontiguousarray(rec[:, d + s + 1]),
-            "last_seen": np.ascontiguousarray(rec[:, d + s + 2]).view(np.int32)}
+def records_to_arrays(keys: np.ndarray, rec: np.ndarray,
+                      layout: RecordLayout) -> dict[str, np.ndarray]:
+    return {"keys": keys, **layout.decode(rec)}
 
 
 def snapshot_arrays(src: Path, row_dim: int, state_dim: int) -> dict[str, np.ndarray]:
-    """A tiered snapshot as ``MemoryStore.to_arrays`` arrays (sorted by key), for loading
-    into a memory store or exporting."""
-    parts = list(read_snapshot_records(Path(src)))
+    """A tiered snapshot as ``MemoryStore.to_arrays`` arrays (sorted by key, values
+    decoded to fp32), for loading into a memory store or exporting."""
+    parts = list(read_snapshot_rows(Path(src), row_dim, state_dim))
     if parts:
         keys = np.concatenate([k for k, _ in parts])
-        rec = np.concatenate([r for _, r in parts])
+        cols = {name: np.concatenate([c[name] for _, c in parts]) for name in parts[0][1]}
     else:
         keys = np.empty(0, np.int64)
-        rec = np.empty((0, row_dim + state_dim + 3), np.float32)
+        cols = {"values": np.empty((0, row_dim), np.float32),
+                "state": np.empty((0, state_dim), np.float32),
+                "show": np.empty(0, np.float32), "click": np.empty(0, np.float32),
+                "last_seen": np.empty(0, np.int32)}
     order = np.argsort(keys, kind="stable")
-    arrays = records_to_arrays(keys[order], rec[order], row_dim, state_dim)
+    arrays = {"keys": keys[order], **{name: c[order] for name, c in cols.items()}}
     extra = load_numpy(str(Path(src) / STORE_FILE))
     arrays.update({k: v for k, v in extra.items() if k.startswith("cand_")})
     arrays["counters"] = extra["counters"][:2]
