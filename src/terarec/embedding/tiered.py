@@ -16,6 +16,11 @@ copy is authoritative and ``dirty`` says whether the disk copy is behind. ``flus
 writes every dirty row back, after which the disk tier alone holds the whole store --
 what checkpoints snapshot.
 
+Compressed rows (precision, variable-length rows) are kept encoded in both tiers: the
+memory tier holds a ``CodedRows`` and the disk records the same bytes (``RecordLayout``),
+so rows move between the tiers without being re-encoded. With group lasso, ``end_pass``
+prunes the pass's rows that became zero from both tiers.
+
 The budget covers all RAM that grows with the store: memory-tier rows and their index,
 admission candidates, and the disk tier's key index (32-64 B per key) with its last-seen
 mirror (4 B per key). What is left after the indexes sets how many rows stay hot; a store
