@@ -269,3 +269,20 @@ def test_cli_trains_checkpoints_and_exports_a_compressed_tiered_model(tmp_path, 
         assert sum(info["show_histogram"].values()) == info["keys"]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_snapshots_without_a_layout_read_as_fp32_records(tmp_path):
+    from terarec.embedding.disk import DiskTier, read_snapshot_rows, record_width
+
+    disk = DiskTier(tmp_path / "d", record_width(4, 1))  # as written before layouts
+    rec = np.arange(5 * 8, dtype=np.float32).reshape(5, 8)
+    rec[:, -1] = np.arange(5, dtype=np.int32).view(np.float32)
+    disk.write(np.arange(10, 15, dtype=np.int64), rec)
+    disk.snapshot(tmp_path / "snap", None, {})
+    [(keys, cols)] = list(read_snapshot_rows(tmp_path / "snap", row_dim=4))
+    order = np.argsort(keys)
+    np.testing.assert_array_equal(cols["values"][order], rec[:, :4])
+    np.testing.assert_array_equal(cols["show"][order], rec[:, 5])
+    np.testing.assert_array_equal(cols["last_seen"][order], np.arange(5))
+    with pytest.raises(ValueError, match="expected rows of 4 with 2 optimizer"):
+        list(read_snapshot_rows(tmp_path / "snap", row_dim=4, state_dim=2))
