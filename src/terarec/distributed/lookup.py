@@ -16,7 +16,7 @@ two exchanges of float rows instead of three (keys, rows, gradients). Per step s
     backward  requester's table.grad / world  ──all_to_all──> owner: sparse optimizer
 
 The requester's step table holds one row per distinct key of its batch, ordered by owner
-then request position; its batch is remapped to ids into that table::
+then first occurrence; its batch is remapped to ids into that table::
 
     batch keys (2 ranks):   [k5 k8 k5 k2]       owner(k5)=0 owner(k8)=1 owner(k2)=0
     request to owner 0:     [k5 k2]  positions [0 1];  to owner 1: [k8]  position [0]
@@ -24,12 +24,16 @@ then request position; its batch is remapped to ids into that table::
 
 A rank with an empty batch (or no keys for some owner) still joins every exchange with
 zero-length splits, which gloo and NCCL both accept.
+
+The requester's side of staging (``plan_rank_pass``) is local work, so ``ShardedTrainer``
+makes it in the read-ahead thread, as ``Trainer`` makes its ``PassPlan``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -38,28 +42,159 @@ from terarec.distributed.context import DistContext
 from terarec.distributed.sharding import shard_of
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.store import MemoryStore, RowBlock
-from terarec.embedding.working_set import occurrence_labels
-from terarec.types import Batch
+from terarec.embedding.working_set import _pooled, occurrence_grads, occurrence_labels
+from terarec.types import Batch, KeyedIds
 
 
 def exchange(ctx: DistContext, tensor: torch.Tensor, send_counts: np.ndarray | list[int],
-             recv_counts: np.ndarray | list[int]) -> torch.Tensor:
+             recv_counts: np.ndarray | list[int], async_op: bool = False):
     """``all_to_all_single`` along dim 0: ``send_counts[r]`` rows go to rank ``r``,
-    ``recv_counts[r]`` rows come from it (in rank order)."""
+    ``recv_counts[r]`` rows come from it (in rank order). With ``async_op``: (the output,
+    filled once the returned work's ``wait()`` returns, and that work)."""
     send = [int(c) for c in send_counts]
     recv = [int(c) for c in recv_counts]
     tensor = tensor.to(ctx.comm_device).contiguous()
     out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    dist.all_to_all_single(out, tensor, output_split_sizes=recv, input_split_sizes=send,
-                           group=ctx.sparse_group)
-    return out
+    work = dist.all_to_all_single(out, tensor, output_split_sizes=recv,
+                                  input_split_sizes=send, group=ctx.sparse_group,
+                                  async_op=async_op)
+    return (out, work) if async_op else out
+
+
+class _ShardedLookup(torch.autograd.Function):
+    """Pooled lookup into a step table fetched from the owners. The backward forms the
+    table's gradient (occurrences of a key summed, divided by the world size: see
+    ``ShardedTrainer``) and starts sending it to the owners; the anchor, a scalar that
+    requires grad, puts the function in the graph as in ``WorkingSet``'s fused lookup."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, ws: ShardedWorkingSet, step: int,
+                table: torch.Tensor, sparse: KeyedIds,
+                mean_fields: torch.Tensor | None) -> torch.Tensor:
+        ctx.ws, ctx.step, ctx.sparse, ctx.mean_fields = ws, step, sparse, mean_fields
+        ctx.table_shape = table.shape
+        return _pooled(table, sparse, mean_fields)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, occ_grad = occurrence_grads(grad, ctx.sparse, ctx.mean_fields)
+        table_grad = torch.zeros(ctx.table_shape, dtype=grad.dtype, device=grad.device)
+        table_grad.index_add_(0, rows, occ_grad).div_(ctx.ws.ctx.world)
+        ctx.ws._send_gradients(ctx.step, table_grad)
+        return torch.zeros((), device=grad.device), None, None, None, None, None
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
+
+
+@numba.njit(nogil=True, cache=True)
+def _step_requests(occ_pos, step_starts, pos_owner, world):
+    """Per step, the distinct positions its key occurrences need, grouped by owner (in
+    order of first occurrence within an owner), as one pass over the occurrences:
+
+    splits[s, o]   distinct positions of step s owned by rank o
+    ids[i]         occurrence i's row in its step table (owner-major)
+    requests       the positions, owner-major then step-major: what each owner is sent
+    """
+    n_steps = step_starts.shape[0] - 1
+    mark = np.full(pos_owner.shape[0], -1, np.int64)
+    splits = np.zeros((n_steps, world), np.int64)
+    ids = np.empty(occ_pos.shape[0], np.int64)
+    for s in range(n_steps):  # count: distinct positions per (step, owner)
+        for i in range(step_starts[s], step_starts[s + 1]):
+            p = occ_pos[i]
+            if mark[p] < 0:
+                o = pos_owner[p]
+                mark[p] = splits[s, o]
+                splits[s, o] += 1
+        for i in range(step_starts[s], step_starts[s + 1]):
+            mark[occ_pos[i]] = -1
+    # where each (owner, step) block starts in the owner-major request list
+    block = np.empty((world, n_steps), np.int64)
+    total = 0
+    for o in range(world):
+        for s in range(n_steps):
+            block[o, s] = total
+            total += splits[s, o]
+    requests = np.empty(total, np.int64)
+    row_start = np.empty(world, np.int64)
+    for s in range(n_steps):
+        acc = 0
+        for o in range(world):
+            row_start[o] = acc
+            acc += splits[s, o]
+        fill = np.zeros(world, np.int64)
+        for i in range(step_starts[s], step_starts[s + 1]):
+            p = occ_pos[i]
+            o = pos_owner[p]
+            if mark[p] < 0:
+                mark[p] = fill[o]
+                requests[block[o, s] + fill[o]] = p
+                fill[o] += 1
+            ids[i] = row_start[o] + mark[p]
+        for i in range(step_starts[s], step_starts[s + 1]):
+            mark[occ_pos[i]] = -1
+    return splits, ids, requests
+
+
+@dataclass
+class RankPassPlan:
+    """The requester's half of staging: local work only (no store, no collective), so it
+    runs ahead in the read-ahead thread while the previous pass trains.
+
+    ``keys`` are the pass's unique keys grouped by owner (``key_counts`` per owner), with
+    their shows and clicks in ``counts``; per step, ``request_splits[s, o]`` distinct keys
+    go to owner ``o``, as positions ``request_ids`` (int32, owner-major, each relative to
+    that owner's keys), and ``remapped`` are the batches with keys replaced by rows of
+    their step table."""
+
+    world: int
+    batches: list[Batch]
+    remapped: list[Batch]
+    keys: np.ndarray
+    key_counts: np.ndarray
+    counts: np.ndarray | None
+    request_splits: np.ndarray
+    request_ids: np.ndarray
+    occurrences: int
+
+
+def plan_rank_pass(batches: list[Batch], world: int, counts: bool = True) -> RankPassPlan:
+    """Plan this rank's share of a pass for ``ShardedWorkingSet.stage``."""
+    values = [b.sparse.values.numpy() for b in batches]
+    all_keys = np.concatenate(values) if values else np.empty(0, np.int64)
+    uniq, inverse = unique_inverse(all_keys)
+    owner = shard_of(uniq, world)
+    # A stable sort of small integers is a radix sort: O(n).
+    order = np.argsort(owner.astype(np.int16 if world < 2**15 else np.int64), kind="stable")
+    key_counts = np.bincount(owner, minlength=world).astype(np.int64)
+    key_starts = _starts(key_counts)
+    send_pos = np.empty(len(uniq), np.int64)
+    send_pos[order] = np.arange(len(uniq))
+    step_starts = _starts(np.array([len(v) for v in values], np.int64))
+    splits, ids, requests = _step_requests(send_pos[inverse], step_starts,
+                                           owner[order], world)
+    if key_counts.max(initial=0) >= 2**31:
+        raise ValueError("over 2^31 keys for one owner in one pass; use shorter passes")
+    # Positions are below the number of keys sent to one owner: int32 halves the bytes.
+    request_owner = np.repeat(np.arange(world), splits.sum(axis=0))
+    request_ids = (requests - key_starts[request_owner]).astype(np.int32)
+    remapped = [Batch(b.dense, b.sparse.with_values(torch.from_numpy(ids[a:z])), b.labels)
+                for b, a, z in zip(batches, step_starts[:-1], step_starts[1:], strict=True)]
+    key_counts_out = None
+    if counts:
+        show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
+        occ = (np.concatenate([occurrence_labels(b) for b in batches])
+               if batches else np.empty(0, np.float32))
+        click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
+        key_counts_out = np.stack([show, click], axis=1)[order]
+    return RankPassPlan(world=world, batches=batches, remapped=remapped, keys=uniq[order],
+                        key_counts=key_counts, counts=key_counts_out, request_splits=splits,
+                        request_ids=request_ids, occurrences=len(all_keys))
 
 
 @dataclass
@@ -91,16 +226,23 @@ class ShardedWorkingSet:
         self._request_splits = request_splits
         self.stats = stats
         self.step_bytes = 0
+        self._in_flight: tuple | None = None
         self.column_mask: torch.Tensor | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and train else None)
 
     # -- pass start ---------------------------------------------------------------------
     @classmethod
-    def stage(cls, ctx: DistContext, store: MemoryStore, batches: list[Batch], pass_id: int,
-              train: bool = True) -> ShardedWorkingSet:
-        """Collective: every rank calls it with its own batches (one per global step)."""
+    def stage(cls, ctx: DistContext, store: MemoryStore, batches: list[Batch] | RankPassPlan,
+              pass_id: int, train: bool = True) -> ShardedWorkingSet:
+        """Collective: every rank calls it with its own batches (one per global step), or
+        with their ``plan_rank_pass`` made ahead."""
         world, me = ctx.world, ctx.rank
+        plan = batches if isinstance(batches, RankPassPlan) else plan_rank_pass(
+            batches, world, counts=train)
+        if plan.world != world:
+            raise ValueError(f"pass {pass_id}: planned for {plan.world} ranks, not {world}")
+        batches = plan.batches
         sizes = ctx.all_gather_object([len(b) for b in batches])
         if len({len(s) for s in sizes}) != 1:
             raise RuntimeError(f"pass {pass_id}: ranks read different numbers of steps "
@@ -108,34 +250,8 @@ class ShardedWorkingSet:
         global_sizes = np.asarray(sizes, np.int64).reshape(world, -1).sum(axis=0)
         n_steps = len(batches)
         sent = 0
-
-        # Requester: unique keys of the whole pass, grouped by owner.
-        values = [b.sparse.values.numpy() for b in batches]
-        all_keys = np.concatenate(values) if values else np.empty(0, np.int64)
-        uniq, inverse = unique_inverse(all_keys)
-        owner = shard_of(uniq, world)
-        order = np.argsort(owner, kind="stable")
-        key_counts = np.bincount(owner, minlength=world)
-        key_starts = _starts(key_counts)
-        send_pos = np.empty(len(uniq), np.int64)
-        send_pos[order] = np.arange(len(uniq))
-        occ_pos = send_pos[inverse]
-
-        # Requester: per step, the distinct keys it needs, as positions in its request.
-        request_splits = np.zeros((n_steps, world), np.int64)
-        ids_by_owner: list[list[np.ndarray]] = [[] for _ in range(world)]
-        remapped, cursor = [], 0
-        for s, (batch, v) in enumerate(zip(batches, values, strict=True)):
-            pos = occ_pos[cursor:cursor + len(v)]
-            cursor += len(v)
-            step_pos, step_ids = np.unique(pos, return_inverse=True)  # sorted: owner-major
-            bounds = np.searchsorted(step_pos, key_starts)
-            request_splits[s] = np.diff(bounds)
-            for o in range(world):
-                ids_by_owner[o].append(step_pos[bounds[o]:bounds[o + 1]] - key_starts[o])
-            ids = torch.from_numpy(step_ids.reshape(-1).astype(np.int64))
-            remapped.append(Batch(batch.dense, batch.sparse.with_values(ids),
-                                  batch.labels).to(ctx.device))
+        key_counts, request_splits = plan.key_counts, plan.request_splits
+        remapped = [b.to(ctx.device) for b in plan.remapped]
 
         # One exchange of every count the pass needs: keys per owner, ids per step.
         header = np.concatenate([key_counts[:, None], request_splits.T], axis=1)
@@ -144,15 +260,10 @@ class ShardedWorkingSet:
         recv_key_counts, serve_by_source = recv_header[:, 0], recv_header[:, 1:]
         off_rank = np.arange(world) != me
 
-        recv_keys = exchange(ctx, torch.from_numpy(uniq[order]), key_counts,
+        recv_keys = exchange(ctx, torch.from_numpy(plan.keys), key_counts,
                              recv_key_counts).cpu().numpy()
         sent += 8 * int(key_counts[off_rank].sum())
-        # Positions are below the number of keys sent to one owner: int32 halves the bytes.
-        if key_counts.max(initial=0) >= 2**31:
-            raise ValueError(f"pass {pass_id}: over 2^31 keys for one owner; use more passes")
-        ids_send = np.concatenate([np.concatenate(p) if p else np.empty(0, np.int64)
-                                   for p in ids_by_owner]).astype(np.int32)
-        recv_ids = exchange(ctx, torch.from_numpy(ids_send), request_splits.sum(axis=0),
+        recv_ids = exchange(ctx, torch.from_numpy(plan.request_ids), request_splits.sum(axis=0),
                             serve_by_source.sum(axis=1)).cpu().numpy().astype(np.int64)
         sent += 4 * int(request_splits.sum(axis=0)[off_rank].sum())
 
@@ -160,12 +271,9 @@ class ShardedWorkingSet:
         owned, owned_inv = unique_inverse(recv_keys)
         dim = store.row_dim
         if train:
-            show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
-            occ = (np.concatenate([occurrence_labels(b) for b in batches])
-                   if batches else np.empty(0, np.float32))
-            click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
-            counts = np.stack([show, click], axis=1)[order]
-            recv_counts = exchange(ctx, torch.from_numpy(counts), key_counts,
+            if plan.counts is None:
+                raise ValueError("a training pass needs a plan made with counts=True")
+            recv_counts = exchange(ctx, torch.from_numpy(plan.counts), key_counts,
                                    recv_key_counts).cpu().numpy()
             sent += 8 * int(key_counts[off_rank].sum())
             owned_show = np.bincount(owned_inv, weights=recv_counts[:, 0],
@@ -202,7 +310,7 @@ class ShardedWorkingSet:
         served = served[np.lexsort((source, step))]
         serve_offsets = _starts(serve_by_source.sum(axis=0))
 
-        stats = ShardedStats(keys=len(all_keys), unique_keys=len(owned), admitted_keys=n_adm,
+        stats = ShardedStats(keys=plan.occurrences, unique_keys=len(owned), admitted_keys=n_adm,
                              staging_bytes=sent)
         ws = cls(ctx, owned[admitted], weights.to(ctx.device), state, store, train,
                  remapped, global_sizes, torch.from_numpy(served).to(ctx.device),
@@ -224,15 +332,36 @@ class ShardedWorkingSet:
         table = exchange(self.ctx, served, self._serve_splits[step], self._request_splits[step])
         return table.to(self.weights.device)
 
-    def push_gradients(self, step: int, grad: torch.Tensor) -> None:
-        """Collective: send the step table's gradient to the owners, which apply the
-        sparse optimizer to their rows (gradients of one row from several ranks are
-        summed first, as a single process sums a key's occurrences)."""
-        if self.optimizer is None or self.state is None:
-            raise RuntimeError("push_gradients on a working set staged with train=False")
+    def lookup(self, step: int, sparse: KeyedIds, mean_fields: torch.Tensor | None,
+               anchor: torch.Tensor) -> torch.Tensor:
+        """Collective: step ``step``'s pooled embeddings ``[batch, fields, row_dim]``. Its
+        backward sends the step table's gradient to the owners without waiting for it;
+        ``apply_gradients`` completes the step."""
+        return _ShardedLookup.apply(anchor, self, step, self.fetch(step), sparse, mean_fields)
+
+    def _send_gradients(self, step: int, grad: torch.Tensor) -> None:
+        """Start the exchange of the step table's gradient (already divided by the world
+        size) to the owners; it runs while DDP's all-reduce and the dense step finish."""
         self.step_bytes += 4 * grad.shape[1] * self._off_rank(self._request_splits[step])
-        received = exchange(self.ctx, grad, self._request_splits[step],
-                            self._serve_splits[step]).to(self.weights.device)
+        received, work = exchange(self.ctx, grad, self._request_splits[step],
+                                  self._serve_splits[step], async_op=True)
+        self._in_flight = (step, received, work, grad)  # the send buffer must outlive it
+
+    def apply_gradients(self, step: int) -> None:
+        """Collective: finish step ``step``'s gradient exchange (sending zeros if this
+        rank's loss never reached the table, e.g. an empty batch); the owners apply the
+        sparse optimizer to their rows (gradients of one row from several ranks are
+        summed, as a single process sums a key's occurrences)."""
+        if self.optimizer is None or self.state is None:
+            raise RuntimeError("apply_gradients on a working set staged with train=False")
+        if self._in_flight is None or self._in_flight[0] != step:
+            rows = int(self._request_splits[step].sum())
+            self._send_gradients(step, torch.zeros(rows, self.weights.shape[1],
+                                                   device=self.weights.device))
+        _, received, work, _ = self._in_flight
+        work.wait()
+        self._in_flight = None
+        received = received.to(self.weights.device)
         rows = self._rows(step)
         if self.column_mask is not None:
             received = received * self.column_mask.index_select(0, rows)

@@ -4,11 +4,13 @@ Each rank reads its round-robin share of every pass (see ``sharding``), owns one
 the store, and trains one local batch per global step::
 
     stage       ShardedWorkingSet.stage: keys to owners, owners pull rows (once a pass)
-    per step    table = ws.fetch(s)                       rows from their owners
+    per step    emb = ws.lookup(s, ...)                   rows from their owners
                 loss = sum_bce(local) * world / global_rows
-                loss.backward()                           DDP all-reduces dense grads
-                ws.push_gradients(s, table.grad / world)  owners apply the sparse optimizer
-                dense_optimizer.step()
+                loss.backward()                           DDP all-reduces dense grads; the
+                                                          lookup's backward starts sending
+                                                          table.grad / world to the owners
+                dense_optimizer.step()                    while that exchange runs
+                ws.apply_gradients(s)                     owners apply the sparse optimizer
     pass end    owners write rows back to their own store
 
 Scaling: a single process minimises the mean loss over the global batch. Rank r's local
@@ -34,7 +36,7 @@ from terarec.config import TrainConfig
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext
 from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
-from terarec.distributed.lookup import ShardedWorkingSet
+from terarec.distributed.lookup import RankPassPlan, ShardedWorkingSet, plan_rank_pass
 from terarec.distributed.sharding import deal_batches, iter_rank_passes
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.working_set import _pooled
@@ -68,6 +70,7 @@ class ShardedTrainer(Trainer):
         self.model.to(ctx.device)
         if self.mean_fields is not None:
             self.mean_fields = self.mean_fields.to(ctx.device)
+        self._anchor = torch.zeros((), requires_grad=True, device=ctx.device)
         self.dense_comm_config = dense_comm or DenseCommConfig()
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.model, device_ids=ids, broadcast_buffers=False,
@@ -79,30 +82,34 @@ class ShardedTrainer(Trainer):
         return self.ctx.rank
 
     # -- training -----------------------------------------------------------------------
-    def _step_loss(self, table: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _step_loss(self, ws: ShardedWorkingSet, step: int, batch: Batch) -> torch.Tensor:
         """Summed BCE of a local batch. A rank with no rows this step still runs the
         model (DDP all-reduces on every rank), on one zero sample weighted 0."""
         if len(batch) == 0:
+            ws.fetch(step)  # collective: the owners serve whoever asked
             dense = torch.zeros(1, batch.dense.shape[1], device=self.device)
             emb = torch.zeros(1, batch.sparse.num_fields, self.model.row_dim,
                               device=self.device)
             logits = self.ddp(dense, emb)
             return F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits),
                                                       reduction="sum") * 0.0
-        emb = _pooled(table, batch.sparse, self.mean_fields)
+        emb = ws.lookup(step, batch.sparse, self.mean_fields, self._anchor)
         logits = self.ddp(batch.dense, emb)
         return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
 
     def iter_passes(self, train_paths: list[str | Path], stats: ReadStats | None = None,
-                    first: int = 0, skip: int = 0) -> Iterator[list[Batch]]:
-        """This rank's share of every pass (staging needs the batches, not a plan)."""
+                    first: int = 0, skip: int = 0) -> Iterator[list[Batch] | RankPassPlan]:
+        """This rank's share of every pass, planned (``plan_rank_pass``) in the read-ahead
+        thread; passes below ``skip`` (already trained, when resuming) are not planned."""
         cfg = self.config
-        return iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
-                                self.ctx.rank, self.ctx.world, on_bad_row=cfg.on_bad_row,
-                                stats=stats)
+        world = self.ctx.world
+        groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
+                                  self.ctx.rank, world, on_bad_row=cfg.on_bad_row, stats=stats)
+        return (plan_rank_pass(g, world) if number >= skip else g
+                for number, g in enumerate(groups, first))
 
-    def train_pass(self, batches: list[Batch], progress: tqdm | None = None,
-                   upcoming: list[Batch] | None = None) -> PassResult:
+    def train_pass(self, batches: list[Batch] | RankPassPlan, progress: tqdm | None = None,
+                   upcoming: list[Batch] | RankPassPlan | None = None) -> PassResult:
         """Collective: stage, train and write back this rank's share of one pass.
         (``upcoming`` is not read ahead here: which keys a rank will own rows for is
         known only after the next pass's key exchange.)"""
@@ -114,14 +121,12 @@ class ShardedTrainer(Trainer):
         loss_sum = torch.zeros((), dtype=torch.float64)
         bytes_before = self.dense_comm.meter.bytes
         for step, batch in enumerate(ws.batches):
-            table = ws.fetch(step).requires_grad_(True)
-            bce = self._step_loss(table, batch)
+            bce = self._step_loss(ws, step, batch)
             global_rows = max(int(ws.global_sizes[step]), 1)
             self.dense_optimizer.zero_grad(set_to_none=True)
-            (bce * (ctx.world / global_rows)).backward()
-            grad = table.grad if table.grad is not None else torch.zeros_like(table)
-            ws.push_gradients(step, grad / ctx.world)
+            (bce * (ctx.world / global_rows)).backward()  # starts the row gradients' exchange
             self.dense_optimizer.step()
+            ws.apply_gradients(step)
             self.dense_comm.count_step()
             loss_sum += bce.detach().to(torch.float64).cpu()
             if progress is not None:
@@ -131,7 +136,7 @@ class ShardedTrainer(Trainer):
         evicted = self.store.end_pass(self.pass_id)
         t3 = time.perf_counter()
         steps = max(len(ws.batches), 1)
-        local_rows = sum(len(b) for b in batches)
+        local_rows = sum(len(b) for b in ws.batches)
         totals = ctx.all_sum([float(loss_sum), local_rows, ws.stats.unique_keys,
                               ws.stats.admitted_keys, evicted, len(self.store),
                               (ws.stats.staging_bytes + ws.step_bytes) / steps,

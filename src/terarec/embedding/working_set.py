@@ -199,6 +199,18 @@ def _mean_divisor(sparse: KeyedIds, mean_fields: torch.Tensor) -> torch.Tensor:
     return torch.where(per_slot, lengths, torch.ones_like(lengths))
 
 
+def occurrence_grads(grad: torch.Tensor, sparse: KeyedIds,
+                     mean_fields: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``_pooled``'s output ``[batch, fields, dim]`` per key occurrence:
+    (row id of each occurrence, its gradient row); rows repeat where keys do."""
+    if sparse.one_per_slot:
+        return sparse.sample_major.view(-1), grad.reshape(-1, grad.shape[2])
+    per_slot = grad.transpose(0, 1).reshape(-1, grad.shape[2])
+    if mean_fields is not None:
+        per_slot = per_slot / _mean_divisor(sparse, mean_fields).unsqueeze(1)
+    return sparse.values, per_slot.repeat_interleave(sparse.lengths, dim=0)
+
+
 class _FusedLookup(torch.autograd.Function):
     """Embedding lookup whose backward is the sparse optimizer step (no dense grad of
     the table is ever formed, as in FBGEMM's fused table-batched embeddings)."""
@@ -212,16 +224,7 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ws: WorkingSet = ctx.ws
-        sparse: KeyedIds = ctx.sparse
-        if sparse.one_per_slot:
-            rows = sparse.sample_major.view(-1)
-            occ_grad = grad.reshape(-1, grad.shape[2])
-        else:
-            per_slot = grad.transpose(0, 1).reshape(-1, grad.shape[2])
-            if ctx.mean_fields is not None:
-                per_slot = per_slot / _mean_divisor(sparse, ctx.mean_fields).unsqueeze(1)
-            rows = sparse.values
-            occ_grad = per_slot.repeat_interleave(sparse.lengths, dim=0)
+        rows, occ_grad = occurrence_grads(grad, ctx.sparse, ctx.mean_fields)
         assert ws.optimizer is not None and ws.state is not None
         if ws.column_mask is not None:
             occ_grad = occ_grad * ws.column_mask.index_select(0, rows)
