@@ -62,6 +62,20 @@ def exchange(ctx: DistContext, tensor: torch.Tensor, send_counts: np.ndarray | l
     return (out, work) if async_op else out
 
 
+@numba.njit(nogil=True, cache=True)
+def _sum_rows(rows, grads, n_rows, world):
+    """``out[r] = sum of grads[i] where rows[i] == r``, divided by ``world``."""
+    out = np.zeros((n_rows, grads.shape[1]), np.float32)
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for d in range(grads.shape[1]):
+            out[r, d] += grads[i, d]
+    for r in range(n_rows):
+        for d in range(grads.shape[1]):
+            out[r, d] /= world
+    return out
+
+
 class _ShardedLookup(torch.autograd.Function):
     """Pooled lookup into a step table fetched from the owners. The backward forms the
     table's gradient (occurrences of a key summed, divided by the world size: see
@@ -79,8 +93,14 @@ class _ShardedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, occ_grad = occurrence_grads(grad, ctx.sparse, ctx.mean_fields)
-        table_grad = torch.zeros(ctx.table_shape, dtype=grad.dtype, device=grad.device)
-        table_grad.index_add_(0, rows, occ_grad).div_(ctx.ws.ctx.world)
+        world = ctx.ws.ctx.world
+        if grad.device.type == "cpu":  # torch's CPU index_add_ is several times slower
+            table_grad = torch.from_numpy(_sum_rows(
+                rows.numpy(), np.ascontiguousarray(occ_grad.detach().numpy()),
+                ctx.table_shape[0], world))
+        else:
+            table_grad = torch.zeros(ctx.table_shape, dtype=grad.dtype, device=grad.device)
+            table_grad.index_add_(0, rows, occ_grad).div_(world)
         ctx.ws._send_gradients(ctx.step, table_grad)
         return torch.zeros((), device=grad.device), None, None, None, None, None
 
@@ -226,7 +246,7 @@ class ShardedWorkingSet:
         self._request_splits = request_splits
         self.stats = stats
         self.step_bytes = 0
-        self._in_flight: tuple | None = None
+        self._in_flight: tuple | None = None  # gradients being sent (step, ...)
         self.column_mask: torch.Tensor | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and train else None)
