@@ -13,8 +13,11 @@ records and on 64 B records (targets >= 2e6 and >= 1e6 rows/s), the rates seen d
 training (sharing the cores with it), and ``prefetch_hidden_share``: the share of
 disk-read time spent in the prefetch thread while the trainer did not wait for it.
 
+``--precision int8`` (or fp16, int4) runs both arms with encoded rows: disk records and
+hot rows shrink, so more rows stay hot under the same budget (``memory_keys``).
+
 Prints one JSON line. Usage: ``python benchmarks/tiered_store.py [--rows N]
-[--budget 90MB] [--policies lfu,lru]``.
+[--budget 90MB] [--policies lfu,lru] [--precision fp32]``.
 """
 
 from __future__ import annotations
@@ -92,8 +95,9 @@ def run_arm(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     dense, ids, labels = synthetic_inputs(args.rows, seed=0)
     schema = benchmark_schema()
-    store = StoreConfig(memory_budget=args.budget, cache_policy=args.policy) \
-        if args.arm == "tiered" else StoreConfig()
+    store = StoreConfig(memory_budget=args.budget, cache_policy=args.policy,
+                        precision=args.precision) \
+        if args.arm == "tiered" else StoreConfig(precision=args.precision)
     config = TrainConfig(
         batch_size=args.batch_size, seed=0,
         model=ModelConfig(name="dlrm", embedding_dim=args.dim, bottom_mlp=(64, args.dim),
@@ -115,7 +119,8 @@ def run_arm(args: argparse.Namespace) -> dict:
             busy += r.staging_s + r.train_s + r.write_back_s
         wait += r.prefetch_wait_s
     s = trainer.store
-    record = 4 * (s.row_dim + s.state_dim + 3)
+    # A disk record (encoded values, state, counters); in RAM the same for fp32 rows.
+    record = 4 * s.width if args.arm == "tiered" else 4 * (s.row_dim + s.state_dim + 3)
     out = {"sps": rows / busy, "keys": len(s), "table_bytes": len(s) * record,
            "start_rss_bytes": start_rss, "peak_rss_bytes": _status("VmHWM"),
            "passes": len(passes)}
@@ -140,7 +145,7 @@ def _spawn(args: argparse.Namespace, arm: str, policy: str = "lfu") -> dict:
     cmd = [sys.executable, __file__, "--arm", arm, "--policy", policy, "--rows", str(args.rows),
            "--budget", args.budget, "--dim", str(args.dim), "--batch-size",
            str(args.batch_size), "--pass-batches", str(args.pass_batches), "--threads",
-           str(args.threads)]
+           str(args.threads), "--precision", args.precision]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{arm} arm failed:\n{done.stderr[-4000:]}")
@@ -155,6 +160,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--pass-batches", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precision", default="fp32",
+                        help="row precision of both arms (fp32, fp16, int8, int4)")
     parser.add_argument("--policies", default="lfu",
                         help="comma-separated cache policies to run tiered arms for")
     parser.add_argument("--arm", choices=["tiered", "memory"], help=argparse.SUPPRESS)
@@ -191,6 +198,8 @@ def main() -> None:
         "train_disk_write_rows_per_s": round(main_arm["train_disk_write_rows_per_s"]),
         "prefetch_hidden_share": round(main_arm["prefetch_hidden_share"], 3),
         "cache_policy": policies[0],
+        "precision": args.precision,
+        "memory_keys": main_arm["memory_keys"],
         "hit_rate": {p: round(t["hit_rate"], 3) for p, t in tiered.items()},
         "sps_by_policy": {p: round(t["sps"]) for p, t in tiered.items()},
         "threads": args.threads,
