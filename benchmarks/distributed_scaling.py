@@ -30,7 +30,6 @@ The default run takes about 3 minutes on 2 idle cores.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import socket
@@ -97,7 +96,6 @@ def worker(args: argparse.Namespace) -> None:
     from terarec.config import ModelConfig, TrainConfig
     from terarec.distributed.context import init_distributed, launched_by_torchrun
     from terarec.distributed.dense_comm import DenseCommConfig
-    from terarec.distributed.lookup import plan_rank_pass
     from terarec.distributed.sharding import iter_rank_passes
     from terarec.distributed.trainer import ShardedTrainer
     from terarec.embedding.working_set import plan_pass
@@ -126,9 +124,8 @@ def worker(args: argparse.Namespace) -> None:
         passes = list(group_passes(iter_file_batches([train_file], schema, args.batch_size),
                                    args.pass_rows))
     # Pass planning runs in the read-ahead thread, as in ``fit``: ``plan_pass`` for one
-    # process, the requester's ``plan_rank_pass`` for a rank.
-    plan = (functools.partial(plan_rank_pass, world=ctx.world) if ctx is not None
-            else plan_pass)
+    # process, ``ShardedTrainer.plan`` (requests and their key exchange) for a rank.
+    plan = trainer.plan if isinstance(trainer, ShardedTrainer) else plan_pass
     history, start = [], 0.0
     for number, planned in enumerate(prefetch(map(plan, passes))):
         history.append(trainer.train_pass(planned).as_dict())

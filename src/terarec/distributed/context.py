@@ -5,8 +5,10 @@
 ``env://`` rendezvous reads them. gloo carries CPU tensors, NCCL CUDA tensors: the backend
 follows the training device, and each rank on a GPU node takes GPU ``LOCAL_RANK``.
 
-Two groups over the same ranks: DDP's gradient all-reduce runs in the default group and
-the embedding row exchanges in their own, so the two never queue behind each other.
+Three groups over the same ranks: DDP's gradient all-reduce runs in the default group,
+the embedding row exchanges in their own, and the next pass's key exchange, made in the
+read-ahead thread, in a third: no group is used by two threads, so the collectives of
+each stay in the same order on every rank, and none queues behind another.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class DistContext:
     device: torch.device
     backend: str
     sparse_group: dist.ProcessGroup | None
+    plan_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -117,5 +120,6 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
             kwargs.update(store=store, rank=rank, world_size=world)
         dist.init_process_group(backend, timeout=timeout, **kwargs)
     sparse_group = dist.new_group(backend=backend) if world > 1 else None
+    plan_group = dist.new_group(backend=backend) if world > 1 else None
     return DistContext(rank=rank, world=world, local_rank=local_rank, device=dev,
-                       backend=backend, sparse_group=sparse_group)
+                       backend=backend, sparse_group=sparse_group, plan_group=plan_group)

@@ -47,19 +47,31 @@ from terarec.types import Batch, KeyedIds
 
 
 def exchange(ctx: DistContext, tensor: torch.Tensor, send_counts: np.ndarray | list[int],
-             recv_counts: np.ndarray | list[int], async_op: bool = False):
-    """``all_to_all_single`` along dim 0: ``send_counts[r]`` rows go to rank ``r``,
-    ``recv_counts[r]`` rows come from it (in rank order). With ``async_op``: (the output,
-    filled once the returned work's ``wait()`` returns, and that work)."""
+             recv_counts: np.ndarray | list[int], async_op: bool = False,
+             group: dist.ProcessGroup | None = None):
+    """``all_to_all_single`` along dim 0 in ``group`` (default: the row exchange group):
+    ``send_counts[r]`` rows go to rank ``r``, ``recv_counts[r]`` rows come from it (in
+    rank order). With ``async_op``: (the output, filled once the returned work's
+    ``wait()`` returns, and that work)."""
     send = [int(c) for c in send_counts]
     recv = [int(c) for c in recv_counts]
     tensor = tensor.to(ctx.comm_device).contiguous()
+    if ctx.world == 1:  # nothing to exchange: a copy, as the collective would give
+        out = tensor.clone()
+        return (out, _Done()) if async_op else out
     out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     work = dist.all_to_all_single(out, tensor, output_split_sizes=recv,
-                                  input_split_sizes=send, group=ctx.sparse_group,
+                                  input_split_sizes=send, group=group or ctx.sparse_group,
                                   async_op=async_op)
     return (out, work) if async_op else out
+
+
+class _Done:
+    """The finished work of an exchange that had nothing to send."""
+
+    def wait(self) -> bool:
+        return True
 
 
 @numba.njit(nogil=True, cache=True)
@@ -218,6 +230,77 @@ def plan_rank_pass(batches: list[Batch], world: int, counts: bool = True) -> Ran
 
 
 @dataclass
+class ShardedPassPlan:
+    """A pass after its key exchange: ``rank`` (this rank's requests) and the owner's half,
+    the union of keys every rank asked this rank for, with their summed shows and clicks
+    (None when scoring). Made in the read-ahead thread over its own process group, so a
+    pass starts with only the owner's pull on the critical path."""
+
+    rank: RankPassPlan
+    global_sizes: np.ndarray          # rows of each global step
+    serve_by_source: np.ndarray       # [world, steps] rows each rank asked for per step
+    owned: np.ndarray                 # unique keys asked of this rank
+    owned_show: np.ndarray | None
+    owned_click: np.ndarray | None
+    request_owned: np.ndarray         # per served row (step-major, then source): its key
+    staging_bytes: int                # bytes sent to other ranks by the exchange
+
+
+def exchange_plan(ctx: DistContext, plan: RankPassPlan,
+                  group: dist.ProcessGroup | None = None) -> ShardedPassPlan:
+    """Collective (in ``group``): send this rank's requests to the owners and receive the
+    requests of every rank for the keys it owns. ``plan.counts`` (shows and clicks) go
+    along when the plan has them (training)."""
+    world, me = ctx.world, ctx.rank
+    if plan.world != world:
+        raise ValueError(f"a pass planned for {plan.world} ranks, run on {world}")
+    n_steps = len(plan.batches)
+    steps = exchange(ctx, torch.tensor([n_steps] * world), [1] * world, [1] * world,
+                     group=group).cpu().numpy()
+    if (steps != n_steps).any():
+        raise RuntimeError(f"ranks read different numbers of steps {steps.tolist()}; do all "
+                           "ranks see the same input?")
+    key_counts, request_splits = plan.key_counts, plan.request_splits
+    sizes = np.array([len(b) for b in plan.batches], np.int64)
+    # One exchange of every count the pass needs: keys per owner, ids and rows per step.
+    header = np.concatenate([key_counts[:, None], request_splits.T,
+                             np.broadcast_to(sizes, (world, n_steps))], axis=1)
+    recv_header = exchange(ctx, torch.from_numpy(np.ascontiguousarray(header)), [1] * world,
+                           [1] * world, group=group).cpu().numpy().reshape(world, 1 + 2 * n_steps)
+    recv_key_counts = recv_header[:, 0]
+    serve_by_source = recv_header[:, 1:1 + n_steps]
+    global_sizes = recv_header[:, 1 + n_steps:].sum(axis=0)
+    off_rank = np.arange(world) != me
+
+    recv_keys = exchange(ctx, torch.from_numpy(plan.keys), key_counts, recv_key_counts,
+                         group=group).cpu().numpy()
+    sent = 8 * int(key_counts[off_rank].sum())
+    recv_ids = exchange(ctx, torch.from_numpy(plan.request_ids), request_splits.sum(axis=0),
+                        serve_by_source.sum(axis=1), group=group).cpu().numpy().astype(np.int64)
+    sent += 4 * int(request_splits.sum(axis=0)[off_rank].sum())
+    owned, owned_inv = unique_inverse(recv_keys)
+    owned_show = owned_click = None
+    if plan.counts is not None:
+        recv_counts = exchange(ctx, torch.from_numpy(plan.counts), key_counts,
+                               recv_key_counts, group=group).cpu().numpy()
+        sent += 8 * int(key_counts[off_rank].sum())
+        owned_show = np.bincount(owned_inv, weights=recv_counts[:, 0],
+                                 minlength=len(owned)).astype(np.float32)
+        owned_click = np.bincount(owned_inv, weights=recv_counts[:, 1],
+                                  minlength=len(owned)).astype(np.float32)
+    # Requested positions -> keys of ``owned``, regrouped step-major (then by source).
+    source = np.repeat(np.arange(world), serve_by_source.sum(axis=1))
+    step = np.concatenate([np.repeat(np.arange(n_steps), serve_by_source[r])
+                           for r in range(world)]) if n_steps else np.empty(0, np.int64)
+    request_owned = owned_inv[_starts(recv_key_counts)[source] + recv_ids]
+    request_owned = request_owned[np.lexsort((source, step))]
+    return ShardedPassPlan(rank=plan, global_sizes=global_sizes,
+                           serve_by_source=serve_by_source, owned=owned,
+                           owned_show=owned_show, owned_click=owned_click,
+                           request_owned=request_owned, staging_bytes=sent)
+
+
+@dataclass
 class ShardedStats:
     keys: int           # key occurrences in this rank's batches
     unique_keys: int    # keys this rank owns that the pass touches (summed over ranks:
@@ -253,54 +336,26 @@ class ShardedWorkingSet:
 
     # -- pass start ---------------------------------------------------------------------
     @classmethod
-    def stage(cls, ctx: DistContext, store: MemoryStore, batches: list[Batch] | RankPassPlan,
-              pass_id: int, train: bool = True) -> ShardedWorkingSet:
+    def stage(cls, ctx: DistContext, store: MemoryStore,
+              batches: list[Batch] | RankPassPlan | ShardedPassPlan, pass_id: int,
+              train: bool = True) -> ShardedWorkingSet:
         """Collective: every rank calls it with its own batches (one per global step), or
-        with their ``plan_rank_pass`` made ahead."""
-        world, me = ctx.world, ctx.rank
-        plan = batches if isinstance(batches, RankPassPlan) else plan_rank_pass(
-            batches, world, counts=train)
-        if plan.world != world:
-            raise ValueError(f"pass {pass_id}: planned for {plan.world} ranks, not {world}")
-        batches = plan.batches
-        sizes = ctx.all_gather_object([len(b) for b in batches])
-        if len({len(s) for s in sizes}) != 1:
-            raise RuntimeError(f"pass {pass_id}: ranks read different numbers of steps "
-                               f"{[len(s) for s in sizes]}; do all ranks see the same input?")
-        global_sizes = np.asarray(sizes, np.int64).reshape(world, -1).sum(axis=0)
-        n_steps = len(batches)
-        sent = 0
-        key_counts, request_splits = plan.key_counts, plan.request_splits
-        remapped = [b.to(ctx.device) for b in plan.remapped]
-
-        # One exchange of every count the pass needs: keys per owner, ids per step.
-        header = np.concatenate([key_counts[:, None], request_splits.T], axis=1)
-        recv_header = exchange(ctx, torch.from_numpy(header), [1] * world,
-                               [1] * world).cpu().numpy().reshape(world, 1 + n_steps)
-        recv_key_counts, serve_by_source = recv_header[:, 0], recv_header[:, 1:]
-        off_rank = np.arange(world) != me
-
-        recv_keys = exchange(ctx, torch.from_numpy(plan.keys), key_counts,
-                             recv_key_counts).cpu().numpy()
-        sent += 8 * int(key_counts[off_rank].sum())
-        recv_ids = exchange(ctx, torch.from_numpy(plan.request_ids), request_splits.sum(axis=0),
-                            serve_by_source.sum(axis=1)).cpu().numpy().astype(np.int64)
-        sent += 4 * int(request_splits.sum(axis=0)[off_rank].sum())
+        with their plan made ahead (``plan_rank_pass``, then ``exchange_plan``)."""
+        plan = batches
+        if not isinstance(plan, (RankPassPlan, ShardedPassPlan)):
+            plan = plan_rank_pass(plan, ctx.world, counts=train)
+        if isinstance(plan, RankPassPlan):
+            plan = exchange_plan(ctx, plan)
+        if train and plan.owned_show is None:
+            raise ValueError(f"pass {pass_id}: a training pass needs a plan with counts")
+        serve_by_source = plan.serve_by_source
+        remapped = [b.to(ctx.device) for b in plan.rank.remapped]
 
         # Owner: the union of what every rank asked for, pulled once.
-        owned, owned_inv = unique_inverse(recv_keys)
+        owned = plan.owned
         dim = store.row_dim
         if train:
-            if plan.counts is None:
-                raise ValueError("a training pass needs a plan made with counts=True")
-            recv_counts = exchange(ctx, torch.from_numpy(plan.counts), key_counts,
-                                   recv_key_counts).cpu().numpy()
-            sent += 8 * int(key_counts[off_rank].sum())
-            owned_show = np.bincount(owned_inv, weights=recv_counts[:, 0],
-                                     minlength=len(owned)).astype(np.float32)
-            owned_click = np.bincount(owned_inv, weights=recv_counts[:, 1],
-                                      minlength=len(owned)).astype(np.float32)
-            block, admitted = store.pull(owned, owned_show, owned_click, pass_id)
+            block, admitted = store.pull(owned, plan.owned_show, plan.owned_click, pass_id)
             rows, state_rows, widths = block.values, block.state, block.widths
         else:
             rows, admitted = store.lookup(owned)
@@ -321,20 +376,15 @@ class ShardedWorkingSet:
             column_mask = (torch.arange(dim) < torch.from_numpy(full)[:, None]).to(
                 torch.float32).to(ctx.device)
 
-        # Owner: requested positions -> working-set rows, regrouped step-major.
-        row_of_request = local[owned_inv]
-        source = np.repeat(np.arange(world), serve_by_source.sum(axis=1))
-        step = np.concatenate([np.repeat(np.arange(n_steps), serve_by_source[r])
-                               for r in range(world)]) if n_steps else np.empty(0, np.int64)
-        served = row_of_request[_starts(recv_key_counts)[source] + recv_ids]
-        served = served[np.lexsort((source, step))]
+        # Owner: requested keys -> working-set rows (step-major, then by source).
+        served = local[plan.request_owned]
         serve_offsets = _starts(serve_by_source.sum(axis=0))
 
-        stats = ShardedStats(keys=plan.occurrences, unique_keys=len(owned), admitted_keys=n_adm,
-                             staging_bytes=sent)
+        stats = ShardedStats(keys=plan.rank.occurrences, unique_keys=len(owned),
+                             admitted_keys=n_adm, staging_bytes=plan.staging_bytes)
         ws = cls(ctx, owned[admitted], weights.to(ctx.device), state, store, train,
-                 remapped, global_sizes, torch.from_numpy(served).to(ctx.device),
-                 serve_offsets, serve_by_source.T.copy(), request_splits, stats)
+                 remapped, plan.global_sizes, torch.from_numpy(served).to(ctx.device),
+                 serve_offsets, serve_by_source.T.copy(), plan.rank.request_splits, stats)
         ws.column_mask = column_mask
         return ws
 

@@ -36,7 +36,12 @@ from terarec.config import TrainConfig
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext
 from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
-from terarec.distributed.lookup import RankPassPlan, ShardedWorkingSet, plan_rank_pass
+from terarec.distributed.lookup import (
+    ShardedPassPlan,
+    ShardedWorkingSet,
+    exchange_plan,
+    plan_rank_pass,
+)
 from terarec.distributed.sharding import deal_batches, iter_rank_passes
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.working_set import _pooled
@@ -98,18 +103,26 @@ class ShardedTrainer(Trainer):
         return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
 
     def iter_passes(self, train_paths: list[str | Path], stats: ReadStats | None = None,
-                    first: int = 0, skip: int = 0) -> Iterator[list[Batch] | RankPassPlan]:
-        """This rank's share of every pass, planned (``plan_rank_pass``) in the read-ahead
-        thread; passes below ``skip`` (already trained, when resuming) are not planned."""
+                    first: int = 0, skip: int = 0) -> Iterator[list[Batch] | ShardedPassPlan]:
+        """This rank's share of every pass, planned in the read-ahead thread: the requests
+        (``plan_rank_pass``) and their exchange with the owners (``exchange_plan``, in the
+        context's own planning group); passes below ``skip`` (already trained, when
+        resuming) are not planned."""
         cfg = self.config
         world = self.ctx.world
         groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
                                   self.ctx.rank, world, on_bad_row=cfg.on_bad_row, stats=stats)
-        return (plan_rank_pass(g, world) if number >= skip else g
-                for number, g in enumerate(groups, first))
+        return (self.plan(g) if number >= skip else g for number, g in enumerate(groups, first))
 
-    def train_pass(self, batches: list[Batch] | RankPassPlan, progress: tqdm | None = None,
-                   upcoming: list[Batch] | RankPassPlan | None = None) -> PassResult:
+    def plan(self, batches: list[Batch]) -> ShardedPassPlan:
+        """Collective in the planning group: this rank's share of a training pass, planned
+        and exchanged with the owners. Call it from one thread only (the read-ahead one),
+        in pass order on every rank."""
+        ctx = self.ctx
+        return exchange_plan(ctx, plan_rank_pass(batches, ctx.world), group=ctx.plan_group)
+
+    def train_pass(self, batches: list[Batch] | ShardedPassPlan, progress: tqdm | None = None,
+                   upcoming: list[Batch] | ShardedPassPlan | None = None) -> PassResult:
         """Collective: stage, train and write back this rank's share of one pass.
         (``upcoming`` is not read ahead here: which keys a rank will own rows for is
         known only after the next pass's key exchange.)"""
