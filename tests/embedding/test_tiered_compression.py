@@ -201,6 +201,17 @@ def test_group_lasso_prunes_exactly_the_zero_rows_of_both_tiers(tmp_path):
     for store in (mem, tiered):
         store.push(survivor, RowBlock(row, np.zeros((1, store.state_dim), np.float32)))
         assert store.end_pass(1) == 0
+    # the pruned total survives a checkpoint, whichever store writes or reads it
+    tiered.save_snapshot(tmp_path / "snap")
+    restored = TieredStore(ROW_DIM, opt, StoreConfig(memory_budget="6MB", precision="int8"),
+                           seed=3, path=tmp_path / "restored")
+    restored.load_snapshot(tmp_path / "snap")
+    from_snapshot = MemoryStore(ROW_DIM, opt, StoreConfig(precision="int8"), seed=3)
+    from_snapshot.load_arrays(snapshot_arrays(tmp_path / "snap", ROW_DIM, tiered.state_dim))
+    from_memory = MemoryStore(ROW_DIM, opt, StoreConfig(precision="int8"), seed=3)
+    from_memory.load_arrays(mem.to_arrays())
+    for store in (restored, from_snapshot, from_memory):
+        assert store.stats().pruned == int(zero.sum())
 
 
 @pytest.mark.parametrize("config", [dict(precision="int4"), VARLEN])

@@ -367,6 +367,7 @@ class MemoryStore(EvictionLog):
             "click": self.click[slots],
             "last_seen": self.last_seen[slots],
             "counters": np.array([self.admitted_total, self.evicted_total], np.int64),
+            "pruned": np.array([self.pruned_total], np.int64),
             **self.candidate_arrays(),
         }
 
@@ -409,4 +410,5 @@ class MemoryStore(EvictionLog):
         self.last_seen[:n] = arrays["last_seen"]
         if "counters" in arrays:
             self.admitted_total, self.evicted_total = (int(x) for x in arrays["counters"])
+        self.pruned_total = int(arrays["pruned"].sum()) if "pruned" in arrays else 0
         self.load_candidate_arrays(arrays)

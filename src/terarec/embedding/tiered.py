@@ -695,7 +695,9 @@ class TieredStore(EvictionLog):
     def _store_arrays(self) -> dict[str, np.ndarray]:
         return {**self.memory.candidate_arrays(),
                 "counters": np.array([self.admitted_total, self.evicted_total,
-                                      self._disk_only_evicted], np.int64)}
+                                      self._disk_only_evicted], np.int64),
+                "pruned": np.array([self.memory.pruned_total, self._disk_only_pruned],
+                                   np.int64)}
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The whole store sorted by key, in RAM (small tables, exports); checkpoints use
@@ -708,6 +710,7 @@ class TieredStore(EvictionLog):
             arrays = {**records_to_arrays(keys, self.disk.read_slots(slots), self.layout),
                       **self._store_arrays()}
             arrays["counters"] = arrays["counters"][:2]  # MemoryStore's form
+            arrays["pruned"] = arrays["pruned"].sum(keepdims=True)
             return arrays
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
@@ -725,6 +728,7 @@ class TieredStore(EvictionLog):
             if "counters" in arrays:
                 c = [int(x) for x in arrays["counters"]]
                 self.memory.admitted_total, self.memory.evicted_total = c[0], c[1]
+            self.memory.pruned_total = int(arrays["pruned"].sum()) if "pruned" in arrays else 0
 
     def _reset(self) -> None:
         self.disk.release()
@@ -772,6 +776,9 @@ class TieredStore(EvictionLog):
             self.memory.admitted_total = admitted
             self.memory.evicted_total = evicted - disk_only
             self._disk_only_evicted = disk_only
+            if "pruned" in arrays:  # snapshots from before pruned keys were counted lack it
+                self.memory.pruned_total, self._disk_only_pruned = (
+                    int(x) for x in arrays["pruned"])
             self._snapshot_dir = Path(src)
             self._snapshot_digests = dict(digests or {})
 
@@ -838,6 +845,8 @@ def snapshot_arrays(src: Path, row_dim: int, state_dim: int) -> dict[str, np.nda
     extra = load_numpy(str(Path(src) / STORE_FILE))
     arrays.update({k: v for k, v in extra.items() if k.startswith("cand_")})
     arrays["counters"] = extra["counters"][:2]
+    if "pruned" in extra:
+        arrays["pruned"] = extra["pruned"].sum(keepdims=True)
     return arrays
 
 

@@ -217,8 +217,8 @@ class LoadedCheckpoint:
 
 def sparse_key_column(name: str) -> str | None:
     """Which key array orders sparse array ``name``: rows by ``keys``, admission
-    candidates by ``cand_keys``; None for store-wide totals (``counters``)."""
-    if name == "counters":
+    candidates by ``cand_keys``; None for store-wide totals (``counters``, ``pruned``)."""
+    if name in ("counters", "pruned"):
         return None
     return "cand_keys" if name.startswith("cand_") else "keys"
 
