@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from terarec.data.readers import iter_batches
+from terarec.distributed.lookup import plan_rank_pass
 from terarec.distributed.sharding import (
     deal_batches,
     iter_rank_passes,
@@ -107,3 +108,33 @@ def test_deal_batches_pads_every_rank_to_the_same_number_of_steps(csv_file):
     assert [len(b) for b in dealt[0]] == [300, 100]
     assert [len(b) for b in dealt[2]] == [300, 0]
     assert deal_batches([], 0, 2) == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_plan_remaps_every_step_to_its_owner_grouped_table(csv_file, world):
+    """``plan_rank_pass``: each step's table holds its distinct keys once, grouped by
+    owner; the remapped ids read the original keys back; the requests name, per owner,
+    positions among the keys sent to that owner; shows and clicks count the pass."""
+    batches = next(iter_rank_passes([csv_file], _schema(), 120, 10_000, 1, world))
+    plan = plan_rank_pass(batches, world)
+    key_starts = np.concatenate([[0], np.cumsum(plan.key_counts)])
+    assert (shard_of(plan.keys, world) == np.repeat(np.arange(world), plan.key_counts)).all()
+    sent = [iter(np.split(plan.request_ids, np.cumsum(plan.request_splits.sum(axis=0))[:-1])[o]
+                 .astype(np.int64)) for o in range(world)]
+    cursor = np.zeros(world, np.int64)
+    for step, (batch, remapped) in enumerate(zip(batches, plan.remapped, strict=True)):
+        keys = batch.sparse.values.numpy()
+        splits = plan.request_splits[step]
+        table = []
+        for o in range(world):
+            ids = np.array([next(sent[o]) for _ in range(splits[o])], np.int64)
+            cursor[o] += splits[o]
+            table.append(plan.keys[key_starts[o] + ids])
+        table = np.concatenate(table)
+        assert len(np.unique(table)) == len(table) == len(np.unique(keys))
+        assert np.array_equal(table[remapped.sparse.values.numpy()], keys)
+        assert torch.equal(remapped.sparse.offsets, batch.sparse.offsets)
+    assert (cursor == plan.request_splits.sum(axis=0)).all()
+    all_keys = np.concatenate([b.sparse.values.numpy() for b in batches])
+    shows = {k: c for k, c in zip(*np.unique(all_keys, return_counts=True), strict=True)}
+    assert [shows[k] for k in plan.keys] == plan.counts[:, 0].tolist()

@@ -126,26 +126,40 @@ def _starts(counts: np.ndarray) -> np.ndarray:
 @numba.njit(nogil=True, cache=True)
 def _step_requests(occ_pos, step_starts, pos_owner, world):
     """Per step, the distinct positions its key occurrences need, grouped by owner (in
-    order of first occurrence within an owner), as one pass over the occurrences:
+    order of first occurrence within an owner), in two passes over the occurrences:
 
     splits[s, o]   distinct positions of step s owned by rank o
     ids[i]         occurrence i's row in its step table (owner-major)
     requests       the positions, owner-major then step-major: what each owner is sent
     """
     n_steps = step_starts.shape[0] - 1
-    mark = np.full(pos_owner.shape[0], -1, np.int64)
+    mark = np.full(pos_owner.shape[0], -1, np.int64)  # rank of a position within its owner
     splits = np.zeros((n_steps, world), np.int64)
     ids = np.empty(occ_pos.shape[0], np.int64)
-    for s in range(n_steps):  # count: distinct positions per (step, owner)
+    distinct = np.empty(occ_pos.shape[0], np.int64)  # step-major, first occurrence order
+    distinct_start = np.zeros(n_steps + 1, np.int64)
+    row_start = np.empty(world, np.int64)
+    n = 0
+    for s in range(n_steps):
         for i in range(step_starts[s], step_starts[s + 1]):
             p = occ_pos[i]
             if mark[p] < 0:
                 o = pos_owner[p]
                 mark[p] = splits[s, o]
                 splits[s, o] += 1
+                distinct[n] = p
+                n += 1
+        acc = 0
+        for o in range(world):
+            row_start[o] = acc
+            acc += splits[s, o]
         for i in range(step_starts[s], step_starts[s + 1]):
-            mark[occ_pos[i]] = -1
-    # where each (owner, step) block starts in the owner-major request list
+            p = occ_pos[i]
+            ids[i] = row_start[pos_owner[p]] + mark[p]
+        distinct_start[s + 1] = n
+        for j in range(distinct_start[s], n):
+            mark[distinct[j]] = -1
+    # each (owner, step) block's start in the owner-major request list
     block = np.empty((world, n_steps), np.int64)
     total = 0
     for o in range(world):
@@ -153,23 +167,15 @@ def _step_requests(occ_pos, step_starts, pos_owner, world):
             block[o, s] = total
             total += splits[s, o]
     requests = np.empty(total, np.int64)
-    row_start = np.empty(world, np.int64)
+    fill = np.empty(world, np.int64)
     for s in range(n_steps):
-        acc = 0
         for o in range(world):
-            row_start[o] = acc
-            acc += splits[s, o]
-        fill = np.zeros(world, np.int64)
-        for i in range(step_starts[s], step_starts[s + 1]):
-            p = occ_pos[i]
+            fill[o] = block[o, s]
+        for j in range(distinct_start[s], distinct_start[s + 1]):
+            p = distinct[j]
             o = pos_owner[p]
-            if mark[p] < 0:
-                mark[p] = fill[o]
-                requests[block[o, s] + fill[o]] = p
-                fill[o] += 1
-            ids[i] = row_start[o] + mark[p]
-        for i in range(step_starts[s], step_starts[s + 1]):
-            mark[occ_pos[i]] = -1
+            requests[fill[o]] = p
+            fill[o] += 1
     return splits, ids, requests
 
 
