@@ -161,7 +161,29 @@ def synth_runs(tmp_path_factory):
     generate(root / "valid.txt", 8192, sample_seed=2)
     for comm in ("none", "dgc"):
         torchrun([*_synth_args(root), "--out", str(root / comm), "--dense-comm", comm])
+    # per-rank tiered stores under a budget smaller than each rank's table
+    torchrun([*_synth_args(root), "--out", str(root / "tiered"), "--memory-budget", "9MB",
+              "--store-dir", str(root / "rank-stores")])
     return root
+
+
+def test_ranks_with_tiered_stores_train_the_same_model_as_in_memory(synth_runs):
+    memory = restore_trainer(synth_runs / "none").store.to_arrays()
+    tiered = restore_trainer(synth_runs / "tiered").store.to_arrays()
+    np.testing.assert_array_equal(tiered["keys"], memory["keys"])
+    np.testing.assert_allclose(tiered["values"], memory["values"], atol=1e-6)
+    np.testing.assert_allclose(tiered["state"], memory["state"], atol=1e-6)
+    # each rank's table outgrew its budget: rows were spilled to its disk tier
+    meta = json.loads((list_checkpoints(synth_runs / "tiered")[0] / "meta.json").read_text())
+    assert len(meta["stores"]) == 2
+    for rank_store in meta["stores"]:
+        tiers = rank_store["tiers"]
+        assert tiers["memory_keys"] < 0.7 * tiers["disk_keys"] and tiers["spilled"] > 1000
+    assert sorted(p.name for p in (synth_runs / "rank-stores").iterdir()) == [
+        "rank-00000", "rank-00001"]
+    m_none = json.loads((synth_runs / "none" / "metrics.json").read_text())
+    m_tiered = json.loads((synth_runs / "tiered" / "metrics.json").read_text())
+    assert m_tiered["auc"] == pytest.approx(m_none["auc"], abs=1e-6)
 
 
 def test_dgc_sends_500x_fewer_dense_bytes_and_keeps_auc(synth_runs):

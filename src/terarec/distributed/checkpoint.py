@@ -51,6 +51,7 @@ from terarec.train.checkpoint import (
     load_sparse,
     read_model_meta,
     sparse_key_column,
+    store_summary,
     verify_checkpoint,
     write_model_meta,
 )
@@ -99,10 +100,11 @@ def save_sharded_checkpoint(model_dir: str | Path, trainer: ShardedTrainer,
         _write(staging / "dense.safetensors", files)
         torch.save(trainer.dense_optimizer.state_dict(), staging / "dense_optimizer.pt")
         _write(staging / "dense_optimizer.pt", files)
-    every_rank = ctx.all_gather_object(files)  # past here, every rank's files are durable
+    # past here, every rank's files are durable
+    every_rank = ctx.all_gather_object((files, store_summary(trainer.store)))
     final = root / name
     if ctx.is_main:
-        digests = {k: v for part in every_rank for k, v in part.items()}
+        digests = {k: v for part, _ in every_rank for k, v in part.items()}
         meta = {
             "pass_id": trainer.pass_id,
             "world_size": ctx.world,
@@ -111,6 +113,7 @@ def save_sharded_checkpoint(model_dir: str | Path, trainer: ShardedTrainer,
             "history": trainer.history,
             "rng": {"torch": torch.get_rng_state().tolist()},
             "sha256": digests,
+            "stores": [summary for _, summary in every_rank],  # per rank: keys, tiers
             **(extra or {}),
         }
         with open(staging / "meta.json", "w") as fh:

@@ -46,7 +46,7 @@ from terarec.distributed.sharding import deal_batches, iter_rank_passes
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.working_set import _pooled
 from terarec.train.passes import group_passes
-from terarec.train.trainer import PassResult, Trainer
+from terarec.train.trainer import PassResult, Trainer, _start_prefetch
 from terarec.types import Batch, FeatureSchema
 
 
@@ -124,12 +124,16 @@ class ShardedTrainer(Trainer):
     def train_pass(self, batches: list[Batch] | ShardedPassPlan, progress: tqdm | None = None,
                    upcoming: list[Batch] | ShardedPassPlan | None = None) -> PassResult:
         """Collective: stage, train and write back this rank's share of one pass.
-        (``upcoming`` is not read ahead here: which keys a rank will own rows for is
-        known only after the next pass's key exchange.)"""
+
+        ``upcoming``: the next pass; once planned (``plan``, whose key exchange told this
+        rank which keys it will serve), a store with a disk tier reads their rows into
+        RAM in a thread while this pass trains."""
         self.model.train()
         ctx = self.ctx
         t0 = time.perf_counter()
         ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True)
+        prefetcher = _start_prefetch(
+            self.store, upcoming.owned if isinstance(upcoming, ShardedPassPlan) else None)
         t1 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64)
         bytes_before = self.dense_comm.meter.bytes
@@ -145,6 +149,9 @@ class ShardedTrainer(Trainer):
             if progress is not None:
                 progress.update(global_rows)
         t2 = time.perf_counter()
+        if prefetcher is not None:
+            prefetcher.join()  # the store is the pass's own again before write-back
+        wait_s = time.perf_counter() - t2
         ws.write_back(self.store)
         evicted = self.store.end_pass(self.pass_id)
         t3 = time.perf_counter()
@@ -161,7 +168,7 @@ class ShardedTrainer(Trainer):
             staging_s=t1 - t0, train_s=t2 - t1, write_back_s=t3 - t2,
             samples_per_s=float(rows / (totals[8] / ctx.world)), unique_keys=int(totals[2]),
             admitted_keys=int(totals[3]), evicted_keys=int(totals[4]),
-            store_keys=int(totals[5]), world_size=ctx.world,
+            store_keys=int(totals[5]), prefetch_wait_s=wait_s, world_size=ctx.world,
             dense_bytes_per_step=float(totals[7] / ctx.world),
             sparse_bytes_per_step=float(totals[6] / ctx.world))
         self.pass_id += 1

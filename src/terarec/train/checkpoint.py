@@ -114,7 +114,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
             "rng": {"torch": torch.get_rng_state().tolist()},
             "sha256": digests,
             "sparse_format": "tiered" if tiered else "arrays",
-            "store": _store_summary(store),
+            "store": store_summary(store),
             **(extra or {}),
         }
         with open(tmp / "meta.json", "w") as fh:
@@ -138,7 +138,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
     return final
 
 
-def _store_summary(store) -> dict:
+def store_summary(store) -> dict:
     """Key counts and bytes per tier at commit time, for ``terarec inspect``."""
     out = asdict(store.stats())
     if hasattr(store, "tier_stats"):

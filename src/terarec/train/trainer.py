@@ -249,13 +249,16 @@ def _with_next(items: Iterator) -> Iterator[tuple]:
 class _Prefetcher(threading.Thread):
     """Reads the next pass's rows from the disk tier; errors re-raised on join."""
 
-    def __init__(self, store: TieredStore, upcoming: list[Batch] | PassPlan) -> None:
+    def __init__(self, store: TieredStore, upcoming: list[Batch] | PassPlan | np.ndarray
+                 ) -> None:
         super().__init__(name="terarec-store-prefetch", daemon=True)
         self.store, self.upcoming, self.error = store, upcoming, None
 
     def run(self) -> None:
         try:
-            if isinstance(self.upcoming, PassPlan):
+            if isinstance(self.upcoming, np.ndarray):  # the keys themselves
+                keys = self.upcoming
+            elif isinstance(self.upcoming, PassPlan):
                 keys = self.upcoming.keys
             else:
                 keys, _ = unique_inverse(np.concatenate([b.sparse.values.numpy()
@@ -270,8 +273,13 @@ class _Prefetcher(threading.Thread):
             raise self.error
 
 
-def _start_prefetch(store, upcoming: list[Batch] | PassPlan | None) -> _Prefetcher | None:
-    if not upcoming or not hasattr(store, "prefetch"):
+def _start_prefetch(store, upcoming: list[Batch] | PassPlan | np.ndarray | None
+                    ) -> _Prefetcher | None:
+    """Start reading ``upcoming``'s rows (a pass, its plan, or its keys) into RAM, where
+    the store has a disk tier to read them from."""
+    if upcoming is None or not hasattr(store, "prefetch"):
+        return None
+    if isinstance(upcoming, (list, np.ndarray)) and len(upcoming) == 0:
         return None
     thread = _Prefetcher(store, upcoming)
     thread.start()
