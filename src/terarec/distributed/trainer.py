@@ -149,11 +149,7 @@ class ShardedTrainer(Trainer):
             if progress is not None:
                 progress.update(global_rows)
         t2 = time.perf_counter()
-        if prefetcher is not None:
-            prefetcher.join()  # the store is the pass's own again before write-back
-        wait_s = time.perf_counter() - t2
-        ws.write_back(self.store)
-        evicted = self.store.end_pass(self.pass_id)
+        wait_s, evicted = self._close_pass(ws, prefetcher)
         t3 = time.perf_counter()
         steps = max(len(ws.batches), 1)
         local_rows = sum(len(b) for b in ws.batches)

@@ -115,11 +115,7 @@ class Trainer:
             if progress is not None:
                 progress.update(len(batch))
         t2 = time.perf_counter()
-        if prefetcher is not None:
-            prefetcher.join()  # the store is the pass's own again before write-back
-        wait_s = time.perf_counter() - t2
-        ws.write_back(self.store)
-        evicted = self.store.end_pass(self.pass_id)
+        wait_s, evicted = self._close_pass(ws, prefetcher)
         t3 = time.perf_counter()
         rows = sum(len(b) for b in batches)
         weights = torch.tensor([len(b) for b in batches], dtype=torch.float32)
@@ -131,6 +127,16 @@ class Trainer:
             evicted_keys=evicted, store_keys=len(self.store), prefetch_wait_s=wait_s)
         self.pass_id += 1
         return result
+
+    def _close_pass(self, ws, prefetcher: _Prefetcher | None) -> tuple[float, int]:
+        """Wait for the next pass's read-ahead (the store is the pass's own again before
+        write-back), write the pass's rows back and apply eviction: (wait s, evicted)."""
+        start = time.perf_counter()
+        if prefetcher is not None:
+            prefetcher.join()
+        wait_s = time.perf_counter() - start
+        ws.write_back(self.store)
+        return wait_s, self.store.end_pass(self.pass_id)
 
     @torch.no_grad()
     def predict_batches(self, batches: list[Batch]) -> np.ndarray:
