@@ -12,16 +12,19 @@ from typing import IO
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """Write to a temp file in the same folder, fsync, then rename over ``path``."""
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temp file in ``path``'s folder for the caller to write by any means (a Python
+    handle, a database's COPY); on success it is fsynced and renamed over ``path``, on
+    error removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; published files are meant to be read
-        with os.fdopen(fd, mode) as fh:
-            yield fh
-            fh.flush()
+        yield tmp
+        with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
@@ -29,6 +32,13 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
+    """Write to a temp file in the same folder, fsync, then rename over ``path``."""
+    with atomic_path(path) as tmp, open(tmp, mode) as fh:
+        yield fh
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

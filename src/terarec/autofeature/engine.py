@@ -40,7 +40,7 @@ from terarec.autofeature.tables import (
     FeatureTables,
     table_file_name,
 )
-from terarec.io import fsync_dir
+from terarec.io import atomic_path
 from terarec.types import FeatureSchema
 
 
@@ -281,17 +281,8 @@ def _aggregate_sql(cand: Candidate) -> str:
 def copy_to_parquet(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, query: str,
                     path: Path, what: str) -> None:
     """COPY ``query`` to Parquet at ``path`` via a temp file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    with atomic_path(path) as tmp:
         engine.run(con, f"COPY ({query}) TO {literal(str(tmp))} (FORMAT parquet)", what)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _first_line(exc: BaseException) -> str:
