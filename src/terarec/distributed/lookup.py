@@ -223,15 +223,15 @@ def plan_rank_pass(batches: list[Batch], world: int, counts: bool = True) -> Ran
     request_ids = (requests - key_starts[request_owner]).astype(np.int32)
     remapped = [Batch(b.dense, b.sparse.with_values(torch.from_numpy(ids[a:z])), b.labels)
                 for b, a, z in zip(batches, step_starts[:-1], step_starts[1:], strict=True)]
-    key_counts_out = None
+    show_click = None
     if counts:
         show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
         occ = (np.concatenate([occurrence_labels(b) for b in batches])
                if batches else np.empty(0, np.float32))
         click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
-        key_counts_out = np.stack([show, click], axis=1)[order]
+        show_click = np.stack([show, click], axis=1)[order]
     return RankPassPlan(world=world, batches=batches, remapped=remapped, keys=uniq[order],
-                        key_counts=key_counts, counts=key_counts_out, request_splits=splits,
+                        key_counts=key_counts, counts=show_click, request_splits=splits,
                         request_ids=request_ids, occurrences=len(all_keys))
 
 
