@@ -5,10 +5,10 @@ and converted column-wise, and the cleaned blocks are re-cut into batches::
 
     file ──> pyarrow blocks ──> _Cleaner (label 0/1, numbers parsed, bad rows located)
          ──> clean blocks (label f32, numeric f64 + nulls, categorical as read)
-         ──> re-cut to batch_size ──> _to_batch (dense transform, hashing) ──> Batch
+         ──> re-cut to batch_size ──> table_to_batch (dense transform, hashing) ──> Batch
 
 ``batch_from_records`` builds the same clean block from request dicts and goes through
-the same ``_to_batch``, so serving gets exactly the keys and dense values training got.
+the same ``table_to_batch``, so serving gets exactly the keys and dense values training got.
 
 Every value of a text file is read as a string and converted here, so a bad value is
 reported with its file, 1-based line number and field instead of a bare parse error.
@@ -144,6 +144,17 @@ def iter_batches(path: str | Path, schema: FeatureSchema, batch_size: int, *,
     numeric column or a label other than 0/1, counting them in ``stats``; an empty or
     missing file, or columns the file lacks, are always errors.
     """
+    for table in iter_tables(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats):
+        yield table_to_batch(table, schema)
+
+
+def iter_tables(path: str | Path, schema: FeatureSchema, batch_size: int, *,
+                on_bad_row: OnBadRow = "error",
+                stats: ReadStats | None = None) -> Iterator[pa.Table]:
+    """``iter_batches`` one step short: parsed and checked tables of ``batch_size`` rows,
+    not yet hashed. Hashing is most of the work of reading, so a torchrun rank, which
+    must see every row to cut the same batches as the others, converts only its own
+    (``table_to_batch``)."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if batch_size <= 0:
@@ -166,7 +177,7 @@ def iter_batches(path: str | Path, schema: FeatureSchema, batch_size: int, *,
     for table in _rebatch(blocks, batch_size):
         produced += table.num_rows
         stats.rows += table.num_rows
-        yield _to_batch(table, schema)
+        yield table
     if produced == 0 and stats.skipped == 0:
         raise DataError(f"{path}: no data rows")
 
@@ -196,7 +207,7 @@ def batch_from_records(records: Sequence[Mapping[str, Any]], schema: FeatureSche
             columns[spec.name] = _texts(spec.name, values, categorical=True)
     block = pa.RecordBatch.from_pydict(columns)
     clean = cleaner.clean(block, 0)
-    return _to_batch(pa.Table.from_batches([clean]), schema)
+    return table_to_batch(pa.Table.from_batches([clean]), schema)
 
 
 # -- cleaning: parse labels and numbers, locate bad rows ------------------------------------
@@ -467,7 +478,8 @@ def _rebatch(blocks: Iterator[pa.RecordBatch], batch_size: int) -> Iterator[pa.T
 
 # -- conversion: clean table -> Batch -------------------------------------------------------
 
-def _to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
+def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
+    """A clean table (from ``iter_tables``) as a Batch: dense features, hashed keys, labels."""
     n = table.num_rows
     labels = np.array(table.column(schema.label).to_numpy(), dtype=np.float32)  # writable
     dense = np.zeros((n, schema.dense_dim), dtype=np.float32)

@@ -24,8 +24,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
-from terarec.data.readers import ReadStats, iter_batches
+from terarec.data.readers import ReadStats, iter_tables, table_to_batch
 from terarec.types import Batch, FeatureSchema
 
 _SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
@@ -51,14 +52,14 @@ def local_batch_size(batch_size: int, world: int) -> int:
 
 def _global_steps(paths: Iterable[str | Path], schema: FeatureSchema, local_size: int,
                   world: int, on_bad_row: str,
-                  stats: ReadStats | None) -> Iterator[list[Batch]]:
-    """Groups of up to ``world`` consecutive local batches; never across a file end, as a
-    single process's batches never are."""
+                  stats: ReadStats | None) -> Iterator[list[pa.Table]]:
+    """Groups of up to ``world`` consecutive local batches, as tables not yet hashed;
+    never across a file end, as a single process's batches never are."""
     for path in paths:
-        step: list[Batch] = []
-        for batch in iter_batches(path, schema, local_size, on_bad_row=on_bad_row,
-                                  stats=stats):
-            step.append(batch)
+        step: list[pa.Table] = []
+        for table in iter_tables(path, schema, local_size, on_bad_row=on_bad_row,
+                                 stats=stats):
+            step.append(table)
             if len(step) == world:
                 yield step
                 step = []
@@ -71,13 +72,17 @@ def iter_rank_passes(paths: Iterable[str | Path], schema: FeatureSchema, batch_s
                      stats: ReadStats | None = None) -> Iterator[list[Batch]]:
     """This rank's share of every pass: one local batch per global step (empty where the
     step has fewer local batches than ranks). Every rank yields the same number of passes
-    with the same number of steps, so their collectives line up."""
+    with the same number of steps, so their collectives line up.
+
+    Every rank parses and checks every row (so that all cut the same batches, and a bad
+    row stops all of them), but hashes only its own batches: most of the reading work."""
     local_size = local_batch_size(batch_size, world)
     current: list[Batch] = []
     rows = 0
     for step in _global_steps(paths, schema, local_size, world, on_bad_row, stats):
-        current.append(step[rank] if rank < len(step) else step[0].slice(0, 0))
-        rows += sum(len(b) for b in step)
+        mine = step[rank] if rank < len(step) else step[0].slice(0, 0)
+        current.append(table_to_batch(mine, schema))
+        rows += sum(t.num_rows for t in step)
         if rows >= pass_rows:
             yield current
             current, rows = [], 0
