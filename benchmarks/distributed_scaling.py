@@ -15,17 +15,16 @@ Same synthetic Criteo-format data, same global batch and passes. Two measurement
 
 The scaling pair runs ``--repeats`` times, interleaved; ``scaling`` compares the best
 runs (other processes on a shared machine only ever slow a run down), ``scaling_median``
-the medians, and every run's figure is listed. The fp16, dgc and end-to-end runs once.
+the medians, and every run's figure is listed. The pair runs at the headline global batch
+(``--batch-size``, 8192: 4096 rows per rank) and at each of ``--also-batch-sizes``
+(``scaling_by_batch``): every step pays a fixed price in exchanges (on gloo over loopback
+about 0.3-0.5 ms per all-to-all and 1.6 ms per all-reduce, whatever the size), so the
+smaller the batch per rank, the larger its share. The fp16, dgc and end-to-end runs
+once, at the headline batch.
 
-The 2-rank training loop runs three times, exchanging dense gradients with none / fp16 /
-dgc; one JSON line reports its figures, dense bytes per step and rank (dgc: after its
-warm-up), ``dgc_compression`` and the validation AUC of each (``delta_auc_dgc`` = dgc -
-none). ``load_avg`` is the machine's 1-minute load when the run ended: other processes
-on a shared machine take cores from the ranks.
-
-Usage: ``python benchmarks/distributed_scaling.py [--rows 500000] [--batch-size 4096]
-[--workdir DIR]``.
-The default run takes about 5 minutes on 2 idle cores.
+Usage: ``python benchmarks/distributed_scaling.py [--rows 1000000] [--batch-size 8192]
+[--also-batch-sizes 4096] [--repeats 3] [--workdir DIR]``.
+The default run takes about 8 minutes on 2 idle cores.
 """
 
 from __future__ import annotations
@@ -146,18 +145,43 @@ def worker(args: argparse.Namespace) -> None:
         ctx.close()
 
 
+def scaling_pair(args: argparse.Namespace) -> dict:
+    """1 rank against 2 ranks at ``args.batch_size``, ``args.repeats`` times interleaved
+    (a noisy spell hits both sides); runs are deterministic, so AUC and bytes do not
+    change between repeats."""
+    ones, twos = [], []
+    for _ in range(args.repeats):
+        ones.append(train_loop(args, 1, "none"))
+        twos.append(train_loop(args, 2, "none"))
+    one = max(ones, key=lambda r: r["samples_per_s"])
+    two = max(twos, key=lambda r: r["samples_per_s"])
+    return {
+        "one": one, "two": two,
+        "sps_1rank": round(one["samples_per_s"], 1),
+        "sps_2ranks": round(two["samples_per_s"], 1),
+        "scaling": round(two["samples_per_s"] / one["samples_per_s"], 3),
+        "scaling_median": round(statistics.median(r["samples_per_s"] for r in twos)
+                                / statistics.median(r["samples_per_s"] for r in ones), 3),
+        "sps_2ranks_runs": [round(r["samples_per_s"]) for r in twos],
+        "sps_1rank_runs": [round(r["samples_per_s"]) for r in ones],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=500_000)
+    p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--valid-rows", type=int, default=30_000)
-    p.add_argument("--batch-size", type=int, default=4096)
-    p.add_argument("--pass-rows", type=int, default=100_000)
+    p.add_argument("--batch-size", type=int, default=8192,
+                   help="global batch of the headline figures, dense-comm and CLI runs")
+    p.add_argument("--also-batch-sizes", default="4096",
+                   help="comma-separated global batches whose scaling pair is also measured")
+    p.add_argument("--pass-rows", type=int, default=200_000)
     p.add_argument("--model", default="deepfm")
     p.add_argument("--dgc-ratio", type=float, default=0.001)
     p.add_argument("--dgc-momentum", type=float, default=0.5)
     p.add_argument("--dgc-warmup-steps", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=5,
-                   help="training-loop runs per side of the scaling pair; the best counts")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="training-loop runs per side of each scaling pair; the best counts")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dense-comm", default="none", help=argparse.SUPPRESS)
@@ -174,26 +198,24 @@ def main() -> None:
         if not (args.workdir / "train.txt").exists():
             generate(args.workdir / "train.txt", args.rows, sample_seed=1)
             generate(args.workdir / "valid.txt", args.valid_rows, sample_seed=2)
-        # Runs are deterministic: AUC and bytes do not change between repeats.
-        ones, twos = [], []
-        for _ in range(args.repeats):  # interleaved: a noisy spell hits both sides
-            ones.append(train_loop(args, 1, "none"))
-            twos.append(train_loop(args, 2, "none"))
-        one = max(ones, key=lambda r: r["samples_per_s"])
-        two = {"none": max(twos, key=lambda r: r["samples_per_s"])}
+        others = sorted({int(b) for b in args.also_batch_sizes.split(",") if b.strip()}
+                        - {args.batch_size})
+        by_batch = {}
+        for batch in others:
+            by_batch[batch] = scaling_pair(argparse.Namespace(**{**vars(args),
+                                                                 "batch_size": batch}))
+        main_pair = by_batch[args.batch_size] = scaling_pair(args)
+        two = {"none": main_pair["two"]}
         two.update({c: train_loop(args, 2, c) for c in ("fp16", "dgc")})
         cli_one, cli_two = train_cli(args, 1), train_cli(args, 2)
     dense = {c: r["dense_bytes_per_step"] for c, r in two.items()}
+    headline = {k: v for k, v in main_pair.items() if k not in ("one", "two")}
     print(json.dumps({
         "rows": args.rows, "batch_size": args.batch_size, "model": args.model,
-        "repeats": args.repeats,
-        "sps_1rank": round(one["samples_per_s"], 1),
-        "sps_2ranks": round(two["none"]["samples_per_s"], 1),
-        "scaling": round(two["none"]["samples_per_s"] / one["samples_per_s"], 3),
-        "scaling_median": round(statistics.median(r["samples_per_s"] for r in twos)
-                                / statistics.median(r["samples_per_s"] for r in ones), 3),
-        "sps_2ranks_runs": [round(r["samples_per_s"]) for r in twos],
-        "sps_1rank_runs": [round(r["samples_per_s"]) for r in ones],
+        "repeats": args.repeats, **headline,
+        "scaling_by_batch": {str(b): {k: r[k] for k in ("sps_1rank", "sps_2ranks", "scaling",
+                                                        "scaling_median")}
+                             for b, r in sorted(by_batch.items())},
         "sps_2ranks_dgc": round(two["dgc"]["samples_per_s"], 1),
         "sps_cli_1rank": round(cli_one, 1), "sps_cli_2ranks": round(cli_two, 1),
         "scaling_cli": round(cli_two / cli_one, 3),
@@ -201,7 +223,7 @@ def main() -> None:
         "sparse_bytes_per_step": round(two["none"]["sparse_bytes_per_step"], 1),
         "dgc_ratio": args.dgc_ratio, "dgc_momentum": args.dgc_momentum,
         "dgc_compression": round(dense["none"] / dense["dgc"], 1),
-        "auc_1rank": round(one["auc"], 5),
+        "auc_1rank": round(main_pair["one"]["auc"], 5),
         "auc_none": round(two["none"]["auc"], 5),
         "auc_fp16": round(two["fp16"]["auc"], 5),
         "auc_dgc": round(two["dgc"]["auc"], 5),
