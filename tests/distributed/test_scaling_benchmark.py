@@ -1,0 +1,41 @@
+"""``benchmarks/distributed_scaling.py`` end to end on a tiny input: it launches real
+torchrun ranks and prints the one JSON line its docs promise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "distributed_scaling.py"
+
+
+def test_benchmark_prints_scaling_per_batch_and_dense_bytes_per_hook(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--rows", "24000", "--valid-rows", "2000",
+         "--batch-size", "1024", "--also-batch-sizes", "512", "--pass-rows", "6000",
+         "--repeats", "1", "--dgc-warmup-steps", "4", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=480,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert set(result["scaling_by_batch"]) == {"512", "1024"}
+    assert result["scaling_by_batch"]["1024"]["scaling"] == result["scaling"]
+    assert result["scaling"] == pytest.approx(result["sps_2ranks"] / result["sps_1rank"],
+                                              rel=1e-3)
+    assert result["sps_1rank"] > 0 and result["sps_2ranks"] > 0 and result["scaling_cli"] > 0
+    dense = result["bytes_per_step"]
+    assert dense["fp16"] == pytest.approx(dense["none"] / 2)
+    assert dense["dgc"] < dense["none"] / 50
+    assert result["dgc_compression"] == pytest.approx(dense["none"] / dense["dgc"], rel=1e-3)
+    # 2 ranks train the single process's model: the same validation AUC within noise
+    assert abs(result["auc_none"] - result["auc_1rank"]) < 2e-3
+    assert result["delta_auc_dgc"] == pytest.approx(result["auc_dgc"] - result["auc_none"],
+                                                    abs=2e-5)
