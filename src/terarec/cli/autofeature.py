@@ -36,7 +36,6 @@ from terarec.autofeature.selection import (
 )
 from terarec.cli.common import add_format_args, schema_from_args
 from terarec.io import atomic_write_text
-from terarec.report import plot_bars
 
 GAIN_FIELDS = ("name", "kind", "auc", "gain", "selected", "round", "gain_when_chosen")
 
@@ -161,6 +160,8 @@ def write_gains(out: Path, result: SelectionResult, summary: dict) -> list[Path]
     atomic_write_text(paths[0], buf.getvalue())
     atomic_write_text(paths[1], json.dumps(summary, indent=2))
     top = sorted(result.gains, key=lambda g: -g.gain)[:40]
+    from terarec.report import plot_bars  # matplotlib: only the commands that plot load it
+
     plot_bars(paths[2], [g.name + (" *" if g.selected else "") for g in top],
               [g.gain for g in top], title="Validation AUC gain per candidate (* selected)",
               xlabel="AUC gain over the raw features")

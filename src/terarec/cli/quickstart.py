@@ -16,7 +16,6 @@ from terarec.config import ModelConfig, TrainConfig
 from terarec.data.readers import ReadStats
 from terarec.data.synth import generate
 from terarec.io import atomic_write_text
-from terarec.report import write_report
 from terarec.train.checkpoint import save_checkpoint
 from terarec.train.passes import iter_file_batches
 from terarec.train.trainer import Trainer
@@ -75,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     atomic_write_text(model_dir / "metrics.json", json.dumps(summary, indent=2))
     atomic_write_text(model_dir / "history.json", json.dumps(history, indent=2))
     print("[4/4] writing the report")
+    from terarec.report import write_report  # matplotlib: only the commands that plot load it
+
     report = write_report(work / "report", history, summary, title=f"terarec quickstart: "
                           f"{args.model} on synthetic click logs")
     print(f"\nAUC {metrics['auc']:.4f} (ceiling {valid_info.ceiling_auc:.4f}), "

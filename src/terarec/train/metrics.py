@@ -1,9 +1,11 @@
-"""Offline metrics: AUC and logloss (scikit-learn), guarded against one-class input."""
+"""Offline metrics: AUC and logloss (scikit-learn), guarded against one-class input.
+
+scikit-learn is imported on first use: it takes most of a second, and commands that never
+score (serve, export, synth, inspect) should not wait for it."""
 
 from __future__ import annotations
 
 import numpy as np
-from sklearn.metrics import log_loss, roc_auc_score
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -11,12 +13,16 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     labels = np.asarray(labels)
     if labels.size == 0 or labels.min() == labels.max():
         return float("nan")
+    from sklearn.metrics import roc_auc_score
+
     return float(roc_auc_score(labels, scores))
 
 
 def logloss(labels: np.ndarray, probs: np.ndarray) -> float:
     if len(labels) == 0:
         return float("nan")
+    from sklearn.metrics import log_loss
+
     return float(log_loss(labels, np.clip(probs, 1e-7, 1 - 1e-7), labels=[0, 1]))
 
 
