@@ -108,22 +108,21 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
                    help="group-lasso strength on embedding rows; zero rows are pruned")
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+def _number_list(cast: type, what: str):
+    """An argparse ``type`` for comma-separated numbers, e.g. ``1,4,16``."""
+
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(cast(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what}, got {text!r}") from None
+
+    return parse
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
+_int_list = _number_list(int, "integers")
+_float_list = _number_list(float, "numbers")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
