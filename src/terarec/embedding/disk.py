@@ -606,3 +606,32 @@ def read_snapshot_records(src: Path, chunk: int = 1 << 20):
             out[sel] = mm[s[sel] & (slab_rows - 1)]
             del mm
         yield k, out
+
+
+def iter_snapshot_sorted(src: Path, chunk_rows: int = 1 << 16):
+    """Yield (keys, records) chunks of a disk snapshot in increasing key order.
+
+    RAM: the snapshot's key index (16 B per key, as a live store holds it) and its key
+    order (8 B per key), plus one chunk; each chunk reads its records front to back by
+    slot, and the slab pages it mapped are unmapped again after it.
+    """
+    src = Path(src)
+    arrays = load_numpy(str(src / INDEX_FILE))
+    width, slab_rows, _ = (int(x) for x in arrays["meta"])
+    keys, slots = arrays["keys"], arrays["slots"]
+    order = np.argsort(keys, kind="stable")
+    shift = int(slab_rows).bit_length() - 1
+    for lo in range(0, len(order), max(1, chunk_rows)):
+        sel = order[lo:lo + chunk_rows]
+        k, s = keys[sel], slots[sel]
+        out = np.empty((len(k), width), np.float32)
+        slab_of = s >> shift
+        for slab in np.unique(slab_of):
+            at = np.flatnonzero(slab_of == slab)
+            at = at[np.argsort(s[at], kind="stable")]
+            path = src / f"slab-{int(slab):06d}.bin"
+            mm = np.memmap(path, np.float32, "r", shape=(path.stat().st_size // (4 * width),
+                                                         width))
+            out[at] = mm[s[at] & (slab_rows - 1)]
+            del mm
+        yield k, out
