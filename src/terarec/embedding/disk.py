@@ -51,6 +51,7 @@ from terarec.embedding.compression import CodedRows, FrequencyClasses
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.quant import decode_rows, encode_rows, row_bytes
 from terarec.io import sha256_file
+from terarec.kernels import grown
 
 SLAB_BYTES = 64 << 20
 INDEX_FILE = "index.safetensors"
@@ -337,10 +338,7 @@ class DiskTier:
     def _ensure_slots(self, bound: int) -> None:
         while len(self._maps) * self.slab_rows < bound:
             self._open_slab(len(self._maps))
-        if bound > len(self.last_seen):
-            grown = np.zeros(max(bound, 2 * len(self.last_seen)), np.int32)
-            grown[:len(self.last_seen)] = self.last_seen
-            self.last_seen = grown
+        self.last_seen = grown(self.last_seen, bound)
 
     def close(self) -> None:
         """Unmap the slabs (the folder stays locked: ``restore`` maps them again)."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from terarec.kernels import grown, splitmix64
+
 EMPTY, DELETED = -1, -2
 _MAX_LOAD = 0.5
 
@@ -28,10 +30,7 @@ _MAX_LOAD = 0.5
 @numba.njit(inline="always")
 def _mix(key: np.int64) -> np.uint64:
     """splitmix64 finalizer: spreads sequential or clustered keys across buckets."""
-    z = np.uint64(key)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    return splitmix64(np.uint64(key))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -237,10 +236,7 @@ class KeyIndex:
         self._tombstones += n
         freed = out[out >= 0]
         need = self._n_free + len(freed)
-        if need > len(self._free):
-            grown = np.empty(max(need, 2 * len(self._free)), np.int64)
-            grown[:self._n_free] = self._free[:self._n_free]
-            self._free = grown
+        self._free = grown(self._free, need)
         self._free[self._n_free:need] = freed
         self._n_free = need
         return out

@@ -32,6 +32,7 @@ from terarec.embedding.compression import CodedRows, FrequencyClasses, make_row_
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.io import sha256_file
+from terarec.kernels import GOLDEN_GAMMA, grown, splitmix64
 
 if TYPE_CHECKING:
     from terarec.embedding.disk import RecordLayout
@@ -49,14 +50,11 @@ def _init_rows(keys, dim, std, seed):
     initialise tables, and cheaper than Gaussian (no log or cos per value)."""
     out = np.empty((keys.shape[0], dim), np.float32)
     half_width = std * np.sqrt(3.0)
-    salt = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+    salt = np.uint64(seed) * np.uint64(GOLDEN_GAMMA)
     for i in range(keys.shape[0]):
         base = np.uint64(keys[i]) ^ salt
         for d in range(dim):
-            z = base + np.uint64(d + 1) * np.uint64(0xD1B54A32D192ED03)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
+            z = splitmix64(base + np.uint64(d + 1) * np.uint64(0xD1B54A32D192ED03))
             u = np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
             out[i, d] = (2.0 * u - 1.0) * half_width
     return out
@@ -247,13 +245,10 @@ class MemoryStore(EvictionLog):
         new_cap = max(n, 2 * cap)
         if isinstance(self.values, CodedRows):
             self.values.grow(new_cap)
-        for name in ("values", "state", "show", "click", "last_seen"):
-            if name == "values" and isinstance(self.values, CodedRows):
-                continue
-            old = getattr(self, name)
-            grown = np.zeros((new_cap,) + old.shape[1:], old.dtype)
-            grown[:cap] = old
-            setattr(self, name, grown)
+        else:
+            self.values = grown(self.values, new_cap, double=False)
+        for name in ("state", "show", "click", "last_seen"):
+            setattr(self, name, grown(getattr(self, name), new_cap, double=False))
 
     def __len__(self) -> int:
         return len(self.index)
@@ -303,13 +298,8 @@ class MemoryStore(EvictionLog):
             return keys, zeros, zeros
         slots, _ = self._cand_index.lookup_or_insert(keys)
         need = self._cand_index.slot_bound
-        if need > len(self._cand_show):
-            size = max(need, 2 * len(self._cand_show))
-            for name in ("_cand_show", "_cand_click", "_cand_seen"):
-                old = getattr(self, name)
-                grown = np.zeros(size, old.dtype)
-                grown[:len(old)] = old
-                setattr(self, name, grown)
+        for name in ("_cand_show", "_cand_click", "_cand_seen"):
+            setattr(self, name, grown(getattr(self, name), need))
         self._cand_show[slots] += show
         self._cand_click[slots] += click
         self._cand_seen[slots] = pass_id

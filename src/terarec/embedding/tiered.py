@@ -71,6 +71,7 @@ from terarec.embedding.store import (
     store_extras,
 )
 from terarec.io import sha256_file
+from terarec.kernels import grown
 
 STORE_FILE = "store.safetensors"
 # The memory tier's KeyIndex is sized for 1.5x its rows (a pull inserts up to half the
@@ -216,11 +217,8 @@ class TieredStore(EvictionLog):
             return
         for name, dtype in (("_used", np.int64), ("_dirty", np.bool_), ("_on_disk", np.bool_),
                             ("_pinned", np.bool_)):
-            old = getattr(self, name, None) if self._meta_size else None
-            grown = np.zeros(need, dtype)
-            if old is not None:
-                grown[:len(old)] = old
-            setattr(self, name, grown)
+            old = getattr(self, name) if self._meta_size else np.zeros(0, dtype)
+            setattr(self, name, grown(old, need, double=False))
         self._meta_size = need
 
     def _records(self, slots: np.ndarray) -> np.ndarray:
