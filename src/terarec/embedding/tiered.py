@@ -702,9 +702,10 @@ class TieredStore(EvictionLog):
                 with self._lock:
                     mslots = self.memory.index.lookup(k)
                     hot = mslots >= 0
-                    rec = np.empty((len(k), self.width), np.float32)
-                    rec[hot] = self._records(mslots[hot])
-                    rec[~hot] = self.disk.read_slots(self.disk.index.lookup(k[~hot]))
+                    # Disk records of the cold rows (zeros at the hot ones), read in place.
+                    rec = self.disk.read_slots(np.where(hot, -1, self.disk.index.lookup(k)))
+                    if hot.any():
+                        rec[hot] = self._records(mslots[hot])
                 yield RowChunk(k, **self.layout.decode(rec))
 
     def to_arrays(self) -> dict[str, np.ndarray]:
