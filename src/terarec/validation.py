@@ -46,7 +46,7 @@ class Problem:
     description: str = ""  # the field's ``Field(description=...)``, if any
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _adapter(tp: Any) -> TypeAdapter[Any]:
     return TypeAdapter(tp)
 
@@ -134,36 +134,32 @@ def _hints(tp: Any) -> dict[str, Any]:
 
 
 def _walk(root: Any, loc: tuple[int | str, ...]) -> tuple[str, Any, FieldInfo | None, Any]:
-    """(dotted path, type at the end, its FieldInfo, the type holding the last key)."""
+    """(path such as ``sparse.shards[0].rows`` or ``files['a.bin']``, the type at the end,
+    its FieldInfo, the type holding the last key)."""
     path = ""
     tp: Any = root
-    info: FieldInfo | None = None
     parent: Any = None
     for item in loc:
         tp, _ = _strip(tp)
-        if tp is None:
-            path += f"[{item}]" if isinstance(item, int) else f".{item}" if path else str(item)
-            continue
-        if _is_union(tp):  # pydantic names the union member tried: not part of the path
+        if tp is not None and _is_union(tp):  # pydantic names the member tried: not a key
             tp = None
             continue
         origin = typing.get_origin(tp)
-        if isinstance(item, int) and origin in (tuple, list):
+        args = typing.get_args(tp)
+        if isinstance(item, int) and (tp is None or origin in (tuple, list)):
             path += f"[{item}]"
-            tp = typing.get_args(tp)[0] if typing.get_args(tp) else None
-            info = None
-            continue
-        path += f".{item}" if path else str(item)
-        parent = tp
-        hints = _hints(tp) if (dataclasses.is_dataclass(tp) or _is_typed_dict(tp)) else {}
-        if origin is dict:
-            tp, info = typing.get_args(tp)[1] if typing.get_args(tp) else None, None
-        elif item in hints:
-            tp, info = hints[str(item)], None
+            tp = args[0] if args else None
+        elif origin is dict:
+            path += f"[{item!r}]"
+            tp = args[1] if args else None
         else:
-            tp, info = None, None
-    stripped, inner = _strip(tp) if tp is not None else (None, None)
-    return path, stripped, inner or info, parent
+            path += f".{item}" if path else str(item)
+            parent = tp
+            hints = _hints(tp) if tp is not None and (
+                dataclasses.is_dataclass(tp) or _is_typed_dict(tp)) else {}
+            tp = hints.get(str(item))
+    stripped, info = _strip(tp) if tp is not None else (None, None)
+    return path, stripped, info, parent
 
 
 def _is_typed_dict(tp: Any) -> bool:
@@ -176,28 +172,35 @@ def _field_names(tp: Any) -> list[str]:
     return list(_hints(tp)) if _is_typed_dict(tp) else []
 
 
+_KEY_ERRORS = {"extra_forbidden", "unexpected_keyword_argument", "missing", "missing_argument",
+               "missing_keyword_only_argument", "missing_positional_only_argument"}
+
+
 def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
     """One Problem per error (the errors of a union's members merged into one)."""
     out: list[Problem] = []
     unions: dict[str, list[dict[str, Any]]] = {}
+    missing: dict[str, list[str]] = {}
     for err in exc.errors():
         loc = tuple(err["loc"])
         kind = err["type"]
-        if kind in ("extra_forbidden", "unexpected_keyword_argument", "missing",
-                    "missing_argument", "missing_keyword_only_argument",
-                    "missing_positional_only_argument"):
-            parent_path, _, _, _ = _walk(tp, loc[:-1])
+        if kind in _KEY_ERRORS:
+            parent_path = _walk(tp, loc[:-1])[0]
             _, _, info, parent = _walk(tp, loc)
             name = str(loc[-1])
             where = f"{parent_path}: " if parent_path else ""
-            if kind.startswith("missing"):
-                desc = (info.description or "") if info else ""
-                line = f"{where}missing field {name!r}" + (f": {desc}" if desc else "")
-                out.append(Problem(parent_path, "missing", line, name, desc))
-            else:
+            if kind == "extra_forbidden" or kind == "unexpected_keyword_argument":
                 known = ", ".join(_field_names(parent)) or "none"
                 out.append(Problem(parent_path, "unknown",
                                    f"{where}unknown field {name!r}; known: {known}", name))
+            elif info is not None and info.description:
+                out.append(Problem(parent_path, "missing", f"{where}missing field {name!r}: "
+                                   f"{info.description}", name, info.description))
+            else:
+                if parent_path not in missing:
+                    missing[parent_path] = []
+                    out.append(Problem(parent_path, "missing", "", ""))  # filled in below
+                missing[parent_path].append(name)
             continue
         path, leaf, info, _ = _walk(tp, loc)
         if len(loc) and _walk(tp, loc[:-1])[0] == path and kind.endswith("_type"):
@@ -205,6 +208,13 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
             continue
         out.append(Problem(path, kind, _describe(err, path or root, leaf, info),
                            description=(info.description or "") if info else ""))
+    for i, p in enumerate(out):
+        if p.kind == "missing" and not p.field:
+            names = missing[p.path]
+            where = f"{p.path}: " if p.path else ""
+            text = (f"missing field {names[0]!r}" if len(names) == 1 else
+                    "missing fields " + ", ".join(repr(n) for n in names))
+            out[i] = Problem(p.path, "missing", where + text, ",".join(names))
     for path, errs in unions.items():
         wanted = " or ".join(dict.fromkeys(
             _EXPECTED.get(e["type"][:-len("_type")], e["type"]) for e in errs))
@@ -234,6 +244,8 @@ def _describe(err: Any, path: str, leaf: Any, info: FieldInfo | None) -> str:
         return f"{subject} must be {what}, got {got}"
     if kind == "too_long":
         return f"{subject}: at most {ctx.get('max_length')} items, got {ctx.get('actual_length')}"
+    if kind == "string_pattern_mismatch":
+        return f"{subject}: {_show(value)} does not match {ctx.get('pattern')}"
     if kind == "json_invalid":
         return f"{subject}: invalid JSON ({ctx.get('error', err['msg'])})"
     if kind in ("value_error", "assertion_error"):
