@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import typing_extensions
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
@@ -100,12 +101,18 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+_REQUIRED_MARKS = {typing_extensions.NotRequired, typing_extensions.Required,
+                   getattr(typing, "NotRequired", None), getattr(typing, "Required", None)} - {None}
+
+
 def _strip(tp: Any) -> tuple[Any, FieldInfo | None]:
     """``tp`` without Annotated / Optional wrappers, and its FieldInfo if it had one."""
     info = None
     while True:
         origin = typing.get_origin(tp)
-        if origin is typing.Annotated:
+        if origin in _REQUIRED_MARKS:
+            tp = typing.get_args(tp)[0]
+        elif origin is typing.Annotated:
             info = next((m for m in tp.__metadata__ if isinstance(m, FieldInfo)), info)
             tp = typing.get_args(tp)[0]
         elif origin in (typing.Union, types.UnionType):
