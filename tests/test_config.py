@@ -14,7 +14,8 @@ def test_nested_config_roundtrip():
 
 
 def test_unknown_keys_are_rejected_with_their_path():
-    with pytest.raises(ValueError, match=r"sparse_optimizer: unknown field 'lrr'; known: name, lr"):
+    with pytest.raises(ValueError, match=r"sparse_optimizer: unknown field\(s\) \['lrr'\]; "
+                                         r"known: name, lr"):
         from_dict(TrainConfig, {"sparse_optimizer": {"lrr": 0.1}})
 
 

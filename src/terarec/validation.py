@@ -187,7 +187,8 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
     """One Problem per error (the errors of a union's members merged into one)."""
     out: list[Problem] = []
     unions: dict[str, list[dict[str, Any]]] = {}
-    missing: dict[str, list[str]] = {}
+    missing: dict[str, list[Any]] = {}  # parent path -> [parent type, key, key ...]
+    unknown: dict[str, list[Any]] = {}
     for err in exc.errors():
         loc = tuple(err["loc"])
         kind = err["type"]
@@ -196,18 +197,19 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
             _, _, info, parent = _walk(tp, loc)
             name = str(loc[-1])
             where = f"{parent_path}: " if parent_path else ""
-            if kind == "extra_forbidden" or kind == "unexpected_keyword_argument":
-                known = ", ".join(_field_names(parent)) or "none"
-                out.append(Problem(parent_path, "unknown",
-                                   f"{where}unknown field {name!r}; known: {known}", name))
+            if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+                group = unknown
             elif info is not None and info.description:
                 out.append(Problem(parent_path, "missing", f"{where}missing field {name!r}: "
                                    f"{info.description}", name, info.description))
+                continue
             else:
-                if parent_path not in missing:
-                    missing[parent_path] = []
-                    out.append(Problem(parent_path, "missing", "", ""))  # filled in below
-                missing[parent_path].append(name)
+                group = missing
+            if parent_path not in group:
+                group[parent_path] = [parent]
+                out.append(Problem(parent_path, "unknown" if group is unknown else "missing",
+                                   ""))  # the line is written below, once all are known
+            group[parent_path].append(name)
             continue
         path, leaf, info, _ = _walk(tp, loc)
         if len(loc) and _walk(tp, loc[:-1])[0] == path and kind.endswith("_type"):
@@ -216,12 +218,14 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
         out.append(Problem(path, kind, _describe(err, path or root, leaf, info),
                            description=(info.description or "") if info else ""))
     for i, p in enumerate(out):
-        if p.kind == "missing" and not p.field:
-            names = missing[p.path]
-            where = f"{p.path}: " if p.path else ""
-            text = (f"missing field {names[0]!r}" if len(names) == 1 else
-                    "missing fields " + ", ".join(repr(n) for n in names))
-            out[i] = Problem(p.path, "missing", where + text, ",".join(names))
+        if p.message:
+            continue
+        parent, *names = (missing if p.kind == "missing" else unknown)[p.path]
+        line = f"{p.path}: " if p.path else ""
+        line += f"{p.kind} field(s) {names}"
+        if p.kind == "unknown":
+            line += "; known: " + (", ".join(_field_names(parent)) or "none")
+        out[i] = Problem(p.path, p.kind, line, ",".join(names))
     for path, errs in unions.items():
         wanted = " or ".join(dict.fromkeys(
             _EXPECTED.get(e["type"][:-len("_type")], e["type"]) for e in errs))

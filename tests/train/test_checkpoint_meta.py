@@ -20,7 +20,7 @@ def checkpoint(tmp_path):
 META_ERRORS = [
     (lambda m: m.update(pass_id="3"), "pass_id must be an integer, got string '3'"),
     (lambda m: m.update(pass_id=-1), "pass_id: -1 must be >= 0"),
-    (lambda m: m.pop("sha256"), "missing field 'sha256'"),
+    (lambda m: m.pop("sha256"), "missing field(s) ['sha256']"),
     (lambda m: m.update(sparse_format="zip"), "sparse_format: 'zip' is not one of arrays, tiered"),
     (lambda m: m["rng"].update(torch=[1, 300]), "rng.torch[1]: 300 must be <= 255"),
     (lambda m: m.update(sha256={"dense.safetensors": 5}),
