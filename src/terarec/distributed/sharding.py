@@ -99,7 +99,7 @@ def iter_rank_passes(paths: Iterable[str | Path], schema: FeatureSchema, batch_s
         except DataError as exc:
             error = exc
         _agree(read, error, stats, group, world)
-        read = ReadStats(max_examples=stats.max_examples)
+        read.rows, read.skipped, read.examples = 0, 0, []  # the reader keeps this object
         if current:
             yield current
 
