@@ -257,3 +257,37 @@ def test_cli_train_exports_a_full_version_and_deltas(data, tmp_path):
     assert kinds == ["full", "delta", "delta"]
     assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "m2"),
                      "--delta-every", "2"]) == 2
+
+
+MANIFEST_ERRORS = [
+    (lambda m: m.update(kind="partial"), "kind: 'partial' is not one of full, delta"),
+    (lambda m: m.update(row_dim="4"), "row_dim must be an integer, got string '4'"),
+    (lambda m: m.update(row_dim=0), "row_dim: 0 must be >= 1"),
+    (lambda m: m.pop("files"), "missing field(s) ['files']"),
+    (lambda m: m.update(owner="me"), "unknown field(s) ['owner']"),
+    (lambda m: m["sparse"]["shards"][0].update(rows=-1), "sparse.shards[0].rows: -1 must be"),
+    (lambda m: m["sparse"]["shards"][0].pop("last_key"),
+     "sparse.shards[0]: missing field(s) ['last_key']"),
+    (lambda m: m["files"]["dense.safetensors"].update(sha256="xyz"),
+     "files['dense.safetensors'].sha256: 'xyz' does not match"),
+    (lambda m: m.update(deltas="v000002"), "deltas must be an array, got string"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), MANIFEST_ERRORS,
+                         ids=[m.split(":")[0].split(" ")[0] for _, m in MANIFEST_ERRORS])
+def test_bad_manifests_are_refused_naming_the_path(tmp_path, edit, message):
+    trainer = _trainer()
+    keys = np.arange(5, dtype=np.int64)
+    exporter = ModelExporter(tmp_path / "export")
+    exporter.write_full(schema=SCHEMA, model_config=trainer.config.model,
+                        dense={"w": torch.zeros(2)}, keys=keys,
+                        values=np.zeros((5, 4), np.float32), pass_id=1)
+    path = tmp_path / "export" / "v000001" / MANIFEST
+    body = json.loads(path.read_text())
+    read_manifest(Storage(tmp_path / "export"), "v000001")  # the written one is fine
+    edit(body)
+    path.write_text(json.dumps(body))
+    with pytest.raises(ExportError) as info:
+        read_manifest(Storage(tmp_path / "export"), "v000001")
+    assert f"{MANIFEST}: " in str(info.value) and message in str(info.value)

@@ -37,12 +37,15 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import ConfigDict, Field, with_config
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
+from typing_extensions import NotRequired, TypedDict
 
 from terarec.config import TrainConfig, from_dict, to_dict
 from terarec.embedding.optimizers import SparseOptimizer
@@ -52,6 +55,7 @@ from terarec.embedding.tiered import iter_saved, snapshot_arrays
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
+from terarec.validation import validate_json
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
@@ -153,16 +157,35 @@ def _prune(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@with_config(ConfigDict(extra="allow", strict=True, allow_inf_nan=False))
+class _RngState(TypedDict):
+    torch: list[Annotated[int, Field(ge=0, le=255)]]
+
+
+@with_config(ConfigDict(extra="allow", strict=True, allow_inf_nan=False))
+class CheckpointMeta(TypedDict):
+    """The keys of ``meta.json`` that restoring relies on (writers may add others)."""
+
+    pass_id: Annotated[int, Field(ge=0)]
+    sha256: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
+    rng: _RngState
+    history: NotRequired[list[dict[str, Any]]]
+    sparse_format: NotRequired[Literal["arrays", "tiered"]]
+    sparse_shards: NotRequired[list[str]]
+    world_size: NotRequired[Annotated[int, Field(ge=1)]]
+
+
 def verify_checkpoint(path: Path) -> dict:
-    """Return the checkpoint's meta after checking every file's checksum."""
+    """Return the checkpoint's meta after validating it (``CheckpointMeta``) and checking
+    every file's checksum."""
     meta_path = path / "meta.json"
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        with open(meta_path) as fh:
-            meta = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path}: corrupted ({exc})") from exc
+        meta = dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
+                                  root="meta"))
+    except ValueError as exc:
+        raise CheckpointError(f"corrupted checkpoint: {exc}") from None
     for fname, digest in meta["sha256"].items():
         fpath = path / fname
         if not fpath.exists():
