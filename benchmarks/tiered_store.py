@@ -205,6 +205,7 @@ def main() -> None:
         "rss_target_bytes": budget + int(1.5 * (1 << 30)),
         "start_rss_bytes": main_arm["start_rss_bytes"],
         "peak_rss_in_memory_bytes": memory["peak_rss_bytes"],
+        "peak_rss_train_in_memory_bytes": memory["peak_rss_train_bytes"],
         "sps_tiered": round(main_arm["sps"]),
         "sps_in_memory": round(memory["sps"]),
         "ratio": round(main_arm["sps"] / memory["sps"], 3),
