@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import typing_extensions
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 T = TypeVar("T")
 
@@ -68,7 +69,7 @@ def validate_json(tp: type[T], raw: str | bytes, where: str = "",
     """Parse and validate JSON text ``raw`` as a ``tp`` (see ``validate``); ``root`` names
     the whole document in errors about it (e.g. "request must be an object")."""
     try:
-        return typing.cast(T, _adapter(tp).validate_json(raw))
+        return typing.cast(T, _adapter(typing.cast(Any, tp)).validate_json(raw))
     except ValidationError as exc:
         found = problems(exc, tp, root)
         text = "; ".join(p.message for p in found)
@@ -186,7 +187,7 @@ _KEY_ERRORS = {"extra_forbidden", "unexpected_keyword_argument", "missing", "mis
 def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
     """One Problem per error (the errors of a union's members merged into one)."""
     out: list[Problem] = []
-    unions: dict[str, list[dict[str, Any]]] = {}
+    unions: dict[str, list[ErrorDetails]] = {}
     missing: dict[str, list[Any]] = {}  # parent path -> [parent type, key, key ...]
     unknown: dict[str, list[Any]] = {}
     for err in exc.errors():
@@ -235,7 +236,7 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
     return out
 
 
-def _describe(err: Any, path: str, leaf: Any, info: FieldInfo | None) -> str:
+def _describe(err: ErrorDetails, path: str, leaf: Any, info: FieldInfo | None) -> str:
     kind, value, ctx = err["type"], err["input"], err.get("ctx") or {}
     subject = path or "document"
     desc = info.description if info is not None and info.description else None
