@@ -198,6 +198,34 @@ def test_unsorted_keys_are_rejected(tmp_path):
             keys=np.array([3, 1], np.int64), values=np.zeros((2, 4), np.float32), pass_id=0)
 
 
+def test_non_finite_rows_are_refused(tmp_path):
+    values = np.zeros((3, 4), np.float32)
+    values[1, 2] = np.nan
+    with pytest.raises(ValueError, match="1 rows hold non-finite values .first key 5"):
+        ModelExporter(tmp_path / "x").write_full(
+            schema=SCHEMA, model_config=ModelConfig(), dense={},
+            keys=np.array([1, 5, 9], np.int64), values=values, pass_id=0)
+    assert latest_version(Storage(tmp_path / "x")) is None
+
+
+def test_full_export_of_a_spilling_tiered_store_streams_its_rows(data, tmp_path):
+    config = TrainConfig(batch_size=200, pass_rows=600, seed=1, threads=1,
+                         model=ModelConfig(name="fm", embedding_dim=4),
+                         store=StoreConfig(memory_budget="600KB",
+                                           disk_path=str(tmp_path / "store")))
+    trainer = Trainer(SCHEMA, config)
+    trainer.fit([data], progress=False)
+    assert trainer.store.tier_stats().spilled > 0
+    uri = tmp_path / "export"
+    result = IncrementalExporter(uri, trainer, shard_rows=128).export(trainer, full=True)
+    assert result.kind == "full" and result.rows == len(trainer.store)
+    assert len(read_manifest(Storage(uri), result.name).shards) == -(-result.rows // 128)
+    replayed, live = _replay(uri, result.name), _store_rows(trainer)
+    assert replayed.keys() == live.keys()
+    for key, row in live.items():
+        np.testing.assert_array_equal(replayed[key], row)
+
+
 def test_cli_export_writes_the_checkpoint_as_a_full_version(data, tmp_path, capsys):
     trainer = _trainer(evict_after_passes=None)
     trainer.fit([data], progress=False)
