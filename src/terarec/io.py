@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -66,3 +70,91 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# -- locks and private scratch folders ------------------------------------------------------
+
+class LockedError(RuntimeError):
+    """Another process holds a lock this one needs (e.g. a second run on one model)."""
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path, what: str) -> Iterator[Path]:
+    """Hold an ``fcntl`` lock on ``path`` (created if needed) for the ``with`` block, or
+    fail at once with :class:`LockedError` naming the lock file and its holder. The
+    kernel drops the lock when its holder dies, even by kill -9, so a stale file never
+    blocks."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not _try_flock(fd):
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            raise LockedError(f"{what} is in use by another process (lock file {path}, "
+                              f"held by {holder})")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class ScratchDir:
+    """A private folder ``parent/PREFIX-XXXX`` for one process, removed by :meth:`close`.
+
+    Its owner holds an ``fcntl`` lock on a file inside it; a folder whose lock is free
+    was left by a process that died (kill -9 skips every ``finally``) and is removed the
+    next time a ``ScratchDir`` is made under the same parent.
+    """
+
+    OWNER = ".owner"
+
+    def __init__(self, parent: str | Path, prefix: str) -> None:
+        parent = Path(parent)
+        parent.mkdir(parents=True, exist_ok=True)
+        self.removed_stale = self._remove_stale(parent, prefix)
+        # Locked under a hidden name first, so no cleaner ever sees it unlocked.
+        hidden = Path(tempfile.mkdtemp(prefix=f".{prefix}-", dir=parent))
+        self._fd: int | None = os.open(hidden / self.OWNER, os.O_RDWR | os.O_CREAT, 0o644)
+        _try_flock(self._fd)
+        self.path = parent / hidden.name[1:]
+        hidden.rename(self.path)
+
+    @classmethod
+    def _remove_stale(cls, parent: Path, prefix: str) -> int:
+        removed = 0
+        for folder in parent.glob(f"{prefix}-*"):
+            owner = folder / cls.OWNER
+            try:
+                fd = os.open(owner, os.O_RDWR)
+            except OSError:
+                continue  # not ours, or being created right now
+            try:
+                stale = _try_flock(fd)
+            finally:
+                os.close(fd)
+            if stale:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        if self._fd is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -39,6 +39,7 @@ FORMAT = "terarec-export"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+CLAIM = ".claim"  # created exclusively by the writer that takes a version number
 DENSE_FILE = "dense.safetensors"
 DELETED_FILE = "sparse/deleted.safetensors"
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
@@ -145,10 +146,48 @@ class Manifest:
             raise ExportError(f"{where}: manifest lacks {missing}")
         if data["kind"] not in ("full", "delta"):
             raise ExportError(f"{where}: kind {data['kind']!r} is neither 'full' nor 'delta'")
+        check_manifest_paths(data, where)
         return cls(data)
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.data, indent=2).encode()
+
+
+def check_member_path(rel: Any, where: str) -> str:
+    """``rel`` when it names a file inside its version folder: relative, ``/``-separated,
+    without ``..`` or empty parts, so no manifest (or writer) reaches another version's
+    files or anything outside the export."""
+    if (not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel
+            or "\0" in rel or any(part in ("", ".", "..") for part in rel.split("/"))):
+        raise ExportError(f"{where}: path {rel!r} is not a plain relative path inside the "
+                          "version folder")
+    return rel
+
+
+def check_manifest_paths(data: dict[str, Any], where: str) -> None:
+    """Every path a manifest names stays inside its version; every file it reads is
+    listed with a size and a sha256."""
+    files, sparse = data["files"], data["sparse"]
+    if not isinstance(files, dict) or not isinstance(sparse, dict):
+        raise ExportError(f"{where}: 'files' and 'sparse' must be objects")
+    for rel, info in files.items():
+        check_member_path(rel, f"{where}: files")
+        if (not isinstance(info, dict) or not isinstance(info.get("sha256"), str)
+                or not isinstance(info.get("bytes"), int) or info["bytes"] < 0):
+            raise ExportError(f"{where}: files[{rel!r}] needs 'bytes' and 'sha256'")
+    shards = sparse.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+        raise ExportError(f"{where}: sparse.shards must be a list of objects")
+    named = [("dense", data["dense"])]
+    named += [(f"sparse.shards[{i}].file", s.get("file")) for i, s in enumerate(shards)]
+    if sparse.get("deleted_file") is not None:
+        named.append(("sparse.deleted_file", sparse["deleted_file"]))
+    for field_name, rel in named:
+        check_member_path(rel, f"{where}: {field_name}")
+        if rel not in files:
+            raise ExportError(f"{where}: {field_name} {rel!r} is not listed in 'files'")
+    if data.get("features") is not None:
+        check_member_path(data["features"], f"{where}: features")
 
 
 def read_manifest(storage: Storage, name: str) -> Manifest:

@@ -106,6 +106,8 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         raise BadRequest(f"malformed JSON: {exc}", 400) from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply", 400) from None
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit conversion limit
+        raise BadRequest(f"unreadable JSON value: {exc}", 400) from None
 
 
 def _type_name(value: Any) -> str:
