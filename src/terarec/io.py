@@ -86,6 +86,17 @@ def _try_flock(fd: int) -> bool:
     return True
 
 
+def try_lock_file(path: str | Path) -> int | None:
+    """An open descriptor holding an exclusive ``fcntl`` lock on ``path`` (created if
+    needed), or None when another process holds it. Closing the descriptor, or the
+    holder's death, releases it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if _try_flock(fd):
+        return fd
+    os.close(fd)
+    return None
+
+
 @contextlib.contextmanager
 def exclusive_lock(path: str | Path, what: str) -> Iterator[Path]:
     """Hold an ``fcntl`` lock on ``path`` (created if needed) for the ``with`` block, or
@@ -94,12 +105,12 @@ def exclusive_lock(path: str | Path, what: str) -> Iterator[Path]:
     blocks."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = try_lock_file(path)
+    if fd is None:
+        holder = path.read_text(errors="replace").strip() or "unknown"
+        raise LockedError(f"{what} is in use by another process (lock file {path}, held "
+                          f"by {holder})")
     try:
-        if not _try_flock(fd):
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            raise LockedError(f"{what} is in use by another process (lock file {path}, "
-                              f"held by {holder})")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
@@ -124,8 +135,7 @@ class ScratchDir:
         self.removed_stale = self._remove_stale(parent, prefix)
         # Locked under a hidden name first, so no cleaner ever sees it unlocked.
         hidden = Path(tempfile.mkdtemp(prefix=f".{prefix}-", dir=parent))
-        self._fd: int | None = os.open(hidden / self.OWNER, os.O_RDWR | os.O_CREAT, 0o644)
-        _try_flock(self._fd)
+        self._fd = try_lock_file(hidden / self.OWNER)
         self.path = parent / hidden.name[1:]
         hidden.rename(self.path)
 
@@ -148,6 +158,7 @@ class ScratchDir:
         return removed
 
     def close(self) -> None:
+        """Remove the folder (idempotent)."""
         if self._fd is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             os.close(self._fd)
@@ -158,3 +169,14 @@ class ScratchDir:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def remove_atomic_leftovers(folder: str | Path) -> list[Path]:
+    """Remove the temp files :func:`atomic_path` leaves in ``folder`` when its process is
+    killed mid-write. Only for a folder no one else is writing (its lock held)."""
+    removed = []
+    for tmp in Path(folder).glob(".*.tmp"):
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed

@@ -37,6 +37,7 @@ from terarec.export.format import (
     ExportError,
     Manifest,
     latest_version,
+    list_versions,
     memmap_tensors,
     parse_version_name,
     read_manifest,
@@ -419,15 +420,10 @@ class ServingEngine:
             except (OSError, ExportError) as exc:
                 log.warning("cannot read %s: %s", self.storage.uri, exc)
                 return False
-            if name is None:
+            target = None if name is None else self._target(name)
+            if target is None:
                 return False
-            try:
-                target = self._manifest(name)
-            except IncompleteVersionError:
-                return False  # removed since it was listed
-            except ExportError as exc:
-                self._refuse(name, str(exc))
-                return False
+            name = target.name
             current = self.current
             if self._is_refused(name, target.created) or (
                     current is not None and name == current.name
@@ -449,6 +445,28 @@ class ServingEngine:
                             current.name, state.name)
             self._swap(state, reuse_cache=continues)
             return True
+
+    def _target(self, newest: str) -> Manifest | None:
+        """The manifest of version ``newest``; when it is unreadable (refused), that of
+        the newest older version with a readable one, so that a broken newest manifest
+        does not hide the versions before it."""
+        try:
+            return self._manifest(newest)
+        except IncompleteVersionError:
+            return None  # removed since it was listed
+        except ExportError as exc:
+            self._refuse(newest, str(exc))
+        number = parse_version_name(newest) or 0
+        for name in reversed(list_versions(self.storage)):
+            if (parse_version_name(name) or 0) >= number:
+                continue
+            try:
+                return self._manifest(name)
+            except IncompleteVersionError:
+                continue  # half-written: no manifest
+            except ExportError as exc:
+                self._refuse(name, str(exc))
+        return None
 
     def _same_export(self, target: Manifest) -> bool:
         """Whether the served version is still in the export as it was served."""
