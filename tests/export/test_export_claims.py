@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
 
 from terarec.config import ModelConfig
 from terarec.export import ModelExporter, Storage, read_manifest
