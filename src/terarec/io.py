@@ -10,6 +10,7 @@ import shutil
 import socket
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -135,9 +136,17 @@ class ScratchDir:
         self.removed_stale = self._remove_stale(parent, prefix)
         # Locked under a hidden name first, so no cleaner ever sees it unlocked.
         hidden = Path(tempfile.mkdtemp(prefix=f".{prefix}-", dir=parent))
-        self._fd = try_lock_file(hidden / self.OWNER)
+        fd = try_lock_file(hidden / self.OWNER)
         self.path = parent / hidden.name[1:]
         hidden.rename(self.path)
+        # Removed by close(), when the object is collected, or at interpreter exit.
+        self._remove = weakref.finalize(self, ScratchDir._cleanup, self.path, fd)
+
+    @staticmethod
+    def _cleanup(path: Path, fd: int | None) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
 
     @classmethod
     def _remove_stale(cls, parent: Path, prefix: str) -> int:
@@ -159,10 +168,7 @@ class ScratchDir:
 
     def close(self) -> None:
         """Remove the folder (idempotent)."""
-        if self._fd is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            os.close(self._fd)
-            self._fd = None
+        self._remove()
 
     def __enter__(self) -> Path:
         return self.path

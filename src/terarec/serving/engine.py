@@ -164,6 +164,9 @@ class ServingEngine:
             self.storage.download(source, path)
         except StorageError:
             raise IncompleteVersionError(f"{self.storage.uri}/{source}: missing") from None
+        except OSError as exc:  # e.g. our disk is full: retried, then refused
+            raise IncompleteVersionError(f"{self.storage.uri}/{source}: cannot copy it to "
+                                         f"{path} ({exc})") from None
         got = path.stat().st_size
         if got != size:
             path.unlink(missing_ok=True)  # a bad copy is not kept
