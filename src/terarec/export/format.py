@@ -28,12 +28,15 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import Field, with_config
 from safetensors.numpy import save as save_numpy_bytes
+from typing_extensions import NotRequired, TypedDict
 
 from terarec.export.storage import Storage, StorageError
+from terarec.validation import STRICT, InvalidInput, validate_json
 
 FORMAT = "terarec-export"
 FORMAT_VERSION = 1
@@ -74,6 +77,55 @@ def rows_bytes(keys: np.ndarray, values: np.ndarray | None = None) -> bytes:
     if values is not None:
         tensors["values"] = np.ascontiguousarray(values, np.float32)
     return save_numpy_bytes(tensors)
+
+
+_Count = Annotated[int, Field(ge=0)]
+
+
+@with_config(STRICT)
+class FileEntry(TypedDict):
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    bytes: _Count
+
+
+@with_config(STRICT)
+class ShardEntry(TypedDict):
+    file: str
+    rows: _Count
+    first_key: int
+    last_key: int
+
+
+@with_config(STRICT)
+class SparseSection(TypedDict):
+    shards: list[ShardEntry]
+    rows: _Count
+    deleted: _Count
+    deleted_file: NotRequired[str]
+    codec: NotRequired[str]
+
+
+@with_config(STRICT)
+class ManifestBody(TypedDict):
+    """What ``manifest.json`` holds; ``Manifest.parse`` validates against it."""
+
+    format: Literal["terarec-export"]
+    format_version: Literal[1]
+    name: str
+    version: Annotated[int, Field(ge=1)]
+    kind: Literal["full", "delta"]
+    base: str
+    deltas: list[str]
+    parent: NotRequired[str | None]
+    schema: dict[str, Any]  # FeatureSchema.to_dict(), validated when a reader builds it
+    model: dict[str, Any]  # ModelConfig, likewise
+    features: NotRequired[str]
+    pass_id: _Count
+    created: float
+    row_dim: Annotated[int, Field(ge=1)]
+    dense: str
+    sparse: SparseSection
+    files: dict[str, FileEntry]
 
 
 @dataclass(frozen=True)
@@ -130,6 +182,8 @@ class Manifest:
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> Manifest:
+        """A manifest from its JSON bytes, validated against ``ManifestBody``; anything
+        else is an ``ExportError`` naming the file and the JSON path of the problem."""
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -139,15 +193,12 @@ class Manifest:
         if data.get("format_version") != FORMAT_VERSION:
             raise ExportError(f"{where}: format_version {data.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}")
-        required = ("name", "version", "kind", "base", "deltas", "pass_id", "created",
-                    "schema", "model", "row_dim", "files", "sparse", "dense")
-        missing = [k for k in required if k not in data]
-        if missing:
-            raise ExportError(f"{where}: manifest lacks {missing}")
-        if data["kind"] not in ("full", "delta"):
-            raise ExportError(f"{where}: kind {data['kind']!r} is neither 'full' nor 'delta'")
-        check_manifest_paths(data, where)
-        return cls(data)
+        try:
+            body = validate_json(ManifestBody, raw, where, root="manifest")
+        except InvalidInput as exc:
+            raise ExportError(str(exc)) from None
+        check_manifest_paths(dict(body), where)
+        return cls(dict(body))
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.data, indent=2).encode()
@@ -165,21 +216,13 @@ def check_member_path(rel: Any, where: str) -> str:
 
 
 def check_manifest_paths(data: dict[str, Any], where: str) -> None:
-    """Every path a manifest names stays inside its version; every file it reads is
-    listed with a size and a sha256."""
+    """Every path a (schema-valid) manifest names stays inside its version, and every
+    file it reads is listed with its size and sha256."""
     files, sparse = data["files"], data["sparse"]
-    if not isinstance(files, dict) or not isinstance(sparse, dict):
-        raise ExportError(f"{where}: 'files' and 'sparse' must be objects")
-    for rel, info in files.items():
+    for rel in files:
         check_member_path(rel, f"{where}: files")
-        if (not isinstance(info, dict) or not isinstance(info.get("sha256"), str)
-                or not isinstance(info.get("bytes"), int) or info["bytes"] < 0):
-            raise ExportError(f"{where}: files[{rel!r}] needs 'bytes' and 'sha256'")
-    shards = sparse.get("shards")
-    if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
-        raise ExportError(f"{where}: sparse.shards must be a list of objects")
     named = [("dense", data["dense"])]
-    named += [(f"sparse.shards[{i}].file", s.get("file")) for i, s in enumerate(shards)]
+    named += [(f"sparse.shards[{i}].file", s["file"]) for i, s in enumerate(sparse["shards"])]
     if sparse.get("deleted_file") is not None:
         named.append(("sparse.deleted_file", sparse["deleted_file"]))
     for field_name, rel in named:

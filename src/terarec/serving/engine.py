@@ -11,7 +11,6 @@ the newest good state, including the good prefix of a chain of deltas.
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 import threading
 import time
@@ -23,28 +22,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file as load_torch_file
 
-from terarec.autofeature.candidates import AutoFeatureError
-from terarec.autofeature.features import CONFIG_FILE, FeatureConfig
 from terarec.autofeature.lookup import FeatureLookup
-from terarec.config import ModelConfig, from_dict
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.working_set import StagingStats, WorkingSet
-from terarec.export.compressed import EncodedRows, RowCodec
-from terarec.export.format import (
-    MANIFEST,
-    ExportError,
-    Manifest,
-    latest_version,
-    list_versions,
-    memmap_tensors,
-    parse_version_name,
-    read_manifest,
-)
-from terarec.export.storage import Storage, StorageError
-from terarec.io import ScratchDir, sha256_file
-from terarec.models import build_model
+from terarec.export.format import ExportError, Manifest, list_versions, parse_version_name
+from terarec.export.reader import IncompleteVersionError, VersionReader
+from terarec.export.storage import Storage
+from terarec.io import ScratchDir
 from terarec.models.base import CTRModel
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
@@ -106,19 +91,14 @@ class NoVersionError(RuntimeError):
     """Nothing has been loaded yet: the export is empty or every version was refused."""
 
 
-class IncompleteVersionError(ExportError):
-    """A version whose manifest is there but some of its files are not (yet): still being
-    copied or uploaded. Retried until ``incomplete_timeout_s``, then refused."""
-
-
 class ServingEngine:
     """Serves the newest good version under ``uri`` and follows new ones.
 
     ``cache_rows`` bounds the hot-key cache. Every file served is first copied into
     ``cache_dir`` (a private temp folder by default) and verified there against the
-    manifest, so shards are memory-mapped from copies nobody else writes: the export can
-    be truncated, rewritten or deleted underneath a running server. A version whose
-    files are incomplete is retried for ``incomplete_timeout_s`` seconds.
+    manifest (``VersionReader.fetch``), so shards are memory-mapped from copies nobody
+    else writes: the export can be truncated, rewritten or deleted underneath a running
+    server. A version whose files are incomplete is retried for ``incomplete_timeout_s``.
     """
 
     def __init__(self, uri: str | Path, *, storage_options: dict[str, Any] | None = None,
@@ -134,6 +114,7 @@ class ServingEngine:
         self._scratch = (ScratchDir(tempfile.gettempdir(), "terarec-serve")
                          if cache_dir is None else None)
         self.cache_dir = self._scratch.path if self._scratch else Path(cache_dir)  # type: ignore[arg-type]
+        self.reader = VersionReader(self.storage, self.cache_dir)
         self.current: ServedVersion | None = None
         self.cache: RowCache | None = None
         # Refused versions: name -> reason, and the refused manifest's creation time (a
@@ -148,130 +129,24 @@ class ServingEngine:
         self._poller: threading.Thread | None = None
 
     # -- loading ------------------------------------------------------------------------
-    def _fetch(self, manifest: Manifest, rel: str) -> Path:
-        """A private copy of one of the version's files, verified (size and sha256)
-        before anything maps it. A missing or short file is an incomplete version (it may
-        still be arriving); a wrong checksum is a corrupted one."""
-        info = manifest.files.get(rel)
-        if info is None:
-            raise ExportError(f"{manifest.name}: {rel} is not listed in the manifest")
-        source = f"{manifest.name}/{rel}"
-        path = self.cache_dir / manifest.name / rel
-        size, digest = int(info["bytes"]), info["sha256"]
-        if path.exists() and path.stat().st_size == size and sha256_file(path) == digest:
-            return path  # copied for an earlier version of the same content
-        try:
-            self.storage.download(source, path)
-        except StorageError:
-            raise IncompleteVersionError(f"{self.storage.uri}/{source}: missing") from None
-        except OSError as exc:  # e.g. our disk is full: retried, then refused
-            raise IncompleteVersionError(f"{self.storage.uri}/{source}: cannot copy it to "
-                                         f"{path} ({exc})") from None
-        got = path.stat().st_size
-        if got != size:
-            path.unlink(missing_ok=True)  # a bad copy is not kept
-            message = f"{self.storage.uri}/{source}: {got} bytes, the manifest says {size}"
-            # A local file may still be growing (cp); an object store's PUT is atomic.
-            if got < size and self.storage.is_local:
-                raise IncompleteVersionError(message)
-            raise ExportError(message)
-        if sha256_file(path) != digest:
-            path.unlink(missing_ok=True)
-            raise ExportError(f"{self.storage.uri}/{source}: checksum mismatch, the file is "
-                              "corrupted or was replaced")
-        return path
-
-    def _tensors(self, manifest: Manifest, rel: str, need: Sequence[str]) -> dict[str, np.ndarray]:
-        tensors = memmap_tensors(self._fetch(manifest, rel))
-        lacking = [n for n in need if n not in tensors]
-        if lacking:
-            raise ExportError(f"{manifest.name}/{rel}: lacks tensors {lacking}")
-        return tensors
-
-    def _network(self, manifest: Manifest, schema: FeatureSchema) -> CTRModel:
-        try:
-            config = from_dict(ModelConfig, manifest.data["model"])
-            model = build_model(schema, config)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ExportError(f"{manifest.name}: bad model config ({exc})") from None
-        path = self._fetch(manifest, manifest.data["dense"])
-        try:
-            state = load_torch_file(str(path))
-        except Exception as exc:  # safetensors raises its own error types
-            raise ExportError(f"{manifest.name}: unreadable dense weights ({exc})") from None
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            raise ExportError(f"{manifest.name}: dense weights do not fit the model "
-                              f"({str(exc).splitlines()[0]})") from None
-        if model.row_dim != manifest.row_dim:
-            raise ExportError(f"{manifest.name}: rows have {manifest.row_dim} floats, the "
-                              f"model needs {model.row_dim}")
-        return model.eval()
-
-    def _rows(self, manifest: Manifest, rel: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        codec = manifest.data["sparse"].get("codec")
-        if codec is not None:  # encoded rows, decoded per lookup (export/compressed.py)
-            t = self._tensors(manifest, rel, ("keys", "codes"))
-            try:
-                values = EncodedRows(t["codes"], manifest.row_dim, RowCodec.parse(codec),
-                                     t.get("codebook"))
-            except ValueError as exc:
-                raise ExportError(f"{manifest.name}/{rel}: {exc}") from None
-            t["values"] = values  # type: ignore[assignment]
-        else:
-            t = self._tensors(manifest, rel, ("keys", "values"))
-        keys, values = t["keys"], t["values"]
-        if keys.shape != (rows,) or values.shape != (rows, manifest.row_dim):
-            raise ExportError(f"{manifest.name}/{rel}: holds keys {keys.shape} and values "
-                              f"{values.shape}, the manifest says {rows} rows of "
-                              f"{manifest.row_dim}")
-        return keys, values
-
     def load_full(self, manifest: Manifest) -> ServedVersion:
         if manifest.kind != "full":
             raise ExportError(f"{manifest.name}: expected a full version, got a "
                               f"{manifest.kind}")
+        schema = self.reader.schema(manifest)
+        model = self.reader.network(manifest, schema)
         try:
-            schema = FeatureSchema.from_dict(manifest.data["schema"])
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ExportError(f"{manifest.name}: bad feature schema ({exc})") from None
-        model = self._network(manifest, schema)
-        shards = []
-        for shard in manifest.shards:
-            keys, values = self._rows(manifest, shard["file"], int(shard["rows"]))
-            if len(keys) and (int(keys[0]) != shard["first_key"]
-                              or int(keys[-1]) != shard["last_key"]):
-                raise ExportError(f"{manifest.name}/{shard['file']}: key range differs "
-                                  "from the manifest")
-            if len(keys):
-                shards.append((keys, values))
-        try:
-            base = ShardedRows(shards, manifest.row_dim)
+            base = ShardedRows(self.reader.shards(manifest), manifest.row_dim)
         except ValueError as exc:
             raise ExportError(f"{manifest.name}: {exc}") from None
         mean = [f.pooling == "mean" for f in schema.categorical]
-        lookup, raw_schema = self._features(manifest)
+        config = self.reader.features(manifest)
+        lookup, raw_schema = None, None
+        if config is not None and config.tables.tables:
+            lookup, raw_schema = FeatureLookup(config.tables), config.base_schema
         return ServedVersion(manifest, schema, model, VersionRows(base),
                              torch.tensor(mean) if any(mean) else None,
                              features=lookup, raw_schema=raw_schema)
-
-    def _features(self, manifest: Manifest) -> tuple[FeatureLookup | None, FeatureSchema | None]:
-        """The version's AutoFeature tables, verified and held in memory, if it has any."""
-        folder = manifest.data.get("features")
-        if folder is None:
-            return None, None
-        local = [self._fetch(manifest, rel) for rel in manifest.files
-                 if rel.startswith(f"{folder}/")]
-        try:
-            config = FeatureConfig.load(local[0].parent / CONFIG_FILE) if local else None
-        except (AutoFeatureError, OSError) as exc:
-            raise ExportError(f"{manifest.name}: bad feature tables ({exc})") from None
-        if config is None:
-            raise ExportError(f"{manifest.name}: lists feature tables but holds none")
-        if not config.tables.tables:
-            return None, None
-        return FeatureLookup(config.tables), config.base_schema
 
     def apply_delta(self, state: ServedVersion, manifest: Manifest) -> ServedVersion:
         """``state`` with delta ``manifest`` applied, as a new ServedVersion."""
@@ -282,36 +157,15 @@ class ServingEngine:
             if manifest.data[key] != state.manifest.data[key]:
                 raise ExportError(f"{manifest.name}: {key} differs from its base "
                                   f"{state.manifest.base}")
-        model = self._network(manifest, state.schema)
-        keys, values = [], []
-        for shard in manifest.shards:
-            k, v = self._rows(manifest, shard["file"], int(shard["rows"]))
-            keys.append(np.array(k))
-            values.append(np.array(v))
-        upserts = np.concatenate(keys) if keys else np.empty(0, np.int64)
-        rows = (np.concatenate(values) if values
-                else np.empty((0, manifest.row_dim), np.float32))
-        deleted = np.empty(0, np.int64)
-        if manifest.data["sparse"].get("deleted_file"):
-            deleted = np.array(self._tensors(manifest, manifest.data["sparse"]["deleted_file"],
-                                             ("keys",))["keys"])
-            if len(deleted) != int(manifest.data["sparse"]["deleted"]):
-                raise ExportError(f"{manifest.name}: {len(deleted)} deleted keys, the "
-                                  f"manifest says {manifest.data['sparse']['deleted']}")
+        model = self.reader.network(manifest, state.schema)
+        upserts, rows, deleted = self.reader.delta(manifest)
         touched = np.concatenate([state.touched, upserts, deleted])
         return ServedVersion(manifest, state.schema, model,
                              state.rows.with_delta(upserts, rows, deleted), state.mean_fields,
                              touched, state.features, state.raw_schema)
 
     def _manifest(self, name: str) -> Manifest:
-        """A chain member's manifest; a missing one may still be arriving."""
-        try:
-            if not self.storage.exists(f"{name}/{MANIFEST}"):
-                raise IncompleteVersionError(f"{self.storage.uri}: version {name} has no "
-                                             "manifest (yet)")
-            return read_manifest(self.storage, name)
-        except StorageError as exc:
-            raise ExportError(str(exc)) from None
+        return self.reader.manifest(name)
 
     def _refuse(self, name: str, reason: str, created: float | None = None) -> None:
         if self._is_refused(name, created):
@@ -419,7 +273,7 @@ class ServingEngine:
         otherwise."""
         with self._refresh_lock:
             try:
-                name = latest_version(self.storage)
+                name = self.reader.latest()
             except (OSError, ExportError) as exc:
                 log.warning("cannot read %s: %s", self.storage.uri, exc)
                 return False
@@ -496,20 +350,10 @@ class ServingEngine:
                 self.cache.refresh(touched, fresh_rows)
             self.current = state
         if not same_base:
-            self._prune_downloads(state.manifest)
+            self.reader.prune_downloads(state.manifest.chain)
         self.metrics.served(state.version, state.manifest.created)
         log.info("serving version %s (%s on %s, %d overlay rows)", state.name,
                  state.manifest.kind, state.manifest.base, state.rows.overlay_rows)
-
-    def _prune_downloads(self, manifest: Manifest) -> None:
-        """Drop private copies of versions outside the served chain (a version still
-        scoring a request keeps its mapped files: unlinked files stay readable)."""
-        if not self.cache_dir.exists():
-            return
-        keep = set(manifest.chain)
-        for folder in self.cache_dir.iterdir():
-            if folder.is_dir() and folder.name not in keep and parse_version_name(folder.name):
-                shutil.rmtree(folder, ignore_errors=True)
 
     # -- polling --------------------------------------------------------------------------
     def start_polling(self, interval_s: float) -> None:
