@@ -21,6 +21,7 @@ from terarec.cli.common import (
     schema_for_data,
     schema_from_args,
 )
+from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
@@ -32,7 +33,7 @@ from terarec.distributed.run import (
 )
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
-from terarec.io import atomic_write_text
+from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
 from terarec.train.passes import iter_file_batches
 from terarec.train.trainer import Trainer
@@ -84,11 +85,27 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
                                features_dir=model_features_dir(args.out))
 
 
+LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
+
+
 def run(args: argparse.Namespace) -> int:
-    """Train; with AutoFeature tables, on copies of the inputs joined with them."""
+    """Train, holding the model directory's lock; with AutoFeature tables, on copies of
+    the inputs joined with them."""
     if launched_by_torchrun():  # one rank of `torchrun ... -m terarec train`
         return train_main(args)
     reject_distributed_args(args)
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file, not a model directory")
+    try:
+        lock = exclusive_lock(args.out / LOCK_FILE, f"model directory {args.out}")
+        with lock:
+            remove_atomic_leftovers(args.out)  # of a run killed mid-write
+            return _locked_run(args)
+    except LockedError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _locked_run(args: argparse.Namespace) -> int:
     features = None
     if args.resume and list_checkpoints(args.out):
         features = model_features(args.out)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from terarec.config import ModelConfig, to_dict
 from terarec.embedding.store import CHUNK_ROWS, RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
+    CLAIM,
     DELETED_FILE,
     DENSE_FILE,
     FORMAT,
@@ -32,6 +35,7 @@ from terarec.export.format import (
     MANIFEST,
     ExportError,
     Manifest,
+    check_member_path,
     latest_version,
     list_versions,
     parse_version_name,
@@ -41,7 +45,7 @@ from terarec.export.format import (
     shard_name,
     version_name,
 )
-from terarec.export.storage import Storage
+from terarec.export.storage import Storage, StorageError
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
@@ -83,6 +87,30 @@ class ModelExporter:
         numbers = [parse_version_name(n) or 0 for n in list_versions(self.storage)]
         return max(numbers, default=0) + 1
 
+    def _claim_version(self) -> int:
+        """The next version number, claimed so that a concurrent writer to the same URI
+        never takes it too: a claim file created exclusively in the version folder
+        (``O_EXCL`` locally, a conditional put on object stores)."""
+        version = self._next_version()
+        token = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "time": time.time()}).encode()
+        for _ in range(1000):
+            if self.storage.create_exclusive(f"{version_name(version)}/{CLAIM}", token):
+                return version
+            version += 1  # taken by another writer since we listed
+        raise ExportError(f"{self.storage.uri}: could not claim a version number after "
+                          f"{version}")
+
+    def _publish(self, name: str) -> None:
+        """Point ``LATEST`` at ``name`` unless a concurrent writer already moved it to a
+        newer version (it only moves forward)."""
+        try:
+            newest = parse_version_name(self.storage.read_bytes(LATEST).decode().strip())
+        except (StorageError, UnicodeDecodeError):
+            newest = None
+        if newest is None or newest < (parse_version_name(name) or 0):
+            self.storage.write_bytes(LATEST, name.encode())
+
     def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
                    dense: dict[str, torch.Tensor], keys: np.ndarray | None = None,
                    values: np.ndarray | None = None, rows: Iterable[RowChunk] | None = None,
@@ -94,7 +122,7 @@ class ModelExporter:
         Rows come as ``keys`` + ``values`` arrays, or streamed as key-ordered ``rows``
         chunks (``EmbeddingStore.iter_sorted``) of ``row_dim`` values: then no more than
         one shard is held in RAM."""
-        version = self._next_version()
+        version = self._claim_version()
         name = version_name(version)
         header = {"name": name, "version": version, "kind": "full", "base": name,
                   "deltas": [], "parent": None, "schema": schema.to_dict(),
@@ -120,7 +148,7 @@ class ModelExporter:
         if parent is None:
             raise ExportError(f"{self.storage.uri}: no version to build a delta on; "
                               "write a full version first")
-        version = self._next_version()
+        version = self._claim_version()
         name = version_name(version)
         header = {"name": name, "version": version, "kind": "delta", "base": parent.base,
                   "deltas": [*parent.deltas, name], "parent": parent.name,
@@ -148,6 +176,7 @@ class ModelExporter:
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:
+            check_member_path(rel, f"{self.storage.uri}/{name}")
             self.storage.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
 
@@ -180,7 +209,7 @@ class ModelExporter:
         })
         raw = manifest.to_bytes()
         self.storage.write_bytes(f"{name}/{MANIFEST}", raw)
-        self.storage.write_bytes(LATEST, name.encode())
+        self._publish(name)
         written = sum(f["bytes"] for f in files.values()) + len(raw)
         result = ExportedVersion(name=name, kind=header["kind"], rows=total,
                                  deleted=sparse["deleted"], bytes=written,
