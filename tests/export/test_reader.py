@@ -31,7 +31,7 @@ def test_full_and_delta_rows_read_back(tmp_path):
     exporter.write_delta(dense=_dense(), keys=np.array([5, 17], np.int64),
                          values=np.ones((2, dim), np.float32), deleted=np.array([7]),
                          pass_id=2)
-    reader = VersionReader(Storage(tmp_path / "export"))
+    reader = VersionReader(Storage(tmp_path / "export"), tmp_path / "cache")
     assert reader.latest() == "v000002"
     full = reader.manifest("v000001")
     shards = reader.shards(full)
@@ -53,6 +53,6 @@ def test_a_replaced_file_is_refused(tmp_path):
         values=np.zeros((1, dim), np.float32), pass_id=1)
     shard = tmp_path / "export" / "v000001" / "sparse" / "shard-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-4] + b"\0\0\0\1")
-    reader = VersionReader(Storage(tmp_path / "export"))
+    reader = VersionReader(Storage(tmp_path / "export"), tmp_path / "cache")
     with pytest.raises(ExportError, match="shard-00000.safetensors: checksum mismatch"):
         reader.shards(reader.manifest("v000001"))
