@@ -474,8 +474,19 @@ def _csv_blocks(path: Path, source: Any, column_names: list[str] | None,
 
 
 def _read_header(path: Path, delimiter: str) -> list[str]:
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        first = fh.readline()
+    """The first line's column names; a compressed file (by extension, as pyarrow opens
+    it) is decompressed first."""
+    head = b""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        while b"\n" not in head and b"\r" not in head:
+            chunk = stream.read(1 << 16)
+            if not chunk:
+                break
+            head += chunk
+    try:
+        first = head.splitlines()[0].decode("utf-8-sig") if head else ""
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: line 1: header is not UTF-8 text: {exc}") from None
     if not first.strip():
         raise DataError(f"{path}: line 1: empty header line")
     return next(csv.reader([first], delimiter=delimiter))

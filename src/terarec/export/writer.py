@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
-from terarec.embedding.store import RowChunk
+from terarec.embedding.store import CHUNK_ROWS, RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     CLAIM,
@@ -183,8 +183,6 @@ class ModelExporter:
         shards: list[dict] = []
         total = 0
         for keys, values in _shards(rows, self.shard_rows, row_dim):
-            if shards and int(keys[0]) <= shards[-1]["last_key"]:
-                raise ValueError("keys must be sorted and unique")
             i = len(shards)
             if self.codec is None:
                 put(shard_name(i), rows_bytes(keys, values))
@@ -224,33 +222,39 @@ class ModelExporter:
 def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
             row_dim: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Re-cut key-ordered (keys, values) parts into shards of ``shard_rows`` rows (the
-    last one shorter), checking order, shape and finiteness on the way: holds at most
-    one shard plus one part."""
-    keys_buf: list[np.ndarray] = []
-    values_buf: list[np.ndarray] = []
+    last one shorter), checking order, shape and finiteness on the way. Holds one shard
+    buffer (filled in place, pages allocated as written) plus one part; each yielded
+    shard is a view of the buffer, valid until the next one is asked for."""
+    keys_buf = np.empty(shard_rows, np.int64)
+    values_buf = np.empty((shard_rows, row_dim), np.float32)
     held = 0
+    last: int | None = None  # the previous part's last key
     for keys, values in rows:
         keys = np.ascontiguousarray(keys, np.int64)
         values = np.ascontiguousarray(values, np.float32)
         if values.shape != (len(keys), row_dim):
             raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys "
                              f"of {row_dim} values")
-        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+        if (len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1]))) or (
+                len(keys) and last is not None and int(keys[0]) <= last):
             raise ValueError("keys must be sorted and unique")
+        if len(keys):
+            last = int(keys[-1])
         bad = ~np.isfinite(values).all(axis=1)
         if bad.any():
             raise ValueError(f"{int(bad.sum())} rows hold non-finite values (first key "
                              f"{int(keys[bad][0])}): refusing to export them")
-        keys_buf.append(keys)
-        values_buf.append(values)
-        held += len(keys)
-        while held >= shard_rows:
-            k, v = np.concatenate(keys_buf), np.concatenate(values_buf)
-            yield k[:shard_rows], v[:shard_rows]
-            keys_buf, values_buf = [k[shard_rows:]], [v[shard_rows:]]
-            held -= shard_rows
+        pos = 0
+        while pos < len(keys):
+            take = min(shard_rows - held, len(keys) - pos)
+            keys_buf[held:held + take] = keys[pos:pos + take]
+            values_buf[held:held + take] = values[pos:pos + take]
+            held, pos = held + take, pos + take
+            if held == shard_rows:
+                yield keys_buf, values_buf
+                held = 0
     if held:
-        yield np.concatenate(keys_buf), np.concatenate(values_buf)
+        yield keys_buf[:held], values_buf[:held]
 
 
 def _as_json(value: Any) -> Any:
@@ -270,7 +274,7 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     ckpt = load_checkpoint(model_dir)
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
-                               rows=ckpt.iter_sorted(shard_rows),
+                               rows=ckpt.iter_sorted(CHUNK_ROWS),
                                row_dim=row_dim_for(config.model.name, config.model),
                                pass_id=int(ckpt.meta["pass_id"]),
                                features_dir=model_features_dir(model_dir))
@@ -349,7 +353,7 @@ class IncrementalExporter:
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
-                rows=store.iter_sorted(self.exporter.shard_rows), row_dim=store.row_dim,
+                rows=store.iter_sorted(CHUNK_ROWS), row_dim=store.row_dim,
                 pass_id=trainer.pass_id, features_dir=self.features_dir)
         else:
             keys, values = store.changed_since(self._last_pass)

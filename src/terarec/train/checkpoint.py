@@ -182,8 +182,8 @@ def verify_checkpoint(path: Path) -> dict:
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        meta = dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
-                                  root="meta"))
+        meta: dict[str, Any] = dict(validate_json(CheckpointMeta, meta_path.read_bytes(),
+                                                  str(meta_path), root="meta"))
     except ValueError as exc:
         raise CheckpointError(f"corrupted checkpoint: {exc}") from None
     for fname, digest in meta["sha256"].items():
