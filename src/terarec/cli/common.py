@@ -166,7 +166,15 @@ def add_model_data_args(parser: argparse.ArgumentParser, data_help: str) -> None
     """``--model DIR --data FILE...`` plus the format args, for commands that score."""
     parser.add_argument("--model", required=True, type=Path, help="model directory")
     parser.add_argument("--data", nargs="+", required=True, type=Path, help=data_help)
+    add_checkpoint_arg(parser)
     add_format_args(parser)
+
+
+def add_checkpoint_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default="best", metavar="best|latest|pass-N",
+                        help="which checkpoint of the model directory: best (default: the "
+                        "best on the validation set, the newest without one), latest, or "
+                        "pass-N")
 
 
 @contextlib.contextmanager
@@ -177,10 +185,12 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
     new rows get exactly the features training computed.
     """
     from terarec.autofeature.features import model_inputs
-    from terarec.train.checkpoint import restore_trainer
+    from terarec.train.checkpoint import checkpoint_name, restore_trainer
     from terarec.train.passes import iter_file_batches
 
-    trainer = restore_trainer(args.model)
+    trainer = restore_trainer(args.model,
+                              name=checkpoint_name(args.model, getattr(args, "checkpoint",
+                                                                       "best")))
     with model_inputs(args.model, trainer.schema, args.data,
                       lambda s: schema_for_data(s, args)) as (schema, data):
         stats = ReadStats()
