@@ -92,9 +92,10 @@ class _PlanCache:
         if batch_size == self.batch_size:
             return self.plan
         if batch_size not in self._by_size:
-            planned = isinstance(self.plan, PassPlan)
-            again = rebatch(self.plan.batches if planned else self.plan, batch_size)
-            self._by_size[batch_size] = plan_pass(again) if planned else again
+            if isinstance(self.plan, PassPlan):
+                self._by_size[batch_size] = plan_pass(rebatch(self.plan.batches, batch_size))
+            else:
+                self._by_size[batch_size] = rebatch(self.plan, batch_size)
         return self._by_size[batch_size]
 
 

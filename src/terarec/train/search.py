@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
 from terarec.io import atomic_write_text
@@ -77,7 +77,7 @@ def load_space(path: str | Path, base: TrainConfig) -> dict[str, dict[str, Any]]
     path = Path(path)
     text = path.read_text()
     if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         try:
             data = yaml.safe_load(text)
@@ -222,26 +222,24 @@ class SearchTrial:
     params: dict[str, Any]
     config: TrainConfig
     model_dir: Path
-    optuna_trial: Any = None
-    run: TrialRun | None = None
+    optuna_trial: Any
+    run: TrialRun
     state: str = "running"  # running, complete, pruned, failed
     seconds: float = 0.0  # its own training and evaluation time
     history: list[dict] = field(default_factory=list)
 
     @property
-    def selection(self) -> SelectionTracker | None:
-        return self.run.selection if self.run is not None else None
+    def selection(self) -> SelectionTracker:
+        assert self.run.selection is not None  # a search trial always selects
+        return self.run.selection
 
     def row(self) -> dict[str, Any]:
         """Its line in the results table."""
         sel = self.selection
-        best = next((h for h in self.history
-                     if sel is not None and h["pass_id"] + 1 == sel.best_pass), {})
-        return {"trial": self.number, "state": self.state,
-                "value": sel.best_value if sel else None,
-                "select_by": sel.select_by if sel else None,
-                "best_pass": sel.best_pass if sel else None, "passes": len(self.history),
-                "stop_reason": self.run.stop_reason if self.run else None,
+        best = next((h for h in self.history if h["pass_id"] + 1 == sel.best_pass), {})
+        return {"trial": self.number, "state": self.state, "value": sel.best_value,
+                "select_by": sel.select_by, "best_pass": sel.best_pass,
+                "passes": len(self.history), "stop_reason": self.run.stop_reason,
                 "valid_auc": best.get("valid_auc"), "valid_logloss": best.get("valid_logloss"),
                 "seconds": round(self.seconds, 3),
                 **{f"params.{k}": v for k, v in self.params.items()}}
@@ -285,7 +283,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    direction = "maximize" if higher_is_better(select_by) else "minimize"
+    direction: Literal["maximize", "minimize"] = \
+        "maximize" if higher_is_better(select_by) else "minimize"
     study = optuna.create_study(direction=direction,
                                 sampler=make_sampler(sampler, space, seed),
                                 pruner=make_pruner(pruner))
@@ -296,9 +295,12 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     start = time.perf_counter()
     while len(done) < trials:
         k = min(parallel, trials - len(done))
-        wave = [_ask(study, space, base, out_dir, budget, k) for _ in range(k)]
-        _train_wave(schema, wave, study, train_paths, valid_batches, select_by, patience,
-                    budget, progress, on_boundary)
+        # Built one after another, each trainer seeds torch itself: the weights of a
+        # trial are those of the same configuration trained alone.
+        wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience)
+                for _ in range(k)]
+        _train_wave(wave, study, train_paths, valid_batches, select_by, budget, progress,
+                    on_boundary)
         done.extend(wave)
     complete = [t for t in done if t.state == "complete"]
     best = next((t for t in complete if t.number == study.best_trial.number), None) \
@@ -311,8 +313,9 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     return SearchResult(done, best, best_dir, study, time.perf_counter() - start)
 
 
-def _ask(study, space, base: TrainConfig, out_dir: Path, budget: int | None,
-         live: int) -> SearchTrial:
+def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
+         budget: int | None, live: int, select_by: str,
+         patience: int | None) -> SearchTrial:
     trial = study.ask()
     params = suggest(trial, space)
     config = apply_params(base, params)
@@ -322,7 +325,9 @@ def _ask(study, space, base: TrainConfig, out_dir: Path, budget: int | None,
         config.store.memory_budget = budget // live
     if config.store.tiered:
         config.store.disk_path = str(model_dir / "store")
-    return SearchTrial(trial.number, params, config, model_dir, trial)
+    run = TrialRun(Trainer(schema, config), SelectionTracker(select_by, patience),
+                   _checkpoint_best(model_dir))
+    return SearchTrial(trial.number, params, config, model_dir, trial, run)
 
 
 def _checkpoint_best(model_dir: Path) -> Callable[[Trainer, dict], None]:
@@ -336,16 +341,11 @@ def _checkpoint_best(model_dir: Path) -> Callable[[Trainer, dict], None]:
     return hook
 
 
-def _train_wave(schema: FeatureSchema, wave: list[SearchTrial], study, train_paths,
-                valid: list[Batch], select_by: str, patience: int | None,
-                budget: int | None, progress: bool,
+def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[Batch],
+                select_by: str, budget: int | None, progress: bool,
                 on_boundary: Callable[[list[SearchTrial]], None] | None) -> None:
     import optuna
 
-    for t in wave:
-        # Constructed one after another, each seeds torch itself: same weights as alone.
-        t.run = TrialRun(Trainer(schema, t.config), SelectionTracker(select_by, patience),
-                         _checkpoint_best(t.model_dir))
     by_run = {id(t.run): t for t in wave}
 
     def boundary(live: list[TrialRun]) -> None:
@@ -367,8 +367,9 @@ def _train_wave(schema: FeatureSchema, wave: list[SearchTrial], study, train_pat
         alive = [t for t in trials if t.run.live]
         if budget is not None and alive:  # re-split the budget across live trials
             for t in alive:
-                if getattr(t.run.trainer.store, "budget", None) is not None:
-                    t.run.trainer.store.budget = budget // len(alive)
+                store = t.run.trainer.store
+                if getattr(store, "budget", None) is not None:
+                    store.budget = budget // len(alive)  # type: ignore[union-attr]
         if on_boundary is not None:
             on_boundary(wave)
 
@@ -378,7 +379,7 @@ def _train_wave(schema: FeatureSchema, wave: list[SearchTrial], study, train_pat
         if t.state == "pruned":
             continue
         t.history = list(t.run.trainer.history)
-        value = t.run.selection.best_value
+        value = t.selection.best_value
         if value is None:
             t.state = "failed"
             study.tell(t.optuna_trial, state=optuna.trial.TrialState.FAIL)
@@ -401,7 +402,7 @@ def _write_trial_files(t: SearchTrial) -> None:
                if row["best_pass"] else None, "passes": row["passes"],
                "stop_reason": row["stop_reason"], "model": t.config.model.name,
                "trial": t.number, "params": t.params,
-               **(t.selection.summary() if t.selection else {})}
+               **t.selection.summary()}
     atomic_write_text(t.model_dir / "metrics.json", json.dumps(metrics, indent=2))
 
 
@@ -454,8 +455,7 @@ def write_search_report(result: SearchResult, out_dir: str | Path) -> Path:
     """The HTML report: per-trial validation curves, importances, the results table."""
     from terarec.report import write_search_report as write_page
 
-    metric = result.trials[0].selection.select_by if result.trials and \
-        result.trials[0].selection else "logloss"
+    metric = result.trials[0].selection.select_by if result.trials else "logloss"
     curves = {}
     for t in result.trials:
         points = [(h["pass_id"] + 1, h[f"valid_{metric}"]) for h in t.history
@@ -466,8 +466,7 @@ def write_search_report(result: SearchResult, out_dir: str | Path) -> Path:
     summary = {"trials": len(result.trials),
                "pruned": sum(t.state == "pruned" for t in result.trials),
                "best trial": best.number if best else None,
-               f"best validation {metric}": best.selection.best_value
-               if best and best.selection else None,
+               f"best validation {metric}": best.selection.best_value if best else None,
                "best model directory": str(result.best_dir) if result.best_dir else None,
                "seconds": result.seconds,
                **({f"best {k}": v for k, v in best.params.items()} if best else {})}
