@@ -88,8 +88,20 @@ def _auc_of(result, number: int) -> float | None:
     return row["valid_auc"]
 
 
+def _warm_up(schema: FeatureSchema, base: TrainConfig, train: Path, valid: Path) -> None:
+    """Pay one-time costs (imports torch's optimizer stack and scikit-learn pull in, the
+    page cache of the input) before any variant is timed, so none of them pays them."""
+    from terarec.train.trainer import Trainer
+
+    batches = list(iter_file_batches([valid], schema, base.batch_size))[:2]
+    Trainer(schema, base).evaluate(batches)
+    for _ in iter_file_batches([train], schema, base.batch_size):
+        pass
+
+
 def bench(schema: FeatureSchema, base: TrainConfig, train: Path, valid: Path, tmp: Path,
           trials: int, fmt: list[str]) -> dict:
+    _warm_up(schema, base, train, valid)
     params = _trial_params(base.model.name, trials, seed=base.seed)
     separate = _separate(base, train, valid, tmp / "separate", params, fmt)
     shared, result = _search(schema, base, train, valid, tmp / "shared", params, "none")

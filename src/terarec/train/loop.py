@@ -100,7 +100,8 @@ class _PlanCache:
 
 
 def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
-               valid_batches: list[Batch] | None = None, *, progress: bool = True,
+               valid_batches: list[Batch] | list[PassPlan] | None = None, *,
+               progress: bool = True,
                stats=None, skip_passes: int = 0,
                on_boundary: Callable[[list[TrialRun]], None] | None = None) -> None:
     """Train every run pass by pass until each has stopped (patience, its epochs, a
@@ -141,7 +142,8 @@ def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
         run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
 
 
-def _train_one(run: TrialRun, plans: _PlanCache, upcoming, valid: list[Batch] | None,
+def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
+               valid: list[Batch] | list[PassPlan] | None,
                epoch: int, bar: tqdm) -> None:
     """One pass of one trial: train (in its own RNG stream), evaluate, select, hook."""
     trainer = run.trainer

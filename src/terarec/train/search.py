@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import atomic_write_text
 from terarec.train.checkpoint import mark_best, save_checkpoint
 from terarec.train.loop import TrialRun, run_passes
+from terarec.train.passes import group_passes
 from terarec.train.selection import STOP_PRUNED, SelectionTracker, higher_is_better
 from terarec.train.trainer import Trainer, make_store
 from terarec.types import Batch, FeatureSchema
@@ -291,20 +293,24 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     for params in fixed or []:
         study.enqueue_trial(params)
     budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
+    # The validation set's keys are planned once for every trial and evaluation.
+    valid = [plan_pass(group, counts=False)
+             for group in group_passes(valid_batches, base.pass_rows)]
+    overall = _BestSoFar(SelectionTracker(select_by, patience=None))
     done: list[SearchTrial] = []
     start = time.perf_counter()
     while len(done) < trials:
         k = min(parallel, trials - len(done))
         # Built one after another, each trainer seeds torch itself: the weights of a
         # trial are those of the same configuration trained alone.
-        wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience)
-                for _ in range(k)]
-        _train_wave(wave, study, train_paths, valid_batches, select_by, budget, progress,
+        wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
+                     overall) for _ in range(k)]
+        _train_wave(wave, study, train_paths, valid, select_by, budget, progress,
                     on_boundary)
         done.extend(wave)
-    complete = [t for t in done if t.state == "complete"]
-    best = next((t for t in complete if t.number == study.best_trial.number), None) \
-        if complete else None
+    # The trial with the best validation value of all, pruned ones included (a pruned
+    # trial's best pass is a whole model): the one whose checkpoint ``overall`` took last.
+    best = next((t for t in done if t.number == overall.trial), None)
     best_dir = _write_best(best, out_dir) if best is not None else None
     for t in done:  # only the best trial keeps its checkpoints (in out/best)
         shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
@@ -314,8 +320,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
 
 
 def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
-         budget: int | None, live: int, select_by: str,
-         patience: int | None) -> SearchTrial:
+         budget: int | None, live: int, select_by: str, patience: int | None,
+         overall: _BestSoFar) -> SearchTrial:
     trial = study.ask()
     params = suggest(trial, space)
     config = apply_params(base, params)
@@ -326,22 +332,36 @@ def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
     if config.store.tiered:
         config.store.disk_path = str(model_dir / "store")
     run = TrialRun(Trainer(schema, config), SelectionTracker(select_by, patience),
-                   _checkpoint_best(model_dir))
+                   _checkpoint_best(model_dir, trial.number, overall))
     return SearchTrial(trial.number, params, config, model_dir, trial, run)
 
 
-def _checkpoint_best(model_dir: Path) -> Callable[[Trainer, dict], None]:
-    """The pass-end hook of a trial: commit a checkpoint at each new best, as train
-    does with --valid."""
+@dataclass
+class _BestSoFar:
+    """The best pass of any trial so far, and which trial holds it."""
+
+    tracker: SelectionTracker
+    trial: int | None = None
+
+
+def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
+                     ) -> Callable[[Trainer, dict], None]:
+    """The pass-end hook of a trial: commit a checkpoint when the pass is the best of
+    the whole search so far (``overall``). The state the search ends up choosing is the
+    best of all, so it was the best so far when it was reached: later passes of other
+    trials are never needed, and most passes write nothing."""
 
     def hook(trainer: Trainer, record: dict) -> None:
-        if record.get("best"):
+        value = record[overall.tracker.key]
+        if record.get("best") and overall.tracker.is_better(value):
+            overall.tracker.update(value, int(record["pass_id"]) + 1)
+            overall.trial = number
             mark_best(model_dir, save_checkpoint(model_dir, trainer).name)
 
     return hook
 
 
-def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[Batch],
+def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPlan],
                 select_by: str, budget: int | None, progress: bool,
                 on_boundary: Callable[[list[SearchTrial]], None] | None) -> None:
     import optuna

@@ -141,7 +141,7 @@ class Trainer:
         return wait_s, self.store.end_pass(self.pass_id)
 
     @torch.no_grad()
-    def predict_batches(self, batches: list[Batch]) -> np.ndarray:
+    def predict_batches(self, batches: list[Batch] | PassPlan) -> np.ndarray:
         """Click probabilities for in-memory batches (global keys); the store is unchanged."""
         self.model.eval()
         if not batches:
@@ -150,13 +150,21 @@ class Trainer:
         out = [torch.sigmoid(self._logits(ws, b, train=False)).cpu() for b in ws.batches]
         return torch.cat(out).numpy()
 
-    def predict_stream(self, batches: Iterable[Batch]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time."""
-        for group in group_passes(batches, self.config.pass_rows):
-            labels = torch.cat([b.labels for b in group]).numpy()
+    def predict_stream(self, batches: Iterable[Batch] | list[PassPlan]
+                       ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time.
+        ``batches`` may be pass plans made once (``plan_pass(..., counts=False)``) for a
+        set scored again and again, e.g. a validation set by every trial of a search."""
+        if isinstance(batches, list) and batches and isinstance(batches[0], PassPlan):
+            groups: Iterable = batches
+        else:
+            groups = group_passes(batches, self.config.pass_rows)
+        for group in groups:
+            rows = group.batches if isinstance(group, PassPlan) else group
+            labels = torch.cat([b.labels for b in rows]).numpy()
             yield self.predict_batches(group), labels
 
-    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[Batch] | list[PassPlan]) -> dict[str, float]:
         """AUC, logloss, rows and scoring samples/s (reading included) over ``batches``."""
         probs, labels = [], []
         start = time.perf_counter()
