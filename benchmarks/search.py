@@ -6,8 +6,9 @@ Prints one JSON line: ``trials``, ``seconds_shared`` (one search, pruning off),
 ``seconds_separate`` (8 ``terarec train`` runs, in-process), ``ratio_shared_vs_separate``,
 ``seconds_pruned`` (one search, successive halving), ``ratio_pruned_vs_separate``,
 ``auc_default`` (trial 0: the base configuration), ``auc_best`` (best trial of the
-unpruned search), ``auc_ceiling`` (the synthetic truth's AUC); the real samples under
-``real``, with the same keys (no ceiling).
+unpruned search; every variant selects by validation AUC, patience 2), ``auc_ceiling``
+(the synthetic truth's AUC); the real samples under ``real``, with the same keys (no
+ceiling).
 
     python benchmarks/search.py [--rows 20000] [--trials 8]
 """
@@ -55,7 +56,7 @@ def _search(schema, base, train, valid, out, params, pruner) -> tuple[float, obj
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
         result = run_search(schema, base, [train], batches, out, trials=len(params),
-                            space=space, sampler="random", pruner=pruner,
+                            space=space, sampler="random", pruner=pruner, select_by="auc",
                             fixed=[p or {k: _get(base, k) for k in keys} for p in params])
     return time.perf_counter() - start, result
 
@@ -77,7 +78,7 @@ def _separate(base, train, valid, out: Path, params, fmt: list[str]) -> float:
         with contextlib.redirect_stdout(io.StringIO()):
             code = cli(["train", "--train", str(train), "--valid", str(valid), "--out",
                         str(out / f"trial-{i}"), "--config", str(config), "--no-progress",
-                        "--patience", "2", *fmt])
+                        "--patience", "2", "--select-by", "auc", *fmt])
         if code:
             raise SystemExit(f"train run {i} failed")
     return time.perf_counter() - start

@@ -10,6 +10,12 @@ from pathlib import Path
 
 from terarec.config import TrainConfig, from_dict, load_train_config, to_dict
 from terarec.data.readers import ReadStats, csv_schema
+from terarec.train.selection import (
+    DEFAULT_MAX_EPOCHS,
+    DEFAULT_PATIENCE,
+    SELECT_BY,
+    SelectionTracker,
+)
 from terarec.types import FeatureSchema
 
 
@@ -123,6 +129,36 @@ def _number_list(cast: type, what: str):
 
 _int_list = _number_list(int, "integers")
 _float_list = _number_list(float, "numbers")
+
+
+def add_selection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("validation-driven training (with --valid)")
+    g.add_argument("--select-by", choices=list(SELECT_BY), default="logloss",
+                   help="validation metric that picks the best checkpoint (default logloss)")
+    g.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
+                   help="stop after this many evaluations without improvement "
+                   f"(default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
+                   f"(default {DEFAULT_MAX_EPOCHS} + patience)")
+    g.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate at least every N steps: passes are cut to at most N "
+                   "batches, so a pass boundary (evaluation, checkpoint) comes every N steps")
+
+
+def selection_from_args(args: argparse.Namespace,
+                        config: TrainConfig) -> SelectionTracker | None:
+    """The run's selection tracker (None without --valid); with --valid, fixes the epoch
+    upper bound and the pass length --eval-every asks for."""
+    if not args.valid:
+        if args.eval_every is not None:
+            raise ValueError("--eval-every needs --valid")
+        return None
+    if args.eval_every is not None:
+        if args.eval_every < 1:
+            raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")
+        config.pass_rows = min(config.pass_rows, args.eval_every * config.batch_size)
+    if args.epochs is None and args.config is None:
+        config.epochs = DEFAULT_MAX_EPOCHS + args.patience
+    return SelectionTracker(args.select_by, args.patience)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from terarec.cli.common import (
     add_format_args,
+    add_selection_args,
     add_train_args,
     config_from_args,
     report_skipped,
     schema_from_args,
+    selection_from_args,
 )
-from terarec.cli.train import add_selection_args, selection_from_args
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
 from terarec.train.passes import iter_file_batches

@@ -15,14 +15,16 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_format_args,
+    add_selection_args,
     add_train_args,
     config_from_args,
     report_skipped,
     schema_for_data,
     schema_from_args,
+    selection_from_args,
 )
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
-from terarec.config import TrainConfig, parse_bytes
+from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import launched_by_torchrun
 from terarec.distributed.run import (
@@ -42,12 +44,7 @@ from terarec.train.checkpoint import (
     save_checkpoint,
 )
 from terarec.train.passes import iter_file_batches
-from terarec.train.selection import (
-    DEFAULT_MAX_EPOCHS,
-    DEFAULT_PATIENCE,
-    SELECT_BY,
-    SelectionTracker,
-)
+from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 
 
@@ -71,36 +68,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_export_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
-
-
-def add_selection_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("validation-driven training (with --valid)")
-    g.add_argument("--select-by", choices=list(SELECT_BY), default="logloss",
-                   help="validation metric that picks the best checkpoint (default logloss)")
-    g.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
-                   help="stop after this many evaluations without improvement "
-                   f"(default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
-                   f"(default {DEFAULT_MAX_EPOCHS} + patience)")
-    g.add_argument("--eval-every", type=int, metavar="N",
-                   help="evaluate at least every N steps: passes are cut to at most N "
-                   "batches, so a pass boundary (evaluation, checkpoint) comes every N steps")
-
-
-def selection_from_args(args: argparse.Namespace,
-                        config: TrainConfig) -> SelectionTracker | None:
-    """The run's selection tracker (None without --valid); with --valid, fixes the epoch
-    upper bound and the pass length --eval-every asks for."""
-    if not args.valid:
-        if args.eval_every is not None:
-            raise ValueError("--eval-every needs --valid")
-        return None
-    if args.eval_every is not None:
-        if args.eval_every < 1:
-            raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")
-        config.pass_rows = min(config.pass_rows, args.eval_every * config.batch_size)
-    if args.epochs is None and args.config is None:
-        config.epochs = DEFAULT_MAX_EPOCHS + args.patience
-    return SelectionTracker(args.select_by, args.patience)
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:

@@ -151,7 +151,7 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     torch.set_rng_state(run.rng)
     result = trainer.train_pass(plan, bar, upcoming)
     run.rng = torch.get_rng_state()
-    run.steps += len(plan.batches if isinstance(plan, PassPlan) else plan)
+    run.steps += _steps(plan)
     record = {"epoch": epoch, "steps": run.steps, **result.as_dict()}
     if valid:
         metrics = trainer.evaluate(valid)
@@ -163,3 +163,12 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
                     auc=f"{record.get('valid_auc', float('nan')):.4f}")
     if run.on_pass_end is not None:
         run.on_pass_end(trainer, record)
+
+
+def _steps(plan) -> int:
+    """Optimizer steps in a pass: its batches (a sharded plan: its global steps)."""
+    if isinstance(plan, PassPlan):
+        return len(plan.batches)
+    if isinstance(plan, list):
+        return len(plan)
+    return len(plan.global_sizes)
