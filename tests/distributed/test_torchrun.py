@@ -149,8 +149,8 @@ def test_checkpoint_has_one_disjoint_shard_per_rank_and_splits_for_any_world(csv
 
 def _synth_args(root: Path) -> list[str]:
     return ["--train", str(root / "train.txt"), "--valid", str(root / "valid.txt"),
-            "--epochs", "1", "--batch-size", "512", "--pass-rows", "8192", "--threads", "1", "--no-progress",
-            "--dgc-ratio", "0.001", "--dgc-warmup-steps", "20"]
+            "--epochs", "1", "--batch-size", "512", "--pass-rows", "8192", "--threads", "1",
+            "--no-progress", "--dgc-ratio", "0.001", "--dgc-warmup-steps", "20"]
 
 
 @pytest.fixture(scope="module")
