@@ -186,3 +186,19 @@ def test_space_errors_name_the_parameter(tmp_path):
     assert main(["search", "--train", str(bad), "--valid", str(bad), "--out",
                  str(tmp_path / "o"), "--space", str(bad)]) == 2
     assert apply_params(config, {"model.embedding_dim": 32}).model.embedding_dim == 32
+
+
+def test_grid_sampler_from_a_yaml_space_tries_each_point_once(files, tmp_path):
+    train, valid = files
+    space = tmp_path / "grid.yaml"
+    space.write_text("model.embedding_dim: [4, 8]\nsparse_optimizer.lr: [0.05, 0.1]\n")
+    out = tmp_path / "grid"
+    assert main(["search", "--train", str(train), "--valid", str(valid), "--out", str(out),
+                 "--batch-size", "500", "--pass-rows", "4000", "--threads", "1",
+                 "--no-progress", "--epochs", "1", "--trials", "6", "--sampler", "grid",
+                 "--pruner", "none", "--space", str(space)]) == 0
+    rows = json.loads((out / "results.json").read_text())["trials"]
+    points = sorted((r["params.model.embedding_dim"], r["params.sparse_optimizer.lr"])
+                    for r in rows)
+    assert points == [(4, 0.05), (4, 0.1), (8, 0.05), (8, 0.1)]  # 6 asked, 4 points
+    assert all(r["state"] == "complete" for r in rows)

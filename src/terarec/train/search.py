@@ -280,8 +280,10 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
         raise ValueError("search needs a validation set (--valid)")
     if trials < 1:
         raise ValueError(f"trials {trials}: must be >= 1")
-    parallel = min(parallel or trials, trials)
     space = dict(space) if space is not None else default_space(base.model.name)
+    if sampler == "grid":  # each grid point once
+        trials = min(trials, math.prod(len(v) for v in grid_space(space).values()))
+    parallel = min(parallel or trials, trials)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -382,7 +384,7 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
                 t.state = "pruned"
                 t.history = list(t.run.trainer.history)
                 free_rows(t.run.trainer)
-                study.tell(t.optuna_trial, state=optuna.trial.TrialState.PRUNED)
+                _tell(study, t.optuna_trial, state=optuna.trial.TrialState.PRUNED)
                 _write_trial_files(t)
         alive = [t for t in trials if t.run.live]
         if budget is not None and alive:  # re-split the budget across live trials
@@ -402,12 +404,23 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
         value = t.selection.best_value
         if value is None:
             t.state = "failed"
-            study.tell(t.optuna_trial, state=optuna.trial.TrialState.FAIL)
+            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.FAIL)
         else:
             t.state = "complete"
-            study.tell(t.optuna_trial, value)
+            _tell(study, t.optuna_trial, value)
         _write_trial_files(t)
         free_rows(t.run.trainer)
+
+
+def _tell(study, trial, value: float | None = None, state=None) -> None:
+    """``study.tell``. The grid sampler calls ``study.stop()`` once its grid is used up,
+    which optuna allows only inside ``optimize``; the trial is stored before that
+    (optuna writes it in a ``finally``), so that one error is dropped."""
+    try:
+        study.tell(trial, value, state=state)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
 
 
 def _write_trial_files(t: SearchTrial) -> None:
