@@ -23,6 +23,7 @@ from terarec.cli.common import (
     schema_from_args,
     selection_from_args,
 )
+from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
@@ -34,7 +35,7 @@ from terarec.distributed.run import (
 )
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
-from terarec.io import atomic_write_text
+from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import (
     best_checkpoint,
     clear_best,
@@ -95,11 +96,27 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
                                features_dir=model_features_dir(args.out))
 
 
+LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
+
+
 def run(args: argparse.Namespace) -> int:
-    """Train; with AutoFeature tables, on copies of the inputs joined with them."""
+    """Train, holding the model directory's lock; with AutoFeature tables, on copies of
+    the inputs joined with them."""
     if launched_by_torchrun():  # one rank of `torchrun ... -m terarec train`
         return train_main(args)
     reject_distributed_args(args)
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file, not a model directory")
+    try:
+        lock = exclusive_lock(args.out / LOCK_FILE, f"model directory {args.out}")
+        with lock:
+            remove_atomic_leftovers(args.out)  # of a run killed mid-write
+            return _locked_run(args)
+    except LockedError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _locked_run(args: argparse.Namespace) -> int:
     features = None
     if args.resume and list_checkpoints(args.out):
         features = model_features(args.out)

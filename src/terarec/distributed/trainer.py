@@ -112,7 +112,7 @@ class ShardedTrainer(Trainer):
         world = self.ctx.world
         groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
                                   self.ctx.rank, world, on_bad_row=cfg.on_bad_row, stats=stats,
-                                  group=self.ctx.plan_group)
+                                  ctx=self.ctx)
         return (self.plan(g) if number >= skip else g for number, g in enumerate(groups, first))
 
     def plan(self, batches: list[Batch]) -> ShardedPassPlan:

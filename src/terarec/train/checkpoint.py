@@ -227,8 +227,8 @@ def verify_checkpoint(path: Path) -> dict:
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        meta = dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
-                                  root="meta"))
+        meta: dict[str, Any] = dict(validate_json(CheckpointMeta, meta_path.read_bytes(),
+                                                  str(meta_path), root="meta"))
     except ValueError as exc:
         raise CheckpointError(f"corrupted checkpoint: {exc}") from None
     for fname, digest in meta["sha256"].items():
@@ -369,15 +369,15 @@ def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedChe
 
 
 def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
-                    name: str | None = None):
-    """A Trainer holding the newest good checkpoint of ``model_dir``."""
+                    name: str | None = None, scratch_dir: str | Path | None = None):
+    """A Trainer holding the newest good checkpoint of ``model_dir``. Without ``config``
+    (scoring a saved model) a tiered store lives in ``scratch_dir``, a folder private to
+    this process (else a temp folder), never in the training run's live one."""
     from terarec.train.trainer import Trainer
 
     schema, saved_config = read_model_meta(Path(model_dir))
     if config is None:
-        # Scoring a saved model: a tiered store gets a private scratch folder rather than
-        # the training run's live one (which may be in use).
-        saved_config.store.disk_path = None
+        saved_config.store.disk_path = None if scratch_dir is None else str(scratch_dir)
     ckpt = load_checkpoint(model_dir, name)
     trainer = Trainer(schema, config or saved_config)
     trainer.model.load_state_dict(ckpt.dense)
