@@ -15,11 +15,13 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_format_args,
+    add_selection_args,
     add_train_args,
     config_from_args,
     report_skipped,
     schema_for_data,
     schema_from_args,
+    selection_from_args,
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
@@ -34,8 +36,16 @@ from terarec.distributed.run import (
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
 from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
-from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
+from terarec.train.checkpoint import (
+    best_checkpoint,
+    clear_best,
+    list_checkpoints,
+    mark_best,
+    restore_trainer,
+    save_checkpoint,
+)
 from terarec.train.passes import iter_file_batches
+from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 
 
@@ -55,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "with the config's schema; --format may name another container)")
     add_format_args(p)
     add_train_args(p)
+    add_selection_args(p)
     add_export_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
@@ -127,11 +138,17 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
         parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
         if config.store.disk_path is None:
             config.store.disk_path = str(args.out / "store")
-    if args.resume and list_checkpoints(args.out):
+    resuming = args.resume and list_checkpoints(args.out)
+    selection = selection_from_args(args, config)
+    if resuming:
         trainer = restore_trainer(args.out, config)
         print(f"resuming {args.out} after pass {trainer.pass_id}")
         schema = trainer.schema
+        if selection is not None:  # continue with the best value and patience it had
+            selection = SelectionTracker.from_history(trainer.history, args.select_by,
+                                                      args.patience)
     else:
+        clear_best(args.out)
         schema = features.schema if features else schema_from_args(args)
         trainer = Trainer(schema, config)
     stats = ReadStats()
@@ -141,23 +158,29 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     exporter = make_exporter(args, trainer)
 
     def on_pass_end(t: Trainer, record: dict) -> None:
-        if t.pass_id % max(1, args.checkpoint_every) == 0:
-            save_checkpoint(args.out, t)
+        if t.pass_id % max(1, args.checkpoint_every) == 0 or record.get("best"):
+            committed = save_checkpoint(args.out, t)
+            if record.get("best"):
+                mark_best(args.out, committed.name)
         if exporter is not None:
             exporter.on_pass_end(t, record)
 
     start = time.perf_counter()
     history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
-                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
+                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
+                          selection=selection)
     seconds = time.perf_counter() - start
-    save_checkpoint(args.out, trainer)
+    latest = save_checkpoint(args.out, trainer)
     if exporter is not None:
         exporter.finish(trainer)
     trained = history
     rows = sum(h["rows"] for h in trained)
     busy = sum(h["staging_s"] + h["train_s"] + h["write_back_s"] for h in trained)
+    evaluated = best_checkpoint(args.out) or latest.name
     if valid:
-        metrics = trainer.evaluate(valid)
+        scorer = trainer if evaluated == latest.name else restore_trainer(args.out,
+                                                                         name=evaluated)
+        metrics = scorer.evaluate(valid)
         metrics["evaluated_on"] = "valid"
     else:
         metrics = trainer.evaluate(iter_file_batches(args.train, schema, config.batch_size,
@@ -167,10 +190,16 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     metrics.update(
         eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
         samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
-        skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name)
+        skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name,
+        checkpoint=evaluated, stop_reason=trainer.stop_reason)
+    if selection is not None:
+        metrics.update(selection.summary())
     metrics.update(_store_size(trainer))
     atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
-    atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
+    history = [*trainer.history[:-1], {**trainer.history[-1],
+                                       "stop_reason": trainer.stop_reason}] \
+        if trainer.history else []
+    atomic_write_text(args.out / "history.json", json.dumps(history, indent=2))
     report_skipped(stats)
     print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows", "samples_per_s")}))
     print(f"model written to {args.out}")
