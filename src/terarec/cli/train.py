@@ -32,6 +32,7 @@ from terarec.distributed.run import (
 )
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
+from terarec.finite import check_finite_loss
 from terarec.io import atomic_write_text
 from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
 from terarec.train.passes import iter_file_batches
@@ -124,6 +125,7 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     exporter = make_exporter(args, trainer)
 
     def on_pass_end(t: Trainer, record: dict) -> None:
+        check_finite_loss(record["train_loss"], f"pass {t.pass_id}")
         if t.pass_id % max(1, args.checkpoint_every) == 0:
             save_checkpoint(args.out, t)
         if exporter is not None:

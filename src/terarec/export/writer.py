@@ -41,6 +41,7 @@ from terarec.export.format import (
     version_name,
 )
 from terarec.export.storage import Storage
+from terarec.finite import check_finite
 from terarec.types import FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class ModelExporter:
             raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys")
         if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
             raise ValueError("keys must be sorted and unique")
+        check_finite({**dense, "embedding rows": values}, f"export {name}")
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:
