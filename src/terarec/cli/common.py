@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from terarec.config import TrainConfig, from_dict, load_train_config, to_dict
+from terarec.data.numeric import DEFAULT_STATS_ROWS, with_numeric_stats
 from terarec.data.readers import ReadStats, csv_schema
-from terarec.types import FeatureSchema
+from terarec.types import FeatureSchema, NumericTransform
 
 
 def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -26,8 +27,13 @@ def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> N
                    help="separator inside multi-valued categorical cells, e.g. '|'")
     g.add_argument("--multi-valued", default=None,
                    help="comma-separated categorical columns that are multi-valued")
-    g.add_argument("--log1p", default="",
-                   help="comma-separated numeric columns to log1p-transform")
+    g.add_argument("--log1p", default=None,
+                   help="comma-separated numeric columns to transform with signed log1p; "
+                   "the others get --numeric-transform none (default: every numeric "
+                   "column gets --numeric-transform)")
+    g.add_argument("--numeric-transform", choices=["log1p", "none"], default=None,
+                   help="per-value transform of numeric columns before standardisation "
+                   "(default log1p: sign(x) * log(1 + |x|))")
     g.add_argument("--on-bad-row", choices=["error", "skip"], default="error",
                    help="stop at the first bad row (default) or skip and count bad rows")
 
@@ -42,16 +48,47 @@ def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
         return FeatureSchema.criteo()
     if not args.label or not (args.numeric or args.categorical):
         raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
-    log_cols = set(_split(args.log1p))
     numeric = _split(args.numeric)
-    unknown = sorted(log_cols - set(numeric))
-    if unknown:
-        raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
+    default = getattr(args, "numeric_transform", None) or "log1p"
+    transform: dict[str, NumericTransform] = {c: default for c in numeric}
+    if args.log1p is not None:  # an explicit list: those columns, and no others
+        if getattr(args, "numeric_transform", None) is not None:
+            raise ValueError("--log1p and --numeric-transform both say how to transform "
+                             "numeric columns; give one of them")
+        log_cols = set(_split(args.log1p))
+        unknown = sorted(log_cols - set(numeric))
+        if unknown:
+            raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
+        transform = {c: ("log1p" if c in log_cols else "none") for c in numeric}
     multi = _split(args.multi_valued) if args.multi_valued is not None else None
     return csv_schema(args.label, numeric, _split(args.categorical),
                       delimiter=args.delimiter, separator=args.multi_sep, multi_valued=multi,
-                      transform={c: ("log1p" if c in log_cols else "none") for c in numeric},
-                      format=fmt)
+                      transform=transform, format=fmt)
+
+
+def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
+    """How training gathers the standardisation statistics of numeric columns."""
+    g = parser.add_argument_group("numeric columns")
+    g.add_argument("--no-standardize", action="store_true",
+                   help="feed transformed numeric values as they are, without the "
+                   "(x - mean) / std the first rows' statistics give")
+    g.add_argument("--stats-rows", type=int, default=DEFAULT_STATS_ROWS,
+                   help="rows read from the start of --train for numeric statistics "
+                   f"(default {DEFAULT_STATS_ROWS:,})")
+
+
+def train_schema_from_args(args: argparse.Namespace,
+                           base: FeatureSchema | None = None) -> FeatureSchema:
+    """The schema a new training run uses: ``base`` (default ``schema_from_args``) with
+    numeric statistics gathered from the first ``--stats-rows`` rows of ``--train``."""
+    schema = base if base is not None else schema_from_args(args)
+    if getattr(args, "no_standardize", False):
+        return schema
+    rows = getattr(args, "stats_rows", DEFAULT_STATS_ROWS)
+    if rows <= 0:
+        raise ValueError(f"--stats-rows must be positive, got {rows}")
+    return with_numeric_stats(schema, args.train, max_rows=rows,
+                              on_bad_row=getattr(args, "on_bad_row", "error"))
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:
@@ -90,7 +127,24 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--threads", type=int)
     g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
+    add_regularisation_args(parser)
     add_compression_args(parser)
+
+
+def add_regularisation_args(parser: argparse.ArgumentParser) -> None:
+    """Regularisation flags (docs/models.md)."""
+    g = parser.add_argument_group("regularisation")
+    g.add_argument("--embedding-l2", type=float, metavar="LAMBDA",
+                   help="L2 on the embeddings each batch looks up, per use and independent "
+                   "of the batch size (BARS's embedding_regularizer; default 0)")
+    g.add_argument("--sparse-weight-decay", type=float, metavar="WD",
+                   help="L2 added to a touched row's gradient once per step (default 0)")
+    g.add_argument("--dense-weight-decay", type=float, metavar="WD",
+                   help="weight decay of the dense optimizer (default 0)")
+    g.add_argument("--dropout", type=float, help="dropout after every hidden MLP layer "
+                   "(default 0)")
+    g.add_argument("--batch-norm", action="store_true", default=None,
+                   help="batch norm before every hidden MLP activation")
 
 
 def add_compression_args(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +182,38 @@ _float_list = _number_list(float, "numbers")
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     config = load_train_config(args.config) if args.config else TrainConfig()
     data = to_dict(config)
-    overrides = {
+    for path, value in _overrides(args).items():
+        if value is None:
+            continue
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+    return from_dict(TrainConfig, data)
+
+
+def explicit_config_keys(args: argparse.Namespace) -> set[str]:
+    """Dotted config keys the user gave, by a flag or in ``--config``: the ones
+    data-sized defaults (terarec.train.defaults) leave alone."""
+    keys = {".".join(path) for path, value in _overrides(args).items() if value is not None}
+    if getattr(args, "config", None):
+        import json
+
+        def walk(node: dict, prefix: str) -> None:
+            for k, v in node.items():
+                if isinstance(v, dict):
+                    walk(v, f"{prefix}{k}.")
+                else:
+                    keys.add(prefix + k)
+
+        with open(args.config) as fh:
+            walk(json.load(fh), "")
+    return keys
+
+
+def _overrides(args: argparse.Namespace) -> dict[tuple[str, ...], object]:
+    """Config key path -> the flag's value (None when the flag was not given)."""
+    return {
         ("model", "name"): args.model_name, ("model", "embedding_dim"): args.embedding_dim,
         ("epochs",): args.epochs, ("batch_size",): args.batch_size,
         ("pass_rows",): args.pass_rows, ("sparse_optimizer", "name"): args.sparse_optimizer,
@@ -145,15 +230,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ("store", "variable_dims"): getattr(args, "variable_dims", None),
         ("store", "promote_at"): getattr(args, "promote_at", None),
         ("sparse_optimizer", "group_lasso"): getattr(args, "group_lasso", None),
+        ("sparse_optimizer", "embedding_l2"): getattr(args, "embedding_l2", None),
+        ("sparse_optimizer", "weight_decay"): getattr(args, "sparse_weight_decay", None),
+        ("dense_optimizer", "weight_decay"): getattr(args, "dense_weight_decay", None),
+        ("model", "dropout"): getattr(args, "dropout", None),
+        ("model", "batch_norm"): getattr(args, "batch_norm", None),
     }
-    for path, value in overrides.items():
-        if value is None:
-            continue
-        node = data
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = value
-    return from_dict(TrainConfig, data)
 
 
 def report_skipped(stats: ReadStats, what: str = "rows") -> None:

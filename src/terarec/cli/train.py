@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -15,11 +16,13 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_format_args,
+    add_numeric_stats_args,
     add_train_args,
     config_from_args,
+    explicit_config_keys,
     report_skipped,
     schema_for_data,
-    schema_from_args,
+    train_schema_from_args,
 )
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.config import parse_bytes
@@ -35,6 +38,7 @@ from terarec.export.writer import model_features_dir
 from terarec.finite import check_finite_loss
 from terarec.io import atomic_write_text
 from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
+from terarec.train.defaults import apply_sized_defaults
 from terarec.train.passes import iter_file_batches
 from terarec.train.trainer import Trainer
 
@@ -54,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "into the model and joined onto every input row (raw files are read "
                    "with the config's schema; --format may name another container)")
     add_format_args(p)
+    add_numeric_stats_args(p)
     add_train_args(p)
     add_export_args(p)
     add_distributed_args(p)
@@ -106,7 +111,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
-    config = config_from_args(args)
+    config, sized = apply_sized_defaults(config_from_args(args), args.train,
+                                         explicit_config_keys(args))
+    if sized:
+        print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
+              file=sys.stderr)
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
         if config.store.disk_path is None:
@@ -116,7 +125,7 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
         print(f"resuming {args.out} after pass {trainer.pass_id}")
         schema = trainer.schema
     else:
-        schema = features.schema if features else schema_from_args(args)
+        schema = train_schema_from_args(args, features.schema if features else None)
         trainer = Trainer(schema, config)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,

@@ -29,6 +29,7 @@ import pyarrow.csv as pa_csv
 import torch
 
 from terarec.data.hashing import hash_column
+from terarec.data.numeric import transform_values
 from terarec.types import (
     Batch,
     FeatureSchema,
@@ -46,6 +47,9 @@ _NUMBER_RE = r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$"
 _BLOCK_BYTES = 4 << 20
 # Dense features are float32: a value beyond its range would become an infinity there.
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Standardised values are clipped here: a value this many standard deviations out says
+# nothing more than one at the bound, and must not become an infinity in float32.
+MAX_STANDARDISED = 1e4
 
 
 class DataError(ValueError):
@@ -508,8 +512,9 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     for j, spec in enumerate(schema.numeric):
         x = table.column(spec.name).to_numpy()  # float64, NaN where missing
         missing = np.isnan(x)
-        if spec.transform == "log1p":
-            x = np.sign(x) * np.log1p(np.abs(x))
+        x = transform_values(x, spec.transform)
+        if spec.std is not None:
+            x = np.clip((x - spec.mean) / spec.std, -MAX_STANDARDISED, MAX_STANDARDISED)
         dense[:, j] = np.where(missing, 0.0, x)
         if schema.missing_flags:
             dense[:, num_numeric + j] = missing

@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Callable
 
-from terarec.cli.common import config_from_args, report_skipped, schema_from_args
+from terarec.cli.common import config_from_args, report_skipped, train_schema_from_args
 from terarec.data.readers import ReadStats
 from terarec.distributed.checkpoint import restore_sharded_trainer, save_sharded_checkpoint
 from terarec.distributed.context import init_distributed, restart_count
@@ -76,7 +76,7 @@ def train_main(args: argparse.Namespace,
         if ctx.is_main:
             print(f"rank 0/{ctx.world}: resuming {args.out} after pass {trainer.pass_id}")
     else:
-        trainer = ShardedTrainer(schema_from_args(args), config, ctx, comm)
+        trainer = ShardedTrainer(train_schema_from_args(args), config, ctx, comm)
     schema = trainer.schema
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
