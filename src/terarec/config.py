@@ -25,7 +25,8 @@ class ModelConfig:
     deep_mlp: tuple[int, ...] = (256, 128)
     cross_layers: int = 3
     cross_rank: int = 0  # DCN-v2: 0 = full-rank cross weights, r > 0 = low-rank U V^T
-    dropout: float = 0.0
+    dropout: float = 0.0  # after every hidden layer of the MLPs
+    batch_norm: bool = False  # BatchNorm1d before every hidden activation of the MLPs
     # Two-tower (DSSM) split: ``item_fields`` empty means every categorical field that is
     # not a user field. Both towers use ``deep_mlp``; its last width is the vector size.
     user_fields: tuple[str, ...] = ()
@@ -49,6 +50,9 @@ class SparseOptimizerConfig:
     ftrl_l1: float = 0.0
     ftrl_l2: float = 0.0
     weight_decay: float = 0.0
+    # L2 on the embeddings a batch looks up (BARS's embedding_regularizer), per occurrence
+    # and relative to the batch size: see terarec.embedding.optimizers.
+    embedding_l2: float = 0.0
     # Group lasso: after each update a row shrinks by ``step * group_lasso`` in L2 norm
     # (to exactly zero when shorter); zero rows are pruned from the store at pass end.
     group_lasso: float = 0.0
