@@ -125,7 +125,8 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
         print(f"resuming {args.out} after pass {trainer.pass_id}")
         schema = trainer.schema
     else:
-        schema = train_schema_from_args(args, features.schema if features else None)
+        schema = train_schema_from_args(args, config,
+                                        features.schema if features else None)
         trainer = Trainer(schema, config)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
@@ -174,8 +175,7 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
 def _store_size(trainer: Trainer) -> dict:
     """Stored value bytes (codes + row scale/bias, no optimizer state) and pruned keys."""
     st = trainer.store.stats()
-    # Stores that report no encoded size keep fp32 values.
-    value_bytes = getattr(trainer.store, "value_bytes", st.keys * 4 * trainer.store.row_dim)
+    value_bytes = trainer.store.value_bytes
     return {"store_value_bytes": value_bytes,
             "store_bytes_per_key": value_bytes / max(st.keys, 1),
             "store_precision": trainer.config.store.precision, "pruned_keys": st.pruned}

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from terarec.data.readers import ReadStats, iter_tables, table_to_batch
+from terarec.kernels import splitmix64_array
 from terarec.types import Batch, FeatureSchema
 
 _SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
@@ -36,10 +37,7 @@ def shard_of(keys: np.ndarray, world: int) -> np.ndarray:
     """The owning rank (int64) of each int64 key."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    z = np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SHARD_SALT
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
+    z = splitmix64_array(np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SHARD_SALT)
     return ((z >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
 
 

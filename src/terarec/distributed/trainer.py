@@ -43,7 +43,7 @@ from terarec.distributed.lookup import (
     plan_rank_pass,
 )
 from terarec.distributed.sharding import deal_batches, iter_rank_passes
-from terarec.embedding.store import MemoryStore
+from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.working_set import _pooled
 from terarec.train.passes import group_passes
 from terarec.train.trainer import PassResult, Trainer, _start_prefetch
@@ -65,7 +65,7 @@ class ShardedTrainer(Trainer):
 
     def __init__(self, schema: FeatureSchema, config: TrainConfig, ctx: DistContext,
                  dense_comm: DenseCommConfig | None = None,
-                 store: MemoryStore | None = None) -> None:
+                 store: EmbeddingStore | None = None) -> None:
         # The config keeps the user's device ("auto" stays "auto" in the saved model, so
         # one process can load it anywhere); the rank itself runs on the device it got.
         super().__init__(schema, _rank_store_config(config, ctx.rank), store)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
+from terarec.embedding.store import RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     DELETED_FILE,
@@ -42,6 +43,7 @@ from terarec.export.format import (
 )
 from terarec.export.storage import Storage
 from terarec.finite import check_finite
+from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -83,10 +85,16 @@ class ModelExporter:
         return max(numbers, default=0) + 1
 
     def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
-                   dense: dict[str, torch.Tensor], keys: np.ndarray, values: np.ndarray,
-                   pass_id: int, features_dir: str | Path | None = None) -> ExportedVersion:
+                   dense: dict[str, torch.Tensor], keys: np.ndarray | None = None,
+                   values: np.ndarray | None = None, rows: Iterable[RowChunk] | None = None,
+                   row_dim: int | None = None, pass_id: int,
+                   features_dir: str | Path | None = None) -> ExportedVersion:
         """A self-contained version: every row of the store and the dense weights, and the
-        model's AutoFeature tables (``features_dir``) when it was trained with them."""
+        model's AutoFeature tables (``features_dir``) when it was trained with them.
+
+        Rows come as ``keys`` + ``values`` arrays, or streamed as key-ordered ``rows``
+        chunks (``EmbeddingStore.iter_sorted``) of ``row_dim`` values: then no more than
+        one shard is held in RAM."""
         version = self._next_version()
         name = version_name(version)
         header = {"name": name, "version": version, "kind": "full", "base": name,
@@ -97,7 +105,14 @@ class ModelExporter:
             header["features"] = FEATURES_DIR
             extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
                      for p in sorted(Path(features_dir).iterdir()) if p.is_file()}
-        return self._write(header, dense, keys, values, None, pass_id, extra)
+        if rows is None:
+            if keys is None or values is None:
+                raise ValueError("write_full needs keys and values, or rows")
+            return self._write(header, dense, keys, values, None, pass_id, extra)
+        if row_dim is None:
+            raise ValueError("write_full with streamed rows needs row_dim")
+        return self._write_rows(header, dense, ((c.keys, c.values) for c in rows), row_dim,
+                                None, pass_id, extra)
 
     def write_delta(self, *, dense: dict[str, torch.Tensor], keys: np.ndarray,
                     values: np.ndarray, deleted: np.ndarray, pass_id: int) -> ExportedVersion:
@@ -118,32 +133,40 @@ class ModelExporter:
     def _write(self, header: dict, dense: dict[str, torch.Tensor], keys: np.ndarray,
                values: np.ndarray, deleted: np.ndarray | None, pass_id: int,
                extra: dict[str, bytes] | None = None) -> ExportedVersion:
-        t0 = time.perf_counter()
-        name = header["name"]
-        keys = np.ascontiguousarray(keys, np.int64)
-        values = np.ascontiguousarray(values, np.float32)
+        values = np.asarray(values, np.float32)
         if values.ndim != 2 or len(values) != len(keys):
             raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys")
-        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
-            raise ValueError("keys must be sorted and unique")
-        check_finite({**dense, "embedding rows": values}, f"export {name}")
+        return self._write_rows(header, dense, [(keys, values)], values.shape[1], deleted,
+                                pass_id, extra)
+
+    def _write_rows(self, header: dict, dense: dict[str, torch.Tensor],
+                    rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int,
+                    deleted: np.ndarray | None, pass_id: int,
+                    extra: dict[str, bytes] | None = None) -> ExportedVersion:
+        """Write a version from key-ordered (keys, values) parts, shard by shard."""
+        t0 = time.perf_counter()
+        name = header["name"]
+        check_finite(dense, f"export {name} dense weights")  # rows: checked in _shards
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:
             self.storage.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
 
-        shards = []
-        for i, lo in enumerate(range(0, len(keys), self.shard_rows)):
-            hi = min(lo + self.shard_rows, len(keys))
+        shards: list[dict] = []
+        total = 0
+        for keys, values in _shards(rows, self.shard_rows, row_dim):
+            if shards and int(keys[0]) <= shards[-1]["last_key"]:
+                raise ValueError("keys must be sorted and unique")
+            i = len(shards)
             if self.codec is None:
-                put(shard_name(i), rows_bytes(keys[lo:hi], values[lo:hi]))
+                put(shard_name(i), rows_bytes(keys, values))
             else:
-                put(shard_name(i), shard_bytes(compress_rows(keys[lo:hi], values[lo:hi],
-                                                             self.codec)))
-            shards.append({"file": shard_name(i), "rows": hi - lo,
-                           "first_key": int(keys[lo]), "last_key": int(keys[hi - 1])})
-        sparse: dict[str, Any] = {"shards": shards, "rows": int(len(keys)), "deleted": 0}
+                put(shard_name(i), shard_bytes(compress_rows(keys, values, self.codec)))
+            shards.append({"file": shard_name(i), "rows": len(keys),
+                           "first_key": int(keys[0]), "last_key": int(keys[-1])})
+            total += len(keys)
+        sparse: dict[str, Any] = {"shards": shards, "rows": total, "deleted": 0}
         if self.codec is not None:
             sparse["codec"] = self.codec.name
         if deleted is not None:
@@ -156,19 +179,51 @@ class ModelExporter:
             put(rel, data)
         manifest = Manifest({
             "format": FORMAT, "format_version": FORMAT_VERSION, **header,
-            "pass_id": int(pass_id), "created": time.time(), "row_dim": int(values.shape[1]),
+            "pass_id": int(pass_id), "created": time.time(), "row_dim": int(row_dim),
             "dense": DENSE_FILE, "sparse": sparse, "files": files,
         })
         raw = manifest.to_bytes()
         self.storage.write_bytes(f"{name}/{MANIFEST}", raw)
         self.storage.write_bytes(LATEST, name.encode())
         written = sum(f["bytes"] for f in files.values()) + len(raw)
-        result = ExportedVersion(name=name, kind=header["kind"], rows=int(len(keys)),
+        result = ExportedVersion(name=name, kind=header["kind"], rows=total,
                                  deleted=sparse["deleted"], bytes=written,
                                  seconds=time.perf_counter() - t0)
         log.info("exported %s version %s: %d rows, %d deleted, %d bytes", result.kind, name,
                  result.rows, result.deleted, result.bytes)
         return result
+
+
+def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
+            row_dim: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Re-cut key-ordered (keys, values) parts into shards of ``shard_rows`` rows (the
+    last one shorter), checking order, shape and finiteness on the way: holds at most
+    one shard plus one part."""
+    keys_buf: list[np.ndarray] = []
+    values_buf: list[np.ndarray] = []
+    held = 0
+    for keys, values in rows:
+        keys = np.ascontiguousarray(keys, np.int64)
+        values = np.ascontiguousarray(values, np.float32)
+        if values.shape != (len(keys), row_dim):
+            raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys "
+                             f"of {row_dim} values")
+        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+            raise ValueError("keys must be sorted and unique")
+        bad = ~np.isfinite(values).all(axis=1)
+        if bad.any():
+            raise ValueError(f"{int(bad.sum())} rows hold non-finite values (first key "
+                             f"{int(keys[bad][0])}): refusing to export them")
+        keys_buf.append(keys)
+        values_buf.append(values)
+        held += len(keys)
+        while held >= shard_rows:
+            k, v = np.concatenate(keys_buf), np.concatenate(values_buf)
+            yield k[:shard_rows], v[:shard_rows]
+            keys_buf, values_buf = [k[shard_rows:]], [v[shard_rows:]]
+            held -= shard_rows
+    if held:
+        yield np.concatenate(keys_buf), np.concatenate(values_buf)
 
 
 def _as_json(value: Any) -> Any:
@@ -188,7 +243,8 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     ckpt = load_checkpoint(model_dir)
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
-                               keys=ckpt.sparse["keys"], values=ckpt.sparse["values"],
+                               rows=ckpt.iter_sorted(shard_rows),
+                               row_dim=row_dim_for(config.model.name, config.model),
                                pass_id=int(ckpt.meta["pass_id"]),
                                features_dir=model_features_dir(model_dir))
 
@@ -229,11 +285,6 @@ class IncrementalExporter:
         self.every_passes = every_passes
         self.every_minutes = every_minutes
         self.exported: list[ExportedVersion] = []
-        missing = [m for m in ("changed_since", "track_evictions", "take_evicted", "to_arrays")
-                   if not hasattr(trainer.store, m)]
-        if missing:
-            raise TypeError(f"{type(trainer.store).__name__} cannot be exported incrementally: "
-                            f"it lacks {missing}")
         trainer.store.track_evictions()
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
         self._clock = clock
@@ -268,12 +319,11 @@ class IncrementalExporter:
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:
-            arrays = store.to_arrays()
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
-                keys=arrays["keys"], values=arrays["values"], pass_id=trainer.pass_id,
-                features_dir=self.features_dir)
+                rows=store.iter_sorted(self.exporter.shard_rows), row_dim=store.row_dim,
+                pass_id=trainer.pass_id, features_dir=self.features_dir)
         else:
             keys, values = store.changed_since(self._last_pass)
             evicted = store.take_evicted()

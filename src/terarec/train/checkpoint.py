@@ -9,8 +9,10 @@
         pass-000003/              one committed pass (older ones pruned)
           dense.safetensors       model weights
           dense_optimizer.pt      dense optimizer state
-          sparse.safetensors      keys (sorted) + values + optimizer state + counters
-          sparse/                 instead, for a tiered store (docs/tiered-store.md):
+          sparse/                 what ``store.save`` wrote; for a memory store:
+            rows.safetensors        keys (sorted) + values + optimizer state + counters
+                                  (older checkpoints: sparse.safetensors, still loaded)
+                                  for a tiered store (docs/tiered-store.md):
             slab-NNNNNN.bin         disk-tier slabs, hard-linked from the previous
                                     checkpoint where unchanged since it
             index.safetensors       key -> slot
@@ -32,22 +34,29 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import ConfigDict, Field, with_config
 from safetensors.numpy import load_file as load_numpy
-from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
+from typing_extensions import NotRequired, TypedDict
 
 from terarec.config import TrainConfig, from_dict, to_dict
 from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.protocol import EmbeddingStore
+from terarec.embedding.store import CHUNK_ROWS, RowChunk, arrays_file, merge_sorted
+from terarec.embedding.tiered import iter_saved, snapshot_arrays
 from terarec.finite import check_trainer_finite
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
+from terarec.validation import validate_json
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
@@ -96,17 +105,11 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
         torch.save(trainer.dense_optimizer.state_dict(), tmp / "dense_optimizer.pt")
         files = ["dense.safetensors", "dense_optimizer.pt"]
         store = trainer.store
-        tiered = hasattr(store, "save_snapshot")
-        if tiered:
-            # The tiered store writes its own files: the table is never materialised in RAM.
-            sparse_digests = {f"sparse/{name}": digest for name, digest in
-                              store.save_snapshot(tmp / "sparse").items()}
-            files += list(sparse_digests)
-            fsync_dir(tmp / "sparse")
-        else:
-            save_numpy(store.to_arrays(), str(tmp / "sparse.safetensors"))
-            files.append("sparse.safetensors")
-            sparse_digests = {}
+        # The store writes its own files (a tiered store never materialises its table).
+        sparse_digests = {f"sparse/{name}": digest for name, digest in
+                          store.save(tmp / "sparse").items()}
+        files += list(sparse_digests)
+        fsync_dir(tmp / "sparse")
         for f in files:
             _fsync_file(tmp / f)
         digests = {f: sparse_digests.get(f) or sha256_file(tmp / f) for f in files}
@@ -115,7 +118,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
             "history": trainer.history,
             "rng": {"torch": torch.get_rng_state().tolist()},
             "sha256": digests,
-            "sparse_format": "tiered" if tiered else "arrays",
+            "sparse_format": store.saved_format,
             "store": store_summary(store),
             **(extra or {}),
         }
@@ -132,19 +135,19 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if tiered:
-        store.snapshot_committed(final / "sparse", {k[len("sparse/"):]: v for k, v in
-                                                    sparse_digests.items()})
+    store.committed(final / "sparse", {k[len("sparse/"):]: v for k, v in
+                                       sparse_digests.items()})
     atomic_write_text(model_dir / "LATEST", name)
     _prune(ckpt_root, keep=KEEP_CHECKPOINTS)
     return final
 
 
-def store_summary(store) -> dict:
+def store_summary(store: EmbeddingStore) -> dict:
     """Key counts and bytes per tier at commit time, for ``terarec inspect``."""
     out = asdict(store.stats())
-    if hasattr(store, "tier_stats"):
-        out["tiers"] = asdict(store.tier_stats())
+    tiers = store.tier_stats()
+    if tiers is not None:
+        out["tiers"] = asdict(tiers)
     return out
 
 
@@ -156,16 +159,35 @@ def _prune(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@with_config(ConfigDict(extra="allow", strict=True, allow_inf_nan=False))
+class _RngState(TypedDict):
+    torch: list[Annotated[int, Field(ge=0, le=255)]]
+
+
+@with_config(ConfigDict(extra="allow", strict=True, allow_inf_nan=False))
+class CheckpointMeta(TypedDict):
+    """The keys of ``meta.json`` that restoring relies on (writers may add others)."""
+
+    pass_id: Annotated[int, Field(ge=0)]
+    sha256: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
+    rng: _RngState
+    history: NotRequired[list[dict[str, Any]]]
+    sparse_format: NotRequired[Literal["arrays", "tiered"]]
+    sparse_shards: NotRequired[list[str]]
+    world_size: NotRequired[Annotated[int, Field(ge=1)]]
+
+
 def verify_checkpoint(path: Path) -> dict:
-    """Return the checkpoint's meta after checking every file's checksum."""
+    """Return the checkpoint's meta after validating it (``CheckpointMeta``) and checking
+    every file's checksum."""
     meta_path = path / "meta.json"
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        with open(meta_path) as fh:
-            meta = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path}: corrupted ({exc})") from exc
+        meta = dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
+                                  root="meta"))
+    except ValueError as exc:
+        raise CheckpointError(f"corrupted checkpoint: {exc}") from None
     for fname, digest in meta["sha256"].items():
         fpath = path / fname
         if not fpath.exists():
@@ -200,6 +222,37 @@ class LoadedCheckpoint:
         """The tiered store's snapshot folder (``tiered`` checkpoints)."""
         return self.path / "sparse"
 
+    @property
+    def sparse_source(self) -> Path:
+        """What the store saved (``EmbeddingStore.load`` reads it): the ``sparse/``
+        folder, or ``sparse.safetensors`` in checkpoints written before stores saved
+        themselves."""
+        return self.sparse_dir if self.sparse_dir.is_dir() else self.path / "sparse.safetensors"
+
+    @property
+    def sparse_digests(self) -> dict[str, str]:
+        """sha256 of the files in ``sparse/``, by name inside it."""
+        return {k[len("sparse/"):]: v for k, v in self.meta["sha256"].items()
+                if k.startswith("sparse/")}
+
+    def _dims(self) -> tuple[int, int]:
+        """(row_dim, state_dim) of the stored rows, from the model directory's config."""
+        _, config = read_model_meta(self.path.parents[1])
+        row_dim = row_dim_for(config.model.name, config.model)
+        return row_dim, SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
+
+    def iter_sorted(self, chunk_rows: int = CHUNK_ROWS) -> Iterator[RowChunk]:
+        """The stored rows in increasing key order, at most ``chunk_rows`` per chunk,
+        whatever wrote them (either store, any number of torchrun ranks): exports and
+        ``inspect`` read a checkpoint this way, never the whole table at once."""
+        shards = self.meta.get("sparse_shards")
+        if shards:
+            yield from merge_sorted([iter_saved(self.path / name, chunk_rows)
+                                     for name in shards], chunk_rows)
+            return
+        row_dim, state_dim = self._dims()
+        yield from iter_saved(self.sparse_source, chunk_rows, row_dim, state_dim)
+
     @functools.cached_property
     def sparse(self) -> dict[str, np.ndarray]:
         """The store as sorted-key arrays (``MemoryStore.to_arrays`` form), read on first
@@ -207,14 +260,10 @@ class LoadedCheckpoint:
         store goes through ``sparse_dir`` instead."""
         if self.meta.get("sparse_shards"):
             return load_sparse(self.path, self.meta)
-        if not self.tiered:
-            return load_numpy(str(self.path / "sparse.safetensors"))
-        from terarec.embedding.tiered import snapshot_arrays
-
-        _, config = read_model_meta(self.path.parents[1])
-        row_dim = row_dim_for(config.model.name, config.model)
-        state_dim = SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
-        return snapshot_arrays(self.sparse_dir, row_dim, state_dim)
+        rows = arrays_file(self.sparse_source)
+        if rows is not None:
+            return load_numpy(str(rows))
+        return snapshot_arrays(self.sparse_dir, *self._dims())
 
 
 def sparse_key_column(name: str) -> str | None:
@@ -290,12 +339,10 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     trainer = Trainer(schema, config or saved_config)
     trainer.model.load_state_dict(ckpt.dense)
     trainer.dense_optimizer.load_state_dict(ckpt.dense_optimizer)
-    if ckpt.tiered and hasattr(trainer.store, "load_snapshot"):
-        trainer.store.load_snapshot(ckpt.sparse_dir, {
-            k[len("sparse/"):]: v for k, v in ckpt.meta["sha256"].items()
-            if k.startswith("sparse/")})
-    else:
+    if ckpt.meta.get("sparse_shards"):
         trainer.store.load_arrays(ckpt.sparse)
+    else:
+        trainer.store.load(ckpt.sparse_source, ckpt.sparse_digests)
     trainer.pass_id = int(ckpt.meta["pass_id"])
     trainer.history = list(ckpt.meta.get("history", []))
     torch.set_rng_state(torch.tensor(ckpt.meta["rng"]["torch"], dtype=torch.uint8))

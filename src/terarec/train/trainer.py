@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from terarec.config import TrainConfig
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, plan_pass
@@ -64,7 +65,7 @@ class Trainer:
     """Owns the model, the store and the optimizers; trains pass by pass."""
 
     def __init__(self, schema: FeatureSchema, config: TrainConfig,
-                 store: MemoryStore | TieredStore | None = None) -> None:
+                 store: EmbeddingStore | None = None) -> None:
         self.schema = schema
         self.config = config
         if config.threads:
@@ -204,7 +205,9 @@ class Trainer:
         seen = 0
         try:
             for epoch in range(cfg.epochs):
-                passes = self.iter_passes(train_paths, stats, seen, skip_passes)
+                # Bad rows are counted once, not once per epoch.
+                passes = self.iter_passes(train_paths, stats if epoch == 0 else None, seen,
+                                          skip_passes)
                 for plan, upcoming in _with_next(prefetch(passes)):
                     seen += 1
                     if seen <= skip_passes:
@@ -235,7 +238,7 @@ def _plans(groups: Iterator[list[Batch]], first: int, skip: int) -> Iterator:
 
 
 def make_store(row_dim: int, optimizer: SparseOptimizer,
-               config: TrainConfig) -> MemoryStore | TieredStore:
+               config: TrainConfig) -> EmbeddingStore:
     """The tiered store when a memory budget or a disk path is configured, else all in RAM."""
     if config.store.tiered:
         return TieredStore(row_dim, optimizer, config.store, seed=config.seed)
@@ -255,7 +258,7 @@ def _with_next(items: Iterator) -> Iterator[tuple]:
 class _Prefetcher(threading.Thread):
     """Reads the next pass's rows from the disk tier; errors re-raised on join."""
 
-    def __init__(self, store: TieredStore, upcoming: list[Batch] | PassPlan | np.ndarray
+    def __init__(self, store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray
                  ) -> None:
         super().__init__(name="terarec-store-prefetch", daemon=True)
         self.store, self.upcoming, self.error = store, upcoming, None
@@ -279,11 +282,11 @@ class _Prefetcher(threading.Thread):
             raise self.error
 
 
-def _start_prefetch(store, upcoming: list[Batch] | PassPlan | np.ndarray | None
+def _start_prefetch(store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray | None
                     ) -> _Prefetcher | None:
     """Start reading ``upcoming``'s rows (a pass, its plan, or its keys) into RAM, where
     the store has a disk tier to read them from."""
-    if upcoming is None or not hasattr(store, "prefetch"):
+    if upcoming is None or not store.prefetches:
         return None
     if isinstance(upcoming, (list, np.ndarray)) and len(upcoming) == 0:
         return None
