@@ -166,9 +166,14 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     metrics.update(_store_size(trainer))
     atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
     atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
+    from terarec.report import write_report  # matplotlib: only the commands that plot load it
+
+    write_report(args.out / "report", trainer.history, {**metrics, **sized},
+                 title=f"terarec train: {config.model.name} on "
+                 f"{', '.join(Path(p).name for p in args.train)}")
     report_skipped(stats)
     print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows", "samples_per_s")}))
-    print(f"model written to {args.out}")
+    print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
     return 0
 
 
