@@ -83,6 +83,8 @@ def test_train_then_serve_applies_the_same_transform(csv_file: Path, tmp_path: P
     torch.testing.assert_close(served, file_dense)
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0.0 <= metrics["auc"] <= 1.0 and np.isfinite(metrics["logloss"])
+    report = (out / "report" / "report.html").read_text()  # every train writes its report
+    assert "terarec train: deepfm on train.csv" in report and "batch size" in report
 
 
 def test_log1p_list_still_names_the_transformed_columns(csv_file: Path, tmp_path: Path) -> None:
