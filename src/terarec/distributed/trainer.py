@@ -111,7 +111,8 @@ class ShardedTrainer(Trainer):
         cfg = self.config
         world = self.ctx.world
         groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
-                                  self.ctx.rank, world, on_bad_row=cfg.on_bad_row, stats=stats)
+                                  self.ctx.rank, world, on_bad_row=cfg.on_bad_row, stats=stats,
+                                  group=self.ctx.plan_group)
         return (self.plan(g) if number >= skip else g for number, g in enumerate(groups, first))
 
     def plan(self, batches: list[Batch]) -> ShardedPassPlan:
