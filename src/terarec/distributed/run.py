@@ -66,6 +66,9 @@ def train_main(args: argparse.Namespace,
     each committed checkpoint."""
     _reject_single_process_args(args)
     config = config_from_args(args)
+    if config.sparse_optimizer.embedding_l2:  # the sharded lookup has no batch size to scale by
+        raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
+                         "--sparse-weight-decay")
     comm = dense_comm_from_args(args)
     ctx = init_distributed(config.device)
     # No try/finally around the run: a rank that fails must exit rather than wait in
