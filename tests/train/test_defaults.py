@@ -41,15 +41,20 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_given_flags_and_config_keys_are_kept(tmp_path: Path) -> None:
+def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
     data = tmp_path / "d.csv"
     data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
+    config, sized = apply_sized_defaults(config_from_args(_args(["--seed", "3"])), [data],
+                                         explicit_config_keys(_args(["--seed", "3"])))
+    assert (config.batch_size, config.epochs) == (256, 2) and config.seed == 3
+    assert config.sparse_optimizer.lr == pytest.approx(0.0125)
+    assert sized["estimated_rows"] == 5001 and sized["batch_size"] == 256
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"dense_optimizer": {"lr": 0.01}}))
-    args = _args(["--batch-size", "100", "--config", str(cfg)])
-    explicit = explicit_config_keys(args)
-    assert {"batch_size", "dense_optimizer.lr"} <= explicit
-    config, sized = apply_sized_defaults(config_from_args(args), [data], explicit)
-    assert config.batch_size == 100 and config.dense_optimizer.lr == 0.01
-    assert config.epochs == 2 and config.sparse_optimizer.lr == pytest.approx(0.0125)
-    assert sized["estimated_rows"] == 5001 and "batch_size" not in sized
+    for argv in (["--batch-size", "100"], ["--config", str(cfg)]):
+        args = _args(argv)
+        explicit = explicit_config_keys(args)
+        config, sized = apply_sized_defaults(config_from_args(args), [data], explicit)
+        assert sized == {}
+        assert config.epochs == 1 and config.sparse_optimizer.lr == 0.05
+    assert explicit == {"dense_optimizer.lr"}

@@ -11,6 +11,8 @@ follow it::
     epochs         2 below 100,000 rows, else 1
 
 At 131,072 rows and above every value is the fixed default, so large runs are unchanged.
+A run that gives any of these four (flag or config file) gets the fixed defaults for the
+rest: they are tuned together.
 Measured on the Criteo and Avazu samples (docs/models.md); without a validation set more
 epochs overfit those 8,000 rows.
 """
@@ -75,12 +77,16 @@ def sized_defaults(rows: int) -> dict[str, float | int]:
 
 def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
                          explicit: set[str]) -> tuple[TrainConfig, dict]:
-    """``config`` with the data-sized values for the keys not in ``explicit`` (given by a
-    flag or a config file); returns it with what was set (empty when rows are unknown)."""
+    """``config`` with the data-sized values, unless ``explicit`` (the keys given by a flag
+    or a config file) holds any of ``SIZED_KEYS``: batch size, learning rates and epochs
+    belong together, so a run that sets one of them keeps the fixed defaults for the
+    others. Returns the config and what was set (empty when nothing was)."""
+    if explicit & set(SIZED_KEYS):
+        return config, {}
     rows = estimate_rows(paths)
     if rows is None:
         return config, {}
-    chosen = {k: v for k, v in sized_defaults(rows).items() if k not in explicit}
+    chosen = sized_defaults(rows)
     sparse, dense = config.sparse_optimizer, config.dense_optimizer
     if "sparse_optimizer.lr" in chosen:
         sparse = replace(sparse, lr=chosen["sparse_optimizer.lr"])
