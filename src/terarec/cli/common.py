@@ -89,10 +89,12 @@ def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
                    f"(default {DEFAULT_STATS_ROWS:,})")
 
 
-def train_schema_from_args(args: argparse.Namespace, config: TrainConfig,
+def train_schema_from_args(args: argparse.Namespace,
                            base: FeatureSchema | None = None) -> FeatureSchema:
     """The schema a new training run uses: ``base`` (default ``schema_from_args``) with
-    numeric statistics gathered from the first ``--stats-rows`` rows of ``--train``."""
+    numeric statistics gathered from the first ``--stats-rows`` rows of ``--train``.
+    Bad rows are left out of the statistics here; training reads them again and reports
+    or skips them as ``--on-bad-row`` says (on every rank alike under torchrun)."""
     schema = base if base is not None else schema_from_args(args)
     if getattr(args, "no_standardize", False):
         return schema
@@ -100,7 +102,7 @@ def train_schema_from_args(args: argparse.Namespace, config: TrainConfig,
     if rows <= 0:
         raise ValueError(f"--stats-rows must be positive, got {rows}")
     return with_numeric_stats(schema, args.train, max_rows=rows,
-                              on_bad_row=config.on_bad_row)
+                              on_bad_row="skip")
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:

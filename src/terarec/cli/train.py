@@ -125,8 +125,7 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
         print(f"resuming {args.out} after pass {trainer.pass_id}")
         schema = trainer.schema
     else:
-        schema = train_schema_from_args(args, config,
-                                        features.schema if features else None)
+        schema = train_schema_from_args(args, features.schema if features else None)
         trainer = Trainer(schema, config)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,

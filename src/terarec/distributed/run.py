@@ -79,7 +79,7 @@ def train_main(args: argparse.Namespace,
         if ctx.is_main:
             print(f"rank 0/{ctx.world}: resuming {args.out} after pass {trainer.pass_id}")
     else:
-        trainer = ShardedTrainer(train_schema_from_args(args, config), config, ctx, comm)
+        trainer = ShardedTrainer(train_schema_from_args(args), config, ctx, comm)
     schema = trainer.schema
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
