@@ -17,13 +17,16 @@ from terarec.autofeature.features import (
 from terarec.cli.common import (
     add_format_args,
     add_numeric_stats_args,
+    add_selection_args,
     add_train_args,
     config_from_args,
     explicit_config_keys,
     report_skipped,
     schema_for_data,
+    selection_from_args,
     train_schema_from_args,
 )
+from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
@@ -36,10 +39,18 @@ from terarec.distributed.run import (
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
 from terarec.finite import check_finite_loss
-from terarec.io import atomic_write_text
-from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
+from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
+from terarec.train.checkpoint import (
+    best_checkpoint,
+    clear_best,
+    list_checkpoints,
+    mark_best,
+    restore_trainer,
+    save_checkpoint,
+)
 from terarec.train.defaults import apply_sized_defaults
 from terarec.train.passes import iter_file_batches
+from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 
 
@@ -60,6 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_format_args(p)
     add_numeric_stats_args(p)
     add_train_args(p)
+    add_selection_args(p)
     add_export_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
@@ -90,11 +102,27 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
                                features_dir=model_features_dir(args.out))
 
 
+LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
+
+
 def run(args: argparse.Namespace) -> int:
-    """Train; with AutoFeature tables, on copies of the inputs joined with them."""
+    """Train, holding the model directory's lock; with AutoFeature tables, on copies of
+    the inputs joined with them."""
     if launched_by_torchrun():  # one rank of `torchrun ... -m terarec train`
         return train_main(args)
     reject_distributed_args(args)
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file, not a model directory")
+    try:
+        lock = exclusive_lock(args.out / LOCK_FILE, f"model directory {args.out}")
+        with lock:
+            remove_atomic_leftovers(args.out)  # of a run killed mid-write
+            return _locked_run(args)
+    except LockedError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _locked_run(args: argparse.Namespace) -> int:
     features = None
     if args.resume and list_checkpoints(args.out):
         features = model_features(args.out)
@@ -120,11 +148,17 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
         parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
         if config.store.disk_path is None:
             config.store.disk_path = str(args.out / "store")
-    if args.resume and list_checkpoints(args.out):
+    resuming = args.resume and list_checkpoints(args.out)
+    selection = selection_from_args(args, config)
+    if resuming:
         trainer = restore_trainer(args.out, config)
         print(f"resuming {args.out} after pass {trainer.pass_id}")
         schema = trainer.schema
+        if selection is not None:  # continue with the best value and patience it had
+            selection = SelectionTracker.from_history(trainer.history, args.select_by,
+                                                      args.patience)
     else:
+        clear_best(args.out)
         schema = train_schema_from_args(args, features.schema if features else None)
         trainer = Trainer(schema, config)
     stats = ReadStats()
@@ -135,23 +169,29 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
 
     def on_pass_end(t: Trainer, record: dict) -> None:
         check_finite_loss(record["train_loss"], f"pass {t.pass_id}")
-        if t.pass_id % max(1, args.checkpoint_every) == 0:
-            save_checkpoint(args.out, t)
+        if t.pass_id % max(1, args.checkpoint_every) == 0 or record.get("best"):
+            committed = save_checkpoint(args.out, t)
+            if record.get("best"):
+                mark_best(args.out, committed.name)
         if exporter is not None:
             exporter.on_pass_end(t, record)
 
     start = time.perf_counter()
     history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
-                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
+                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
+                          selection=selection)
     seconds = time.perf_counter() - start
-    save_checkpoint(args.out, trainer)
+    latest = save_checkpoint(args.out, trainer)
     if exporter is not None:
         exporter.finish(trainer)
     trained = history
     rows = sum(h["rows"] for h in trained)
     busy = sum(h["staging_s"] + h["train_s"] + h["write_back_s"] for h in trained)
+    evaluated = best_checkpoint(args.out) or latest.name
     if valid:
-        metrics = trainer.evaluate(valid)
+        scorer = trainer if evaluated == latest.name else restore_trainer(args.out,
+                                                                         name=evaluated)
+        metrics = scorer.evaluate(valid)
         metrics["evaluated_on"] = "valid"
     else:
         metrics = trainer.evaluate(iter_file_batches(args.train, schema, config.batch_size,
@@ -161,13 +201,19 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     metrics.update(
         eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
         samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
-        skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name)
+        skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name,
+        checkpoint=evaluated, stop_reason=trainer.stop_reason)
+    if selection is not None:
+        metrics.update(selection.summary())
     metrics.update(_store_size(trainer))
     atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
-    atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
+    history = [*trainer.history[:-1], {**trainer.history[-1],
+                                       "stop_reason": trainer.stop_reason}] \
+        if trainer.history else []
+    atomic_write_text(args.out / "history.json", json.dumps(history, indent=2))
     from terarec.report import write_report  # matplotlib: only the commands that plot load it
 
-    write_report(args.out / "report", trainer.history, {**metrics, **sized},
+    write_report(args.out / "report", history, {**metrics, **sized},
                  title=f"terarec train: {config.model.name} on "
                  f"{', '.join(Path(p).name for p in args.train)}")
     report_skipped(stats)

@@ -13,15 +13,21 @@ import json
 import time
 from collections.abc import Callable
 
-from terarec.cli.common import config_from_args, report_skipped, train_schema_from_args
+from terarec.cli.common import (
+    config_from_args,
+    report_skipped,
+    selection_from_args,
+    train_schema_from_args,
+)
 from terarec.data.readers import ReadStats
 from terarec.distributed.checkpoint import restore_sharded_trainer, save_sharded_checkpoint
 from terarec.distributed.context import init_distributed, restart_count
 from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.distributed.trainer import ShardedTrainer
 from terarec.io import atomic_write_text
-from terarec.train.checkpoint import list_checkpoints
+from terarec.train.checkpoint import best_checkpoint, clear_best, list_checkpoints, mark_best
 from terarec.train.passes import iter_file_batches
+from terarec.train.selection import SelectionTracker
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -73,12 +79,18 @@ def train_main(args: argparse.Namespace,
     ctx = init_distributed(config.device)
     # No try/finally around the run: a rank that fails must exit rather than wait in
     # destroy_process_group for peers stuck in a collective; torchrun then stops them.
+    selection = selection_from_args(args, config)
     resume = args.resume or restart_count() > 0
     if resume and list_checkpoints(args.out):
         trainer = restore_sharded_trainer(args.out, ctx, config, comm)
         if ctx.is_main:
             print(f"rank 0/{ctx.world}: resuming {args.out} after pass {trainer.pass_id}")
+        if selection is not None:
+            selection = SelectionTracker.from_history(trainer.history, args.select_by,
+                                                      args.patience)
     else:
+        if ctx.is_main:
+            clear_best(args.out)
         trainer = ShardedTrainer(train_schema_from_args(args), config, ctx, comm)
     schema = trainer.schema
     stats = ReadStats()
@@ -91,18 +103,26 @@ def train_main(args: argparse.Namespace,
             on_commit(t)
 
     def on_pass_end(t: ShardedTrainer, record: dict) -> None:
-        if t.pass_id % max(1, args.checkpoint_every) == 0:
+        # Every rank holds the same (gathered) metrics, so all take this branch together.
+        if t.pass_id % max(1, args.checkpoint_every) == 0 or record.get("best"):
             commit(t)
+            if record.get("best") and ctx.is_main:
+                mark_best(args.out, f"pass-{t.pass_id:06d}")
 
     start = time.perf_counter()
     history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
-                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
+                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
+                          selection=selection)
     seconds = time.perf_counter() - start
     if not history or trainer.pass_id % max(1, args.checkpoint_every):
         commit(trainer)
+    latest = f"pass-{trainer.pass_id:06d}"
+    evaluated = ctx.broadcast_object(best_checkpoint(args.out) or latest)
+    scorer = trainer if evaluated == latest or not valid else restore_sharded_trainer(
+        args.out, ctx, config, comm, name=evaluated)
     eval_source = valid or iter_file_batches(args.train, schema, config.batch_size,
                                              on_bad_row=config.on_bad_row)
-    metrics = trainer.evaluate(eval_source)
+    metrics = scorer.evaluate(eval_source)
     metrics["evaluated_on"] = "valid" if valid else "train"
     rows = sum(h["rows"] for h in history)
     busy = sum(h["rows"] / h["samples_per_s"] for h in history if h["samples_per_s"])
@@ -112,13 +132,19 @@ def train_main(args: argparse.Namespace,
         samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
         skipped_rows=stats.skipped, store_keys=int(ctx.all_sum([len(trainer.store)])[0]),
         model=config.model.name, world_size=ctx.world, dense_comm=comm.mode,
+        checkpoint=evaluated, stop_reason=trainer.stop_reason,
         dense_bytes_per_step=(sum(h["dense_bytes_per_step"] for h in steps) / len(steps)
                               if steps else 0.0),
         sparse_bytes_per_step=(sum(h["sparse_bytes_per_step"] for h in steps) / len(steps)
                                if steps else 0.0))
+    if selection is not None:
+        metrics.update(selection.summary())
     if ctx.is_main:
         atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
-        atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
+        records = [*trainer.history[:-1], {**trainer.history[-1],
+                                           "stop_reason": trainer.stop_reason}] \
+            if trainer.history else []
+        atomic_write_text(args.out / "history.json", json.dumps(records, indent=2))
         report_skipped(stats)
         print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows",
                                                   "samples_per_s", "world_size")}))

@@ -112,7 +112,7 @@ class ShardedTrainer(Trainer):
         world = self.ctx.world
         groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
                                   self.ctx.rank, world, on_bad_row=cfg.on_bad_row, stats=stats,
-                                  group=self.ctx.plan_group)
+                                  ctx=self.ctx)
         return (self.plan(g) if number >= skip else g for number, g in enumerate(groups, first))
 
     def plan(self, batches: list[Batch]) -> ShardedPassPlan:
@@ -204,10 +204,12 @@ class ShardedTrainer(Trainer):
 
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
             *, progress: bool = True, stats: ReadStats | None = None, on_pass_end=None,
-            skip_passes: int = 0) -> list[dict]:
-        """Collective ``Trainer.fit``; only rank 0 shows a progress bar."""
+            skip_passes: int = 0, selection=None) -> list[dict]:
+        """Collective ``Trainer.fit``; only rank 0 shows a progress bar. Evaluations are
+        gathered, so every rank's ``selection`` takes the same stop decision."""
         return super().fit(train_paths, valid_batches, progress=progress and self.ctx.is_main,
-                           stats=stats, on_pass_end=on_pass_end, skip_passes=skip_passes)
+                           stats=stats, on_pass_end=on_pass_end, skip_passes=skip_passes,
+                           selection=selection)
 
 
 def _rank_store_config(config: TrainConfig, rank: int) -> TrainConfig:

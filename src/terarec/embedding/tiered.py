@@ -1,7 +1,7 @@
 """The tiered store: hot rows in RAM under a byte budget, every row on disk.
 
-Same API as ``MemoryStore`` (pull / push / lookup / end_pass / evict / stats), so the
-trainer and the working set use either unchanged::
+Implements ``EmbeddingStore`` (protocol.py) as ``MemoryStore`` does, so the trainer,
+the working set, checkpoints and exports use either unchanged::
 
     pull(keys)      hot rows: counted in place, pinned      cold rows: one batched disk
                     (memory tier, MemoryStore <= budget)    read (or new, after admission)
@@ -107,11 +107,17 @@ class TierStats:
 
 
 class TieredStore(EvictionLog):
-    """``MemoryStore`` API over a memory tier bounded by ``config.memory_budget`` and a
+    """``EmbeddingStore`` over a memory tier bounded by ``config.memory_budget`` and a
     disk tier under ``path`` (default ``config.disk_path``, else a temporary folder)."""
 
     saved_format = "tiered"  # what ``save`` writes: a slab snapshot
     prefetches = True  # ``prefetch`` reads disk rows into RAM ahead of their pass
+    # Per memory slot, grown with the memory tier (``_ensure_meta``): last use tick, row
+    # changed since it was read, a record of it is on disk, kept in RAM for this pass.
+    _used: np.ndarray
+    _dirty: np.ndarray
+    _on_disk: np.ndarray
+    _pinned: np.ndarray
 
     def __init__(self, row_dim: int, optimizer: SparseOptimizer,
                  config: StoreConfig | None = None, seed: int = 0,
@@ -243,7 +249,7 @@ class TieredStore(EvictionLog):
         self._write_back(keys, slots)
         self.memory.index.remove(keys)
         if self._variable:  # their pool positions go to the rows that take their places
-            self.memory.values.release(slots)
+            self.memory.coded.release(slots)
         self._dirty[slots] = False
         self._on_disk[slots] = False
         self._pinned[slots] = False
@@ -362,7 +368,7 @@ class TieredStore(EvictionLog):
             if self._variable:
                 m.promote(hs)
                 block.widths = np.empty(n, np.int32)
-                block.widths[hot] = m.values.widths_of(hs)
+                block.widths[hot] = m.coded.widths_of(hs)
                 block.widths[cold] = self.layout.widths_of(rec)
             if admitted.all():
                 return block, admitted
@@ -572,7 +578,7 @@ class TieredStore(EvictionLog):
         coded = isinstance(m.values, CodedRows)
         # Encoded rows move as bytes (one class: codes by slot), or by class and pool
         # position (several classes: the pools are repacked after).
-        values = m.values.slot_arrays() if coded else [m.values]
+        values = m.coded.slot_arrays() if coded else [m.values]
         arrays = [*values, m.state, m.show, m.click, m.last_seen, self._used, self._dirty,
                   self._on_disk, self._pinned]
         for start in range(0, len(moved), 8192):
@@ -582,8 +588,8 @@ class TieredStore(EvictionLog):
         index = KeyIndex(cap + cap // 2)
         index.lookup_or_insert(keys)  # slots 0..n-1 in this order: no free slots yet
         m.index = index
-        if coded and m.values.variable:
-            m.values.truncate(len(keys))
+        if coded and m.coded.variable:
+            m.coded.truncate(len(keys))
             arrays = arrays[len(values):]
         for a in arrays:
             _release_rows(a, len(keys))
@@ -702,9 +708,10 @@ class TieredStore(EvictionLog):
                 with self._lock:
                     mslots = self.memory.index.lookup(k)
                     hot = mslots >= 0
-                    rec = np.empty((len(k), self.width), np.float32)
-                    rec[hot] = self._records(mslots[hot])
-                    rec[~hot] = self.disk.read_slots(self.disk.index.lookup(k[~hot]))
+                    # Disk records of the cold rows (zeros at the hot ones), read in place.
+                    rec = self.disk.read_slots(np.where(hot, -1, self.disk.index.lookup(k)))
+                    if hot.any():
+                        rec[hot] = self._records(mslots[hot])
                 yield RowChunk(k, **self.layout.decode(rec))
 
     def to_arrays(self) -> dict[str, np.ndarray]:

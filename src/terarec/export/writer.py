@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -21,9 +23,10 @@ import torch
 from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
-from terarec.embedding.store import RowChunk
+from terarec.embedding.store import CHUNK_ROWS, RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
+    CLAIM,
     DELETED_FILE,
     DENSE_FILE,
     FORMAT,
@@ -32,6 +35,7 @@ from terarec.export.format import (
     MANIFEST,
     ExportError,
     Manifest,
+    check_member_path,
     latest_version,
     list_versions,
     parse_version_name,
@@ -41,7 +45,7 @@ from terarec.export.format import (
     shard_name,
     version_name,
 )
-from terarec.export.storage import Storage
+from terarec.export.storage import Storage, StorageError
 from terarec.finite import check_finite
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
@@ -84,6 +88,30 @@ class ModelExporter:
         numbers = [parse_version_name(n) or 0 for n in list_versions(self.storage)]
         return max(numbers, default=0) + 1
 
+    def _claim_version(self) -> int:
+        """The next version number, claimed so that a concurrent writer to the same URI
+        never takes it too: a claim file created exclusively in the version folder
+        (``O_EXCL`` locally, a conditional put on object stores)."""
+        version = self._next_version()
+        token = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "time": time.time()}).encode()
+        for _ in range(1000):
+            if self.storage.create_exclusive(f"{version_name(version)}/{CLAIM}", token):
+                return version
+            version += 1  # taken by another writer since we listed
+        raise ExportError(f"{self.storage.uri}: could not claim a version number after "
+                          f"{version}")
+
+    def _publish(self, name: str) -> None:
+        """Point ``LATEST`` at ``name`` unless a concurrent writer already moved it to a
+        newer version (it only moves forward)."""
+        try:
+            newest = parse_version_name(self.storage.read_bytes(LATEST).decode().strip())
+        except (StorageError, UnicodeDecodeError):
+            newest = None
+        if newest is None or newest < (parse_version_name(name) or 0):
+            self.storage.write_bytes(LATEST, name.encode())
+
     def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
                    dense: dict[str, torch.Tensor], keys: np.ndarray | None = None,
                    values: np.ndarray | None = None, rows: Iterable[RowChunk] | None = None,
@@ -95,7 +123,7 @@ class ModelExporter:
         Rows come as ``keys`` + ``values`` arrays, or streamed as key-ordered ``rows``
         chunks (``EmbeddingStore.iter_sorted``) of ``row_dim`` values: then no more than
         one shard is held in RAM."""
-        version = self._next_version()
+        version = self._claim_version()
         name = version_name(version)
         header = {"name": name, "version": version, "kind": "full", "base": name,
                   "deltas": [], "parent": None, "schema": schema.to_dict(),
@@ -121,7 +149,7 @@ class ModelExporter:
         if parent is None:
             raise ExportError(f"{self.storage.uri}: no version to build a delta on; "
                               "write a full version first")
-        version = self._next_version()
+        version = self._claim_version()
         name = version_name(version)
         header = {"name": name, "version": version, "kind": "delta", "base": parent.base,
                   "deltas": [*parent.deltas, name], "parent": parent.name,
@@ -150,14 +178,13 @@ class ModelExporter:
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:
+            check_member_path(rel, f"{self.storage.uri}/{name}")
             self.storage.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
 
         shards: list[dict] = []
         total = 0
         for keys, values in _shards(rows, self.shard_rows, row_dim):
-            if shards and int(keys[0]) <= shards[-1]["last_key"]:
-                raise ValueError("keys must be sorted and unique")
             i = len(shards)
             if self.codec is None:
                 put(shard_name(i), rows_bytes(keys, values))
@@ -184,7 +211,7 @@ class ModelExporter:
         })
         raw = manifest.to_bytes()
         self.storage.write_bytes(f"{name}/{MANIFEST}", raw)
-        self.storage.write_bytes(LATEST, name.encode())
+        self._publish(name)
         written = sum(f["bytes"] for f in files.values()) + len(raw)
         result = ExportedVersion(name=name, kind=header["kind"], rows=total,
                                  deleted=sparse["deleted"], bytes=written,
@@ -197,33 +224,39 @@ class ModelExporter:
 def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
             row_dim: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Re-cut key-ordered (keys, values) parts into shards of ``shard_rows`` rows (the
-    last one shorter), checking order, shape and finiteness on the way: holds at most
-    one shard plus one part."""
-    keys_buf: list[np.ndarray] = []
-    values_buf: list[np.ndarray] = []
+    last one shorter), checking order, shape and finiteness on the way. Holds one shard
+    buffer (filled in place, pages allocated as written) plus one part; each yielded
+    shard is a view of the buffer, valid until the next one is asked for."""
+    keys_buf = np.empty(shard_rows, np.int64)
+    values_buf = np.empty((shard_rows, row_dim), np.float32)
     held = 0
+    last: int | None = None  # the previous part's last key
     for keys, values in rows:
         keys = np.ascontiguousarray(keys, np.int64)
         values = np.ascontiguousarray(values, np.float32)
         if values.shape != (len(keys), row_dim):
             raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys "
                              f"of {row_dim} values")
-        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+        if (len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1]))) or (
+                len(keys) and last is not None and int(keys[0]) <= last):
             raise ValueError("keys must be sorted and unique")
+        if len(keys):
+            last = int(keys[-1])
         bad = ~np.isfinite(values).all(axis=1)
         if bad.any():
             raise ValueError(f"{int(bad.sum())} rows hold non-finite values (first key "
                              f"{int(keys[bad][0])}): refusing to export them")
-        keys_buf.append(keys)
-        values_buf.append(values)
-        held += len(keys)
-        while held >= shard_rows:
-            k, v = np.concatenate(keys_buf), np.concatenate(values_buf)
-            yield k[:shard_rows], v[:shard_rows]
-            keys_buf, values_buf = [k[shard_rows:]], [v[shard_rows:]]
-            held -= shard_rows
+        pos = 0
+        while pos < len(keys):
+            take = min(shard_rows - held, len(keys) - pos)
+            keys_buf[held:held + take] = keys[pos:pos + take]
+            values_buf[held:held + take] = values[pos:pos + take]
+            held, pos = held + take, pos + take
+            if held == shard_rows:
+                yield keys_buf, values_buf
+                held = 0
     if held:
-        yield np.concatenate(keys_buf), np.concatenate(values_buf)
+        yield keys_buf[:held], values_buf[:held]
 
 
 def _as_json(value: Any) -> Any:
@@ -234,16 +267,18 @@ def _as_json(value: Any) -> Any:
 def export_model_dir(model_dir: str | Path, uri: str | Path,
                      storage_options: dict[str, Any] | None = None,
                      shard_rows: int = DEFAULT_SHARD_ROWS,
-                     codec: RowCodec | None = None) -> ExportedVersion:
-    """Write the newest good checkpoint of a model directory as a full version
-    (rows encoded with ``codec`` when given)."""
-    from terarec.train.checkpoint import load_checkpoint, read_model_meta
+                     codec: RowCodec | None = None,
+                     checkpoint: str = "best") -> ExportedVersion:
+    """Write a checkpoint of a model directory as a full version (rows encoded with
+    ``codec`` when given): ``checkpoint`` is best (the validation set's best, else the
+    newest good one), latest, or pass-N."""
+    from terarec.train.checkpoint import checkpoint_name, load_checkpoint, read_model_meta
 
     schema, config = read_model_meta(Path(model_dir))
-    ckpt = load_checkpoint(model_dir)
+    ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
-                               rows=ckpt.iter_sorted(shard_rows),
+                               rows=ckpt.iter_sorted(CHUNK_ROWS),
                                row_dim=row_dim_for(config.model.name, config.model),
                                pass_id=int(ckpt.meta["pass_id"]),
                                features_dir=model_features_dir(model_dir))
@@ -322,7 +357,7 @@ class IncrementalExporter:
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
-                rows=store.iter_sorted(self.exporter.shard_rows), row_dim=store.row_dim,
+                rows=store.iter_sorted(CHUNK_ROWS), row_dim=store.row_dim,
                 pass_id=trainer.pass_id, features_dir=self.features_dir)
         else:
             keys, values = store.changed_since(self._last_pass)

@@ -19,6 +19,9 @@
             store.safetensors       admission candidates, counters
           meta.json               pass id, history, sha256 of each file: written last
       LATEST                      name of the newest committed checkpoint
+      BEST                        name of the best one on the validation set (training
+                                  with --valid): kept out of pruning; what eval, predict
+                                  and export load unless told otherwise
 
 A checkpoint is written into a hidden temp folder, each file fsynced, the folder renamed
 into place, then ``LATEST`` replaced atomically; a crash at any point leaves the previous
@@ -60,6 +63,8 @@ from terarec.validation import validate_json
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
+LATEST_FILE = "LATEST"
+BEST_FILE = "BEST"
 
 
 class CheckpointError(ValueError):
@@ -137,7 +142,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
         raise
     store.committed(final / "sparse", {k[len("sparse/"):]: v for k, v in
                                        sparse_digests.items()})
-    atomic_write_text(model_dir / "LATEST", name)
+    atomic_write_text(model_dir / LATEST_FILE, name)
     _prune(ckpt_root, keep=KEEP_CHECKPOINTS)
     return final
 
@@ -151,10 +156,50 @@ def store_summary(store: EmbeddingStore) -> dict:
     return out
 
 
+def mark_best(model_dir: str | Path, name: str) -> None:
+    """Point ``BEST`` at committed checkpoint ``name`` (atomically)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "checkpoints" / name / "meta.json").exists():
+        raise CheckpointError(f"{model_dir}: no committed checkpoint {name} to mark best")
+    atomic_write_text(model_dir / BEST_FILE, name)
+
+
+def best_checkpoint(model_dir: str | Path) -> str | None:
+    """The checkpoint ``BEST`` names, or None when there is none."""
+    path = Path(model_dir) / BEST_FILE
+    if not path.exists():
+        return None
+    return path.read_text().strip() or None
+
+
+def clear_best(model_dir: str | Path) -> None:
+    """Forget ``BEST`` (a fresh run into a directory an older run left one in)."""
+    (Path(model_dir) / BEST_FILE).unlink(missing_ok=True)
+
+
+def checkpoint_name(model_dir: str | Path, which: str = "best") -> str | None:
+    """The checkpoint ``which`` selects: ``best`` (``BEST``, else the newest), ``latest``
+    (None: the newest that verifies) or a name such as ``pass-3`` / ``pass-000003``."""
+    if which == "latest":
+        return None
+    if which == "best":
+        return best_checkpoint(model_dir)
+    if which.startswith("pass-") and which[5:].isdigit():
+        name = f"pass-{int(which[5:]):06d}"
+        if not (Path(model_dir) / "checkpoints" / name).is_dir():
+            have = ", ".join(p.name for p in list_checkpoints(model_dir)) or "none"
+            raise CheckpointError(f"{model_dir}: no checkpoint {name} (have: {have})")
+        return name
+    raise ValueError(f"--checkpoint {which!r}: expected latest, best or pass-N")
+
+
 def _prune(ckpt_root: Path, keep: int) -> None:
+    """Drop all but the newest ``keep`` checkpoints, never the one ``BEST`` names."""
     done = sorted(p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith("pass-"))
+    best = best_checkpoint(ckpt_root.parent)
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
     for tmp in ckpt_root.glob(".pass-*"):
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -184,8 +229,8 @@ def verify_checkpoint(path: Path) -> dict:
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        meta = dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
-                                  root="meta"))
+        meta: dict[str, Any] = dict(validate_json(CheckpointMeta, meta_path.read_bytes(),
+                                                  str(meta_path), root="meta"))
     except ValueError as exc:
         raise CheckpointError(f"corrupted checkpoint: {exc}") from None
     for fname, digest in meta["sha256"].items():
@@ -326,15 +371,15 @@ def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedChe
 
 
 def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
-                    name: str | None = None):
-    """A Trainer holding the newest good checkpoint of ``model_dir``."""
+                    name: str | None = None, scratch_dir: str | Path | None = None):
+    """A Trainer holding the newest good checkpoint of ``model_dir``. Without ``config``
+    (scoring a saved model) a tiered store lives in ``scratch_dir``, a folder private to
+    this process (else a temp folder), never in the training run's live one."""
     from terarec.train.trainer import Trainer
 
     schema, saved_config = read_model_meta(Path(model_dir))
     if config is None:
-        # Scoring a saved model: a tiered store gets a private scratch folder rather than
-        # the training run's live one (which may be in use).
-        saved_config.store.disk_path = None
+        saved_config.store.disk_path = None if scratch_dir is None else str(scratch_dir)
     ckpt = load_checkpoint(model_dir, name)
     trainer = Trainer(schema, config or saved_config)
     trainer.model.load_state_dict(ckpt.dense)
