@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -15,13 +16,15 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_format_args,
+    add_numeric_stats_args,
     add_selection_args,
     add_train_args,
     config_from_args,
+    explicit_config_keys,
     report_skipped,
     schema_for_data,
-    schema_from_args,
     selection_from_args,
+    train_schema_from_args,
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
@@ -35,6 +38,7 @@ from terarec.distributed.run import (
 )
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
+from terarec.finite import check_finite_loss
 from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import (
     best_checkpoint,
@@ -44,6 +48,7 @@ from terarec.train.checkpoint import (
     restore_trainer,
     save_checkpoint,
 )
+from terarec.train.defaults import apply_sized_defaults
 from terarec.train.passes import iter_file_batches
 from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
@@ -64,6 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "into the model and joined onto every input row (raw files are read "
                    "with the config's schema; --format may name another container)")
     add_format_args(p)
+    add_numeric_stats_args(p)
     add_train_args(p)
     add_selection_args(p)
     add_export_args(p)
@@ -133,7 +139,11 @@ def _locked_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
-    config = config_from_args(args)
+    config, sized = apply_sized_defaults(config_from_args(args), args.train,
+                                         explicit_config_keys(args))
+    if sized:
+        print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
+              file=sys.stderr)
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
         if config.store.disk_path is None:
@@ -149,7 +159,7 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
                                                       args.patience)
     else:
         clear_best(args.out)
-        schema = features.schema if features else schema_from_args(args)
+        schema = train_schema_from_args(args, features.schema if features else None)
         trainer = Trainer(schema, config)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
@@ -158,6 +168,7 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
     exporter = make_exporter(args, trainer)
 
     def on_pass_end(t: Trainer, record: dict) -> None:
+        check_finite_loss(record["train_loss"], f"pass {t.pass_id}")
         if t.pass_id % max(1, args.checkpoint_every) == 0 or record.get("best"):
             committed = save_checkpoint(args.out, t)
             if record.get("best"):
@@ -200,9 +211,14 @@ def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
                                        "stop_reason": trainer.stop_reason}] \
         if trainer.history else []
     atomic_write_text(args.out / "history.json", json.dumps(history, indent=2))
+    from terarec.report import write_report  # matplotlib: only the commands that plot load it
+
+    write_report(args.out / "report", history, {**metrics, **sized},
+                 title=f"terarec train: {config.model.name} on "
+                 f"{', '.join(Path(p).name for p in args.train)}")
     report_skipped(stats)
     print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows", "samples_per_s")}))
-    print(f"model written to {args.out}")
+    print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
     return 0
 
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from terarec.cli.common import (
     config_from_args,
     report_skipped,
-    schema_from_args,
     selection_from_args,
+    train_schema_from_args,
 )
 from terarec.data.readers import ReadStats
 from terarec.distributed.checkpoint import restore_sharded_trainer, save_sharded_checkpoint
@@ -72,6 +72,9 @@ def train_main(args: argparse.Namespace,
     each committed checkpoint."""
     _reject_single_process_args(args)
     config = config_from_args(args)
+    if config.sparse_optimizer.embedding_l2:  # the sharded lookup has no batch size to scale by
+        raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
+                         "--sparse-weight-decay")
     comm = dense_comm_from_args(args)
     ctx = init_distributed(config.device)
     # No try/finally around the run: a rank that fails must exit rather than wait in
@@ -88,7 +91,7 @@ def train_main(args: argparse.Namespace,
     else:
         if ctx.is_main:
             clear_best(args.out)
-        trainer = ShardedTrainer(schema_from_args(args), config, ctx, comm)
+        trainer = ShardedTrainer(train_schema_from_args(args), config, ctx, comm)
     schema = trainer.schema
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,

@@ -46,6 +46,7 @@ from terarec.export.format import (
     version_name,
 )
 from terarec.export.storage import Storage, StorageError
+from terarec.finite import check_finite
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
@@ -173,6 +174,7 @@ class ModelExporter:
         """Write a version from key-ordered (keys, values) parts, shard by shard."""
         t0 = time.perf_counter()
         name = header["name"]
+        check_finite(dense, f"export {name} dense weights")  # rows: checked in _shards
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:
