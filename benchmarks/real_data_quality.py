@@ -3,11 +3,14 @@ regression, over seeds.
 
 For every sample in ../shared/data (Criteo and Avazu: first 8,000 rows train, the rows
 after them test; Adult: train.csv -> test.csv) and every model, ``terarec train`` runs
-with default flags (only the format, the seed and ``--valid``) for each seed; AUC and
-logloss come from the model's own metrics.json (evaluated on the test rows). The
-baseline, measured in the same run on the same split, is scikit-learn's logistic
-regression on one-hot categoricals plus signed-log1p, standardised numerics (with missing
-flags), its C picked by 3-fold cross-validation on the training rows.
+with default flags (only the format, the seed and ``--valid``) for each seed. The last
+``VALID_FRACTION`` of the training rows is held out as ``--valid`` (early stopping and
+best-pass selection see only those), terarec trains on the rest, and AUC / logloss are
+``terarec eval`` on the test rows, which no selection ever sees. The baseline, measured in
+the same run, is scikit-learn's logistic regression on one-hot categoricals plus
+signed-log1p, standardised numerics (with missing flags), fitted on all training rows (the
+same rows terarec trains and selects on) with its C picked by 3-fold cross-validation on
+them.
 
 Prints one JSON line. ``search`` is left null: the hook for the multi-trial search's
 figures once ``terarec search`` exists.
@@ -35,6 +38,7 @@ DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 MODELS = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm")
 TRAIN_ROWS = 8000
 CS = (0.01, 0.03, 0.1, 0.3, 1.0)
+VALID_FRACTION = 0.125
 
 
 @dataclass
@@ -48,6 +52,8 @@ class Sample:
     numeric: list[str]
     categorical: list[str]
     criteo: bool = False
+    fit: Path | None = None
+    valid: Path | None = None
 
     def format_args(self) -> list[str]:
         if self.criteo:
@@ -63,6 +69,20 @@ def _split_lines(src: Path, work: Path, name: str, header: bool) -> tuple[Path, 
     train.write_text("".join(head + body[:TRAIN_ROWS]))
     test.write_text("".join(head + body[TRAIN_ROWS:]))
     return train, test
+
+
+def _hold_out(sample: Sample, work: Path) -> Sample:
+    """``sample`` with its training rows split into ``fit`` (the first rows) and ``valid``
+    (the last ``VALID_FRACTION``), written under ``work``."""
+    lines = sample.train.read_text().splitlines(keepends=True)
+    head, body = ([], lines) if sample.criteo else (lines[:1], lines[1:])
+    cut = len(body) - max(1, int(len(body) * VALID_FRACTION))
+    suffix = sample.train.suffix
+    sample.fit = work / f"{sample.name}-fit{suffix}"
+    sample.valid = work / f"{sample.name}-valid{suffix}"
+    sample.fit.write_text("".join(head + body[:cut]))
+    sample.valid.write_text("".join(head + body[cut:]))
+    return sample
 
 
 def samples(work: Path, wanted: set[str]) -> list[Sample]:
@@ -85,7 +105,7 @@ def samples(work: Path, wanted: set[str]) -> list[Sample]:
         columns = (adult / "train.csv").open().readline().strip().split(",")
         out.append(Sample("adult", adult / "train.csv", adult / "test.csv", "label", numeric,
                           [c for c in columns if c not in numeric and c != "label"]))
-    return out
+    return [_hold_out(sample, work) for sample in out]
 
 
 def _columns(sample: Sample, path: Path) -> dict[str, np.ndarray]:
@@ -135,21 +155,28 @@ def lr_reference(sample: Sample) -> dict:
             "C": float(model.C_[0])}
 
 
-def terarec_default(sample: Sample, model: str, seed: int, work: Path) -> dict:
+def _terarec(argv: list[str]) -> None:
     from terarec.cli.main import main
 
-    out = work / f"{sample.name}-{model}-{seed}"
-    argv = ["train", "--train", str(sample.train), "--valid", str(sample.test), "--out",
-            str(out), "--model", model, "--seed", str(seed), "--no-progress",
-            *sample.format_args()]
-    start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = main(argv)
     if code != 0:
         raise RuntimeError(f"terarec {' '.join(argv)} exited {code}")
-    metrics = json.loads((out / "metrics.json").read_text())
-    return {"auc": metrics["auc"], "logloss": metrics["logloss"],
-            "seconds": time.perf_counter() - start}
+
+
+def terarec_default(sample: Sample, model: str, seed: int, work: Path) -> dict:
+    """Default ``terarec train`` on the fit rows, selected on the held-out valid rows,
+    scored by ``terarec eval`` on the test rows."""
+    out = work / f"{sample.name}-{model}-{seed}"
+    start = time.perf_counter()
+    _terarec(["train", "--train", str(sample.fit), "--valid", str(sample.valid), "--out",
+              str(out), "--model", model, "--seed", str(seed), "--no-progress",
+              *sample.format_args()])
+    seconds = time.perf_counter() - start
+    scored = out / "test_metrics.json"
+    _terarec(["eval", "--model", str(out), "--data", str(sample.test), "--out", str(scored)])
+    metrics = json.loads(scored.read_text())
+    return {"auc": metrics["auc"], "logloss": metrics["logloss"], "seconds": seconds}
 
 
 def main() -> int:
