@@ -10,7 +10,12 @@ import pytest
 
 from terarec.cli.common import add_train_args, config_from_args, explicit_config_keys
 from terarec.config import TrainConfig
-from terarec.train.defaults import apply_sized_defaults, estimate_rows, sized_defaults
+from terarec.train.defaults import (
+    apply_sized_defaults,
+    estimate_rows,
+    sized_admission,
+    sized_defaults,
+)
 
 
 def test_row_estimate_of_small_and_large_text_files(tmp_path: Path) -> None:
@@ -49,12 +54,24 @@ def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
     assert (config.batch_size, config.epochs) == (256, 2) and config.seed == 3
     assert config.sparse_optimizer.lr == pytest.approx(0.0125)
     assert sized["estimated_rows"] == 5001 and sized["batch_size"] == 256
+    assert config.store.admit_min_count == 2 and sized["store.admit_min_count"] == 2
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"dense_optimizer": {"lr": 0.01}}))
     for argv in (["--batch-size", "100"], ["--config", str(cfg)]):
         args = _args(argv)
         explicit = explicit_config_keys(args)
         config, sized = apply_sized_defaults(config_from_args(args), [data], explicit)
-        assert sized == {}
+        assert set(sized) <= {"estimated_rows", "store.admit_min_count"}
         assert config.epochs == 1 and config.sparse_optimizer.lr == 0.05
+        assert config.store.admit_min_count == 2  # admission is sized on its own
     assert explicit == {"dense_optimizer.lr"}
+    args = _args(["--admit-min-count", "1"])
+    config, sized = apply_sized_defaults(config_from_args(args), [data],
+                                         explicit_config_keys(args))
+    assert config.store.admit_min_count == 1 and "store.admit_min_count" not in sized
+    assert config.batch_size == 256  # the schedule is still sized
+
+
+def test_admission_sized_only_on_small_data() -> None:
+    assert sized_admission(8_000) == 2
+    assert sized_admission(10**9) == TrainConfig().store.admit_min_count == 1

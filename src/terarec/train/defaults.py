@@ -10,9 +10,14 @@ follow it::
                                                                  rule for batch size)
     epochs         2 below 100,000 rows, else 1
 
+    admit_min_count 2 below 100,000 rows, else 1               (a key seen once gets no
+                                                                 row of its own)
+
 At 131,072 rows and above every value is the fixed default, so large runs are unchanged.
-A run that gives any of these four (flag or config file) gets the fixed defaults for the
-rest: they are tuned together.
+A run that gives any of the first four (flag or config file) gets the fixed defaults for
+the rest: they are tuned together. Admission is separate: it is sized unless
+``store.admit_min_count`` itself is given. On few rows a key seen once has one label to
+fit, so its own row learns noise; unadmitted keys share the store's zero row.
 Measured on the Criteo and Avazu samples (docs/models.md); without a validation set more
 epochs overfit those 8,000 rows.
 """
@@ -34,6 +39,8 @@ _SAMPLE_BYTES = 1 << 20
 
 # Config keys (dotted) this module may set when the user did not.
 SIZED_KEYS = ("batch_size", "epochs", "sparse_optimizer.lr", "dense_optimizer.lr")
+ADMIT_KEY = "store.admit_min_count"
+SMALL_DATA_ADMIT = 2
 
 
 def estimate_rows(paths: Iterable[str | Path]) -> int | None:
@@ -75,17 +82,33 @@ def sized_defaults(rows: int) -> dict[str, float | int]:
             "dense_optimizer.lr": base.dense_optimizer.lr * scale}
 
 
+def sized_admission(rows: int) -> int:
+    """The data-sized ``store.admit_min_count`` for ``rows`` training rows."""
+    return SMALL_DATA_ADMIT if rows < SMALL_DATA_ROWS else TrainConfig().store.admit_min_count
+
+
 def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
                          explicit: set[str]) -> tuple[TrainConfig, dict]:
     """``config`` with the data-sized values, unless ``explicit`` (the keys given by a flag
     or a config file) holds any of ``SIZED_KEYS``: batch size, learning rates and epochs
     belong together, so a run that sets one of them keeps the fixed defaults for the
-    others. Returns the config and what was set (empty when nothing was)."""
-    if explicit & set(SIZED_KEYS):
+    others. The admission count is sized unless ``ADMIT_KEY`` is explicit. Returns the
+    config and what was set (empty when nothing was)."""
+    sized_schedule = not explicit & set(SIZED_KEYS)
+    sized_admit = ADMIT_KEY not in explicit
+    if not (sized_schedule or sized_admit):
         return config, {}
     rows = estimate_rows(paths)
     if rows is None:
         return config, {}
+    set_: dict = {"estimated_rows": rows}
+    if sized_admit:
+        admit = sized_admission(rows)
+        if admit != config.store.admit_min_count:
+            config = replace(config, store=replace(config.store, admit_min_count=admit))
+            set_[ADMIT_KEY] = admit
+    if not sized_schedule:
+        return config, set_ if len(set_) > 1 else {}
     chosen = sized_defaults(rows)
     sparse, dense = config.sparse_optimizer, config.dense_optimizer
     if "sparse_optimizer.lr" in chosen:
@@ -95,4 +118,4 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
     config = replace(config, sparse_optimizer=sparse, dense_optimizer=dense,
                      batch_size=int(chosen.get("batch_size", config.batch_size)),
                      epochs=int(chosen.get("epochs", config.epochs)))
-    return config, {"estimated_rows": rows, **chosen}
+    return config, {**set_, **chosen}
