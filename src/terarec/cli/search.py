@@ -13,12 +13,14 @@ from terarec.cli.common import (
     add_selection_args,
     add_train_args,
     config_from_args,
+    explicit_config_keys,
     report_skipped,
     schema_from_args,
     selection_from_args,
 )
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
+from terarec.train.defaults import apply_sized_defaults
 from terarec.train.passes import iter_file_batches
 
 
@@ -53,7 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from terarec.train.search import load_space, run_search, write_results, write_search_report
 
-    config = config_from_args(args)
+    # The same data-sized defaults as train, so a trial equals a single run with its flags.
+    config, _ = apply_sized_defaults(config_from_args(args), args.train,
+                                     explicit_config_keys(args))
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)
     selection_from_args(args, config)  # epoch upper bound, --eval-every
