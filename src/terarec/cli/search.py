@@ -54,9 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from terarec.train.search import load_space, run_search, write_results, write_search_report
-
     from terarec.train.defaults import apply_sized_defaults
+    from terarec.train.search import load_space, run_search, write_results, write_search_report
 
     # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
     config, _ = apply_sized_defaults(config_from_args(args), args.train,
