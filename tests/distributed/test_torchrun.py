@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from terarec.distributed.checkpoint import rank_arrays
 from terarec.distributed.sharding import shard_of
-from terarec.train.checkpoint import list_checkpoints, restore_trainer
+from terarec.train.checkpoint import list_checkpoints, rank_arrays, restore_trainer
 
 pytestmark = pytest.mark.dist
 

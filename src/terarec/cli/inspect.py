@@ -15,7 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 from terarec.embedding.disk import read_snapshot_rows
-from terarec.train.checkpoint import load_checkpoint, read_model_meta
+from terarec.train.checkpoint import LoadedCheckpoint, load_checkpoint, sum_store_summaries
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,26 +39,25 @@ def show_histogram(show: np.ndarray) -> dict[str, int]:
     return {k: v for k, v in counts.items() if v}
 
 
-def _show_counts(ckpt) -> np.ndarray:
-    """The show column of every stored row, read without loading (or decoding) the rows
-    themselves where the format allows it."""
-    if not ckpt.tiered:
-        with safe_open(str(ckpt.path / "sparse.safetensors"), "np") as fh:
-            return fh.get_tensor("show")
-    _, config = read_model_meta(ckpt.path.parents[1])
-    from terarec.embedding.optimizers import SparseOptimizer
-    from terarec.models import row_dim_for
-
-    row_dim = row_dim_for(config.model.name, config.model)
-    state_dim = SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
-    parts = [cols["show"] for _, cols in read_snapshot_rows(ckpt.sparse_dir, row_dim,
-                                                             state_dim, values=False)]
+def _show_counts(ckpt: LoadedCheckpoint) -> np.ndarray:
+    """The show column of every stored row, shard by shard, read without loading (or
+    decoding) the rows themselves where the format allows it."""
+    parts = []
+    for shard in ckpt.shards:
+        if not ckpt.tiered:
+            with safe_open(str(ckpt.path / shard), "np") as fh:
+                parts.append(fh.get_tensor("show"))
+            continue
+        row_dim, state_dim = ckpt.dims()
+        parts += [cols["show"] for _, cols in read_snapshot_rows(ckpt.path / shard, row_dim,
+                                                                  state_dim, values=False)]
     return np.concatenate(parts) if parts else np.empty(0, np.float32)
 
 
 def summarise(model_dir: Path) -> dict:
     ckpt = load_checkpoint(model_dir)
-    store = dict(ckpt.meta.get("store") or {})
+    # 2-rank checkpoints from before the common layout list only per-rank figures
+    store = dict(ckpt.meta.get("store") or sum_store_summaries(ckpt.meta.get("stores") or [{}]))
     show = _show_counts(ckpt)
     files = {name: (ckpt.path / name).stat().st_size for name in ckpt.meta["sha256"]}
     sparse_bytes = sum(v for k, v in files.items() if k.startswith("sparse"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from terarec.autofeature.features import (
@@ -22,19 +22,12 @@ from terarec.cli.common import (
     schema_from_args,
 )
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
-from terarec.config import parse_bytes
-from terarec.data.readers import ReadStats
-from terarec.distributed.context import launched_by_torchrun
-from terarec.distributed.run import (
-    add_distributed_args,
-    reject_distributed_args,
-    train_main,
-)
+from terarec.distributed.context import DistContext, launched_by_torchrun, topology
+from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
-from terarec.io import atomic_write_text
-from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
-from terarec.train.passes import iter_file_batches
+from terarec.train.checkpoint import list_checkpoints
+from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 
 
@@ -84,87 +77,66 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
                                features_dir=model_features_dir(args.out))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Train; with AutoFeature tables, on copies of the inputs joined with them."""
-    if launched_by_torchrun():  # one rank of `torchrun ... -m terarec train`
-        return train_main(args)
-    reject_distributed_args(args)
-    features = None
-    if args.resume and list_checkpoints(args.out):
-        features = model_features(args.out)
-    elif args.features:
-        features = install_features(args.out, FeatureConfig.load(args.features))
-        print(f"features: {', '.join(features.selected) or 'none selected'}")
-    if features is None:
-        return _run(args, None)
-    raw = schema_for_data(features.base_schema, args)
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--dense-comm", choices=DENSE_COMMS, default="none",
+                   help="dense gradient exchange: none (all-reduce), fp16, or dgc "
+                        "(Deep Gradient Compression)")
+    g.add_argument("--dgc-ratio", type=float, default=0.001,
+                   help="DGC: share of gradient entries sent per step (default 0.001)")
+    g.add_argument("--dgc-momentum", type=float, default=0.5,
+                   help="DGC: momentum of the local momentum correction (default 0.5: "
+                        "the dense optimizer adds its own)")
+    g.add_argument("--dgc-warmup-steps", type=int, default=100,
+                   help="DGC: steps over which sparsity rises from 75%% to its target")
+
+
+def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
+    return DenseCommConfig(mode=args.dense_comm, dgc_ratio=args.dgc_ratio,
+                           dgc_momentum=args.dgc_momentum,
+                           dgc_warmup_steps=args.dgc_warmup_steps)
+
+
+def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = None) -> int:
+    """Train, alone or as one torchrun rank (the same code); with AutoFeature tables, on
+    copies of the inputs joined with them. ``on_commit``: called on every rank after
+    each committed checkpoint."""
+    if not launched_by_torchrun() and args.dense_comm != "none":
+        # A single process has no dense gradients to exchange: say so, don't ignore it.
+        raise ValueError(f"--dense-comm {args.dense_comm} needs several ranks: launch with "
+                         "torchrun --nproc_per_node N -m terarec train ...")
+    config = config_from_args(args)
+    ctx = topology(config.device)
+    features = _features(args, ctx)
+    raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
             feature_inputs(features, args.valid, schema=raw) as valid:
-        return _run(argparse.Namespace(**{**vars(args), "train": train, "valid": valid}),
-                    features)
-
-
-def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
-    config = config_from_args(args)
-    if config.store.memory_budget is not None:
-        parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
-        if config.store.disk_path is None:
-            config.store.disk_path = str(args.out / "store")
-    if args.resume and list_checkpoints(args.out):
-        trainer = restore_trainer(args.out, config)
-        print(f"resuming {args.out} after pass {trainer.pass_id}")
-        schema = trainer.schema
-    else:
-        schema = features.schema if features else schema_from_args(args)
-        trainer = Trainer(schema, config)
-    stats = ReadStats()
-    valid = list(iter_file_batches(args.valid, schema, config.batch_size,
-                                   on_bad_row=config.on_bad_row, stats=stats))
-
-    exporter = make_exporter(args, trainer)
-
-    def on_pass_end(t: Trainer, record: dict) -> None:
-        if t.pass_id % max(1, args.checkpoint_every) == 0:
-            save_checkpoint(args.out, t)
-        if exporter is not None:
-            exporter.on_pass_end(t, record)
-
-    start = time.perf_counter()
-    history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
-                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
-    seconds = time.perf_counter() - start
-    save_checkpoint(args.out, trainer)
-    if exporter is not None:
-        exporter.finish(trainer)
-    trained = history
-    rows = sum(h["rows"] for h in trained)
-    busy = sum(h["staging_s"] + h["train_s"] + h["write_back_s"] for h in trained)
-    if valid:
-        metrics = trainer.evaluate(valid)
-        metrics["evaluated_on"] = "valid"
-    else:
-        metrics = trainer.evaluate(iter_file_batches(args.train, schema, config.batch_size,
-                                                     on_bad_row=config.on_bad_row))
-        metrics["evaluated_on"] = "train"
-    metrics.pop("samples_per_s")  # here: training throughput, set below
-    metrics.update(
-        eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
-        samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
-        skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name)
-    metrics.update(_store_size(trainer))
-    atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
-    atomic_write_text(args.out / "history.json", json.dumps(trainer.history, indent=2))
-    report_skipped(stats)
-    print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows", "samples_per_s")}))
-    print(f"model written to {args.out}")
+        metrics, stats = train_model(
+            TrainRun(train=train, valid=valid, out=args.out, resume=args.resume,
+                     checkpoint_every=args.checkpoint_every, progress=not args.no_progress),
+            config, lambda: features.schema if features else schema_from_args(args), ctx,
+            dense_comm=dense_comm_from_args(args),
+            exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit)
+    if ctx.is_main:
+        report_skipped(stats)
+        shown = ("auc", "logloss", "rows", "samples_per_s") + (
+            ("world_size",) if ctx.world > 1 else ())
+        print(json.dumps({k: metrics[k] for k in shown}))
+        print(f"model written to {args.out}")
+    ctx.close()
     return 0
 
 
-def _store_size(trainer: Trainer) -> dict:
-    """Stored value bytes (codes + row scale/bias, no optimizer state) and pruned keys."""
-    st = trainer.store.stats()
-    # Stores that report no encoded size keep fp32 values.
-    value_bytes = getattr(trainer.store, "value_bytes", st.keys * 4 * trainer.store.row_dim)
-    return {"store_value_bytes": value_bytes,
-            "store_bytes_per_key": value_bytes / max(st.keys, 1),
-            "store_precision": trainer.config.store.precision, "pruned_keys": st.pruned}
+def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
+    """The run's AutoFeature tables: the model's own when resuming, else ``--features``
+    copied into the model directory (by rank 0, before any rank reads them)."""
+    if args.resume and list_checkpoints(args.out):
+        return model_features(args.out)
+    if not args.features:
+        return None
+    features = None
+    if ctx.is_main:
+        features = install_features(args.out, FeatureConfig.load(args.features))
+        print(f"features: {', '.join(features.selected) or 'none selected'}")
+    ctx.barrier()
+    return features if features is not None else model_features(args.out)
