@@ -4,6 +4,20 @@ training holding only what changed since the previous version.
 Order of writes, for local folders and object stores alike: sparse shards, deleted keys,
 dense weights, then ``manifest.json`` (with every file's sha256), then ``LATEST``. A
 reader that finds a manifest finds every file it lists, whole.
+
+Under torchrun (a ``DistContext`` of N ranks) a version is written by every rank
+together, in the same format: readers need shards of disjoint, increasing key ranges,
+while a rank owns keys by hash, so the version's key range is cut into shard ranges
+(from a sample of every rank's keys) and each shard is written by one rank from the rows
+every rank holds in its range::
+
+    shard j (keys in [split_j, split_j+1)):  every rank's rows in it ──gather──> rank j % N
+                                             which merges them by key and writes the file
+    then                                     the shard entries ──gather──> rank 0, which
+                                             writes deleted keys, dense weights, manifest
+
+so at most one shard's rows are in flight at a time, and rank 0 writes the manifest
+only once every rank's files are complete.
 """
 
 from __future__ import annotations
@@ -11,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +35,7 @@ import torch
 from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
+from terarec.distributed.context import DistContext
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     DELETED_FILE,
@@ -83,41 +98,59 @@ class ModelExporter:
 
     def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
                    dense: dict[str, torch.Tensor], keys: np.ndarray, values: np.ndarray,
-                   pass_id: int, features_dir: str | Path | None = None) -> ExportedVersion:
+                   pass_id: int, features_dir: str | Path | None = None,
+                   ctx: DistContext | None = None) -> ExportedVersion:
         """A self-contained version: every row of the store and the dense weights, and the
-        model's AutoFeature tables (``features_dir``) when it was trained with them."""
-        version = self._next_version()
-        name = version_name(version)
-        header = {"name": name, "version": version, "kind": "full", "base": name,
-                  "deltas": [], "parent": None, "schema": schema.to_dict(),
-                  "model": to_dict(model_config)}
+        model's AutoFeature tables (``features_dir``) when it was trained with them.
+        Collective with a ``ctx`` of N ranks, each passing the rows it owns."""
+        header: dict | None = None
+        if ctx is None or ctx.is_main:
+            version = self._next_version()
+            name = version_name(version)
+            header = {"name": name, "version": version, "kind": "full", "base": name,
+                      "deltas": [], "parent": None, "schema": schema.to_dict(),
+                      "model": to_dict(model_config)}
+            if features_dir is not None:
+                header["features"] = FEATURES_DIR
         extra = {}
-        if features_dir is not None:
-            header["features"] = FEATURES_DIR
+        if features_dir is not None and (ctx is None or ctx.is_main):
             extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
                      for p in sorted(Path(features_dir).iterdir()) if p.is_file()}
-        return self._write(header, dense, keys, values, None, pass_id, extra)
+        return self._write(header, dense, keys, values, None, pass_id, extra, ctx)
 
     def write_delta(self, *, dense: dict[str, torch.Tensor], keys: np.ndarray,
-                    values: np.ndarray, deleted: np.ndarray, pass_id: int) -> ExportedVersion:
-        """Rows upserted and keys deleted since the latest version, plus the dense weights."""
-        parent = self.latest()
-        if parent is None:
-            raise ExportError(f"{self.storage.uri}: no version to build a delta on; "
-                              "write a full version first")
-        version = self._next_version()
-        name = version_name(version)
-        header = {"name": name, "version": version, "kind": "delta", "base": parent.base,
-                  "deltas": [*parent.deltas, name], "parent": parent.name,
-                  "schema": parent.data["schema"], "model": parent.data["model"]}
-        if "features" in parent.data:  # the base version holds the tables
-            header["features"] = parent.data["features"]
-        return self._write(header, dense, keys, values, deleted, pass_id)
+                    values: np.ndarray, deleted: np.ndarray, pass_id: int,
+                    ctx: DistContext | None = None) -> ExportedVersion:
+        """Rows upserted and keys deleted since the latest version, plus the dense weights.
+        Collective with a ``ctx`` of N ranks, each passing its own keys."""
+        header: dict | ExportError | None = None
+        if ctx is None or ctx.is_main:
+            parent = self.latest()
+            if parent is None:
+                header = ExportError(f"{self.storage.uri}: no version to build a delta on; "
+                                     "write a full version first")
+            else:
+                version = self._next_version()
+                name = version_name(version)
+                header = {"name": name, "version": version, "kind": "delta",
+                          "base": parent.base, "deltas": [*parent.deltas, name],
+                          "parent": parent.name, "schema": parent.data["schema"],
+                          "model": parent.data["model"]}
+                if "features" in parent.data:  # the base version holds the tables
+                    header["features"] = parent.data["features"]
+        return self._write(header, dense, keys, values, deleted, pass_id, None, ctx)
 
-    def _write(self, header: dict, dense: dict[str, torch.Tensor], keys: np.ndarray,
-               values: np.ndarray, deleted: np.ndarray | None, pass_id: int,
-               extra: dict[str, bytes] | None = None) -> ExportedVersion:
+    def _write(self, header: dict | ExportError | None, dense: dict[str, torch.Tensor],
+               keys: np.ndarray, values: np.ndarray, deleted: np.ndarray | None,
+               pass_id: int, extra: dict[str, bytes] | None = None,
+               ctx: DistContext | None = None) -> ExportedVersion:
+        """Write the version ``header`` describes (made on rank 0, or alone)."""
         t0 = time.perf_counter()
+        ctx = ctx or DistContext.single(torch.device("cpu"))
+        header = ctx.broadcast_object(header)
+        if isinstance(header, ExportError):
+            raise header
+        assert header is not None
         name = header["name"]
         keys = np.ascontiguousarray(keys, np.int64)
         values = np.ascontiguousarray(values, np.float32)
@@ -131,21 +164,42 @@ class ModelExporter:
             self.storage.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
 
-        shards = []
-        for i, lo in enumerate(range(0, len(keys), self.shard_rows)):
-            hi = min(lo + self.shard_rows, len(keys))
+        mine = []
+        for i, shard_keys, shard_values in self._shard_rows(keys, values, ctx):
             if self.codec is None:
-                put(shard_name(i), rows_bytes(keys[lo:hi], values[lo:hi]))
+                put(shard_name(i), rows_bytes(shard_keys, shard_values))
             else:
-                put(shard_name(i), shard_bytes(compress_rows(keys[lo:hi], values[lo:hi],
+                put(shard_name(i), shard_bytes(compress_rows(shard_keys, shard_values,
                                                              self.codec)))
-            shards.append({"file": shard_name(i), "rows": hi - lo,
-                           "first_key": int(keys[lo]), "last_key": int(keys[hi - 1])})
-        sparse: dict[str, Any] = {"shards": shards, "rows": int(len(keys)), "deleted": 0}
+            mine.append((i, {"file": shard_name(i), "rows": len(shard_keys),
+                             "first_key": int(shard_keys[0]),
+                             "last_key": int(shard_keys[-1])}))
+        # past here, every rank's shard files are complete
+        every_rank = ctx.gather_object((mine, files, len(keys), deleted))
+        result = None
+        if ctx.is_main:
+            assert every_rank is not None
+            shards = [entry for _, entry in sorted(e for part in every_rank for e in part[0])]
+            files = {k: v for part in every_rank for k, v in part[1].items()}
+            rows = sum(part[2] for part in every_rank)
+            parts = [part[3] for part in every_rank if part[3] is not None]
+            all_deleted = (np.concatenate([np.asarray(d, np.int64) for d in parts])
+                           if parts else None)
+            result = self._commit(header, files, shards, rows, all_deleted, dense, extra,
+                                  pass_id, int(values.shape[1]), put, t0)
+        return ctx.broadcast_object(result)
+
+    def _commit(self, header: dict, files: dict[str, dict], shards: list[dict], rows: int,
+                deleted: np.ndarray | None, dense: dict[str, torch.Tensor],
+                extra: dict[str, bytes] | None, pass_id: int, row_dim: int,
+                put: Callable[[str, bytes], None], t0: float) -> ExportedVersion:
+        """Deleted keys, dense weights, extra files, then the manifest and ``LATEST``."""
+        name = header["name"]
+        sparse: dict[str, Any] = {"shards": shards, "rows": int(rows), "deleted": 0}
         if self.codec is not None:
             sparse["codec"] = self.codec.name
         if deleted is not None:
-            deleted = np.unique(np.asarray(deleted, np.int64))
+            deleted = np.unique(deleted)
             put(DELETED_FILE, rows_bytes(deleted))
             sparse.update(deleted=int(len(deleted)), deleted_file=DELETED_FILE)
         state = {k: v.detach().cpu().contiguous() for k, v in dense.items()}
@@ -154,19 +208,63 @@ class ModelExporter:
             put(rel, data)
         manifest = Manifest({
             "format": FORMAT, "format_version": FORMAT_VERSION, **header,
-            "pass_id": int(pass_id), "created": time.time(), "row_dim": int(values.shape[1]),
+            "pass_id": int(pass_id), "created": time.time(), "row_dim": row_dim,
             "dense": DENSE_FILE, "sparse": sparse, "files": files,
         })
         raw = manifest.to_bytes()
         self.storage.write_bytes(f"{name}/{MANIFEST}", raw)
         self.storage.write_bytes(LATEST, name.encode())
         written = sum(f["bytes"] for f in files.values()) + len(raw)
-        result = ExportedVersion(name=name, kind=header["kind"], rows=int(len(keys)),
+        result = ExportedVersion(name=name, kind=header["kind"], rows=int(rows),
                                  deleted=sparse["deleted"], bytes=written,
                                  seconds=time.perf_counter() - t0)
         log.info("exported %s version %s: %d rows, %d deleted, %d bytes", result.kind, name,
                  result.rows, result.deleted, result.bytes)
         return result
+
+    def _shard_rows(self, keys: np.ndarray, values: np.ndarray, ctx: DistContext
+                    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(shard index, sorted keys, values) of the shards this rank writes. Alone: runs
+        of ``shard_rows`` rows. On N ranks: collective, one shard per key range, its rows
+        gathered from every rank by the rank that writes it."""
+        if ctx.world == 1:
+            for i, lo in enumerate(range(0, len(keys), self.shard_rows)):
+                hi = min(lo + self.shard_rows, len(keys))
+                yield i, keys[lo:hi], values[lo:hi]
+            return
+        splits = _range_splits(ctx, keys, self.shard_rows)
+        bounds = np.searchsorted(keys, splits)
+        starts = np.concatenate([[0], bounds])
+        ends = np.concatenate([bounds, [len(keys)]])
+        for i, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
+            writer = i % ctx.world
+            parts = ctx.gather_object((keys[lo:hi], values[lo:hi]), dst=writer)
+            if parts is None:
+                continue
+            shard_keys = np.concatenate([k for k, _ in parts])
+            if not len(shard_keys):
+                continue
+            order = np.argsort(shard_keys, kind="stable")
+            yield i, shard_keys[order], np.concatenate([v for _, v in parts])[order]
+
+
+def _range_splits(ctx: DistContext, keys: np.ndarray, shard_rows: int) -> np.ndarray:
+    """Collective: the keys that cut the union of every rank's sorted ``keys`` into key
+    ranges of about ``shard_rows`` rows each (the same on every rank), from weighted
+    samples of every rank's keys."""
+    n = len(keys)
+    samples = min(n, 64 * (n // max(shard_rows, 1) + 1))
+    picks = keys[(np.arange(samples) * n) // max(samples, 1)] if samples else keys[:0]
+    parts = ctx.all_gather_object((picks, n / max(samples, 1)))
+    total = sum(len(p) * w for p, w in parts)
+    count = max(1, -(-round(total) // max(shard_rows, 1)))
+    sample = np.concatenate([p for p, _ in parts])
+    weight = np.concatenate([np.full(len(p), w) for p, w in parts])
+    order = np.argsort(sample, kind="stable")
+    sample, cum = sample[order], np.cumsum(weight[order])
+    targets = total * np.arange(1, count) / count
+    splits = np.unique(sample[np.minimum(np.searchsorted(cum, targets), len(sample) - 1)])
+    return splits[splits > sample[0]] if len(sample) else splits
 
 
 def _as_json(value: Any) -> Any:
@@ -233,13 +331,17 @@ class IncrementalExporter:
             raise TypeError(f"{type(trainer.store).__name__} cannot be exported incrementally: "
                             f"it lacks {missing}")
         trainer.store.track_evictions()
+        self.ctx: DistContext = trainer.ctx  # on N ranks every export is collective
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
         self._clock = clock
         self._last_time = clock()
-        latest = self.exporter.latest()
-        if (latest is not None and latest.pass_id == trainer.pass_id
-                and latest.data["schema"] == _as_json(trainer.schema.to_dict())
-                and latest.data["model"] == _as_json(to_dict(trainer.config.model))):
+        resumes = False
+        if self.ctx.is_main:  # rank 0 reads the target; every rank follows its reading
+            latest = self.exporter.latest()
+            resumes = (latest is not None and latest.pass_id == trainer.pass_id
+                       and latest.data["schema"] == _as_json(trainer.schema.to_dict())
+                       and latest.data["model"] == _as_json(to_dict(trainer.config.model)))
+        if self.ctx.broadcast_object(resumes):
             self._last_pass = trainer.pass_id
 
     def due(self, trainer) -> bool:
@@ -254,7 +356,8 @@ class IncrementalExporter:
         return self.every_minutes is not None and minutes >= self.every_minutes
 
     def on_pass_end(self, trainer, record: dict | None = None) -> ExportedVersion | None:
-        return self.export(trainer) if self.due(trainer) else None
+        # Rank 0's clock decides, so that every rank joins the same exports.
+        return self.export(trainer) if self.ctx.broadcast_object(self.due(trainer)) else None
 
     def finish(self, trainer) -> ExportedVersion | None:
         """Export whatever the last passes changed, if anything was trained since."""
@@ -263,6 +366,7 @@ class IncrementalExporter:
         return self.export(trainer)
 
     def export(self, trainer, full: bool = False) -> ExportedVersion:
+        """Write a version now (collective on N ranks: each passes the rows it owns)."""
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:
@@ -271,14 +375,15 @@ class IncrementalExporter:
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
                 keys=arrays["keys"], values=arrays["values"], pass_id=trainer.pass_id,
-                features_dir=self.features_dir)
+                features_dir=self.features_dir, ctx=self.ctx)
         else:
             keys, values = store.changed_since(self._last_pass)
             evicted = store.take_evicted()
             # A key evicted and admitted again since the last export is an upsert.
             deleted = np.setdiff1d(evicted, keys, assume_unique=True)
             result = self.exporter.write_delta(dense=dense, keys=keys, values=values,
-                                               deleted=deleted, pass_id=trainer.pass_id)
+                                               deleted=deleted, pass_id=trainer.pass_id,
+                                               ctx=self.ctx)
         self._last_pass = trainer.pass_id
         self._last_time = self._clock()
         self.exported.append(result)
