@@ -118,6 +118,8 @@ def _relayout(model: Path, rename: dict[str, str], drop: tuple[str, ...]) -> Non
     meta = json.loads((path / "meta.json").read_text())
     for old, new in rename.items():
         shutil.move(path / old, path / new)
+        meta["sparse_shards"] = [new if s == old.split("/")[0] else s
+                                 for s in meta["sparse_shards"]]
     digests = {}
     for name in meta["sha256"]:
         for old, new in rename.items():
@@ -132,7 +134,8 @@ def _relayout(model: Path, rename: dict[str, str], drop: tuple[str, ...]) -> Non
 
 def test_single_process_layouts_from_before_still_load(tmp_path):
     want = _trained(tmp_path / "memory")
-    _relayout(tmp_path / "memory", {"sparse-00000-of-00001.safetensors": "sparse.safetensors"},
+    _relayout(tmp_path / "memory", {"sparse-00000-of-00001/rows.safetensors":
+                                    "sparse.safetensors"},
               ("sparse_shards", "world_size"))
     _assert_same_rows(restore_trainer(tmp_path / "memory").store.to_arrays(), want)
 
@@ -151,6 +154,10 @@ def test_single_process_layouts_from_before_still_load(tmp_path):
 def test_two_rank_layout_from_before_still_loads(tmp_path):
     want = _trained(tmp_path / "one")
     run_ranks(_reshard, 2, str(tmp_path / "one"), str(tmp_path / "two"), None)
-    # 2-rank checkpoints used to carry no format and no summed store figures
-    _relayout(tmp_path / "two", {}, ("sparse_format", "store"))
+    # 2-rank checkpoints used to hold one file per rank, no format, no summed figures
+    _relayout(tmp_path / "two", {f"sparse-0000{r}-of-00002/rows.safetensors":
+                                 f"sparse-0000{r}-of-00002.safetensors" for r in range(2)},
+              ("sparse_format", "store"))
+    ckpt = load_checkpoint(tmp_path / "two")
+    assert ckpt.shards == [f"sparse-0000{r}-of-00002.safetensors" for r in range(2)]
     _assert_same_rows(restore_trainer(tmp_path / "two").store.to_arrays(), want)

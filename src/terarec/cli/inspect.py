@@ -44,8 +44,9 @@ def _show_counts(ckpt: LoadedCheckpoint) -> np.ndarray:
     decoding) the rows themselves where the format allows it."""
     parts = []
     for shard in ckpt.shards:
-        if not ckpt.tiered:
-            with safe_open(str(ckpt.path / shard), "np") as fh:
+        rows = ckpt.rows_file(shard)
+        if rows is not None:
+            with safe_open(str(rows), "np") as fh:
                 parts.append(fh.get_tensor("show"))
             continue
         row_dim, state_dim = ckpt.dims()

@@ -10,9 +10,10 @@ process or by all the ranks of a torchrun job together.
         pass-000003/              one committed pass (older ones pruned)
           dense.safetensors       model weights                  (rank 0; equal on all)
           dense_optimizer.pt      dense optimizer state          (rank 0)
-          sparse-00000-of-00002.safetensors   the keys rank 0 owns: keys (sorted) +
-                                  values + optimizer state + counters (memory store)
-          sparse-00001-of-00002/  a tiered store's shard instead (docs/tiered-store.md):
+          sparse-00000-of-00002/  the keys rank 0 owns, as its store saved them:
+            rows.safetensors        keys (sorted) + values + optimizer state + counters
+                                    (memory store), or for a tiered store
+                                    (docs/tiered-store.md):
             slab-NNNNNN.bin         disk-tier slabs, hard-linked from the previous
                                     checkpoint where unchanged since it
             index.safetensors       key -> slot
@@ -22,8 +23,9 @@ process or by all the ranks of a torchrun job together.
                                   each file: written last, by rank 0
       LATEST                      name of the newest committed checkpoint
 
-One process writes one shard (``sparse-00000-of-00001``). Checkpoints from before
-this layout (``sparse.safetensors`` or ``sparse/`` alone) still load.
+One process writes one shard (``sparse-00000-of-00001/``). Checkpoints from before
+this layout still load: ``sparse.safetensors`` or a tiered ``sparse/`` (one process),
+``sparse-0000R-of-0000N.safetensors`` files (N ranks).
 
 Commit: rank 0 makes a hidden staging folder; every rank writes and fsyncs its files
 into it; the checksums are gathered to rank 0 (nobody gets past that point before every
@@ -98,10 +100,12 @@ def read_model_meta(model_dir: Path) -> tuple[FeatureSchema, TrainConfig]:
     return schema, config
 
 
-def shard_name(rank: int, world: int, tiered: bool = False) -> str:
-    """Rank ``rank``'s sparse shard: a safetensors file, or a tiered store's folder."""
-    base = f"sparse-{rank:05d}-of-{world:05d}"
-    return base if tiered else base + ".safetensors"
+def shard_name(rank: int, world: int) -> str:
+    """Rank ``rank``'s sparse shard: the folder its store is saved into."""
+    return f"sparse-{rank:05d}-of-{world:05d}"
+
+
+ROWS_FILE = "rows.safetensors"  # a memory store's rows inside its shard folder
 
 
 def comm_file(rank: int, world: int) -> str:
@@ -160,19 +164,19 @@ def _write_rank_files(staging: Path, trainer) -> tuple[dict[str, str], str,
     ctx: DistContext = trainer.ctx
     store = trainer.store
     files: dict[str, str] = {}
-    tiered = hasattr(store, "save_snapshot")
-    shard = shard_name(ctx.rank, ctx.world, tiered)
+    shard = shard_name(ctx.rank, ctx.world)
     shard_digests = None
-    if tiered:
+    if hasattr(store, "save_snapshot"):
         # The tiered store writes its own files: the table is never materialised in RAM.
         shard_digests = store.save_snapshot(staging / shard)
         for fname, digest in shard_digests.items():
             _fsync_file(staging / shard / fname)
             files[f"{shard}/{fname}"] = digest
-        fsync_dir(staging / shard)
     else:
-        save_numpy(store.to_arrays(), str(staging / shard))
-        _durable(staging / shard, files)
+        (staging / shard).mkdir()
+        save_numpy(store.to_arrays(), str(staging / shard / ROWS_FILE))
+        _durable(staging / shard / ROWS_FILE, files, f"{shard}/{ROWS_FILE}")
+    fsync_dir(staging / shard)
     comm_state = trainer.dense_comm.state_dict() if trainer.dense_comm is not None else {}
     if comm_state:
         torch.save(comm_state, staging / comm_file(ctx.rank, ctx.world))
@@ -195,7 +199,7 @@ def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict |
         "pass_id": trainer.pass_id,
         "world_size": world,
         "sparse_format": "tiered" if tiered else "arrays",
-        "sparse_shards": [shard_name(r, world, tiered) for r in range(world)],
+        "sparse_shards": [shard_name(r, world) for r in range(world)],
         "history": trainer.history,
         "rng": {"torch": torch.get_rng_state().tolist()},
         "sha256": {k: v for part, _ in every_rank for k, v in part.items()},
@@ -311,11 +315,20 @@ class LoadedCheckpoint:
         return {k[len(prefix):]: v for k, v in self.meta["sha256"].items()
                 if k.startswith(prefix)}
 
+    def rows_file(self, shard: str) -> Path | None:
+        """A memory store's rows file of ``shard`` (the shard itself in older layouts);
+        None for a tiered store's slab folder."""
+        path = self.path / shard
+        if path.is_file():
+            return path
+        return path / ROWS_FILE if (path / ROWS_FILE).is_file() else None
+
     def shard_arrays(self, shard: str) -> dict[str, np.ndarray]:
         """One shard as sorted-key arrays (``MemoryStore.to_arrays`` form); a tiered
         shard's rows are decoded into RAM, so this is one rank's share at most."""
-        if not self.tiered:
-            return load_numpy(str(self.path / shard))
+        rows = self.rows_file(shard)
+        if rows is not None:
+            return load_numpy(str(rows))
         from terarec.embedding.tiered import snapshot_arrays
 
         row_dim, state_dim = self.dims()
