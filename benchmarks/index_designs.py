@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from terarec.embedding.index import KeyIndex
+from terarec.kernels import splitmix64_array
 
 
 def zipf_batches(n_batches: int, batch_keys: int, seed: int = 0) -> list[np.ndarray]:
@@ -30,10 +31,7 @@ def zipf_batches(n_batches: int, batch_keys: int, seed: int = 0) -> list[np.ndar
     for _ in range(n_batches):
         ids = rng.zipf(1.15, batch_keys).astype(np.uint64)
         field = rng.integers(0, 26, batch_keys).astype(np.uint64)
-        z = ids + (field << np.uint64(40))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        out.append((z ^ (z >> np.uint64(31))).view(np.int64))
+        out.append(splitmix64_array(ids + (field << np.uint64(40))).view(np.int64))
     return out
 
 

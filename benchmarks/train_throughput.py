@@ -29,6 +29,7 @@ import _baselines as baselines  # noqa: E402
 from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig  # noqa: E402
 from terarec.data.synth import generate_arrays  # noqa: E402
 from terarec.embedding.working_set import plan_pass  # noqa: E402
+from terarec.kernels import splitmix64_array  # noqa: E402
 from terarec.train.passes import prefetch  # noqa: E402
 from terarec.train.trainer import Trainer  # noqa: E402
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds  # noqa: E402
@@ -40,9 +41,7 @@ def synthetic_inputs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
     dense = np.log1p(np.nan_to_num(arrays.dense, nan=0.0).clip(min=0)).astype(np.float32)
     field = np.arange(arrays.categorical.shape[1], dtype=np.uint64)
     z = arrays.categorical.astype(np.uint64) + (field << np.uint64(40))
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    keys = (z ^ (z >> np.uint64(31))).view(np.int64)
+    keys = splitmix64_array(z).view(np.int64)
     return (torch.from_numpy(dense), torch.from_numpy(np.ascontiguousarray(keys)),
             torch.from_numpy(arrays.labels.astype(np.float32)))
 

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -68,5 +70,41 @@ def test_schema_json_roundtrip(tmp_path):
 def test_schema_rejects_unknown_keys():
     d = FeatureSchema(label="y", fields=(FieldSpec("c", "categorical"),)).to_dict()
     d["typo"] = 1
-    with pytest.raises(ValueError, match="unknown feature schema keys"):
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['typo'\]"):
         FeatureSchema.from_dict(d)
+
+
+def _schema_dict() -> dict:
+    return FeatureSchema(label="y", fields=(FieldSpec("n", "numeric"),
+                                            FieldSpec("c", "categorical"))).to_dict()
+
+
+SCHEMA_ERRORS = [
+    (lambda d: d["fields"][1].update(kind="categorcal"),
+     "fields[1].kind: 'categorcal' is not one of numeric, categorical"),
+    (lambda d: d["fields"][0].update(transform="log"),
+     "fields[0].transform: 'log' is not one of none, log1p"),
+    (lambda d: d["fields"][1].update(pooling="max"),
+     "fields[1].pooling: 'max' is not one of sum, mean"),
+    (lambda d: d["fields"][1].pop("kind"), "fields[1]: missing field(s) ['kind']"),
+    (lambda d: d["fields"][0].update(sep="|"), "fields[0]: unknown field(s) ['sep']"),
+    (lambda d: d.update(missing_flags="yes"), "missing_flags must be a boolean, got string"),
+    (lambda d: d.update(fields={"n": "numeric"}), "fields must be an array, got object"),
+    (lambda d: d.update(label=None), "label must be a string, got null"),
+    (lambda d: d["fields"][1].update(name="n"), "fields[1].name: 'n' repeats fields[0]"),
+    (lambda d: d["fields"][1].update(name="y"), "label: 'y' is also an input field"),
+    (lambda d: d.update(schema_version=2), "schema_version: 2 is not 1"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), SCHEMA_ERRORS,
+                         ids=[m.split(":")[0] for _, m in SCHEMA_ERRORS])
+def test_schema_errors_name_the_path(tmp_path, edit, message):
+    d = _schema_dict()
+    edit(d)
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError) as info:
+        FeatureSchema.load(path)
+    assert str(info.value).startswith(f"{path}: ")
+    assert message in str(info.value)

@@ -1,95 +1,74 @@
-"""Typed configuration. Unknown keys are errors, so a typo never silently does nothing."""
+"""Typed configuration: validated when read (``from_dict`` / ``load_train_config``), so a
+typo, a wrong type or a value out of range is an error naming its JSON path, never a knob
+that silently does nothing.
+
+Fields that are also ``terarec train`` flags say so with ``knob(...)``: the flags are
+generated from these fields (terarec.cli.common), so adding a knob is adding a field.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AfterValidator, Field
+
+from terarec.validation import STRICT, validate, validate_json
 
 SparseOptimizerName = Literal["adagrad", "adam", "ftrl", "sgd"]
+Precision = Literal["fp32", "fp16", "int8", "int4"]
 T = TypeVar("T")
 
+Positive = Annotated[int, Field(gt=0)]
+NonNegative = Annotated[int, Field(ge=0)]
+Rate = Annotated[float, Field(gt=0)]  # finite too: STRICT refuses NaN and infinity
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, lt=1)]
 
-@dataclass
-class ModelConfig:
-    """Network shape. ``embedding_dim`` is the width of one key's deep embedding."""
-
-    name: str = "deepfm"
-    embedding_dim: int = 16
-    bottom_mlp: tuple[int, ...] = (64, 16)
-    top_mlp: tuple[int, ...] = (512, 256)
-    deep_mlp: tuple[int, ...] = (256, 128)
-    cross_layers: int = 3
-    cross_rank: int = 0  # DCN-v2: 0 = full-rank cross weights, r > 0 = low-rank U V^T
-    dropout: float = 0.0
-    # Two-tower (DSSM) split: ``item_fields`` empty means every categorical field that is
-    # not a user field. Both towers use ``deep_mlp``; its last width is the vector size.
-    user_fields: tuple[str, ...] = ()
-    item_fields: tuple[str, ...] = ()
-    tower_similarity: Literal["cosine", "dot"] = "cosine"
-    cosine_scale: float = 10.0
+TRAINING = "training"
+COMPRESSION = "embedding compression"
+INPUT_FORMAT = "input format"
 
 
-@dataclass
-class SparseOptimizerConfig:
-    """Per-key optimizer, applied to a pass's working set inside the backward pass."""
+@dataclass(frozen=True)
+class Flag:
+    """How a config field appears on the command line (see ``knob``)."""
 
-    name: SparseOptimizerName = "adagrad"
-    lr: float = 0.05
-    eps: float = 1e-8
-    initial_accumulator: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    ftrl_alpha: float = 0.05
-    ftrl_beta: float = 1.0
-    ftrl_l1: float = 0.0
-    ftrl_l2: float = 0.0
-    weight_decay: float = 0.0
-    # Group lasso: after each update a row shrinks by ``step * group_lasso`` in L2 norm
-    # (to exactly zero when shorter); zero rows are pruned from the store at pass end.
-    group_lasso: float = 0.0
-
-
-@dataclass
-class DenseOptimizerConfig:
-    name: Literal["adam", "adagrad", "sgd"] = "adam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-
-
-@dataclass
-class StoreConfig:
-    """Embedding store policies: admission by count, eviction by age, row initialisation.
-
-    ``memory_budget`` (bytes, or a size such as "512MB" / "2GB", powers of 1024) or
-    ``disk_path`` selects the tiered store: hot rows in RAM under the budget, every row
-    in slab files under ``disk_path`` (a temporary folder when unset). ``cache_policy``
-    picks which rows stay in RAM: "lfu" (highest show count) or "lru" (latest use).
-    """
-
-    admit_min_count: int = 1
-    evict_after_passes: int | None = None
-    init_std: float = 0.01
-    memory_budget: int | str | None = None
-    disk_path: str | None = None
-    cache_policy: Literal["lfu", "lru"] = "lfu"
-    # Compression (docs/compression.md). ``precision`` is how row values are kept (the
-    # optimizer state stays fp32); ``variable_dims`` are the widths of the rarer frequency
-    # classes below the full row, ``promote_at`` the show counts that move a key up a class,
-    # ``class_precisions`` optionally one precision per class (rarest first, full row last).
-    precision: Literal["fp32", "fp16", "int8", "int4"] = "fp32"
-    stochastic_rounding: bool = False
-    variable_dims: tuple[int, ...] = ()
-    promote_at: tuple[float, ...] = ()
-    class_precisions: tuple[str, ...] = ()
+    name: str  # e.g. "--batch-size"
+    help: str = ""
+    dest: str | None = None  # argparse attribute, when not derived from ``name``
+    group: str = TRAINING
+    metavar: str | None = None
 
     @property
-    def tiered(self) -> bool:
-        return self.memory_budget is not None or self.disk_path is not None
+    def attr(self) -> str:
+        return self.dest or self.name.lstrip("-").replace("-", "_")
+
+
+def knob(default: Any, flag: str, help: str = "", *, dest: str | None = None,
+         group: str = TRAINING, metavar: str | None = None) -> Any:
+    """A config field with default ``default`` that is also the flag ``flag``."""
+    return field(default=default,
+                 metadata={"flag": Flag(flag, help, dest, group, metavar)})
+
+
+def flag_fields(cls: type | None = None, prefix: tuple[str, ...] = ()
+                ) -> Iterator[tuple[tuple[str, ...], Flag, Any, Any]]:
+    """(path, flag, type, default) of every field of ``cls`` (TrainConfig and the configs
+    nested in it) that is a flag, in declaration order."""
+    cls = cls or TrainConfig
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in dataclasses.fields(cls):
+        path = (*prefix, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from flag_fields(hints[f.name], path)
+        elif isinstance(flag := f.metadata.get("flag"), Flag):
+            yield path, flag, hints[f.name], f.default
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
@@ -114,41 +93,141 @@ def parse_bytes(size: int | str) -> int:
     return out
 
 
+def _check_size(size: int | str | None) -> int | str | None:
+    if size is not None:
+        parse_bytes(size)
+    return size
+
+
+MemorySize = Annotated[int | str, AfterValidator(_check_size)]
+
+
+@dataclass
+class ModelConfig:
+    """Network shape. ``embedding_dim`` is the width of one key's deep embedding."""
+
+    __pydantic_config__ = STRICT
+
+    name: str = knob("deepfm", "--model", "lr, fm, widedeep, deepfm, dcnv2, dlrm, dssm",
+                     dest="model_name")
+    embedding_dim: Positive = knob(16, "--embedding-dim")
+    bottom_mlp: tuple[Positive, ...] = (64, 16)
+    top_mlp: tuple[Positive, ...] = (512, 256)
+    deep_mlp: tuple[Positive, ...] = (256, 128)
+    cross_layers: NonNegative = 3
+    cross_rank: NonNegative = 0  # DCN-v2: 0 = full-rank cross weights, r > 0 = low-rank U V^T
+    dropout: Fraction = 0.0
+    # Two-tower (DSSM) split: ``item_fields`` empty means every categorical field that is
+    # not a user field. Both towers use ``deep_mlp``; its last width is the vector size.
+    user_fields: tuple[str, ...] = ()
+    item_fields: tuple[str, ...] = ()
+    tower_similarity: Literal["cosine", "dot"] = "cosine"
+    cosine_scale: Rate = 10.0
+
+
+@dataclass
+class SparseOptimizerConfig:
+    """Per-key optimizer, applied to a pass's working set inside the backward pass."""
+
+    __pydantic_config__ = STRICT
+
+    name: SparseOptimizerName = knob("adagrad", "--sparse-optimizer")
+    lr: Rate = knob(0.05, "--sparse-lr")
+    eps: Rate = 1e-8
+    initial_accumulator: NonNegativeFloat = 0.0
+    beta1: Fraction = 0.9
+    beta2: Fraction = 0.999
+    ftrl_alpha: Rate = 0.05
+    ftrl_beta: NonNegativeFloat = 1.0
+    ftrl_l1: NonNegativeFloat = 0.0
+    ftrl_l2: NonNegativeFloat = 0.0
+    weight_decay: NonNegativeFloat = 0.0
+    # Group lasso: after each update a row shrinks by ``step * group_lasso`` in L2 norm
+    # (to exactly zero when shorter); zero rows are pruned from the store at pass end.
+    group_lasso: NonNegativeFloat = knob(
+        0.0, "--group-lasso", "group-lasso strength on embedding rows; zero rows are pruned",
+        group=COMPRESSION, metavar="LAMBDA")
+
+
+@dataclass
+class DenseOptimizerConfig:
+    __pydantic_config__ = STRICT
+
+    name: Literal["adam", "adagrad", "sgd"] = "adam"
+    lr: Rate = knob(1e-3, "--dense-lr")
+    weight_decay: NonNegativeFloat = 0.0
+
+
+@dataclass
+class StoreConfig:
+    """Embedding store policies: admission by count, eviction by age, row initialisation.
+
+    ``memory_budget`` (bytes, or a size such as "512MB" / "2GB", powers of 1024) or
+    ``disk_path`` selects the tiered store: hot rows in RAM under the budget, every row
+    in slab files under ``disk_path`` (a temporary folder when unset). ``cache_policy``
+    picks which rows stay in RAM: "lfu" (highest show count) or "lru" (latest use).
+    """
+
+    __pydantic_config__ = STRICT
+
+    admit_min_count: NonNegative = knob(1, "--admit-min-count",
+                                        "a key gets a row once seen this often")
+    evict_after_passes: Positive | None = knob(None, "--evict-after-passes",
+                                               "drop keys unseen for N passes")
+    init_std: NonNegativeFloat = 0.01
+    memory_budget: MemorySize | None = knob(
+        None, "--memory-budget", "RAM for the embedding store, e.g. 512MB or 2GB: rows "
+        "beyond it live on disk (tiered store)")
+    disk_path: str | None = knob(None, "--store-dir", "folder for the tiered store's disk "
+                                 "tier (default: OUT/store for train)")
+    cache_policy: Literal["lfu", "lru"] = knob(
+        "lfu", "--cache-policy", "which rows the tiered store keeps in RAM")
+    # Compression (docs/compression.md). ``precision`` is how row values are kept (the
+    # optimizer state stays fp32); ``variable_dims`` are the widths of the rarer frequency
+    # classes below the full row, ``promote_at`` the show counts that move a key up a class,
+    # ``class_precisions`` optionally one precision per class (rarest first, full row last).
+    precision: Precision = knob(
+        "fp32", "--precision", "how the store keeps row values (optimizer state stays fp32)",
+        group=COMPRESSION)
+    stochastic_rounding: bool = knob(
+        False, "--stochastic-rounding", "round values stochastically when rows are written "
+        "back", group=COMPRESSION)
+    variable_dims: tuple[Positive, ...] = knob(
+        (), "--variable-dims", "widths of the rarer frequency classes, e.g. 1,4 (full row "
+        "above)", group=COMPRESSION)
+    promote_at: tuple[NonNegativeFloat, ...] = knob(
+        (), "--promote-at", "show counts that move a key to the next class, e.g. 10,100",
+        group=COMPRESSION)
+    class_precisions: tuple[Precision, ...] = ()
+
+    @property
+    def tiered(self) -> bool:
+        return self.memory_budget is not None or self.disk_path is not None
+
+
 @dataclass
 class TrainConfig:
-    batch_size: int = 4096
-    pass_rows: int = 200_000
-    epochs: int = 1
-    seed: int = 0
-    threads: int | None = None
-    device: str = "auto"
-    on_bad_row: Literal["error", "skip"] = "error"
+    __pydantic_config__ = STRICT
+
+    batch_size: Positive = knob(4096, "--batch-size")
+    pass_rows: Positive = knob(200_000, "--pass-rows", "rows per pass (store write-back unit)")
+    epochs: Positive = knob(1, "--epochs")
+    seed: Annotated[int, Field(ge=0, lt=1 << 32)] = knob(0, "--seed")
+    threads: Positive | None = knob(None, "--threads")
+    device: str = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
+    on_bad_row: Literal["error", "skip"] = knob(
+        "error", "--on-bad-row", "stop at the first bad row or skip and count bad rows",
+        group=INPUT_FORMAT)
     model: ModelConfig = field(default_factory=ModelConfig)
     sparse_optimizer: SparseOptimizerConfig = field(default_factory=SparseOptimizerConfig)
     dense_optimizer: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
 
 
-def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``, recursing into nested config dataclasses and
-    rejecting keys the dataclass does not declare."""
-    if not isinstance(data, dict):
-        raise TypeError(f"config{where or ''}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"config{where}: unknown keys {unknown}; known: {sorted(names)}")
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-            kwargs[key] = from_dict(hint, value, f"{where}.{key}")
-        elif typing.get_origin(hint) is tuple and isinstance(value, list):
-            kwargs[key] = tuple(value)
-        else:
-            kwargs[key] = value
-    return cls(**kwargs)
+def from_dict(cls: type[T], data: Any, where: str = "") -> T:
+    """``data`` (parsed JSON) validated as config dataclass ``cls``; ``InvalidInput``
+    (a ValueError) names every bad field's path otherwise."""
+    return validate(cls, data, where, root="config")
 
 
 def to_dict(config: Any) -> dict[str, Any]:
@@ -156,5 +235,5 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
-    with open(path) as fh:
-        return from_dict(TrainConfig, json.load(fh))
+    """The TrainConfig in JSON file ``path``; errors start with the file name."""
+    return validate_json(TrainConfig, Path(path).read_bytes(), str(path), root="config")

@@ -7,13 +7,15 @@ always a ``KeyedIds``. Keys are int64 from the hash to the store: never floats.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
+
+from terarec.validation import STRICT, InvalidInput, validate
 
 FieldKind = Literal["numeric", "categorical"]
 Pooling = Literal["sum", "mean"]
@@ -205,6 +207,8 @@ class FieldSpec:
     """One input column. ``separator`` makes a categorical cell multi-valued (CSV);
     Parquet list columns are multi-valued without one."""
 
+    __pydantic_config__ = STRICT
+
     name: str
     kind: FieldKind
     transform: NumericTransform = "none"
@@ -220,6 +224,8 @@ class FeatureSchema:
     """How raw columns become a Batch; saved as JSON beside every model so that serving
     parses and hashes exactly as training did."""
 
+    __pydantic_config__ = STRICT
+
     label: str
     fields: tuple[FieldSpec, ...]
     hash_salt: str = "terarec-v1"
@@ -228,7 +234,7 @@ class FeatureSchema:
     delimiter: str = ","
     has_header: bool = True
     column_names: tuple[str, ...] = ()
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def numeric(self) -> tuple[FieldSpec, ...]:
@@ -261,7 +267,7 @@ class FeatureSchema:
         return replace(self, fields=self.fields + tuple(extra_fields))
 
     # -- persistence --------------------------------------------------------------------
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["fields"] = [asdict(f) for f in self.fields]
         d["column_names"] = list(self.column_names)
@@ -269,24 +275,25 @@ class FeatureSchema:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> FeatureSchema:
-        d = dict(d)
-        version = d.pop("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise ValueError(f"feature schema version {version} is not {SCHEMA_VERSION}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown feature schema keys: {sorted(unknown)}")
-        spec_keys = {f.name for f in fields(FieldSpec)}
-        specs = []
-        for i, raw in enumerate(d.pop("fields")):
-            bad = set(raw) - spec_keys
-            if bad:
-                raise ValueError(f"feature schema field #{i}: unknown keys {sorted(bad)}")
-            specs.append(FieldSpec(**raw))
-        d["column_names"] = tuple(d.get("column_names", ()))
-        return cls(fields=tuple(specs), **d)
+    def from_dict(cls, d: Any, where: str = "") -> FeatureSchema:
+        """A schema from its JSON form, validated: a bad key, type or value (say
+        ``"kind": "categorcal"``) is an ``InvalidInput`` naming its path."""
+        prefix = f"{where}: " if where else ""
+        if isinstance(d, dict) and "schema_version" in d:
+            d = dict(d)
+            version = d.pop("schema_version")
+            if version != SCHEMA_VERSION:
+                raise InvalidInput(f"{prefix}schema_version: {version!r} is not "
+                                   f"{SCHEMA_VERSION}")
+        schema = validate(cls, d, where, root="feature schema")
+        names = [f.name for f in schema.fields]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise InvalidInput(f"{prefix}fields[{i}].name: {name!r} repeats "
+                                   f"fields[{names.index(name)}]")
+        if schema.label in names:
+            raise InvalidInput(f"{prefix}label: {schema.label!r} is also an input field")
+        return schema
 
     def save(self, path: str | Path) -> None:
         from terarec.io import atomic_write_text
@@ -295,8 +302,12 @@ class FeatureSchema:
 
     @classmethod
     def load(cls, path: str | Path) -> FeatureSchema:
-        with open(path) as fh:
-            return cls.from_dict(json.load(fh))
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, str(path))
 
 
 def as_int64_tensor(array: np.ndarray) -> torch.Tensor:

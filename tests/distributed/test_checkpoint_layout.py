@@ -81,9 +81,9 @@ def _assert_same_rows(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -
 def test_one_process_to_two_ranks_and_back(tmp_path, tiered):
     stores = tmp_path / "stores" if tiered else None
     want = _trained(tmp_path / "one", stores / "one" if stores else None)
-    meta = load_checkpoint(tmp_path / "one").meta
-    assert meta["world_size"] == 1 and len(meta["sparse_shards"]) == 1
-    assert meta["sparse_format"] == ("tiered" if tiered else "arrays")
+    one = load_checkpoint(tmp_path / "one")
+    assert one.world_size == 1 and one.shards == ["sparse"]
+    assert one.meta["sparse_format"] == ("tiered" if tiered else "arrays")
 
     ranks = run_ranks(_reshard, 2, str(tmp_path / "one"), str(tmp_path / "two"),
                       str(stores / "two") if stores else None)
@@ -118,8 +118,12 @@ def _relayout(model: Path, rename: dict[str, str], drop: tuple[str, ...]) -> Non
     meta = json.loads((path / "meta.json").read_text())
     for old, new in rename.items():
         shutil.move(path / old, path / new)
-        meta["sparse_shards"] = [new if s == old.split("/")[0] else s
-                                 for s in meta["sparse_shards"]]
+        folder = (path / old).parent
+        if folder != path and not any(folder.iterdir()):
+            folder.rmdir()
+        if "sparse_shards" in meta:
+            meta["sparse_shards"] = [new if s == old.split("/")[0] else s
+                                     for s in meta["sparse_shards"]]
     digests = {}
     for name in meta["sha256"]:
         for old, new in rename.items():
@@ -134,20 +138,20 @@ def _relayout(model: Path, rename: dict[str, str], drop: tuple[str, ...]) -> Non
 
 def test_single_process_layouts_from_before_still_load(tmp_path):
     want = _trained(tmp_path / "memory")
-    _relayout(tmp_path / "memory", {"sparse-00000-of-00001/rows.safetensors":
-                                    "sparse.safetensors"},
-              ("sparse_shards", "world_size"))
+    # before stores saved themselves: the rows file beside the dense files
+    _relayout(tmp_path / "memory", {"sparse/rows.safetensors": "sparse.safetensors"},
+              ("world_size",))
+    ckpt = load_checkpoint(tmp_path / "memory")
+    assert ckpt.shards == ["sparse.safetensors"]
     _assert_same_rows(restore_trainer(tmp_path / "memory").store.to_arrays(), want)
 
     want = _trained(tmp_path / "tiered", tmp_path / "store")
-    _relayout(tmp_path / "tiered", {"sparse-00000-of-00001": "sparse"},
-              ("sparse_shards", "world_size"))
+    _relayout(tmp_path / "tiered", {}, ("world_size",))
     ckpt = load_checkpoint(tmp_path / "tiered")
-    assert ckpt.shards == ["sparse"] and ckpt.sparse_dir == ckpt.path / "sparse"
+    assert ckpt.shards == ["sparse"] and ckpt.tiered
     _assert_same_rows(ckpt.sparse, want)
-    config = _config(tmp_path / "store-2")
-    restored = restore_trainer(tmp_path / "tiered", config)  # adopts the old slab folder
-    assert type(restored.store).__name__ == "TieredStore"
+    restored = restore_trainer(tmp_path / "tiered", _config(tmp_path / "store-2"))
+    assert type(restored.store).__name__ == "TieredStore"  # adopted the slab folder
     _assert_same_rows(restored.store.to_arrays(), want)
 
 

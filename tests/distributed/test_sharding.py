@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from terarec.data.readers import iter_batches
+from terarec.data.readers import ReadStats, iter_batches
 from terarec.distributed.lookup import plan_rank_pass
 from terarec.distributed.sharding import (
     deal_batches,
@@ -138,3 +138,18 @@ def test_rank_plan_remaps_every_step_to_its_owner_grouped_table(csv_file, world)
     all_keys = np.concatenate([b.sparse.values.numpy() for b in batches])
     shows = {k: c for k, c in zip(*np.unique(all_keys, return_counts=True), strict=True)}
     assert [shows[k] for k in plan.keys] == plan.counts[:, 0].tolist()
+
+
+def test_rank_passes_count_every_pass_of_skipped_rows(tmp_path):
+    lines = ["label,x,a,b"] + [f"{i % 2},0.5,a{i % 9},b{i % 4}" for i in range(400)]
+    for i in (5, 130, 390):  # passes 0, 1 and 3 (100 rows each at batch 50 on 2 ranks)
+        lines[i + 1] = "1,bad,a1,b1"
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(lines) + "\n")
+    stats = [ReadStats() for _ in range(2)]
+    passes = [list(iter_rank_passes([path], _schema(), 50, 100, r, 2, on_bad_row="skip",
+                                    stats=stats[r])) for r in range(2)]
+    assert [[len(g) for g in p] for p in passes] == [[2] * 4, [2] * 4]
+    assert sum(s.skipped for s in stats) == 3
+    assert sum(s.rows for s in stats) == 397
+    assert sum(len(b) for p in passes for g in p for b in g) == 397

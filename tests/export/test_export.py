@@ -198,6 +198,34 @@ def test_unsorted_keys_are_rejected(tmp_path):
             keys=np.array([3, 1], np.int64), values=np.zeros((2, 4), np.float32), pass_id=0)
 
 
+def test_non_finite_rows_are_refused(tmp_path):
+    values = np.zeros((3, 4), np.float32)
+    values[1, 2] = np.nan
+    with pytest.raises(ValueError, match="1 rows hold non-finite values .first key 5"):
+        ModelExporter(tmp_path / "x").write_full(
+            schema=SCHEMA, model_config=ModelConfig(), dense={},
+            keys=np.array([1, 5, 9], np.int64), values=values, pass_id=0)
+    assert latest_version(Storage(tmp_path / "x")) is None
+
+
+def test_full_export_of_a_spilling_tiered_store_streams_its_rows(data, tmp_path):
+    config = TrainConfig(batch_size=200, pass_rows=600, seed=1, threads=1,
+                         model=ModelConfig(name="fm", embedding_dim=4),
+                         store=StoreConfig(memory_budget="600KB",
+                                           disk_path=str(tmp_path / "store")))
+    trainer = Trainer(SCHEMA, config)
+    trainer.fit([data], progress=False)
+    assert trainer.store.tier_stats().spilled > 0
+    uri = tmp_path / "export"
+    result = IncrementalExporter(uri, trainer, shard_rows=128).export(trainer, full=True)
+    assert result.kind == "full" and result.rows == len(trainer.store)
+    assert len(read_manifest(Storage(uri), result.name).shards) == -(-result.rows // 128)
+    replayed, live = _replay(uri, result.name), _store_rows(trainer)
+    assert replayed.keys() == live.keys()
+    for key, row in live.items():
+        np.testing.assert_array_equal(replayed[key], row)
+
+
 def test_cli_export_writes_the_checkpoint_as_a_full_version(data, tmp_path, capsys):
     trainer = _trainer(evict_after_passes=None)
     trainer.fit([data], progress=False)
@@ -229,3 +257,37 @@ def test_cli_train_exports_a_full_version_and_deltas(data, tmp_path):
     assert kinds == ["full", "delta", "delta"]
     assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "m2"),
                      "--delta-every", "2"]) == 2
+
+
+MANIFEST_ERRORS = [
+    (lambda m: m.update(kind="partial"), "kind: 'partial' is not one of full, delta"),
+    (lambda m: m.update(row_dim="4"), "row_dim must be an integer, got string '4'"),
+    (lambda m: m.update(row_dim=0), "row_dim: 0 must be >= 1"),
+    (lambda m: m.pop("files"), "missing field(s) ['files']"),
+    (lambda m: m.update(owner="me"), "unknown field(s) ['owner']"),
+    (lambda m: m["sparse"]["shards"][0].update(rows=-1), "sparse.shards[0].rows: -1 must be"),
+    (lambda m: m["sparse"]["shards"][0].pop("last_key"),
+     "sparse.shards[0]: missing field(s) ['last_key']"),
+    (lambda m: m["files"]["dense.safetensors"].update(sha256="xyz"),
+     "files['dense.safetensors'].sha256: 'xyz' does not match"),
+    (lambda m: m.update(deltas="v000002"), "deltas must be an array, got string"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), MANIFEST_ERRORS,
+                         ids=[m.split(":")[0].split(" ")[0] for _, m in MANIFEST_ERRORS])
+def test_bad_manifests_are_refused_naming_the_path(tmp_path, edit, message):
+    trainer = _trainer()
+    keys = np.arange(5, dtype=np.int64)
+    exporter = ModelExporter(tmp_path / "export")
+    exporter.write_full(schema=SCHEMA, model_config=trainer.config.model,
+                        dense={"w": torch.zeros(2)}, keys=keys,
+                        values=np.zeros((5, 4), np.float32), pass_id=1)
+    path = tmp_path / "export" / "v000001" / MANIFEST
+    body = json.loads(path.read_text())
+    read_manifest(Storage(tmp_path / "export"), "v000001")  # the written one is fine
+    edit(body)
+    path.write_text(json.dumps(body))
+    with pytest.raises(ExportError) as info:
+        read_manifest(Storage(tmp_path / "export"), "v000001")
+    assert f"{MANIFEST}: " in str(info.value) and message in str(info.value)

@@ -40,7 +40,10 @@ PREDICT_CASES = [
     ("malformed JSON", b'{"candidates": [', 400, "malformed JSON"),
     ("empty body", b"", 400, "empty request body"),
     ("nested too deeply", b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
-    ("not an object", [1, 2], 422, "got array"),
+    ("not an object", [1, 2], 422, "request must be an object, got array"),
+    ("two problems at once", {"candidates": "x", "user": 1}, 422,
+     "candidates must be an array of feature objects, one per item to score, got string "
+     "'x'; unknown field(s) ['user']; known: candidates, context"),
     ("missing candidates", {"context": {}}, 422, "missing field 'candidates'"),
     ("extra top-level field", {"candidates": [{}], "user": 1}, 422, "['user']"),
     ("candidates not a list", {"candidates": {"C1": "a"}}, 422, "must be an array"),
@@ -99,6 +102,12 @@ INFER_CASES = [
     ("wrong value type", _kserve(name="I2", datatype="FP32", data=["x", "y"]), 422,
      "field 'I2'"),
     ("unknown output", {**_kserve(), "outputs": [{"name": "logit"}]}, 422, "'score'"),
+    ("shape of strings", _kserve(shape=["2"]), 422,
+     "inputs[0].shape[0] must be an integer, got string '2'"),
+    ("boolean shape", _kserve(shape=[True]), 422, "inputs[0].shape[0] must be an integer"),
+    ("name not a string", _kserve(name=3), 422, "inputs[0].name must be a string, got integer"),
+    ("id not a string", {**_kserve(), "id": 5}, 422, "id must be a string, got integer 5"),
+    ("tensor not an object", {"inputs": ["C1"]}, 422, "inputs[0] must be an object, got string"),
     ("too many rows", _kserve(MAX_CANDIDATES + 1), 413, f"limit of {MAX_CANDIDATES}"),
 ]
 

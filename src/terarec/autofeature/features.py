@@ -89,8 +89,11 @@ class FeatureConfig:
         if list(tables.names) != list(body["selected"]):
             raise AutoFeatureError(f"{path}: selected {body['selected']} do not match the "
                                    f"tables in {tables.directory} ({list(tables.names)})")
-        return cls(FeatureSchema.from_dict(body["base_schema"]), tables,
-                   body.get("selection", {}))
+        try:
+            base = FeatureSchema.from_dict(body["base_schema"], f"{path}: base_schema")
+        except ValueError as exc:
+            raise AutoFeatureError(str(exc)) from None
+        return cls(base, tables, body.get("selection", {}))
 
     def augment(self, paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike, *,
                 schema: FeatureSchema | None = None,

@@ -30,18 +30,11 @@ from terarec.autofeature.source import CATEGORICAL_KEY_TYPE
 from terarec.autofeature.tables import VALUE_COLUMN, FeatureTable, FeatureTables
 from terarec.data.hashing import hash_column
 from terarec.embedding.index import KeyIndex
+from terarec.kernels import GOLDEN_GAMMA, splitmix64_array
 
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_COMBINE = np.uint64(0x9E3779B97F4A7C15)
+_COMBINE = np.uint64(GOLDEN_GAMMA)
 _NULL_TAG = np.uint64(0x6E756C6C6E756C6C)  # "nullnull": a missing key is no "" key
 _SALT = "terarec-autofeature"
-
-
-def _splitmix(x: np.ndarray) -> np.ndarray:
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
 
 
 def _as_key(column: pa.Array | pa.ChunkedArray, key_type: str, name: str) -> pa.Array:
@@ -78,7 +71,7 @@ def _hash_key(values: pa.Array, name: str) -> np.ndarray:
     else:
         x = values.fill_null(0.0).to_numpy(zero_copy_only=False).astype(np.float64)
         x = np.where(x == 0.0, 0.0, x)  # -0.0 and 0.0 are one key
-        h = _splitmix(x.view(np.uint64) ^ _COMBINE)
+        h = splitmix64_array(x.view(np.uint64) ^ _COMBINE)
     if values.null_count:
         h = np.where(values.is_null().to_numpy(zero_copy_only=False), _NULL_TAG, h)
     return h
@@ -89,7 +82,7 @@ def _combine(hashes: Sequence[np.ndarray]) -> np.ndarray:
     negative keys)."""
     h = np.zeros(len(hashes[0]), np.uint64)
     for part in hashes:
-        h = _splitmix(h * _COMBINE + part)
+        h = splitmix64_array(h * _COMBINE + part)
     return (h >> np.uint64(1)).view(np.int64)
 
 

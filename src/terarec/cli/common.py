@@ -5,12 +5,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator
+import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from terarec.config import TrainConfig, from_dict, load_train_config, to_dict
+from terarec.config import (
+    COMPRESSION,
+    INPUT_FORMAT,
+    TRAINING,
+    TrainConfig,
+    flag_fields,
+    from_dict,
+    load_train_config,
+    to_dict,
+)
 from terarec.data.readers import ReadStats, csv_schema
 from terarec.types import FeatureSchema
+from terarec.validation import InvalidInput, strip_type
 
 
 def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -28,8 +40,7 @@ def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> N
                    help="comma-separated categorical columns that are multi-valued")
     g.add_argument("--log1p", default="",
                    help="comma-separated numeric columns to log1p-transform")
-    g.add_argument("--on-bad-row", choices=["error", "skip"], default="error",
-                   help="stop at the first bad row (default) or skip and count bad rows")
+    add_config_flags(g, INPUT_FORMAT)  # --on-bad-row
 
 
 def _split(text: str | None) -> list[str]:
@@ -69,49 +80,38 @@ def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> Fe
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
-    g.add_argument("--config", type=Path, help="TrainConfig JSON; flags below override it")
-    g.add_argument("--model", dest="model_name", help="lr, fm, widedeep, deepfm, dcnv2, dlrm, dssm")
-    g.add_argument("--embedding-dim", type=int)
-    g.add_argument("--epochs", type=int)
-    g.add_argument("--batch-size", type=int)
-    g.add_argument("--pass-rows", type=int, help="rows per pass (store write-back unit)")
-    g.add_argument("--sparse-optimizer", choices=["adagrad", "adam", "ftrl", "sgd"])
-    g.add_argument("--sparse-lr", type=float)
-    g.add_argument("--dense-lr", type=float)
-    g.add_argument("--admit-min-count", type=int, help="a key gets a row once seen this often")
-    g.add_argument("--evict-after-passes", type=int, help="drop keys unseen for N passes")
-    g.add_argument("--memory-budget",
-                   help="RAM for the embedding store, e.g. 512MB or 2GB: rows beyond it live "
-                   "on disk (tiered store)")
-    g.add_argument("--store-dir", help="folder for the tiered store's disk tier "
-                   "(default: OUT/store for train)")
-    g.add_argument("--cache-policy", choices=["lfu", "lru"],
-                   help="which rows the tiered store keeps in RAM (default lfu)")
-    g.add_argument("--seed", type=int)
-    g.add_argument("--threads", type=int)
-    g.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
-    add_compression_args(parser)
+    g.add_argument("--config", type=Path, help="TrainConfig JSON; flags given override it")
+    add_config_flags(g, TRAINING)
+    add_config_flags(parser.add_argument_group(COMPRESSION), COMPRESSION)  # docs/compression.md
 
 
-def add_compression_args(parser: argparse.ArgumentParser) -> None:
-    """Store compression flags (docs/compression.md)."""
-    g = parser.add_argument_group("embedding compression")
-    g.add_argument("--precision", choices=["fp32", "fp16", "int8", "int4"],
-                   help="how the store keeps row values (optimizer state stays fp32)")
-    g.add_argument("--stochastic-rounding", action="store_true", default=None,
-                   help="round values stochastically when rows are written back")
-    g.add_argument("--variable-dims", type=_int_list,
-                   help="widths of the rarer frequency classes, e.g. 1,4 (full row above)")
-    g.add_argument("--promote-at", type=_float_list,
-                   help="show counts that move a key to the next class, e.g. 10,100")
-    g.add_argument("--group-lasso", type=float, metavar="LAMBDA",
-                   help="group-lasso strength on embedding rows; zero rows are pruned")
+def add_config_flags(group: argparse._ArgumentGroup, name: str) -> None:
+    """The flags of the TrainConfig fields in flag group ``name`` (``knob`` in config.py).
+
+    Every flag defaults to None, meaning "not given": only flags the user passed
+    override the ``--config`` file (``config_from_args``)."""
+    for _, flag, tp, default in flag_fields():
+        if flag.group != name:
+            continue
+        kwargs: dict[str, Any] = {"dest": flag.attr, "default": None, "metavar": flag.metavar}
+        base = strip_type(tp)
+        if typing.get_origin(base) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(base))
+        elif base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) is tuple:
+            item = strip_type(typing.get_args(base)[0])
+            kwargs["type"] = _int_list if item is int else _float_list
+        else:
+            kwargs["type"] = base if base in (int, float) else str
+        shown = "" if default in (None, (), False) else f" (default: {default})"
+        group.add_argument(flag.name, help=(flag.help + shown).strip() or None, **kwargs)
 
 
-def _number_list(cast: type, what: str):
+def _number_list(cast: type, what: str) -> Callable[[str], tuple[Any, ...]]:
     """An argparse ``type`` for comma-separated numbers, e.g. ``1,4,16``."""
 
-    def parse(text: str) -> tuple:
+    def parse(text: str) -> tuple[Any, ...]:
         try:
             return tuple(cast(x) for x in text.split(",") if x.strip())
         except ValueError:
@@ -126,34 +126,27 @@ _float_list = _number_list(float, "numbers")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    config = load_train_config(args.config) if args.config else TrainConfig()
+    """The ``--config`` file (or the defaults) with the config flags the user passed
+    applied on top; a bad value is an error naming the flag or the file."""
+    config_file = getattr(args, "config", None)
+    config = load_train_config(config_file) if config_file else TrainConfig()
     data = to_dict(config)
-    overrides = {
-        ("model", "name"): args.model_name, ("model", "embedding_dim"): args.embedding_dim,
-        ("epochs",): args.epochs, ("batch_size",): args.batch_size,
-        ("pass_rows",): args.pass_rows, ("sparse_optimizer", "name"): args.sparse_optimizer,
-        ("sparse_optimizer", "lr"): args.sparse_lr, ("dense_optimizer", "lr"): args.dense_lr,
-        ("store", "admit_min_count"): args.admit_min_count,
-        ("store", "evict_after_passes"): args.evict_after_passes, ("seed",): args.seed,
-        ("threads",): args.threads, ("device",): args.device,
-        ("store", "memory_budget"): getattr(args, "memory_budget", None),
-        ("store", "disk_path"): getattr(args, "store_dir", None),
-        ("store", "cache_policy"): getattr(args, "cache_policy", None),
-        ("on_bad_row",): getattr(args, "on_bad_row", None),
-        ("store", "precision"): getattr(args, "precision", None),
-        ("store", "stochastic_rounding"): getattr(args, "stochastic_rounding", None),
-        ("store", "variable_dims"): getattr(args, "variable_dims", None),
-        ("store", "promote_at"): getattr(args, "promote_at", None),
-        ("sparse_optimizer", "group_lasso"): getattr(args, "group_lasso", None),
-    }
-    for path, value in overrides.items():
+    passed: dict[str, str] = {}
+    for path, flag, _, _ in flag_fields():
+        value = getattr(args, flag.attr, None)
         if value is None:
             continue
         node = data
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
-    return from_dict(TrainConfig, data)
+        passed[".".join(path)] = flag.name
+    try:
+        return from_dict(TrainConfig, data)
+    except InvalidInput as exc:
+        lines = [f"{passed[p.path]}: {p.message}" if p.path in passed else p.message
+                 for p in exc.problems]
+        raise InvalidInput("; ".join(lines), exc.problems) from None
 
 
 def report_skipped(stats: ReadStats, what: str = "rows") -> None:
@@ -185,4 +178,5 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
                       lambda s: schema_for_data(s, args)) as (schema, data):
         stats = ReadStats()
         yield trainer, iter_file_batches(data, schema, trainer.config.batch_size,
-                                         on_bad_row=args.on_bad_row, stats=stats), stats
+                                         on_bad_row=args.on_bad_row or "error",
+                                         stats=stats), stats

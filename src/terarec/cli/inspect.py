@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
-from terarec.embedding.disk import read_snapshot_rows
-from terarec.train.checkpoint import LoadedCheckpoint, load_checkpoint, sum_store_summaries
+from terarec.train.checkpoint import load_checkpoint, sum_store_summaries
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,40 +25,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def show_histogram(show: np.ndarray) -> dict[str, int]:
-    """Keys per show-count bucket: "0", "1", "2-3", "4-7", ... (powers of two)."""
-    show = np.asarray(show, np.float64)
-    counts = {"0": int((show < 1).sum())}
-    positive = show[show >= 1]
-    if len(positive):
-        exps = np.floor(np.log2(positive)).astype(np.int64)
-        for e, n in zip(*np.unique(exps, return_counts=True), strict=True):
-            lo, hi = 1 << int(e), (1 << (int(e) + 1)) - 1
-            counts[str(lo) if lo == hi else f"{lo}-{hi}"] = int(n)
-    return {k: v for k, v in counts.items() if v}
-
-
-def _show_counts(ckpt: LoadedCheckpoint) -> np.ndarray:
-    """The show column of every stored row, shard by shard, read without loading (or
-    decoding) the rows themselves where the format allows it."""
-    parts = []
-    for shard in ckpt.shards:
-        rows = ckpt.rows_file(shard)
-        if rows is not None:
-            with safe_open(str(rows), "np") as fh:
-                parts.append(fh.get_tensor("show"))
+def show_histogram(show: np.ndarray | Iterable[np.ndarray]) -> dict[str, int]:
+    """Keys per show-count bucket: "0", "1", "2-3", "4-7", ... (powers of two), of one
+    array of show counts or summed over several (chunks of a table)."""
+    parts = [show] if isinstance(show, np.ndarray) else show
+    by_exp: dict[int, int] = {}  # -1: never shown
+    for part in parts:
+        part = np.asarray(part, np.float64)
+        by_exp[-1] = by_exp.get(-1, 0) + int((part < 1).sum())
+        positive = part[part >= 1]
+        if len(positive):
+            exps = np.floor(np.log2(positive)).astype(np.int64)
+            for e, n in zip(*np.unique(exps, return_counts=True), strict=True):
+                by_exp[int(e)] = by_exp.get(int(e), 0) + int(n)
+    counts = {}
+    for e in sorted(by_exp):
+        if not by_exp[e]:
             continue
-        row_dim, state_dim = ckpt.dims()
-        parts += [cols["show"] for _, cols in read_snapshot_rows(ckpt.path / shard, row_dim,
-                                                                  state_dim, values=False)]
-    return np.concatenate(parts) if parts else np.empty(0, np.float32)
+        lo, hi = (0, 0) if e < 0 else (1 << e, (1 << (e + 1)) - 1)
+        counts[str(lo) if lo == hi else f"{lo}-{hi}"] = by_exp[e]
+    return counts
 
 
 def summarise(model_dir: Path) -> dict:
     ckpt = load_checkpoint(model_dir)
     # 2-rank checkpoints from before the common layout list only per-rank figures
     store = dict(ckpt.meta.get("store") or sum_store_summaries(ckpt.meta.get("stores") or [{}]))
-    show = _show_counts(ckpt)
+    keys = [0]
+
+    def shows() -> Iterator[np.ndarray]:
+        # The table a chunk at a time (never whole in RAM), counting its keys.
+        for chunk in ckpt.iter_sorted():
+            keys[0] += len(chunk)
+            yield chunk.show
+
+    histogram = show_histogram(shows())
     files = {name: (ckpt.path / name).stat().st_size for name in ckpt.meta["sha256"]}
     sparse_bytes = sum(v for k, v in files.items() if k.startswith("sparse"))
     tiers = store.get("tiers")
@@ -68,7 +68,7 @@ def summarise(model_dir: Path) -> dict:
         "checkpoint": ckpt.path.name,
         "passes": int(ckpt.meta["pass_id"]),
         "store": "tiered" if ckpt.tiered else "memory",
-        "keys": int(len(show)),
+        "keys": keys[0],
         "candidates": store.get("candidates"),
         "admitted": store.get("admitted"),
         "evicted": store.get("evicted"),
@@ -78,8 +78,8 @@ def summarise(model_dir: Path) -> dict:
             "disk_tier_files": tiers["disk_file_bytes"] if tiers else 0,
             "checkpoint_sparse": sparse_bytes,
         },
-        "memory_keys": tiers["memory_keys"] if tiers else int(len(show)),
-        "show_histogram": show_histogram(show),
+        "memory_keys": tiers["memory_keys"] if tiers else keys[0],
+        "show_histogram": histogram,
     }
 
 

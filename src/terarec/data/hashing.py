@@ -27,20 +27,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from terarec.kernels import splitmix64, splitmix64_int
+
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
 _KEY_MASK = np.uint64(0x7FFFFFFFFFFFFFFF)
 _MISSING_TAG = np.uint64(0x6D697373696E6721)  # "missing!" in ASCII
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _splitmix64(x: np.uint64) -> np.uint64:
-    x = (x ^ (x >> _S30)) * _MIX1
-    x = (x ^ (x >> _S27)) * _MIX2
-    return x ^ (x >> _S31)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -58,7 +50,7 @@ def _hash_strings(data: np.ndarray, offsets: np.ndarray, seed: np.uint64,
         h = seed
         for j in range(lo, hi):
             h = (h ^ np.uint64(data[j])) * _FNV_PRIME
-        h = _splitmix64(h ^ np.uint64(hi - lo))
+        h = splitmix64(h ^ np.uint64(hi - lo))
         out[i] = np.int64(h & _KEY_MASK)
     return out
 
@@ -69,23 +61,16 @@ def _fnv1a_py(data: bytes, h: int = int(_FNV_OFFSET)) -> int:
     return h
 
 
-def _splitmix64_py(x: int) -> int:
-    m = 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * int(_MIX1)) & m
-    x = ((x ^ (x >> 27)) * int(_MIX2)) & m
-    return x ^ (x >> 31)
-
-
 @lru_cache(maxsize=4096)
 def field_seed(field: str, salt: str) -> int:
     """The FNV starting state for ``field``: different fields never share a key space."""
-    return _splitmix64_py(_fnv1a_py((salt + "\x1f" + field).encode()))
+    return splitmix64_int(_fnv1a_py((salt + "\x1f" + field).encode()))
 
 
 @lru_cache(maxsize=4096)
 def missing_key(field: str, salt: str) -> int:
     """The key a null or empty value of ``field`` hashes to."""
-    return _splitmix64_py(field_seed(field, salt) ^ int(_MISSING_TAG)) & int(_KEY_MASK)
+    return splitmix64_int(field_seed(field, salt) ^ int(_MISSING_TAG)) & int(_KEY_MASK)
 
 
 def _as_bytes_array(values: pa.Array, field: str) -> pa.Array:

@@ -159,13 +159,7 @@ def iter_tables(path: str | Path, schema: FeatureSchema, batch_size: int, *,
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory, expected a file")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: empty file")
+    path = check_file(path)
     stats = stats if stats is not None else ReadStats()
     if schema.format in ("criteo", "csv"):
         blocks = _text_blocks(path, schema, on_bad_row, stats)
@@ -180,6 +174,18 @@ def iter_tables(path: str | Path, schema: FeatureSchema, batch_size: int, *,
         yield table
     if produced == 0 and stats.skipped == 0:
         raise DataError(f"{path}: no data rows")
+
+
+def check_file(path: str | Path) -> Path:
+    """``path`` as a Path, or a DataError if it is missing, a directory or empty."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a file")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file")
+    return path
 
 
 def batch_from_records(records: Sequence[Mapping[str, Any]], schema: FeatureSchema) -> Batch:
@@ -351,33 +357,54 @@ def _record_list(spec: FieldSpec, value: Any, record: int) -> list[str | None] |
 def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
                  stats: ReadStats) -> Iterator[pa.RecordBatch]:
     """Clean blocks of a Criteo TSV or a delimited file, tracking exact line numbers."""
+    names, header_lines = text_columns(path, schema)
+    yield from parse_text(path, schema, names, path, on_bad_row, stats,
+                          header_in_source=header_lines > 0)
+
+
+def text_columns(path: Path, schema: FeatureSchema) -> tuple[list[str], int]:
+    """The column names of a Criteo TSV or delimited file and how many header lines
+    precede its data (0 or 1); a DataError if a field the schema needs is missing."""
     criteo = schema.format == "criteo"
     needed = [schema.label, *(f.name for f in schema.fields)]
     if schema.has_header and not criteo:
-        header = _read_header(path, schema.delimiter)
-        header_lines = 1
-        names = header
-        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES)
+        names, header_lines = _read_header(path, schema.delimiter), 1
     else:
-        names = list(schema.column_names) or needed
-        header_lines = 0
-        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES,
-                                          column_names=names)
+        names, header_lines = list(schema.column_names) or needed, 0
     missing = [n for n in needed if n not in names]
     if missing:
         where = f"{path}: line 1" if header_lines else f"{path}"
         raise DataError(f"{where}: field(s) {missing} are not among the file's columns "
                         f"{names}")
+    return names, header_lines
+
+
+def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
+               on_bad_row: OnBadRow, stats: ReadStats, *, header_in_source: bool = False,
+               lines_before: int = 0) -> Iterator[pa.RecordBatch]:
+    """Clean blocks of delimited text read from ``source`` (``path`` itself, or a buffer
+    holding whole lines of it), whose columns are ``names``. Messages name lines of
+    ``path``: ``lines_before`` is how many of its lines precede ``source``'s first, and
+    ``header_in_source`` says whether that first line is the header."""
+    criteo = schema.format == "criteo"
+    needed = [schema.label, *(f.name for f in schema.fields)]
+    skip = 1 if header_in_source else 0
+    if header_in_source:
+        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES)
+    else:
+        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES,
+                                          column_names=names)
 
     # Rows with a wrong column count never reach us as data: pyarrow reports them to this
-    # handler (with their line number, since parsing is single-threaded) and drops them.
+    # handler (with their line number in ``source``, since parsing is single-threaded)
+    # and drops them.
     invalid: list[int] = []
     first_invalid: list[str] = []
 
     def on_invalid(row: Any) -> str:
         got, want = row.actual_columns, row.expected_columns
         culprit = names[got] if got < want else names[-1]
-        message = (f"{path}: line {row.number}: field {culprit!r}: "
+        message = (f"{path}: line {lines_before + row.number}: field {culprit!r}: "
                    f"{got} columns, expected {want}"
                    + (" (missing values from here on)" if got < want
                       else " (extra values after the last field)"))
@@ -390,10 +417,10 @@ def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
 
     def line_of(stream_row: int) -> int:
         # The k-th delivered row sits after every dropped line that precedes it.
-        dropped = np.asarray(invalid, dtype=np.int64) - header_lines
+        dropped = np.asarray(invalid, dtype=np.int64) - skip
         t = stream_row + 1
         shift = np.searchsorted(dropped - np.arange(dropped.size), t, side="right")
-        return header_lines + t + int(shift)
+        return lines_before + skip + t + int(shift)
 
     parse_options = pa_csv.ParseOptions(
         delimiter=schema.delimiter, quote_char=False if criteo else '"',
@@ -403,7 +430,7 @@ def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
         strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""])
     cleaner = _Cleaner(schema, lambda i: f"{path}: line {line_of(i)}", on_bad_row, stats)
     try:
-        reader = pa_csv.open_csv(path, read_options=read_options,
+        reader = pa_csv.open_csv(source, read_options=read_options,
                                  parse_options=parse_options,
                                  convert_options=convert_options)
         stream_row = 0
@@ -426,6 +453,17 @@ def _read_header(path: Path, delimiter: str) -> list[str]:
 
 def _parquet_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
                     stats: ReadStats) -> Iterator[pa.RecordBatch]:
+    pf, needed = open_parquet(path, schema)
+    cleaner = parquet_cleaner(path, schema, on_bad_row, stats)
+    stream_row = 0
+    for block in pf.iter_batches(batch_size=65536, columns=needed):
+        yield cleaner.clean(block, stream_row)
+        stream_row += block.num_rows
+
+
+def open_parquet(path: Path, schema: FeatureSchema) -> tuple[Any, list[str]]:
+    """A ``pyarrow.parquet.ParquetFile`` whose columns were checked against the schema,
+    and the columns to read."""
     import pyarrow.parquet as pq
 
     try:
@@ -451,11 +489,14 @@ def _parquet_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
                 or pa.types.is_large_binary(item) or pa.types.is_null(item)):
             raise DataError(f"{path}: field {spec.name!r}: categorical column has type {t}; "
                             "store categorical values as strings or integers")
-    cleaner = _Cleaner(schema, lambda i: f"{path}: row {i + 1}", on_bad_row, stats)
-    stream_row = 0
-    for block in pf.iter_batches(batch_size=65536, columns=needed):
-        yield cleaner.clean(block, stream_row)
-        stream_row += block.num_rows
+    return pf, needed
+
+
+def parquet_cleaner(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
+                    stats: ReadStats) -> _Cleaner:
+    """The cleaner of a Parquet file's blocks; ``clean(block, first_row)`` names rows
+    1-based from the file's first."""
+    return _Cleaner(schema, lambda i: f"{path}: row {i + 1}", on_bad_row, stats)
 
 
 def _rebatch(blocks: Iterator[pa.RecordBatch], batch_size: int) -> Iterator[pa.Table]:

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 
 from terarec.io import atomic_open, atomic_write_text
+from terarec.kernels import GOLDEN_GAMMA, splitmix64_array, splitmix64_int
 
 NUM_DENSE = 13
 NUM_CATEGORICAL = 26
@@ -96,28 +97,19 @@ class SynthArrays:
 
 # -- counter-based hashing: weights as pure functions of (seed, field, id) -----------------
 
-def _splitmix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer on a uint64 array (wrapping arithmetic)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def _stream_key(*parts: int) -> np.uint64:
     """One 64-bit key per tuple of small ints (e.g. seed, field, component)."""
     h = 0x243F6A8885A308D3
     for p in parts:
-        h = int(_splitmix(np.array([h ^ (p & _M64)], dtype=np.uint64))[0])
+        h = splitmix64_int(h ^ (p & _M64))
     return np.uint64(h)
 
 
 def _hash_normal(key: np.uint64, ids: np.ndarray) -> np.ndarray:
     """A standard normal per id, fixed by ``key`` (Box-Muller on two hashed uniforms)."""
-    base = _splitmix(ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ key)
-    u1 = ((_splitmix(base) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
-    u2 = (_splitmix(base ^ np.uint64(0xD1B54A32D192ED03)) >> np.uint64(11)) * 2.0 ** -53
+    base = splitmix64_array(ids.astype(np.uint64) * np.uint64(GOLDEN_GAMMA) ^ key)
+    u1 = ((splitmix64_array(base) >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+    u2 = (splitmix64_array(base ^ np.uint64(0xD1B54A32D192ED03)) >> np.uint64(11)) * 2.0 ** -53
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 

@@ -41,7 +41,8 @@ import torch.distributed as dist
 from terarec.distributed.context import DistContext
 from terarec.distributed.sharding import shard_of
 from terarec.embedding.index import unique_inverse
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.protocol import EmbeddingStore
+from terarec.embedding.store import RowBlock
 from terarec.embedding.working_set import _pooled, occurrence_grads, occurrence_labels
 from terarec.types import Batch, KeyedIds
 
@@ -318,7 +319,7 @@ class ShardedWorkingSet:
     """One pass's rows, split by owner; ``batches`` are this rank's, remapped per step."""
 
     def __init__(self, ctx: DistContext, keys: np.ndarray, weights: torch.Tensor,
-                 state: torch.Tensor | None, store: MemoryStore, train: bool,
+                 state: torch.Tensor | None, store: EmbeddingStore, train: bool,
                  batches: list[Batch], global_sizes: np.ndarray, serve_rows: torch.Tensor,
                  serve_offsets: np.ndarray, serve_splits: np.ndarray,
                  request_splits: np.ndarray, stats: ShardedStats) -> None:
@@ -342,7 +343,7 @@ class ShardedWorkingSet:
 
     # -- pass start ---------------------------------------------------------------------
     @classmethod
-    def stage(cls, ctx: DistContext, store: MemoryStore,
+    def stage(cls, ctx: DistContext, store: EmbeddingStore,
               batches: list[Batch] | RankPassPlan | ShardedPassPlan, pass_id: int,
               train: bool = True) -> ShardedWorkingSet:
         """Collective: every rank calls it with its own batches (one per global step), or
@@ -444,7 +445,7 @@ class ShardedWorkingSet:
         self.optimizer.step(self.weights, self.state, rows, received, self._scratch)
 
     # -- pass end -----------------------------------------------------------------------
-    def write_back(self, store: MemoryStore) -> None:
+    def write_back(self, store: EmbeddingStore) -> None:
         if self.state is None:
             raise RuntimeError("only a training working set is written back")
         store.push(self.keys, RowBlock(self.weights[1:].cpu().numpy(),

@@ -8,9 +8,10 @@ high bits: the store's ``KeyIndex`` picks buckets from the *low* bits of the uns
 splitmix64 of the key; a shard hash built from those bits would leave every rank's index
 with only every ``world``-th bucket in use and long probe chains.
 
-Rows: the input is read in *local* batches of ``batch_size / world`` rows and dealt out
+Rows: the input is cut in *local* batches of ``batch_size / world`` rows and dealt out
 round-robin inside each file, so that the union of one step's local batches is exactly
-the batch a single process would train on, and passes end on the same rows::
+the batch a single process would train on, and passes end on the same rows; each rank
+parses and checks only its own local batches (``terarec.data.split``)::
 
     file rows:        | b0 | b1 | b2 | b3 | b4 |      local batches, batch_size / world rows
     world = 2, step:  |  step 0 |  step 1 | s2 |      one global batch each
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
-from terarec.data.readers import ReadStats, iter_tables, table_to_batch
+from terarec.data.readers import DataError, OnBadRow, ReadStats, table_to_batch
+from terarec.data.split import Step, empty_table, iter_rank_tables
+from terarec.kernels import splitmix64_array
 from terarec.types import Batch, FeatureSchema
 
 _SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
@@ -36,10 +39,7 @@ def shard_of(keys: np.ndarray, world: int) -> np.ndarray:
     """The owning rank (int64) of each int64 key."""
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
-    z = np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SHARD_SALT
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
+    z = splitmix64_array(np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SHARD_SALT)
     return ((z >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
 
 
@@ -50,44 +50,79 @@ def local_batch_size(batch_size: int, world: int) -> int:
     return batch_size // world
 
 
-def _global_steps(paths: Iterable[str | Path], schema: FeatureSchema, local_size: int,
-                  world: int, on_bad_row: str,
-                  stats: ReadStats | None) -> Iterator[list[pa.Table]]:
-    """Groups of up to ``world`` consecutive local batches, as tables not yet hashed;
-    never across a file end, as a single process's batches never are."""
+def _rank_steps(paths: Iterable[str | Path], schema: FeatureSchema, local_size: int,
+                rank: int, world: int, on_bad_row: OnBadRow,
+                stats: ReadStats) -> Iterator[Step]:
+    """This rank's local batch of every global step (None where it has none) and the
+    step's rows; steps never cross a file end, as a single process's batches never do."""
     for path in paths:
-        step: list[pa.Table] = []
-        for table in iter_tables(path, schema, local_size, on_bad_row=on_bad_row,
-                                 stats=stats):
-            step.append(table)
-            if len(step) == world:
-                yield step
-                step = []
-        if step:
-            yield step
+        yield from iter_rank_tables(path, schema, local_size, rank, world,
+                                    on_bad_row=on_bad_row, stats=stats)
 
 
 def iter_rank_passes(paths: Iterable[str | Path], schema: FeatureSchema, batch_size: int,
-                     pass_rows: int, rank: int, world: int, *, on_bad_row: str = "error",
-                     stats: ReadStats | None = None) -> Iterator[list[Batch]]:
+                     pass_rows: int, rank: int, world: int, *, on_bad_row: OnBadRow = "error",
+                     stats: ReadStats | None = None,
+                     group: Any = None) -> Iterator[list[Batch]]:
     """This rank's share of every pass: one local batch per global step (empty where the
     step has fewer local batches than ranks). Every rank yields the same number of passes
     with the same number of steps, so their collectives line up.
 
-    Every rank parses and checks every row (so that all cut the same batches, and a bad
-    row stops all of them), but hashes only its own batches: most of the reading work."""
+    Each rank parses and checks only its own local batches (``terarec.data.split``).
+    ``group``: a process group of this thread's (the read-ahead one's), in which the ranks
+    agree after every pass: the rows read and skipped are summed into every rank's
+    ``stats``, and a bad row found by any rank (``on_bad_row="error"``) is raised as the
+    same DataError on every rank, none left waiting in a collective. Without a group
+    ``stats`` counts this rank's rows and an error is raised by the rank that found it.
+    """
     local_size = local_batch_size(batch_size, world)
-    current: list[Batch] = []
-    rows = 0
-    for step in _global_steps(paths, schema, local_size, world, on_bad_row, stats):
-        mine = step[rank] if rank < len(step) else step[0].slice(0, 0)
-        current.append(table_to_batch(mine, schema))
-        rows += sum(t.num_rows for t in step)
-        if rows >= pass_rows:
+    stats = stats if stats is not None else ReadStats()
+    read = ReadStats(max_examples=stats.max_examples)
+    steps = _rank_steps(paths, schema, local_size, rank, world, on_bad_row, read)
+    done = False
+    while not done:
+        current: list[Batch] = []
+        rows = 0
+        error: DataError | None = None
+        try:
+            while rows < pass_rows:
+                step = next(steps, None)
+                if step is None:
+                    done = True
+                    break
+                table, step_rows = step
+                current.append(table_to_batch(empty_table(schema) if table is None
+                                              else table, schema))
+                rows += step_rows
+        except DataError as exc:
+            error = exc
+        _agree(read, error, stats, group, world)
+        read.rows, read.skipped, read.examples = 0, 0, []  # the reader keeps this object
+        if current:
             yield current
-            current, rows = [], 0
-    if current:
-        yield current
+
+
+def _agree(read: ReadStats, error: DataError | None, stats: ReadStats, group: Any,
+           world: int) -> None:
+    """Add one pass's reading to ``stats`` (every rank's, with a group) and raise the
+    first error any rank met."""
+    if group is None or world == 1:
+        reports = [(str(error) if error else None, read.rows, read.skipped, read.examples)]
+    else:
+        import torch.distributed as dist
+
+        reports = [None] * world
+        dist.all_gather_object(reports, (str(error) if error else None, read.rows,
+                                         read.skipped, read.examples), group=group)
+    for _, rows, skipped, examples in reports:
+        stats.rows += rows
+        stats.skipped += skipped
+        stats.examples.extend(examples[:max(stats.max_examples - len(stats.examples), 0)])
+    if error is not None:
+        raise error
+    failed = next(((r, m) for r, (m, *_) in enumerate(reports) if m), None)
+    if failed is not None:
+        raise DataError(f"{failed[1]} (found by rank {failed[0]}; every rank stops)")
 
 
 def deal_batches(batches: list[Batch], rank: int, world: int) -> list[Batch]:

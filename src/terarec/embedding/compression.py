@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from terarec.embedding.quant import PRECISIONS, Precision, decode_rows, encode_rows, row_bytes
+from terarec.kernels import grown
 
 STORE_PRECISIONS: tuple[Precision, ...] = ("fp32", "fp16", "int8", "int4")
 
@@ -100,11 +101,7 @@ class _Pool:
                               np.arange(self._top, self._top + n - reuse, dtype=np.int64)])
         self._free = self._free[:len(self._free) - reuse]
         self._top += n - reuse
-        if self._top > len(self.codes):
-            grown = np.zeros((max(self._top, 2 * len(self.codes)), self.codes.shape[1]),
-                             np.uint8)
-            grown[:len(self.codes)] = self.codes
-            self.codes = grown
+        self.codes = grown(self.codes, self._top)
         return pos
 
     def free(self, pos: np.ndarray) -> None:
@@ -167,15 +164,10 @@ class CodedRows:
             return
         if self._direct:
             pool = self.pools[0]
-            grown = np.zeros((capacity, pool.codes.shape[1]), np.uint8)
-            grown[:len(pool.codes)] = pool.codes
-            pool.codes = grown
+            pool.codes = grown(pool.codes, capacity, double=False)
             return
-        for name, fill in (("cls", -1), ("pos", -1)):
-            old = getattr(self, name)
-            grown = np.full(capacity, fill, old.dtype)
-            grown[:len(old)] = old
-            setattr(self, name, grown)
+        for name in ("cls", "pos"):
+            setattr(self, name, grown(getattr(self, name), capacity, fill=-1, double=False))
 
     def __getitem__(self, slots) -> np.ndarray:
         slots = self._slots(slots)

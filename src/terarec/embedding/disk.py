@@ -51,6 +51,7 @@ from terarec.embedding.compression import CodedRows, FrequencyClasses
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.quant import decode_rows, encode_rows, row_bytes
 from terarec.io import sha256_file
+from terarec.kernels import grown
 
 SLAB_BYTES = 64 << 20
 INDEX_FILE = "index.safetensors"
@@ -337,10 +338,7 @@ class DiskTier:
     def _ensure_slots(self, bound: int) -> None:
         while len(self._maps) * self.slab_rows < bound:
             self._open_slab(len(self._maps))
-        if bound > len(self.last_seen):
-            grown = np.zeros(max(bound, 2 * len(self.last_seen)), np.int32)
-            grown[:len(self.last_seen)] = self.last_seen
-            self.last_seen = grown
+        self.last_seen = grown(self.last_seen, bound)
 
     def close(self) -> None:
         """Unmap the slabs (the folder stays locked: ``restore`` maps them again)."""
@@ -604,5 +602,34 @@ def read_snapshot_records(src: Path, chunk: int = 1 << 20):
             rows = path.stat().st_size // (4 * width)
             mm = np.memmap(path, np.float32, "r", shape=(rows, width))
             out[sel] = mm[s[sel] & (slab_rows - 1)]
+            del mm
+        yield k, out
+
+
+def iter_snapshot_sorted(src: Path, chunk_rows: int = 1 << 16):
+    """Yield (keys, records) chunks of a disk snapshot in increasing key order.
+
+    RAM: the snapshot's key index (16 B per key, as a live store holds it) and its key
+    order (8 B per key), plus one chunk; each chunk reads its records front to back by
+    slot, and the slab pages it mapped are unmapped again after it.
+    """
+    src = Path(src)
+    arrays = load_numpy(str(src / INDEX_FILE))
+    width, slab_rows, _ = (int(x) for x in arrays["meta"])
+    keys, slots = arrays["keys"], arrays["slots"]
+    order = np.argsort(keys, kind="stable")
+    shift = int(slab_rows).bit_length() - 1
+    for lo in range(0, len(order), max(1, chunk_rows)):
+        sel = order[lo:lo + chunk_rows]
+        k, s = keys[sel], slots[sel]
+        out = np.empty((len(k), width), np.float32)
+        slab_of = s >> shift
+        for slab in np.unique(slab_of):
+            at = np.flatnonzero(slab_of == slab)
+            at = at[np.argsort(s[at], kind="stable")]
+            path = src / f"slab-{int(slab):06d}.bin"
+            mm = np.memmap(path, np.float32, "r", shape=(path.stat().st_size // (4 * width),
+                                                         width))
+            out[at] = mm[s[at] & (slab_rows - 1)]
             del mm
         yield k, out

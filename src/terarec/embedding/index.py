@@ -21,6 +21,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from terarec.kernels import grown, splitmix64
+
 EMPTY, DELETED = -1, -2
 _MAX_LOAD = 0.5
 
@@ -28,10 +30,7 @@ _MAX_LOAD = 0.5
 @numba.njit(inline="always")
 def _mix(key: np.int64) -> np.uint64:
     """splitmix64 finalizer: spreads sequential or clustered keys across buckets."""
-    z = np.uint64(key)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    return splitmix64(np.uint64(key))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -237,10 +236,7 @@ class KeyIndex:
         self._tombstones += n
         freed = out[out >= 0]
         need = self._n_free + len(freed)
-        if need > len(self._free):
-            grown = np.empty(max(need, 2 * len(self._free)), np.int64)
-            grown[:self._n_free] = self._free[:self._n_free]
-            self._free = grown
+        self._free = grown(self._free, need)
         self._free[self._n_free:need] = freed
         self._n_free = need
         return out
@@ -276,3 +272,73 @@ class KeyIndex:
         index._free[:len(free)] = free
         index._n_free = len(free)
         return index
+
+
+# -- key-ordered iteration without sorting every key at once --------------------------------
+
+@numba.njit(nogil=True, cache=True)
+def _count_between(table, lo, hi, last):
+    """Live keys k with lo <= k < hi (lo <= k when ``last``)."""
+    n = 0
+    for b in range(table.shape[0]):
+        if table[b, 1] >= 0:
+            k = table[b, 0]
+            if k >= lo and (last or k < hi):
+                n += 1
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _fill_between(table, lo, hi, last, out):
+    n = 0
+    for b in range(table.shape[0]):
+        if table[b, 1] >= 0:
+            k = table[b, 0]
+            if k >= lo and (last or k < hi):
+                out[n] = k
+                n += 1
+    return n
+
+
+def _keys_between(index: KeyIndex, lo: int, hi: int, last: bool) -> np.ndarray:
+    table = index._table
+    out = np.empty(_count_between(table, lo, hi, last), np.int64)
+    _fill_between(table, lo, hi, last, out)
+    return out
+
+
+def _sample_keys(index: KeyIndex, n: int) -> np.ndarray:
+    """About ``n`` live keys taken at evenly spaced buckets (the table is hash-ordered, so
+    this is a uniform sample of the keys whatever their distribution)."""
+    step = max(1, index.capacity // max(n, 1))
+    sample = index._table[::step]
+    return sample[sample[:, 1] >= 0, 0].copy()
+
+
+def iter_sorted_keys(indexes: list[KeyIndex], range_keys: int = 1 << 22):
+    """Yield the union of the keys of ``indexes`` in increasing order, as sorted unique
+    arrays of about ``range_keys`` keys each.
+
+    Nothing holds every key at once: the key range is cut at quantiles of a sample, and
+    each part is collected by one scan of each table, then sorted. Cost: one table scan
+    per part (a part of 4 M keys is 32 MB), against sorting all keys (8-24 B per key).
+    """
+    total = sum(len(i) for i in indexes)
+    if total == 0:
+        return
+    parts = -(-total // max(1, range_keys))
+    bounds = np.empty(0, np.int64)
+    if parts > 1:
+        sample = np.sort(np.concatenate([_sample_keys(i, 64 * parts) for i in indexes]))
+        if len(sample):
+            cut = (np.arange(1, parts) * len(sample)) // parts
+            bounds = np.unique(sample[cut])
+    lo = np.iinfo(np.int64).min
+    for j in range(len(bounds) + 1):
+        last = j == len(bounds)
+        hi = 0 if last else int(bounds[j])
+        found = [_keys_between(i, lo, hi, last) for i in indexes]
+        keys = np.sort(found[0]) if len(found) == 1 else np.unique(np.concatenate(found))
+        if len(keys):
+            yield keys
+        lo = hi

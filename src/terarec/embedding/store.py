@@ -16,15 +16,31 @@ Row arrays (one entry per slot of the key index)::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
 
 from terarec.config import StoreConfig
 from terarec.embedding.compression import CodedRows, FrequencyClasses, make_row_values
-from terarec.embedding.index import KeyIndex
+from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
+from terarec.io import sha256_file
+from terarec.kernels import GOLDEN_GAMMA, grown, splitmix64
+
+if TYPE_CHECKING:
+    from terarec.embedding.disk import RecordLayout
+
+# The file a store saved in arrays form holds (``MemoryStore.save``).
+ROWS_FILE = "rows.safetensors"
+# Rows per chunk when a store streams itself (checkpoint loads, exports).
+CHUNK_ROWS = 1 << 16
 
 
 @numba.njit(nogil=True, cache=True)
@@ -34,14 +50,11 @@ def _init_rows(keys, dim, std, seed):
     initialise tables, and cheaper than Gaussian (no log or cos per value)."""
     out = np.empty((keys.shape[0], dim), np.float32)
     half_width = std * np.sqrt(3.0)
-    salt = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+    salt = np.uint64(seed) * np.uint64(GOLDEN_GAMMA)
     for i in range(keys.shape[0]):
         base = np.uint64(keys[i]) ^ salt
         for d in range(dim):
-            z = base + np.uint64(d + 1) * np.uint64(0xD1B54A32D192ED03)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
+            z = splitmix64(base + np.uint64(d + 1) * np.uint64(0xD1B54A32D192ED03))
             u = np.float64(z >> np.uint64(11)) * (1.0 / 9007199254740992.0)
             out[i, d] = (2.0 * u - 1.0) * half_width
     return out
@@ -63,6 +76,93 @@ class RowBlock:
 
     def __len__(self) -> int:
         return len(self.values)
+
+
+@dataclass
+class RowChunk:
+    """Consecutive rows of a store in key order (``iter_sorted``): what a checkpoint or an
+    export takes, values decoded to fp32."""
+
+    keys: np.ndarray       # int64 [n], increasing
+    values: np.ndarray     # float32 [n, row_dim]
+    state: np.ndarray      # float32 [n, S]
+    show: np.ndarray       # float32 [n]
+    click: np.ndarray      # float32 [n]
+    last_seen: np.ndarray  # int32 [n]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The ``to_arrays`` row columns of this chunk."""
+        return {"keys": self.keys, "values": self.values, "state": self.state,
+                "show": self.show, "click": self.click, "last_seen": self.last_seen}
+
+
+def arrays_file(src: Path) -> Path | None:
+    """The arrays-form file of what a store saved at ``src`` (a folder written by
+    ``MemoryStore.save``, or a ``to_arrays`` .safetensors file: memory-store checkpoints
+    and torchrun shards from before ``save``); None for a tiered snapshot folder."""
+    src = Path(src)
+    if src.is_file():
+        return src
+    return src / ROWS_FILE if (src / ROWS_FILE).exists() else None
+
+
+def iter_arrays_file(path: Path, chunk_rows: int = CHUNK_ROWS) -> Iterator[RowChunk]:
+    """Row chunks of an arrays-form file (rows sorted by key), read a slice at a time."""
+    with safe_open(str(path), "np") as fh:
+        n = fh.get_slice("keys").get_shape()[0]
+        for lo in range(0, n, max(1, chunk_rows)):
+            hi = min(n, lo + chunk_rows)
+            yield RowChunk(*(fh.get_slice(name)[lo:hi] for name in
+                             ("keys", "values", "state", "show", "click", "last_seen")))
+
+
+def store_extras(path: Path) -> dict[str, np.ndarray]:
+    """The store-wide arrays of an arrays-form file: admission candidates and counters."""
+    with safe_open(str(path), "np") as fh:
+        return {name: fh.get_tensor(name) for name in fh.keys()  # noqa: SIM118
+                if name.startswith("cand_") or name in ("counters", "pruned")}
+
+
+def merge_sorted(parts: list[Iterator[RowChunk]],
+                 chunk_rows: int = CHUNK_ROWS) -> Iterator[RowChunk]:
+    """One key-ordered stream of RowChunks from several key-ordered streams with disjoint
+    keys (the shards of a table): a k-way merge holding one chunk per stream.
+
+    Rows up to the smallest "last buffered key" among the streams still running are
+    final: nothing later can come before them.
+    """
+    chunk_rows = max(1, int(chunk_rows))
+    streams = [iter(p) for p in parts]
+    buffers: list[RowChunk | None] = [next(s, None) for s in streams]
+    while True:
+        for i, b in enumerate(buffers):  # drop empty chunks, refill
+            while b is not None and not len(b):
+                b = buffers[i] = next(streams[i], None)
+        live = [i for i, b in enumerate(buffers) if b is not None]
+        if not live:
+            return
+        bound = min(int(buffers[i].keys[-1]) for i in live)  # type: ignore[union-attr]
+        taken = []
+        for i in live:
+            b = buffers[i]
+            assert b is not None
+            n = int(np.searchsorted(b.keys, bound, side="right"))
+            taken.append(_slice(b, 0, n))
+            buffers[i] = _slice(b, n, len(b)) if n < len(b) else next(streams[i], None)
+        cols = {name: np.concatenate([getattr(t, name) for t in taken])
+                for name in ("keys", "values", "state", "show", "click", "last_seen")}
+        order = np.argsort(cols["keys"], kind="stable")
+        merged = RowChunk(**{name: c[order] for name, c in cols.items()})
+        for lo in range(0, len(merged), chunk_rows):
+            yield _slice(merged, lo, lo + chunk_rows)
+
+
+def _slice(chunk: RowChunk, lo: int, hi: int) -> RowChunk:
+    return RowChunk(chunk.keys[lo:hi], chunk.values[lo:hi], chunk.state[lo:hi],
+                    chunk.show[lo:hi], chunk.click[lo:hi], chunk.last_seen[lo:hi])
 
 
 @dataclass
@@ -102,6 +202,9 @@ class EvictionLog:
 class MemoryStore(EvictionLog):
     """All rows in RAM, grown on demand; the memory tier and the single-process store."""
 
+    saved_format = "arrays"  # what ``save`` writes: one to_arrays file
+    prefetches = False  # nothing to read ahead: ``prefetch`` is a no-op
+
     def __init__(self, row_dim: int, optimizer: SparseOptimizer, config: StoreConfig | None = None,
                  seed: int = 0, capacity: int = 1024) -> None:
         self.row_dim = row_dim
@@ -135,20 +238,17 @@ class MemoryStore(EvictionLog):
         self.click = np.zeros(capacity, np.float32)
         self.last_seen = np.zeros(capacity, np.int32)
 
-    def _ensure_rows(self, n: int) -> None:
+    def ensure_rows(self, n: int) -> None:
         cap = len(self.show)
         if n <= cap:
             return
         new_cap = max(n, 2 * cap)
         if isinstance(self.values, CodedRows):
             self.values.grow(new_cap)
-        for name in ("values", "state", "show", "click", "last_seen"):
-            if name == "values" and isinstance(self.values, CodedRows):
-                continue
-            old = getattr(self, name)
-            grown = np.zeros((new_cap,) + old.shape[1:], old.dtype)
-            grown[:cap] = old
-            setattr(self, name, grown)
+        else:
+            self.values = grown(self.values, new_cap, double=False)
+        for name in ("state", "show", "click", "last_seen"):
+            setattr(self, name, grown(getattr(self, name), new_cap, double=False))
 
     def __len__(self) -> int:
         return len(self.index)
@@ -168,6 +268,20 @@ class MemoryStore(EvictionLog):
             per_row += self.values.overhead_bytes_per_slot
         return self.value_bytes + len(self.index) * per_row + self.index.nbytes
 
+    @property
+    def candidate_count(self) -> int:
+        """Keys seen but not yet admitted."""
+        return len(self._cand_index)
+
+    @property
+    def candidate_nbytes(self) -> int:
+        """RAM held by the admission candidates (index and counts)."""
+        return self._cand_index.nbytes + self._cand_show.nbytes * 3
+
+    def tier_stats(self) -> None:
+        """No tiers: every row is in RAM."""
+        return None
+
     def stats(self) -> StoreStats:
         return StoreStats(keys=len(self.index), candidates=len(self._cand_index),
                           admitted=self.admitted_total, evicted=self.evicted_total,
@@ -175,7 +289,7 @@ class MemoryStore(EvictionLog):
                           pruned=self.pruned_total)
 
     # -- admission ----------------------------------------------------------------------
-    def _admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
+    def admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
                pass_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Count ``keys`` (absent from the index) as candidates; return those now admitted
         with the counts they gathered in earlier passes (this pass's are added by pull)."""
@@ -184,13 +298,8 @@ class MemoryStore(EvictionLog):
             return keys, zeros, zeros
         slots, _ = self._cand_index.lookup_or_insert(keys)
         need = self._cand_index.slot_bound
-        if need > len(self._cand_show):
-            size = max(need, 2 * len(self._cand_show))
-            for name in ("_cand_show", "_cand_click", "_cand_seen"):
-                old = getattr(self, name)
-                grown = np.zeros(size, old.dtype)
-                grown[:len(old)] = old
-                setattr(self, name, grown)
+        for name in ("_cand_show", "_cand_click", "_cand_seen"):
+            setattr(self, name, grown(getattr(self, name), need))
         self._cand_show[slots] += show
         self._cand_click[slots] += click
         self._cand_seen[slots] = pass_id
@@ -224,7 +333,7 @@ class MemoryStore(EvictionLog):
         slots = self.index.lookup(keys)
         missing = slots < 0
         if missing.any():
-            new_keys, earlier_show, earlier_click = self._admit(
+            new_keys, earlier_show, earlier_click = self.admit(
                 keys[missing], show[missing], click[missing], pass_id)
             if len(new_keys):
                 new_slots, _ = self.index.lookup_or_insert(new_keys)
@@ -240,7 +349,7 @@ class MemoryStore(EvictionLog):
                      click: np.ndarray, first_show: np.ndarray | None = None) -> None:
         """Fresh rows; ``first_show`` (shows including this pass's) picks their width class
         when rows have variable length."""
-        self._ensure_rows(self.index.slot_bound)
+        self.ensure_rows(self.index.slot_bound)
         if self._classes is not None:
             self.values.set_class(slots, self._classes.classify(
                 show if first_show is None else first_show))
@@ -258,7 +367,7 @@ class MemoryStore(EvictionLog):
         self.last_seen[slots] = pass_id
         block = RowBlock(self.values[slots], self.state[slots])
         if self._classes is not None:
-            self._promote(slots)
+            self.promote(slots)
             block.widths = self.values.widths_of(slots)
         return block
 
@@ -270,7 +379,7 @@ class MemoryStore(EvictionLog):
             return values.classes
         return None
 
-    def _promote(self, slots: np.ndarray) -> None:
+    def promote(self, slots: np.ndarray) -> None:
         """Move rows whose show count reached a wider class there (zeros in the new
         columns, so their decoded values, and the model's output, do not change)."""
         target = np.maximum(self.values.cls[slots], self._classes.classify(self.show[slots]))
@@ -353,7 +462,75 @@ class MemoryStore(EvictionLog):
         order = np.argsort(keys, kind="stable")
         return keys[order], self.values[slots[order]]
 
+    def prefetch(self, keys: np.ndarray) -> int:
+        """Nothing to read ahead: every row is in RAM."""
+        return 0
+
+    # -- rows as disk records (the tiered store's memory tier) ----------------------------
+    def records(self, slots: np.ndarray, layout: RecordLayout) -> np.ndarray:
+        """Rows at ``slots`` as ``layout`` records; encoded values are copied as bytes."""
+        out = np.empty((len(slots), layout.width), np.float32)
+        v, s = layout.value_words, self.state_dim
+        if layout.plain:
+            out[:, :v] = self.values[slots]
+        else:
+            out[:, :v] = 0  # the padding past a row's codes
+            self.values.read_codes(slots, out.view(np.uint8))
+        out[:, v:v + s] = self.state[slots]
+        out[:, v + s] = self.show[slots]
+        out[:, v + s + 1] = self.click[slots]
+        out[:, v + s + 2] = self.last_seen[slots].view(np.float32)
+        return out
+
+    def set_records(self, slots: np.ndarray, rec: np.ndarray, layout: RecordLayout) -> None:
+        """Rows at ``slots`` from ``layout`` records: encoded values are copied as bytes,
+        into the width class of the record's show count."""
+        v, s = layout.value_words, self.state_dim
+        if layout.plain:
+            self.values[slots] = rec[:, :v]
+        else:
+            rec = np.ascontiguousarray(rec)
+            self.values.write_codes(slots, layout.classes(rec[:, v + s]), rec.view(np.uint8))
+        self.state[slots] = rec[:, v:v + s]
+        self.show[slots] = rec[:, v + s]
+        self.click[slots] = rec[:, v + s + 1]
+        self.last_seen[slots] = np.ascontiguousarray(rec[:, v + s + 2]).view(np.int32)
+
     # -- persistence --------------------------------------------------------------------
+    def iter_sorted(self, chunk_rows: int = CHUNK_ROWS) -> Iterator[RowChunk]:
+        """Every row in increasing key order, at most ``chunk_rows`` rows per chunk. The
+        store must not change until the iteration ends (call it at a pass boundary)."""
+        chunk_rows = max(1, int(chunk_rows))
+        for keys in iter_sorted_keys([self.index]):
+            for lo in range(0, len(keys), chunk_rows):
+                k = keys[lo:lo + chunk_rows]
+                slots = self.index.lookup(k)
+                yield RowChunk(k, self.values[slots], self.state[slots], self.show[slots],
+                               self.click[slots], self.last_seen[slots])
+
+    def save(self, dst: Path) -> dict[str, str]:
+        """Write the store into the new folder ``dst`` (one ``to_arrays`` file); returns
+        {file name: sha256}."""
+        dst = Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        save_numpy(self.to_arrays(), str(dst / ROWS_FILE))
+        return {ROWS_FILE: sha256_file(dst / ROWS_FILE)}
+
+    def committed(self, path: Path, digests: dict[str, str]) -> None:
+        """The folder last saved is now committed at ``path`` (nothing to remember)."""
+
+    def load(self, src: Path, digests: dict[str, str] | None = None) -> None:
+        """Replace the content by what a store saved at ``src``: a ``save`` folder of
+        either store (a tiered snapshot's rows are re-encoded as this store keeps them) or
+        a ``to_arrays`` file."""
+        path = arrays_file(src)
+        if path is not None:
+            self.load_arrays(load_numpy(str(path)))
+            return
+        from terarec.embedding.tiered import snapshot_arrays
+
+        self.load_arrays(snapshot_arrays(Path(src), self.row_dim, self.state_dim))
+
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Live rows sorted by key: the form checkpoints and exports take."""
         keys, slots = self.index.items()

@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,12 +52,26 @@ from terarec.embedding.disk import (
     SLAB_BYTES,
     DiskTier,
     RecordLayout,
+    iter_snapshot_sorted,
     read_snapshot_rows,
+    snapshot_layout,
 )
-from terarec.embedding.index import KeyIndex
+from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import EvictionLog, MemoryStore, RowBlock, StoreStats, init_rows
+from terarec.embedding.store import (
+    CHUNK_ROWS,
+    EvictionLog,
+    MemoryStore,
+    RowBlock,
+    RowChunk,
+    StoreStats,
+    arrays_file,
+    init_rows,
+    iter_arrays_file,
+    store_extras,
+)
 from terarec.io import sha256_file
+from terarec.kernels import grown
 
 STORE_FILE = "store.safetensors"
 # The memory tier's KeyIndex is sized for 1.5x its rows (a pull inserts up to half the
@@ -94,6 +109,9 @@ class TierStats:
 class TieredStore(EvictionLog):
     """``MemoryStore`` API over a memory tier bounded by ``config.memory_budget`` and a
     disk tier under ``path`` (default ``config.disk_path``, else a temporary folder)."""
+
+    saved_format = "tiered"  # what ``save`` writes: a slab snapshot
+    prefetches = True  # ``prefetch`` reads disk rows into RAM ahead of their pass
 
     def __init__(self, row_dim: int, optimizer: SparseOptimizer,
                  config: StoreConfig | None = None, seed: int = 0,
@@ -165,7 +183,7 @@ class TieredStore(EvictionLog):
         twice, its size after the next doubling, so that a doubling does not push the
         memory tier over budget (during the rehash itself the old table is held too)."""
         m = getattr(self, "memory", None)
-        cand = m._cand_index.nbytes + m._cand_show.nbytes * 3 if m is not None else 0
+        cand = m.candidate_nbytes if m is not None else 0
         return 2 * self.disk.index.nbytes + self.disk.last_seen.nbytes + cand
 
     def memory_capacity(self) -> int:
@@ -177,7 +195,7 @@ class TieredStore(EvictionLog):
             raise MemoryBudgetError(
                 f"memory budget {self.budget:,} B leaves room for no hot rows: the key "
                 f"indexes of {len(self.disk):,} keys on disk and "
-                f"{len(self.memory._cand_index):,} admission candidates take "
+                f"{self.memory.candidate_count:,} admission candidates take "
                 f"{self._fixed_bytes():,} B (about 64-100 B per key); raise --memory-budget")
         return free // self._row_bytes
 
@@ -199,43 +217,13 @@ class TieredStore(EvictionLog):
             return
         for name, dtype in (("_used", np.int64), ("_dirty", np.bool_), ("_on_disk", np.bool_),
                             ("_pinned", np.bool_)):
-            old = getattr(self, name, None) if self._meta_size else None
-            grown = np.zeros(need, dtype)
-            if old is not None:
-                grown[:len(old)] = old
-            setattr(self, name, grown)
+            old = getattr(self, name) if self._meta_size else np.zeros(0, dtype)
+            setattr(self, name, grown(old, need, double=False))
         self._meta_size = need
 
     def _records(self, slots: np.ndarray) -> np.ndarray:
-        """Disk records of memory rows; encoded values are copied as bytes."""
-        m = self.memory
-        out = np.empty((len(slots), self.width), np.float32)
-        v, s = self.layout.value_words, self.state_dim
-        if self._plain:
-            out[:, :v] = m.values[slots]
-        else:
-            out[:, :v] = 0  # the padding past a row's codes
-            m.values.read_codes(slots, out.view(np.uint8))
-        out[:, v:v + s] = m.state[slots]
-        out[:, v + s] = m.show[slots]
-        out[:, v + s + 1] = m.click[slots]
-        out[:, v + s + 2] = m.last_seen[slots].view(np.float32)
-        return out
-
-    def _set_records(self, slots: np.ndarray, rec: np.ndarray) -> None:
-        """Memory rows from disk records: encoded values are copied as bytes, into the
-        width class of the record's show count."""
-        m = self.memory
-        v, s = self.layout.value_words, self.state_dim
-        if self._plain:
-            m.values[slots] = rec[:, :v]
-        else:
-            rec = np.ascontiguousarray(rec)
-            m.values.write_codes(slots, self.layout.classes(rec[:, v + s]), rec.view(np.uint8))
-        m.state[slots] = rec[:, v:v + s]
-        m.show[slots] = rec[:, v + s]
-        m.click[slots] = rec[:, v + s + 1]
-        m.last_seen[slots] = np.ascontiguousarray(rec[:, v + s + 2]).view(np.int32)
+        """Disk records of memory rows."""
+        return self.memory.records(slots, self.layout)
 
     def _encode(self, rec: np.ndarray, values: np.ndarray,
                 rows: np.ndarray | None = None) -> None:
@@ -288,9 +276,9 @@ class TieredStore(EvictionLog):
                  on_disk: bool | np.ndarray) -> np.ndarray:
         """Put rows into the memory tier (room already made); returns their slots."""
         slots, _ = self.memory.index.lookup_or_insert(keys)
-        self.memory._ensure_rows(self.memory.index.slot_bound)
+        self.memory.ensure_rows(self.memory.index.slot_bound)
         self._ensure_meta()
-        self._set_records(slots, rec)
+        self.memory.set_records(slots, rec, self.layout)
         self._dirty[slots] = dirty
         self._on_disk[slots] = on_disk
         self._used[slots] = self._tick
@@ -332,7 +320,7 @@ class TieredStore(EvictionLog):
             absent = np.flatnonzero(~on_disk)
             if len(absent):
                 ak = ck[absent]
-                new_keys, earlier_show, earlier_click = m._admit(
+                new_keys, earlier_show, earlier_click = m.admit(
                     ak, show[cold[absent]], click[cold[absent]], pass_id)
                 ok = np.ones(len(ak), np.bool_) if len(new_keys) == len(ak) else \
                     np.isin(ak, new_keys)
@@ -372,7 +360,7 @@ class TieredStore(EvictionLog):
             state[cold] = rec[:, v:v + s]
             block = RowBlock(values, state)
             if self._variable:
-                m._promote(hs)
+                m.promote(hs)
                 block.widths = np.empty(n, np.int32)
                 block.widths[hot] = m.values.widths_of(hs)
                 block.widths[cold] = self.layout.widths_of(rec)
@@ -676,7 +664,7 @@ class TieredStore(EvictionLog):
         return self.memory.value_bytes + disk_only * 4 * self.layout.value_words
 
     def stats(self) -> StoreStats:
-        return StoreStats(keys=len(self), candidates=len(self.memory._cand_index),
+        return StoreStats(keys=len(self), candidates=self.memory.candidate_count,
                           admitted=self.admitted_total, evicted=self.evicted_total,
                           bytes=self.nbytes, value_bytes=self.value_bytes,
                           pruned=self.memory.pruned_total + self._disk_only_pruned)
@@ -699,36 +687,86 @@ class TieredStore(EvictionLog):
                 "pruned": np.array([self.memory.pruned_total, self._disk_only_pruned],
                                    np.int64)}
 
+    def iter_sorted(self, chunk_rows: int = CHUNK_ROWS) -> Iterator[RowChunk]:
+        """Every row in increasing key order, at most ``chunk_rows`` rows per chunk, from
+        both tiers (a hot row's memory copy, else its disk record), decoded to fp32.
+
+        RAM: one chunk of rows plus one key range (``iter_sorted_keys``); the slab pages a
+        chunk maps are unmapped after it. Read-only: nothing is flushed or moved between
+        the tiers. The store must not change until the iteration ends.
+        """
+        chunk_rows = max(1, int(chunk_rows))
+        for keys in iter_sorted_keys([self.memory.index, self.disk.index]):
+            for lo in range(0, len(keys), chunk_rows):
+                k = keys[lo:lo + chunk_rows]
+                with self._lock:
+                    mslots = self.memory.index.lookup(k)
+                    hot = mslots >= 0
+                    rec = np.empty((len(k), self.width), np.float32)
+                    rec[hot] = self._records(mslots[hot])
+                    rec[~hot] = self.disk.read_slots(self.disk.index.lookup(k[~hot]))
+                yield RowChunk(k, **self.layout.decode(rec))
+
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The whole store sorted by key, in RAM (small tables, exports); checkpoints use
-        ``save_snapshot``, which never materialises the table."""
-        with self._lock:
-            self.flush()
-            keys, slots = self.disk.items()
-            order = np.argsort(keys, kind="stable")
-            keys, slots = keys[order], slots[order]
-            arrays = {**records_to_arrays(keys, self.disk.read_slots(slots), self.layout),
-                      **self._store_arrays()}
-            arrays["counters"] = arrays["counters"][:2]  # MemoryStore's form
-            arrays["pruned"] = arrays["pruned"].sum(keepdims=True)
-            return arrays
+        """The whole store sorted by key, in RAM: for small tables and tests; checkpoints
+        and exports stream ``save`` / ``iter_sorted`` instead."""
+        chunks = [c.columns() for c in self.iter_sorted(1 << 20)]
+        if chunks:
+            arrays = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+        else:
+            arrays = {"keys": np.empty(0, np.int64), **self.layout.decode(
+                np.empty((0, self.width), np.float32))}
+        arrays.update(self._store_arrays())
+        arrays["counters"] = arrays["counters"][:2]  # MemoryStore's form
+        arrays["pruned"] = arrays["pruned"].sum(keepdims=True)
+        return arrays
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace the content by ``MemoryStore.to_arrays``-style arrays (written to disk)."""
-        keys = arrays["keys"]
-        if arrays["values"].shape != (len(keys), self.row_dim):
-            raise ValueError(f"stored rows have shape {arrays['values'].shape}, "
-                             f"expected ({len(keys)}, {self.row_dim})")
         with self._lock:
             self._reset()
-            rec = self.layout.encode(arrays, stochastic=self.config.stochastic_rounding,
-                                     rng=self._rng)
-            self.disk.write(np.ascontiguousarray(keys, np.int64), rec)
-            self.memory.load_candidate_arrays(arrays)
-            if "counters" in arrays:
-                c = [int(x) for x in arrays["counters"]]
-                self.memory.admitted_total, self.memory.evicted_total = c[0], c[1]
-            self.memory.pruned_total = int(arrays["pruned"].sum()) if "pruned" in arrays else 0
+            self._write_rows(RowChunk(*(arrays[name] for name in (
+                "keys", "values", "state", "show", "click", "last_seen"))))
+            self._load_extras(arrays)
+
+    def _write_rows(self, chunk: RowChunk) -> None:
+        """Write decoded rows to the disk tier, encoded as this store keeps them."""
+        if chunk.values.shape != (len(chunk), self.row_dim):
+            raise ValueError(f"stored rows have shape {chunk.values.shape}, "
+                             f"expected ({len(chunk)}, {self.row_dim})")
+        rec = self.layout.encode(chunk.columns(), stochastic=self.config.stochastic_rounding,
+                                 rng=self._rng)
+        self.disk.write(np.ascontiguousarray(chunk.keys, np.int64), rec)
+
+    def _load_extras(self, arrays: dict[str, np.ndarray]) -> None:
+        """Admission candidates and counters from ``to_arrays``-style arrays."""
+        self.memory.load_candidate_arrays(arrays)
+        if "counters" in arrays:
+            c = [int(x) for x in arrays["counters"]]
+            self.memory.admitted_total, self.memory.evicted_total = c[0], c[1]
+        self.memory.pruned_total = int(arrays["pruned"].sum()) if "pruned" in arrays else 0
+
+    # -- the EmbeddingStore persistence API ---------------------------------------------
+    def save(self, dst: Path) -> dict[str, str]:
+        """Write the store into the new folder ``dst`` (``save_snapshot``)."""
+        return self.save_snapshot(Path(dst))
+
+    def committed(self, path: Path, digests: dict[str, str]) -> None:
+        """The folder last saved is now committed at ``path`` (``snapshot_committed``)."""
+        self.snapshot_committed(Path(path), digests)
+
+    def load(self, src: Path, digests: dict[str, str] | None = None) -> None:
+        """Replace the content by what a store saved at ``src``: a slab snapshot, or the
+        arrays form of a memory store (streamed to disk a chunk at a time)."""
+        path = arrays_file(src)
+        if path is None:
+            self.load_snapshot(Path(src), digests)
+            return
+        with self._lock:
+            self._reset()
+            for chunk in iter_arrays_file(path, self.disk._chunk_rows):
+                self._write_rows(chunk)
+            self._load_extras(store_extras(path))
 
     def _reset(self) -> None:
         self.disk.release()
@@ -822,11 +860,6 @@ def _return_freed_buffers_to_os() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, _MMAP_THRESHOLD_BYTES)
 
 
-def records_to_arrays(keys: np.ndarray, rec: np.ndarray,
-                      layout: RecordLayout) -> dict[str, np.ndarray]:
-    return {"keys": keys, **layout.decode(rec)}
-
-
 def snapshot_arrays(src: Path, row_dim: int, state_dim: int) -> dict[str, np.ndarray]:
     """A tiered snapshot as ``MemoryStore.to_arrays`` arrays (sorted by key, values
     decoded to fp32), for loading into a memory store or exporting."""
@@ -848,6 +881,20 @@ def snapshot_arrays(src: Path, row_dim: int, state_dim: int) -> dict[str, np.nda
     if "pruned" in extra:
         arrays["pruned"] = extra["pruned"].sum(keepdims=True)
     return arrays
+
+
+def iter_saved(src: Path, chunk_rows: int = CHUNK_ROWS, row_dim: int | None = None,
+               state_dim: int | None = None) -> Iterator[RowChunk]:
+    """Key-ordered RowChunks (values decoded to fp32) of what a store saved at ``src``
+    (a ``save`` folder of either store, or an arrays-form file), read a chunk at a time
+    without building a store: what exports of a checkpoint stream."""
+    path = arrays_file(src)
+    if path is not None:
+        yield from iter_arrays_file(path, chunk_rows)
+        return
+    layout = snapshot_layout(Path(src), row_dim, state_dim)
+    for keys, rec in iter_snapshot_sorted(Path(src), chunk_rows):
+        yield RowChunk(keys, **layout.decode(rec))
 
 
 def snapshot_key_count(src: Path) -> int:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.protocol import EmbeddingStore
+from terarec.embedding.store import RowBlock
 from terarec.types import Batch, KeyedIds
 
 
@@ -112,7 +113,7 @@ class WorkingSet:
         return self.optimizer is not None
 
     @classmethod
-    def stage(cls, store: MemoryStore, batches: list[Batch] | PassPlan, pass_id: int,
+    def stage(cls, store: EmbeddingStore, batches: list[Batch] | PassPlan, pass_id: int,
               device: torch.device | str = "cpu", train: bool = True) -> WorkingSet:
         """Pull the rows of every key in ``batches`` and remap the batches to local ids.
 
@@ -158,7 +159,7 @@ class WorkingSet:
         ws.column_mask = column_mask
         return ws
 
-    def write_back(self, store: MemoryStore) -> None:
+    def write_back(self, store: EmbeddingStore) -> None:
         """Push trained rows and their optimizer state back to the store."""
         if not self.trainable or self.state is None:
             raise RuntimeError("only a training working set is written back")

@@ -28,12 +28,15 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import Field, with_config
 from safetensors.numpy import save as save_numpy_bytes
+from typing_extensions import NotRequired, TypedDict
 
 from terarec.export.storage import Storage, StorageError
+from terarec.validation import STRICT, InvalidInput, validate_json
 
 FORMAT = "terarec-export"
 FORMAT_VERSION = 1
@@ -73,6 +76,55 @@ def rows_bytes(keys: np.ndarray, values: np.ndarray | None = None) -> bytes:
     if values is not None:
         tensors["values"] = np.ascontiguousarray(values, np.float32)
     return save_numpy_bytes(tensors)
+
+
+_Count = Annotated[int, Field(ge=0)]
+
+
+@with_config(STRICT)
+class FileEntry(TypedDict):
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    bytes: _Count
+
+
+@with_config(STRICT)
+class ShardEntry(TypedDict):
+    file: str
+    rows: _Count
+    first_key: int
+    last_key: int
+
+
+@with_config(STRICT)
+class SparseSection(TypedDict):
+    shards: list[ShardEntry]
+    rows: _Count
+    deleted: _Count
+    deleted_file: NotRequired[str]
+    codec: NotRequired[str]
+
+
+@with_config(STRICT)
+class ManifestBody(TypedDict):
+    """What ``manifest.json`` holds; ``Manifest.parse`` validates against it."""
+
+    format: Literal["terarec-export"]
+    format_version: Literal[1]
+    name: str
+    version: Annotated[int, Field(ge=1)]
+    kind: Literal["full", "delta"]
+    base: str
+    deltas: list[str]
+    parent: NotRequired[str | None]
+    schema: dict[str, Any]  # FeatureSchema.to_dict(), validated when a reader builds it
+    model: dict[str, Any]  # ModelConfig, likewise
+    features: NotRequired[str]
+    pass_id: _Count
+    created: float
+    row_dim: Annotated[int, Field(ge=1)]
+    dense: str
+    sparse: SparseSection
+    files: dict[str, FileEntry]
 
 
 @dataclass(frozen=True)
@@ -129,6 +181,8 @@ class Manifest:
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> Manifest:
+        """A manifest from its JSON bytes, validated against ``ManifestBody``; anything
+        else is an ``ExportError`` naming the file and the JSON path of the problem."""
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -138,14 +192,11 @@ class Manifest:
         if data.get("format_version") != FORMAT_VERSION:
             raise ExportError(f"{where}: format_version {data.get('format_version')!r} is not "
                               f"{FORMAT_VERSION}")
-        required = ("name", "version", "kind", "base", "deltas", "pass_id", "created",
-                    "schema", "model", "row_dim", "files", "sparse", "dense")
-        missing = [k for k in required if k not in data]
-        if missing:
-            raise ExportError(f"{where}: manifest lacks {missing}")
-        if data["kind"] not in ("full", "delta"):
-            raise ExportError(f"{where}: kind {data['kind']!r} is neither 'full' nor 'delta'")
-        return cls(data)
+        try:
+            body = validate_json(ManifestBody, raw, where, root="manifest")
+        except InvalidInput as exc:
+            raise ExportError(str(exc)) from None
+        return cls(dict(body))
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.data, indent=2).encode()

@@ -7,17 +7,18 @@ reader that finds a manifest finds every file it lists, whole.
 
 Under torchrun (a ``DistContext`` of N ranks) a version is written by every rank
 together, in the same format: readers need shards of disjoint, increasing key ranges,
-while a rank owns keys by hash, so the version's key range is cut into shard ranges
-(from a sample of every rank's keys) and each shard is written by one rank from the rows
-every rank holds in its range::
+while a rank owns keys by hash, so the ranks merge their key-ordered streams (a
+distributed k-way merge) and each merged piece becomes one shard, written by one rank::
 
-    shard j (keys in [split_j, split_j+1)):  every rank's rows in it ──gather──> rank j % N
-                                             which merges them by key and writes the file
-    then                                     the shard entries ──gather──> rank 0, which
-                                             writes deleted keys, dense weights, manifest
+    every round   each rank holds the next rows of its stream (about shard_rows / N);
+                  bound = the smallest last-held key among ranks not yet done
+                  rows <= bound ──gather──> rank (round mod N), which merges them by key
+                  and writes shard `round` (nothing later can sort before them)
+    then          shard entries ──gather──> rank 0: deleted keys, dense weights,
+                  manifest, LATEST
 
-so at most one shard's rows are in flight at a time, and rank 0 writes the manifest
-only once every rank's files are complete.
+so a rank holds about one shard of rows at a time, and rank 0 writes the manifest only
+once every rank's shard files are complete.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
 from terarec.distributed.context import DistContext
+from terarec.embedding.store import RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     DELETED_FILE,
@@ -56,6 +58,7 @@ from terarec.export.format import (
     version_name,
 )
 from terarec.export.storage import Storage
+from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -97,13 +100,20 @@ class ModelExporter:
         return max(numbers, default=0) + 1
 
     def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
-                   dense: dict[str, torch.Tensor], keys: np.ndarray, values: np.ndarray,
-                   pass_id: int, features_dir: str | Path | None = None,
+                   dense: dict[str, torch.Tensor], keys: np.ndarray | None = None,
+                   values: np.ndarray | None = None, rows: Iterable[RowChunk] | None = None,
+                   row_dim: int | None = None, pass_id: int,
+                   features_dir: str | Path | None = None,
                    ctx: DistContext | None = None) -> ExportedVersion:
         """A self-contained version: every row of the store and the dense weights, and the
         model's AutoFeature tables (``features_dir``) when it was trained with them.
-        Collective with a ``ctx`` of N ranks, each passing the rows it owns."""
+
+        Rows come as ``keys`` + ``values`` arrays, or streamed as key-ordered ``rows``
+        chunks (``EmbeddingStore.iter_sorted``) of ``row_dim`` values: then no more than
+        one shard is held in RAM. Collective with a ``ctx`` of N ranks, each passing the
+        rows it owns."""
         header: dict | None = None
+        extra: dict[str, bytes] = {}
         if ctx is None or ctx.is_main:
             version = self._next_version()
             name = version_name(version)
@@ -112,11 +122,16 @@ class ModelExporter:
                       "model": to_dict(model_config)}
             if features_dir is not None:
                 header["features"] = FEATURES_DIR
-        extra = {}
-        if features_dir is not None and (ctx is None or ctx.is_main):
-            extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
-                     for p in sorted(Path(features_dir).iterdir()) if p.is_file()}
-        return self._write(header, dense, keys, values, None, pass_id, extra, ctx)
+                extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
+                         for p in sorted(Path(features_dir).iterdir()) if p.is_file()}
+        if rows is None:
+            if keys is None or values is None:
+                raise ValueError("write_full needs keys and values, or rows")
+            return self._write(header, dense, keys, values, None, pass_id, extra, ctx)
+        if row_dim is None:
+            raise ValueError("write_full with streamed rows needs row_dim")
+        return self._write_rows(header, dense, ((c.keys, c.values) for c in rows), row_dim,
+                                None, pass_id, extra, ctx)
 
     def write_delta(self, *, dense: dict[str, torch.Tensor], keys: np.ndarray,
                     values: np.ndarray, deleted: np.ndarray, pass_id: int,
@@ -144,7 +159,19 @@ class ModelExporter:
                keys: np.ndarray, values: np.ndarray, deleted: np.ndarray | None,
                pass_id: int, extra: dict[str, bytes] | None = None,
                ctx: DistContext | None = None) -> ExportedVersion:
-        """Write the version ``header`` describes (made on rank 0, or alone)."""
+        values = np.asarray(values, np.float32)
+        if values.ndim != 2 or len(values) != len(keys):
+            raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys")
+        return self._write_rows(header, dense, [(keys, values)], values.shape[1], deleted,
+                                pass_id, extra, ctx)
+
+    def _write_rows(self, header: dict | ExportError | None, dense: dict[str, torch.Tensor],
+                    rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int,
+                    deleted: np.ndarray | None, pass_id: int,
+                    extra: dict[str, bytes] | None = None,
+                    ctx: DistContext | None = None) -> ExportedVersion:
+        """Write the version ``header`` describes (made on rank 0, or alone) from
+        key-ordered (keys, values) parts, shard by shard."""
         t0 = time.perf_counter()
         ctx = ctx or DistContext.single(torch.device("cpu"))
         header = ctx.broadcast_object(header)
@@ -152,50 +179,47 @@ class ModelExporter:
             raise header
         assert header is not None
         name = header["name"]
-        keys = np.ascontiguousarray(keys, np.int64)
-        values = np.ascontiguousarray(values, np.float32)
-        if values.ndim != 2 or len(values) != len(keys):
-            raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys")
-        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
-            raise ValueError("keys must be sorted and unique")
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:
             self.storage.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
 
-        mine = []
-        for i, shard_keys, shard_values in self._shard_rows(keys, values, ctx):
+        mine: list[tuple[int, dict]] = []
+        pieces = (_shards(rows, self.shard_rows, row_dim) if ctx.world == 1
+                  else _rank_shards(ctx, _checked(rows, row_dim), self.shard_rows))
+        for i, (keys, values) in pieces:
+            if mine and int(keys[0]) <= mine[-1][1]["last_key"]:
+                raise ValueError("keys must be sorted and unique")
             if self.codec is None:
-                put(shard_name(i), rows_bytes(shard_keys, shard_values))
+                put(shard_name(i), rows_bytes(keys, values))
             else:
-                put(shard_name(i), shard_bytes(compress_rows(shard_keys, shard_values,
-                                                             self.codec)))
-            mine.append((i, {"file": shard_name(i), "rows": len(shard_keys),
-                             "first_key": int(shard_keys[0]),
-                             "last_key": int(shard_keys[-1])}))
+                put(shard_name(i), shard_bytes(compress_rows(keys, values, self.codec)))
+            mine.append((i, {"file": shard_name(i), "rows": len(keys),
+                             "first_key": int(keys[0]), "last_key": int(keys[-1])}))
         # past here, every rank's shard files are complete
-        every_rank = ctx.gather_object((mine, files, len(keys), deleted))
+        every_rank = ctx.gather_object((mine, files, deleted))
         result = None
         if ctx.is_main:
             assert every_rank is not None
-            shards = [entry for _, entry in sorted(e for part in every_rank for e in part[0])]
+            shards = [entry for _, entry in sorted((e for part in every_rank for e in part[0]),
+                                                   key=lambda e: e[0])]
             files = {k: v for part in every_rank for k, v in part[1].items()}
-            rows = sum(part[2] for part in every_rank)
-            parts = [part[3] for part in every_rank if part[3] is not None]
-            all_deleted = (np.concatenate([np.asarray(d, np.int64) for d in parts])
-                           if parts else None)
-            result = self._commit(header, files, shards, rows, all_deleted, dense, extra,
-                                  pass_id, int(values.shape[1]), put, t0)
+            parts = [np.asarray(part[2], np.int64) for part in every_rank
+                     if part[2] is not None]
+            result = self._commit(header, files, shards,
+                                  np.concatenate(parts) if parts else None, dense, extra,
+                                  pass_id, row_dim, put, t0)
         return ctx.broadcast_object(result)
 
-    def _commit(self, header: dict, files: dict[str, dict], shards: list[dict], rows: int,
+    def _commit(self, header: dict, files: dict[str, dict], shards: list[dict],
                 deleted: np.ndarray | None, dense: dict[str, torch.Tensor],
                 extra: dict[str, bytes] | None, pass_id: int, row_dim: int,
                 put: Callable[[str, bytes], None], t0: float) -> ExportedVersion:
         """Deleted keys, dense weights, extra files, then the manifest and ``LATEST``."""
         name = header["name"]
-        sparse: dict[str, Any] = {"shards": shards, "rows": int(rows), "deleted": 0}
+        total = sum(s["rows"] for s in shards)
+        sparse: dict[str, Any] = {"shards": shards, "rows": total, "deleted": 0}
         if self.codec is not None:
             sparse["codec"] = self.codec.name
         if deleted is not None:
@@ -208,63 +232,97 @@ class ModelExporter:
             put(rel, data)
         manifest = Manifest({
             "format": FORMAT, "format_version": FORMAT_VERSION, **header,
-            "pass_id": int(pass_id), "created": time.time(), "row_dim": row_dim,
+            "pass_id": int(pass_id), "created": time.time(), "row_dim": int(row_dim),
             "dense": DENSE_FILE, "sparse": sparse, "files": files,
         })
         raw = manifest.to_bytes()
         self.storage.write_bytes(f"{name}/{MANIFEST}", raw)
         self.storage.write_bytes(LATEST, name.encode())
         written = sum(f["bytes"] for f in files.values()) + len(raw)
-        result = ExportedVersion(name=name, kind=header["kind"], rows=int(rows),
+        result = ExportedVersion(name=name, kind=header["kind"], rows=total,
                                  deleted=sparse["deleted"], bytes=written,
                                  seconds=time.perf_counter() - t0)
         log.info("exported %s version %s: %d rows, %d deleted, %d bytes", result.kind, name,
                  result.rows, result.deleted, result.bytes)
         return result
 
-    def _shard_rows(self, keys: np.ndarray, values: np.ndarray, ctx: DistContext
-                    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        """(shard index, sorted keys, values) of the shards this rank writes. Alone: runs
-        of ``shard_rows`` rows. On N ranks: collective, one shard per key range, its rows
-        gathered from every rank by the rank that writes it."""
-        if ctx.world == 1:
-            for i, lo in enumerate(range(0, len(keys), self.shard_rows)):
-                hi = min(lo + self.shard_rows, len(keys))
-                yield i, keys[lo:hi], values[lo:hi]
+
+def _checked(rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Key-ordered (keys, values) parts as contiguous int64 / float32, checked for shape,
+    order within a part and finiteness."""
+    for keys, values in rows:
+        keys = np.ascontiguousarray(keys, np.int64)
+        values = np.ascontiguousarray(values, np.float32)
+        if values.shape != (len(keys), row_dim):
+            raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys "
+                             f"of {row_dim} values")
+        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+            raise ValueError("keys must be sorted and unique")
+        bad = ~np.isfinite(values).all(axis=1)
+        if bad.any():
+            raise ValueError(f"{int(bad.sum())} rows hold non-finite values (first key "
+                             f"{int(keys[bad][0])}): refusing to export them")
+        yield keys, values
+
+
+def _rank_shards(ctx: DistContext, rows: Iterator[tuple[np.ndarray, np.ndarray]],
+                 shard_rows: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
+    """Collective: (index, (keys, values)) of the shards this rank writes, cut from the
+    k-way merge of every rank's key-ordered rows (see the module docstring)."""
+    hold = max(1, shard_rows // ctx.world)
+    keys_buf: list[np.ndarray] = []
+    values_buf: list[np.ndarray] = []
+    held, done, index = 0, False, 0
+    while True:
+        while not done and held < hold:
+            part = next(rows, None)
+            if part is None:
+                done = True
+            elif len(part[0]):
+                keys_buf.append(part[0])
+                values_buf.append(part[1])
+                held += len(part[0])
+        keys = np.concatenate(keys_buf) if keys_buf else np.empty(0, np.int64)
+        last = int(keys[-1]) if held else None
+        status = ctx.all_gather_object((last, done))
+        if all(d for _, d in status) and all(k is None for k, _ in status):
             return
-        splits = _range_splits(ctx, keys, self.shard_rows)
-        bounds = np.searchsorted(keys, splits)
-        starts = np.concatenate([[0], bounds])
-        ends = np.concatenate([bounds, [len(keys)]])
-        for i, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
-            writer = i % ctx.world
-            parts = ctx.gather_object((keys[lo:hi], values[lo:hi]), dst=writer)
-            if parts is None:
-                continue
-            shard_keys = np.concatenate([k for k, _ in parts])
-            if not len(shard_keys):
-                continue
-            order = np.argsort(shard_keys, kind="stable")
-            yield i, shard_keys[order], np.concatenate([v for _, v in parts])[order]
+        bounds = [k for k, d in status if not d and k is not None]
+        n = int(np.searchsorted(keys, min(bounds), side="right")) if bounds else held
+        values = np.concatenate(values_buf) if values_buf else np.empty((0, 0), np.float32)
+        send = (keys[:n], values[:n])
+        keys_buf, values_buf = ([keys[n:]], [values[n:]]) if n < held else ([], [])
+        held -= n
+        parts = ctx.gather_object(send, dst=index % ctx.world)
+        if parts is not None:
+            merged = np.concatenate([k for k, _ in parts])
+            order = np.argsort(merged, kind="stable")
+            yield index, (merged[order], np.concatenate(
+                [v for _, v in parts if len(v)])[order])
+        index += 1
 
 
-def _range_splits(ctx: DistContext, keys: np.ndarray, shard_rows: int) -> np.ndarray:
-    """Collective: the keys that cut the union of every rank's sorted ``keys`` into key
-    ranges of about ``shard_rows`` rows each (the same on every rank), from weighted
-    samples of every rank's keys."""
-    n = len(keys)
-    samples = min(n, 64 * (n // max(shard_rows, 1) + 1))
-    picks = keys[(np.arange(samples) * n) // max(samples, 1)] if samples else keys[:0]
-    parts = ctx.all_gather_object((picks, n / max(samples, 1)))
-    total = sum(len(p) * w for p, w in parts)
-    count = max(1, -(-round(total) // max(shard_rows, 1)))
-    sample = np.concatenate([p for p, _ in parts])
-    weight = np.concatenate([np.full(len(p), w) for p, w in parts])
-    order = np.argsort(sample, kind="stable")
-    sample, cum = sample[order], np.cumsum(weight[order])
-    targets = total * np.arange(1, count) / count
-    splits = np.unique(sample[np.minimum(np.searchsorted(cum, targets), len(sample) - 1)])
-    return splits[splits > sample[0]] if len(sample) else splits
+def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
+            row_dim: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
+    """Re-cut key-ordered (keys, values) parts into numbered shards of ``shard_rows``
+    rows (the last one shorter), checking them on the way (``_checked``): holds at most
+    one shard plus one part."""
+    keys_buf: list[np.ndarray] = []
+    values_buf: list[np.ndarray] = []
+    held = index = 0
+    for keys, values in _checked(rows, row_dim):
+        keys_buf.append(keys)
+        values_buf.append(values)
+        held += len(keys)
+        while held >= shard_rows:
+            k, v = np.concatenate(keys_buf), np.concatenate(values_buf)
+            yield index, (k[:shard_rows], v[:shard_rows])
+            index += 1
+            keys_buf, values_buf = [k[shard_rows:]], [v[shard_rows:]]
+            held -= shard_rows
+    if held:
+        yield index, (np.concatenate(keys_buf), np.concatenate(values_buf))
 
 
 def _as_json(value: Any) -> Any:
@@ -284,7 +342,8 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     ckpt = load_checkpoint(model_dir)
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
-                               keys=ckpt.sparse["keys"], values=ckpt.sparse["values"],
+                               rows=ckpt.iter_sorted(shard_rows),
+                               row_dim=row_dim_for(config.model.name, config.model),
                                pass_id=int(ckpt.meta["pass_id"]),
                                features_dir=model_features_dir(model_dir))
 
@@ -325,11 +384,6 @@ class IncrementalExporter:
         self.every_passes = every_passes
         self.every_minutes = every_minutes
         self.exported: list[ExportedVersion] = []
-        missing = [m for m in ("changed_since", "track_evictions", "take_evicted", "to_arrays")
-                   if not hasattr(trainer.store, m)]
-        if missing:
-            raise TypeError(f"{type(trainer.store).__name__} cannot be exported incrementally: "
-                            f"it lacks {missing}")
         trainer.store.track_evictions()
         self.ctx: DistContext = trainer.ctx  # on N ranks every export is collective
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
@@ -370,12 +424,11 @@ class IncrementalExporter:
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:
-            arrays = store.to_arrays()
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
-                keys=arrays["keys"], values=arrays["values"], pass_id=trainer.pass_id,
-                features_dir=self.features_dir, ctx=self.ctx)
+                rows=store.iter_sorted(self.exporter.shard_rows), row_dim=store.row_dim,
+                pass_id=trainer.pass_id, features_dir=self.features_dir, ctx=self.ctx)
         else:
             keys, values = store.changed_since(self._last_pass)
             evicted = store.take_evicted()

@@ -1,9 +1,10 @@
 """HTTP front of the serving engine: Open Inference Protocol (KServe v2) routes, a plain
 JSON ``/predict`` and Prometheus ``/metrics``.
 
-Requests are parsed by hand rather than by pydantic models so that every bad input gets
-a 4xx whose message names the offending field (``candidates[3].C7: ...``), never a 500.
-Bodies are read with a byte cap (413 past it).
+Request bodies are validated against ``PredictRequest`` / ``InferRequest`` (their shape)
+and then against the served model (feature names, shapes, values), so that every bad
+input gets a 4xx whose message names the offending field (``candidates[3].C7: ...``),
+never a 500. Bodies are read with a byte cap (413 past it).
 
 ``/predict`` takes raw feature values: one ``context`` (user, page) shared by ``N``
 ``candidates`` (items); each candidate is merged with the context and hashed with the
@@ -15,21 +16,24 @@ model's saved schema, exactly as training hashed its files::
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
 
 import pyarrow as pa
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import Field
 
 from terarec.data.readers import DataError
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
+from terarec.serving.metrics import ServingMetrics
+from terarec.validation import STRICT, InvalidInput, validate_json
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,52 @@ _ROUTES = [(re.compile(r"^/v2/models/[^/]+/infer$"), "infer"),
            (re.compile(r"^/v2/models/[^/]+(/ready)?$"), "model"),
            (re.compile(r"^/v2(/health/(live|ready))?$"), "health"),
            (re.compile(r"^/predict$"), "predict"), (re.compile(r"^/metrics$"), "metrics")]
+
+
+T = TypeVar("T")
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass
+class PredictRequest:
+    """``/predict`` body: ``candidates`` scored, each merged with ``context``."""
+
+    __pydantic_config__ = STRICT
+
+    candidates: Annotated[list[dict[str, Any]], Field(
+        min_length=1, description="an array of feature objects, one per item to score")]
+    context: Annotated[dict[str, Any], Field(description="an object of feature values")] = \
+        field(default_factory=dict)
+
+
+@dataclass
+class InferInput:
+    """One input tensor of a v2 inference request: a feature's values, one per row."""
+
+    __pydantic_config__ = STRICT
+
+    name: str
+    shape: list[int]
+    datatype: str
+    data: list[Any]
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferRequest:
+    """Open Inference Protocol (KServe v2) ``/infer`` body."""
+
+    __pydantic_config__ = STRICT
+
+    inputs: Annotated[list[InferInput], Field(
+        min_length=1, description="a non-empty array of input tensors")]
+    id: str | None = None
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
 
 
 class BadRequest(Exception):
@@ -57,18 +107,18 @@ def _route_label(path: str) -> str:
 class _Timing:
     """ASGI middleware: latency histogram and status counts per route."""
 
-    def __init__(self, app, metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServingMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
         status = 500
 
-        async def send_wrapper(message) -> None:
+        async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -82,7 +132,8 @@ class _Timing:
             self.metrics.requests.labels(route, str(status)).inc()
 
 
-async def _read_json(request: Request, max_bytes: int) -> Any:
+async def _read_body(request: Request, max_bytes: int, model: type[T]) -> T:
+    """The request body, at most ``max_bytes``, parsed and validated as a ``model``."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -101,22 +152,19 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
     if not body:
         raise BadRequest("empty request body; expected a JSON object", 400)
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON: {exc}", 400) from None
-    except RecursionError:
-        raise BadRequest("malformed JSON: nested too deeply", 400) from None
+        return validate_json(model, body, root="request")
+    except InvalidInput as exc:
+        bad_json = next((p for p in exc.problems if p.kind == "json_invalid"), None)
+        if bad_json is None:
+            raise BadRequest(str(exc)) from None
+        if "recursion limit" in bad_json.message:
+            raise BadRequest("malformed JSON: nested too deeply", 400) from None
+        raise BadRequest(f"malformed JSON: {bad_json.message.split(': ', 1)[-1]}",
+                         400) from None
 
 
-def _type_name(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _check_features(features: Any, where: str, version: ServedVersion) -> Mapping[str, Any]:
-    if not isinstance(features, dict):
-        raise BadRequest(f"{where} must be an object of feature values, got "
-                         f"{_type_name(features)}")
+def _check_features(features: Mapping[str, Any], where: str,
+                    version: ServedVersion) -> Mapping[str, Any]:
     if not features.keys() <= version.feature_set:
         unknown = [k for k in features if k not in version.feature_set]
         raise BadRequest(f"{where}: unknown feature(s) {unknown}; the model's features are "
@@ -125,7 +173,7 @@ def _check_features(features: Any, where: str, version: ServedVersion) -> Mappin
 
 
 def _score(engine: ServingEngine, version: ServedVersion, context: Mapping[str, Any],
-           candidates: list[dict], where: str) -> list[float]:
+           candidates: list[dict[str, Any]], where: str) -> list[float]:
     try:
         batch = version.batch(context, candidates)
     except (DataError, ValueError, TypeError, pa.ArrowException) as exc:
@@ -141,7 +189,7 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     app runs (started and stopped with the app's lifespan)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if poll_interval_s is not None:
             engine.start_polling(poll_interval_s)
         try:
@@ -200,20 +248,20 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> dict:
         version = served_model(name)
-        body = await _read_json(request, max_body_bytes)
-        records, request_id = _kserve_records(body, version, max_candidates)
+        body = await _read_body(request, max_body_bytes, InferRequest)
+        records = _kserve_records(body, version, max_candidates)
         scores = _score(engine, version, {}, records, "row")
         out = {"model_name": model_name, "model_version": str(version.version),
                "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(scores)],
                             "data": scores}]}
-        if request_id is not None:
-            out["id"] = request_id
+        if body.id is not None:
+            out["id"] = body.id
         return out
 
     @app.post("/predict")
     async def predict(request: Request) -> dict:
         version = engine.served()
-        body = await _read_json(request, max_body_bytes)
+        body = await _read_body(request, max_body_bytes, PredictRequest)
         context, candidates = _predict_request(body, version, max_candidates)
         scores = _score(engine, version, context, candidates, "candidates")
         return {"model": model_name, "version": version.version, "scores": scores}
@@ -226,23 +274,11 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     return app
 
 
-def _predict_request(body: Any, version: ServedVersion,
-                     max_candidates: int) -> tuple[Mapping[str, Any], list[dict]]:
-    if not isinstance(body, dict):
-        raise BadRequest(f"request must be a JSON object with 'candidates' (and optionally "
-                         f"'context'), got {_type_name(body)}")
-    extra = sorted(set(body) - {"context", "candidates"})
-    if extra:
-        raise BadRequest(f"unknown request field(s) {extra}; expected 'context' and "
-                         "'candidates'")
-    if "candidates" not in body:
-        raise BadRequest("missing field 'candidates': a list of feature objects")
-    context = _check_features(body.get("context", {}), "context", version)
-    candidates = body["candidates"]
-    if not isinstance(candidates, list):
-        raise BadRequest(f"'candidates' must be an array, got {_type_name(candidates)}")
-    if not candidates:
-        raise BadRequest("'candidates' is empty; send at least one")
+def _predict_request(body: PredictRequest, version: ServedVersion,
+                     max_candidates: int) -> tuple[Mapping[str, Any], list[dict[str, Any]]]:
+    """The body's context and candidates, checked against the served model."""
+    context = _check_features(body.context, "context", version)
+    candidates = body.candidates
     if len(candidates) > max_candidates:
         raise BadRequest(f"{len(candidates)} candidates exceed the limit of {max_candidates}",
                          413)
@@ -254,54 +290,27 @@ def _predict_request(body: Any, version: ServedVersion,
     return context, candidates
 
 
-def _kserve_records(body: Any, version: ServedVersion,
-                    max_candidates: int) -> tuple[list[dict], Any]:
+def _kserve_records(body: InferRequest, version: ServedVersion,
+                    max_candidates: int) -> list[dict[str, Any]]:
     """Rows from a v2 inference request: one input tensor per feature, shape [N] or
     [N, 1], all with the same N."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"request must be a JSON object with 'inputs', got "
-                         f"{_type_name(body)}")
-    extra = sorted(set(body) - {"id", "inputs", "outputs", "parameters"})
-    if extra:
-        raise BadRequest(f"unknown request field(s) {extra}; expected 'inputs' (and "
-                         "optionally 'id', 'outputs', 'parameters')")
-    if "inputs" not in body:
-        raise BadRequest("missing field 'inputs': a list of input tensors")
-    inputs = body["inputs"]
-    if not isinstance(inputs, list) or not inputs:
-        raise BadRequest("'inputs' must be a non-empty array of input tensors")
-    outputs = body.get("outputs", [])
-    if not isinstance(outputs, list) or any(
-            not isinstance(o, dict) or o.get("name") != OUTPUT_NAME for o in outputs):
+    if any(o.get("name") != OUTPUT_NAME for o in body.outputs):
         raise BadRequest(f"'outputs' may only request the output {OUTPUT_NAME!r}")
-    columns: dict[str, list] = {}
+    columns: dict[str, list[Any]] = {}
     rows = None
     known = version.feature_names
-    for i, tensor in enumerate(inputs):
-        where = f"inputs[{i}]"
-        if not isinstance(tensor, dict):
-            raise BadRequest(f"{where} must be an object, got {_type_name(tensor)}")
-        missing = [k for k in ("name", "shape", "datatype", "data") if k not in tensor]
-        if missing:
-            raise BadRequest(f"{where}: missing field(s) {missing}")
-        extra = sorted(set(tensor) - {"name", "shape", "datatype", "data", "parameters"})
-        if extra:
-            raise BadRequest(f"{where}: unknown field(s) {extra}")
-        name, shape, datatype, data = (tensor[k] for k in ("name", "shape", "datatype", "data"))
-        if not isinstance(name, str) or name not in version.feature_set:
-            raise BadRequest(f"{where}: unknown input {name!r}; the model's inputs are "
+    for i, tensor in enumerate(body.inputs):
+        name, shape, data = tensor.name, tensor.shape, tensor.data
+        if name not in version.feature_set:
+            raise BadRequest(f"inputs[{i}]: unknown input {name!r}; the model's inputs are "
                              f"{list(known)}")
         where = f"input {name!r}"
         if name in columns:
             raise BadRequest(f"{where} given twice")
-        if datatype not in KSERVE_DATATYPES:
-            raise BadRequest(f"{where}: unknown datatype {datatype!r}")
-        if (not isinstance(shape, list) or not shape or len(shape) > 2
-                or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
-                or (len(shape) == 2 and shape[1] != 1)):
+        if tensor.datatype not in KSERVE_DATATYPES:
+            raise BadRequest(f"{where}: unknown datatype {tensor.datatype!r}")
+        if not shape or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
             raise BadRequest(f"{where}: shape must be [N] or [N, 1], got {shape!r}")
-        if not isinstance(data, list):
-            raise BadRequest(f"{where}: 'data' must be an array, got {_type_name(data)}")
         if len(data) and isinstance(data[0], list) and len(shape) == 2:
             if not all(isinstance(row, list) and len(row) == 1 for row in data):
                 raise BadRequest(f"{where}: nested 'data' must hold one value per row")
@@ -317,8 +326,6 @@ def _kserve_records(body: Any, version: ServedVersion,
         elif shape[0] != rows:
             raise BadRequest(f"{where}: {shape[0]} rows, other inputs have {rows}")
         columns[name] = data
-    assert rows is not None
     names = list(columns)
-    records = [dict(zip(names, values, strict=True)) for values in zip(*columns.values(),
-                                                                      strict=True)]
-    return records, body.get("id")
+    return [dict(zip(names, values, strict=True))
+            for values in zip(*columns.values(), strict=True)]

@@ -23,25 +23,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file as load_torch_file
 
-from terarec.autofeature.candidates import AutoFeatureError
-from terarec.autofeature.features import CONFIG_FILE, FeatureConfig
 from terarec.autofeature.lookup import FeatureLookup
-from terarec.config import ModelConfig, from_dict
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.working_set import StagingStats, WorkingSet
-from terarec.export.compressed import EncodedRows, RowCodec
-from terarec.export.format import (
-    ExportError,
-    Manifest,
-    latest_version,
-    memmap_tensors,
-    read_manifest,
-)
-from terarec.export.storage import Storage, StorageError
-from terarec.io import sha256_file
-from terarec.models import build_model
+from terarec.export.format import ExportError, Manifest
+from terarec.export.reader import VersionReader
+from terarec.export.storage import Storage
 from terarec.models.base import CTRModel
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
@@ -112,6 +100,7 @@ class ServingEngine:
         self._own_cache_dir = cache_dir is None and not self.storage.is_local
         self.cache_dir = (Path(tempfile.mkdtemp(prefix="terarec-serve-"))
                           if self._own_cache_dir else Path(cache_dir) if cache_dir else None)
+        self.reader = VersionReader(self.storage, self.cache_dir)
         self.current: ServedVersion | None = None
         self.cache: RowCache | None = None
         self.refused: dict[str, str] = {}
@@ -121,117 +110,24 @@ class ServingEngine:
         self._poller: threading.Thread | None = None
 
     # -- loading ------------------------------------------------------------------------
-    def _fetch(self, manifest: Manifest, rel: str) -> Path:
-        """A verified local copy of one of the version's files."""
-        info = manifest.files.get(rel)
-        if info is None:
-            raise ExportError(f"{manifest.name}: {rel} is not listed in the manifest")
-        source = f"{manifest.name}/{rel}"
-        path = self.storage.local_path(source)
-        if path is None:
-            assert self.cache_dir is not None
-            path = self.cache_dir / manifest.name / rel
-            if not path.exists():
-                try:
-                    self.storage.download(source, path)
-                except StorageError as exc:
-                    raise ExportError(str(exc)) from None
-        elif not path.exists():
-            raise ExportError(f"{self.storage.uri}/{source}: missing")
-        if path.stat().st_size != int(info["bytes"]) or sha256_file(path) != info["sha256"]:
-            if self.storage.local_path(source) is None:
-                path.unlink(missing_ok=True)  # a bad download is not kept
-            raise ExportError(f"{self.storage.uri}/{source}: checksum mismatch, the file is "
-                              "corrupted or was replaced")
-        return path
-
-    def _tensors(self, manifest: Manifest, rel: str, need: Sequence[str]) -> dict[str, np.ndarray]:
-        tensors = memmap_tensors(self._fetch(manifest, rel))
-        lacking = [n for n in need if n not in tensors]
-        if lacking:
-            raise ExportError(f"{manifest.name}/{rel}: lacks tensors {lacking}")
-        return tensors
-
-    def _network(self, manifest: Manifest, schema: FeatureSchema) -> CTRModel:
-        try:
-            config = from_dict(ModelConfig, manifest.data["model"])
-            model = build_model(schema, config)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ExportError(f"{manifest.name}: bad model config ({exc})") from None
-        state = load_torch_file(str(self._fetch(manifest, manifest.data["dense"])))
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            raise ExportError(f"{manifest.name}: dense weights do not fit the model "
-                              f"({str(exc).splitlines()[0]})") from None
-        if model.row_dim != manifest.row_dim:
-            raise ExportError(f"{manifest.name}: rows have {manifest.row_dim} floats, the "
-                              f"model needs {model.row_dim}")
-        return model.eval()
-
-    def _rows(self, manifest: Manifest, rel: str, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        codec = manifest.data["sparse"].get("codec")
-        if codec is not None:  # encoded rows, decoded per lookup (export/compressed.py)
-            t = self._tensors(manifest, rel, ("keys", "codes"))
-            try:
-                values = EncodedRows(t["codes"], manifest.row_dim, RowCodec.parse(codec),
-                                     t.get("codebook"))
-            except ValueError as exc:
-                raise ExportError(f"{manifest.name}/{rel}: {exc}") from None
-            t["values"] = values  # type: ignore[assignment]
-        else:
-            t = self._tensors(manifest, rel, ("keys", "values"))
-        keys, values = t["keys"], t["values"]
-        if keys.shape != (rows,) or values.shape != (rows, manifest.row_dim):
-            raise ExportError(f"{manifest.name}/{rel}: holds keys {keys.shape} and values "
-                              f"{values.shape}, the manifest says {rows} rows of "
-                              f"{manifest.row_dim}")
-        return keys, values
-
     def load_full(self, manifest: Manifest) -> ServedVersion:
         if manifest.kind != "full":
             raise ExportError(f"{manifest.name}: expected a full version, got a "
                               f"{manifest.kind}")
+        schema = self.reader.schema(manifest)
+        model = self.reader.network(manifest, schema)
         try:
-            schema = FeatureSchema.from_dict(manifest.data["schema"])
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ExportError(f"{manifest.name}: bad feature schema ({exc})") from None
-        model = self._network(manifest, schema)
-        shards = []
-        for shard in manifest.shards:
-            keys, values = self._rows(manifest, shard["file"], int(shard["rows"]))
-            if len(keys) and (int(keys[0]) != shard["first_key"]
-                              or int(keys[-1]) != shard["last_key"]):
-                raise ExportError(f"{manifest.name}/{shard['file']}: key range differs "
-                                  "from the manifest")
-            if len(keys):
-                shards.append((keys, values))
-        try:
-            base = ShardedRows(shards, manifest.row_dim)
+            base = ShardedRows(self.reader.shards(manifest), manifest.row_dim)
         except ValueError as exc:
             raise ExportError(f"{manifest.name}: {exc}") from None
         mean = [f.pooling == "mean" for f in schema.categorical]
-        lookup, raw_schema = self._features(manifest)
+        config = self.reader.features(manifest)
+        lookup, raw_schema = None, None
+        if config is not None and config.tables.tables:
+            lookup, raw_schema = FeatureLookup(config.tables), config.base_schema
         return ServedVersion(manifest, schema, model, VersionRows(base),
                              torch.tensor(mean) if any(mean) else None,
                              features=lookup, raw_schema=raw_schema)
-
-    def _features(self, manifest: Manifest) -> tuple[FeatureLookup | None, FeatureSchema | None]:
-        """The version's AutoFeature tables, verified and held in memory, if it has any."""
-        folder = manifest.data.get("features")
-        if folder is None:
-            return None, None
-        local = [self._fetch(manifest, rel) for rel in manifest.files
-                 if rel.startswith(f"{folder}/")]
-        try:
-            config = FeatureConfig.load(local[0].parent / CONFIG_FILE) if local else None
-        except (AutoFeatureError, OSError) as exc:
-            raise ExportError(f"{manifest.name}: bad feature tables ({exc})") from None
-        if config is None:
-            raise ExportError(f"{manifest.name}: lists feature tables but holds none")
-        if not config.tables.tables:
-            return None, None
-        return FeatureLookup(config.tables), config.base_schema
 
     def apply_delta(self, state: ServedVersion, manifest: Manifest) -> ServedVersion:
         """``state`` with delta ``manifest`` applied, as a new ServedVersion."""
@@ -242,32 +138,15 @@ class ServingEngine:
             if manifest.data[key] != state.manifest.data[key]:
                 raise ExportError(f"{manifest.name}: {key} differs from its base "
                                   f"{state.manifest.base}")
-        model = self._network(manifest, state.schema)
-        keys, values = [], []
-        for shard in manifest.shards:
-            k, v = self._rows(manifest, shard["file"], int(shard["rows"]))
-            keys.append(np.array(k))
-            values.append(np.array(v))
-        upserts = np.concatenate(keys) if keys else np.empty(0, np.int64)
-        rows = (np.concatenate(values) if values
-                else np.empty((0, manifest.row_dim), np.float32))
-        deleted = np.empty(0, np.int64)
-        if manifest.data["sparse"].get("deleted_file"):
-            deleted = np.array(self._tensors(manifest, manifest.data["sparse"]["deleted_file"],
-                                             ("keys",))["keys"])
-            if len(deleted) != int(manifest.data["sparse"]["deleted"]):
-                raise ExportError(f"{manifest.name}: {len(deleted)} deleted keys, the "
-                                  f"manifest says {manifest.data['sparse']['deleted']}")
+        model = self.reader.network(manifest, state.schema)
+        upserts, rows, deleted = self.reader.delta(manifest)
         touched = np.concatenate([state.touched, upserts, deleted])
         return ServedVersion(manifest, state.schema, model,
                              state.rows.with_delta(upserts, rows, deleted), state.mean_fields,
                              touched, state.features, state.raw_schema)
 
     def _manifest(self, name: str) -> Manifest:
-        try:
-            return read_manifest(self.storage, name)
-        except StorageError as exc:
-            raise ExportError(str(exc)) from None
+        return self.reader.manifest(name)
 
     def _refuse(self, name: str, reason: str) -> None:
         if name not in self.refused:
@@ -313,7 +192,7 @@ class ServingEngine:
         """Load the newest version if there is one; True when a new version was swapped in."""
         with self._refresh_lock:
             try:
-                name = latest_version(self.storage)
+                name = self.reader.latest()
             except (OSError, ExportError) as exc:
                 log.warning("cannot read %s: %s", self.storage.uri, exc)
                 return False
@@ -346,19 +225,10 @@ class ServingEngine:
                 self.cache.refresh(touched, fresh_rows)
             self.current = state
         if not same_base:
-            self._prune_downloads(state.manifest)
+            self.reader.prune_downloads(state.manifest.chain)
         self.metrics.served(state.version, state.manifest.created)
         log.info("serving version %s (%s on %s, %d overlay rows)", state.name,
                  state.manifest.kind, state.manifest.base, state.rows.overlay_rows)
-
-    def _prune_downloads(self, manifest: Manifest) -> None:
-        """Drop downloaded files of versions outside the served chain (remote exports)."""
-        if self.storage.is_local or self.cache_dir is None or not self.cache_dir.exists():
-            return
-        keep = set(manifest.chain)
-        for folder in self.cache_dir.iterdir():
-            if folder.is_dir() and folder.name not in keep:
-                shutil.rmtree(folder, ignore_errors=True)
 
     # -- polling --------------------------------------------------------------------------
     def start_polling(self, interval_s: float) -> None:

@@ -10,22 +10,23 @@ process or by all the ranks of a torchrun job together.
         pass-000003/              one committed pass (older ones pruned)
           dense.safetensors       model weights                  (rank 0; equal on all)
           dense_optimizer.pt      dense optimizer state          (rank 0)
-          sparse-00000-of-00002/  the keys rank 0 owns, as its store saved them:
-            rows.safetensors        keys (sorted) + values + optimizer state + counters
-                                    (memory store), or for a tiered store
-                                    (docs/tiered-store.md):
+          sparse/                 one process: what ``store.save`` wrote; for a memory
+            rows.safetensors        store keys (sorted) + values + optimizer state +
+                                    counters; for a tiered store (docs/tiered-store.md):
             slab-NNNNNN.bin         disk-tier slabs, hard-linked from the previous
                                     checkpoint where unchanged since it
             index.safetensors       key -> slot
             store.safetensors       admission candidates, counters
-          dense_comm-0000R-of-00002.pt  rank R's unsent DGC residuals (dgc only)
+          sparse-0000R-of-0000N/  instead, N torchrun ranks: rank R's keys, saved the same
+                                  way by its store
+          dense_comm-0000R-of-0000N.pt  rank R's unsent DGC residuals (dgc only)
           meta.json               pass id, world size, shard list, history, sha256 of
                                   each file: written last, by rank 0
       LATEST                      name of the newest committed checkpoint
 
-One process writes one shard (``sparse-00000-of-00001/``). Checkpoints from before
-this layout still load: ``sparse.safetensors`` or a tiered ``sparse/`` (one process),
-``sparse-0000R-of-0000N.safetensors`` files (N ranks).
+One process writes one shard (``sparse/``), N ranks one each. Checkpoints from before
+this layout still load: ``sparse.safetensors`` (one process, before stores saved
+themselves) and ``sparse-0000R-of-0000N.safetensors`` files (N ranks).
 
 Commit: rank 0 makes a hidden staging folder; every rank writes and fsyncs its files
 into it; the checksums are gathered to rank 0 (nobody gets past that point before every
@@ -49,24 +50,31 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import ConfigDict, Field, with_config
 from safetensors.numpy import load_file as load_numpy
-from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
+from typing_extensions import NotRequired, TypedDict
 
 from terarec.config import TrainConfig, from_dict, to_dict
 from terarec.distributed.context import DistContext
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.distributed.sharding import shard_of
 from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.protocol import EmbeddingStore
+from terarec.embedding.store import CHUNK_ROWS, RowChunk, arrays_file, merge_sorted
+from terarec.embedding.tiered import iter_saved, snapshot_arrays
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
+from terarec.validation import validate_json
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
@@ -101,11 +109,8 @@ def read_model_meta(model_dir: Path) -> tuple[FeatureSchema, TrainConfig]:
 
 
 def shard_name(rank: int, world: int) -> str:
-    """Rank ``rank``'s sparse shard: the folder its store is saved into."""
-    return f"sparse-{rank:05d}-of-{world:05d}"
-
-
-ROWS_FILE = "rows.safetensors"  # a memory store's rows inside its shard folder
+    """Rank ``rank``'s sparse shard: the folder its store saves itself into."""
+    return "sparse" if world == 1 else f"sparse-{rank:05d}-of-{world:05d}"
 
 
 def comm_file(rank: int, world: int) -> str:
@@ -152,30 +157,22 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
         atomic_write_text(model_dir / "LATEST", name)
         _prune(root, keep=KEEP_CHECKPOINTS)
     ctx.barrier()
-    if shard_digests is not None:  # later snapshots hard-link the unchanged slabs
-        trainer.store.snapshot_committed(final / shard, shard_digests)
+    trainer.store.committed(final / shard, shard_digests)  # later saves link unchanged slabs
     return final
 
 
-def _write_rank_files(staging: Path, trainer) -> tuple[dict[str, str], str,
-                                                      dict[str, str] | None]:
+def _write_rank_files(staging: Path, trainer) -> tuple[dict[str, str], str, dict[str, str]]:
     """This rank's sparse shard (and DGC residuals; the dense files on rank 0), fsynced:
-    ({file: sha256}, shard name, the tiered shard's own digests or None)."""
+    ({file: sha256}, shard name, {file in the shard: sha256})."""
     ctx: DistContext = trainer.ctx
     store = trainer.store
     files: dict[str, str] = {}
     shard = shard_name(ctx.rank, ctx.world)
-    shard_digests = None
-    if hasattr(store, "save_snapshot"):
-        # The tiered store writes its own files: the table is never materialised in RAM.
-        shard_digests = store.save_snapshot(staging / shard)
-        for fname, digest in shard_digests.items():
-            _fsync_file(staging / shard / fname)
-            files[f"{shard}/{fname}"] = digest
-    else:
-        (staging / shard).mkdir()
-        save_numpy(store.to_arrays(), str(staging / shard / ROWS_FILE))
-        _durable(staging / shard / ROWS_FILE, files, f"{shard}/{ROWS_FILE}")
+    # The store writes its own files (a tiered store never materialises its table).
+    shard_digests = store.save(staging / shard)
+    for fname, digest in shard_digests.items():
+        _fsync_file(staging / shard / fname)
+        files[f"{shard}/{fname}"] = digest
     fsync_dir(staging / shard)
     comm_state = trainer.dense_comm.state_dict() if trainer.dense_comm is not None else {}
     if comm_state:
@@ -193,18 +190,17 @@ def _write_rank_files(staging: Path, trainer) -> tuple[dict[str, str], str,
 def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict | None) -> None:
     """Rank 0: the manifest, then the folder renamed into place."""
     world = trainer.ctx.world
-    tiered = hasattr(trainer.store, "save_snapshot")
     summaries = [summary for _, summary in every_rank]
     meta = {
         "pass_id": trainer.pass_id,
         "world_size": world,
-        "sparse_format": "tiered" if tiered else "arrays",
-        "sparse_shards": [shard_name(r, world) for r in range(world)],
+        "sparse_format": trainer.store.saved_format,
         "history": trainer.history,
         "rng": {"torch": torch.get_rng_state().tolist()},
         "sha256": {k: v for part, _ in every_rank for k, v in part.items()},
         "store": sum_store_summaries(summaries),  # the whole model's figures
-        **({"stores": summaries,  # per rank: keys, tiers
+        **({"sparse_shards": [shard_name(r, world) for r in range(world)],
+            "stores": summaries,  # per rank: keys, tiers
             "dense_comm": trainer.dense_comm_config.as_dict()} if world > 1 else {}),
         **(extra or {}),
     }
@@ -236,11 +232,12 @@ def sum_store_summaries(parts: list[dict]) -> dict:
     return out
 
 
-def store_summary(store) -> dict:
+def store_summary(store: EmbeddingStore) -> dict:
     """Key counts and bytes per tier at commit time, for ``terarec inspect``."""
     out = asdict(store.stats())
-    if hasattr(store, "tier_stats"):
-        out["tiers"] = asdict(store.tier_stats())
+    tiers = store.tier_stats()
+    if tiers is not None:
+        out["tiers"] = asdict(tiers)
     return out
 
 
@@ -252,16 +249,35 @@ def _prune(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@with_config(ConfigDict(extra="allow", strict=True, allow_inf_nan=False))
+class _RngState(TypedDict):
+    torch: list[Annotated[int, Field(ge=0, le=255)]]
+
+
+@with_config(ConfigDict(extra="allow", strict=True, allow_inf_nan=False))
+class CheckpointMeta(TypedDict):
+    """The keys of ``meta.json`` that restoring relies on (writers may add others)."""
+
+    pass_id: Annotated[int, Field(ge=0)]
+    sha256: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]]
+    rng: _RngState
+    history: NotRequired[list[dict[str, Any]]]
+    sparse_format: NotRequired[Literal["arrays", "tiered"]]
+    sparse_shards: NotRequired[list[str]]
+    world_size: NotRequired[Annotated[int, Field(ge=1)]]
+
+
 def verify_checkpoint(path: Path) -> dict:
-    """Return the checkpoint's meta after checking every file's checksum."""
+    """Return the checkpoint's meta after validating it (``CheckpointMeta``) and checking
+    every file's checksum."""
     meta_path = path / "meta.json"
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        with open(meta_path) as fh:
-            meta = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{meta_path}: corrupted ({exc})") from exc
+        meta = dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
+                                  root="meta"))
+    except ValueError as exc:
+        raise CheckpointError(f"corrupted checkpoint: {exc}") from None
     for fname, digest in meta["sha256"].items():
         fpath = path / fname
         if not fpath.exists():
@@ -298,52 +314,63 @@ class LoadedCheckpoint:
 
     @property
     def shards(self) -> list[str]:
-        """The sparse shards, one per rank: files, or tiered folders. Older single-process
-        checkpoints hold one, ``sparse.safetensors`` or ``sparse/``."""
+        """The sparse shards, one per rank, each what a store saved (a folder) or an
+        arrays file (older layouts): ``sparse`` for one process, or
+        ``sparse.safetensors`` in checkpoints written before stores saved themselves."""
         if self.meta.get("sparse_shards"):
             return list(self.meta["sparse_shards"])
-        return ["sparse"] if self.tiered else ["sparse.safetensors"]
+        return ["sparse"] if (self.path / "sparse").is_dir() else ["sparse.safetensors"]
 
     @property
     def sparse_dir(self) -> Path:
-        """The tiered store's snapshot folder of a single-shard ``tiered`` checkpoint."""
+        """The ``sparse/`` folder of a one-process checkpoint."""
+        return self.path / "sparse"
+
+    @property
+    def sparse_source(self) -> Path:
+        """What a one-process checkpoint's store saved (``EmbeddingStore.load`` reads it):
+        the ``sparse/`` folder, or ``sparse.safetensors`` in older checkpoints."""
         return self.path / self.shards[0]
 
+    @property
+    def sparse_digests(self) -> dict[str, str]:
+        """sha256 of the files in ``sparse/``, by name inside it."""
+        return self.shard_digests("sparse")
+
     def shard_digests(self, shard: str) -> dict[str, str]:
-        """{file in the shard's folder: sha256}, for a tiered store adopting its slabs."""
+        """{file in the shard's folder: sha256}, for a store loading (a tiered one
+        adopting the slabs of) its shard."""
         prefix = f"{shard}/"
         return {k[len(prefix):]: v for k, v in self.meta["sha256"].items()
                 if k.startswith(prefix)}
 
-    def rows_file(self, shard: str) -> Path | None:
-        """A memory store's rows file of ``shard`` (the shard itself in older layouts);
-        None for a tiered store's slab folder."""
-        path = self.path / shard
-        if path.is_file():
-            return path
-        return path / ROWS_FILE if (path / ROWS_FILE).is_file() else None
-
-    def shard_arrays(self, shard: str) -> dict[str, np.ndarray]:
-        """One shard as sorted-key arrays (``MemoryStore.to_arrays`` form); a tiered
-        shard's rows are decoded into RAM, so this is one rank's share at most."""
-        rows = self.rows_file(shard)
-        if rows is not None:
-            return load_numpy(str(rows))
-        from terarec.embedding.tiered import snapshot_arrays
-
-        row_dim, state_dim = self.dims()
-        return snapshot_arrays(self.path / shard, row_dim, state_dim)
-
-    def dims(self) -> tuple[int, int]:
-        """(row_dim, optimizer state_dim) of the model's rows."""
+    def _dims(self) -> tuple[int, int]:
+        """(row_dim, state_dim) of the stored rows, from the model directory's config."""
         _, config = read_model_meta(self.path.parents[1])
         row_dim = row_dim_for(config.model.name, config.model)
         return row_dim, SparseOptimizer(config.sparse_optimizer).state_dim(row_dim)
 
+    def iter_sorted(self, chunk_rows: int = CHUNK_ROWS) -> Iterator[RowChunk]:
+        """The stored rows in increasing key order, at most ``chunk_rows`` per chunk,
+        whatever wrote them (either store, any number of torchrun ranks): exports and
+        ``inspect`` read a checkpoint this way, never the whole table at once."""
+        row_dim, state_dim = self._dims()
+        yield from merge_sorted([iter_saved(self.path / name, chunk_rows, row_dim, state_dim)
+                                 for name in self.shards], chunk_rows)
+
+    def shard_arrays(self, shard: str) -> dict[str, np.ndarray]:
+        """One shard as sorted-key arrays (``MemoryStore.to_arrays`` form); a tiered
+        shard's rows are decoded into RAM, so this is one rank's share at most."""
+        rows = arrays_file(self.path / shard)
+        if rows is not None:
+            return load_numpy(str(rows))
+        return snapshot_arrays(self.path / shard, *self._dims())
+
     @functools.cached_property
     def sparse(self) -> dict[str, np.ndarray]:
-        """The whole store as sorted-key arrays, every shard merged, read on first use;
-        restoring goes shard by shard instead (``restore_trainer``)."""
+        """The whole store as sorted-key arrays, every shard merged, read on first use
+        (small tables, tests); restoring goes shard by shard (``restore_trainer``),
+        exports and ``inspect`` stream ``iter_sorted``."""
         return merge_shards([self.shard_arrays(s) for s in self.shards])
 
     def rank_arrays(self, rank: int, world: int) -> dict[str, np.ndarray]:
@@ -473,9 +500,9 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     trainer.model.load_state_dict(ckpt.dense)
     trainer.dense_optimizer.load_state_dict(ckpt.dense_optimizer)
     same_world = ckpt.world_size == ctx.world
-    if same_world and ckpt.tiered and hasattr(trainer.store, "load_snapshot"):
+    if same_world:  # this rank's own shard, whatever store saved it
         shard = ckpt.shards[ctx.rank]
-        trainer.store.load_snapshot(ckpt.path / shard, ckpt.shard_digests(shard))
+        trainer.store.load(ckpt.path / shard, ckpt.shard_digests(shard))
     else:
         trainer.store.load_arrays(ckpt.rank_arrays(ctx.rank, ctx.world))
     comm = ckpt.path / comm_file(ctx.rank, ctx.world)

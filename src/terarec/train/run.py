@@ -111,10 +111,8 @@ def _run_metrics(trainer: Trainer, valid: list, run: TrainRun, history: list[dic
     steps = [h for h in history if h.get("dense_bytes_per_step") is not None]
     ctx = trainer.ctx
     st = trainer.store.stats()
-    # Stores that report no encoded size keep fp32 values.
-    value_bytes = getattr(trainer.store, "value_bytes", st.keys * 4 * trainer.store.row_dim)
-    keys, value_bytes, pruned = (int(x) for x in ctx.all_sum([st.keys, value_bytes,
-                                                              st.pruned]))
+    keys, value_bytes, pruned = (int(x) for x in ctx.all_sum(
+        [st.keys, trainer.store.value_bytes, st.pruned]))
     metrics.update(
         eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
         samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,

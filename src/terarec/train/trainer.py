@@ -59,6 +59,7 @@ from terarec.distributed.lookup import (
 from terarec.distributed.sharding import deal_batches, iter_rank_passes
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
@@ -104,7 +105,7 @@ class Trainer:
     the ``dense_comm`` hook."""
 
     def __init__(self, schema: FeatureSchema, config: TrainConfig,
-                 store: MemoryStore | TieredStore | None = None,
+                 store: EmbeddingStore | None = None,
                  ctx: DistContext | None = None,
                  dense_comm: DenseCommConfig | None = None) -> None:
         self.schema = schema
@@ -349,7 +350,8 @@ class Trainer:
         if self.ctx.world > 1:
             groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size,
                                       cfg.pass_rows, self.ctx.rank, self.ctx.world,
-                                      on_bad_row=cfg.on_bad_row, stats=stats)
+                                      on_bad_row=cfg.on_bad_row, stats=stats,
+                                      group=self.ctx.plan_group)
             return (self.plan(g) if number >= skip else g
                     for number, g in enumerate(groups, first))
         batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
@@ -412,7 +414,7 @@ def _plans(groups: Iterator[list[Batch]], first: int, skip: int) -> Iterator:
 
 
 def make_store(row_dim: int, optimizer: SparseOptimizer,
-               config: TrainConfig) -> MemoryStore | TieredStore:
+               config: TrainConfig) -> EmbeddingStore:
     """The tiered store when a memory budget or a disk path is configured, else all in RAM."""
     if config.store.tiered:
         return TieredStore(row_dim, optimizer, config.store, seed=config.seed)
@@ -440,7 +442,7 @@ def _with_next(items: Iterator) -> Iterator[tuple]:
 class _Prefetcher(threading.Thread):
     """Reads the next pass's rows from the disk tier; errors re-raised on join."""
 
-    def __init__(self, store: TieredStore, upcoming: list[Batch] | PassPlan | np.ndarray
+    def __init__(self, store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray
                  ) -> None:
         super().__init__(name="terarec-store-prefetch", daemon=True)
         self.store, self.upcoming, self.error = store, upcoming, None
@@ -464,11 +466,11 @@ class _Prefetcher(threading.Thread):
             raise self.error
 
 
-def _start_prefetch(store, upcoming: list[Batch] | PassPlan | np.ndarray | None
+def _start_prefetch(store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray | None
                     ) -> _Prefetcher | None:
     """Start reading ``upcoming``'s rows (a pass, its plan, or its keys) into RAM, where
     the store has a disk tier to read them from."""
-    if upcoming is None or not hasattr(store, "prefetch"):
+    if upcoming is None or not store.prefetches:
         return None
     if isinstance(upcoming, (list, np.ndarray)) and len(upcoming) == 0:
         return None

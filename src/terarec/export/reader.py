@@ -1,0 +1,182 @@
+"""Reading exported versions (the layout in export/format.py), the other half of writer.py.
+
+Every file is verified against the manifest's size and sha256 before it is used; remote
+files are first copied into ``cache_dir`` so that shards can be memory-mapped. Each method
+raises ``ExportError`` naming the version and file when something does not fit.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.torch import load_file as load_torch_file
+
+from terarec.autofeature.candidates import AutoFeatureError
+from terarec.autofeature.features import CONFIG_FILE, FeatureConfig
+from terarec.config import ModelConfig, from_dict
+from terarec.export.compressed import EncodedRows, RowCodec
+from terarec.export.format import (
+    ExportError,
+    Manifest,
+    latest_version,
+    memmap_tensors,
+    read_manifest,
+)
+from terarec.export.storage import Storage, StorageError
+from terarec.io import sha256_file
+from terarec.models import build_model
+from terarec.models.base import CTRModel
+from terarec.types import FeatureSchema
+
+Rows = tuple[np.ndarray, np.ndarray]  # keys [n] int64, values [n, row_dim] (maybe encoded)
+
+
+class VersionReader:
+    """Manifests, verified files, rows and networks of the versions under ``storage``."""
+
+    def __init__(self, storage: Storage, cache_dir: Path | None = None) -> None:
+        if cache_dir is None and not storage.is_local:
+            raise ValueError(f"{storage.uri}: a remote export needs a cache_dir")
+        self.storage = storage
+        self.cache_dir = cache_dir
+
+    def latest(self) -> str | None:
+        return latest_version(self.storage)
+
+    def manifest(self, name: str) -> Manifest:
+        try:
+            return read_manifest(self.storage, name)
+        except StorageError as exc:
+            raise ExportError(str(exc)) from None
+
+    def fetch(self, manifest: Manifest, rel: str) -> Path:
+        """A verified local copy of one of the version's files."""
+        info = manifest.files.get(rel)
+        if info is None:
+            raise ExportError(f"{manifest.name}: {rel} is not listed in the manifest")
+        source = f"{manifest.name}/{rel}"
+        path = self.storage.local_path(source)
+        if path is None:
+            assert self.cache_dir is not None
+            path = self.cache_dir / manifest.name / rel
+            if not path.exists():
+                try:
+                    self.storage.download(source, path)
+                except StorageError as exc:
+                    raise ExportError(str(exc)) from None
+        elif not path.exists():
+            raise ExportError(f"{self.storage.uri}/{source}: missing")
+        if path.stat().st_size != int(info["bytes"]) or sha256_file(path) != info["sha256"]:
+            if self.storage.local_path(source) is None:
+                path.unlink(missing_ok=True)  # a bad download is not kept
+            raise ExportError(f"{self.storage.uri}/{source}: checksum mismatch, the file is "
+                              "corrupted or was replaced")
+        return path
+
+    def tensors(self, manifest: Manifest, rel: str, need: Sequence[str]
+                ) -> dict[str, np.ndarray]:
+        tensors = memmap_tensors(self.fetch(manifest, rel))
+        lacking = [n for n in need if n not in tensors]
+        if lacking:
+            raise ExportError(f"{manifest.name}/{rel}: lacks tensors {lacking}")
+        return tensors
+
+    def schema(self, manifest: Manifest) -> FeatureSchema:
+        try:
+            return FeatureSchema.from_dict(manifest.data["schema"])
+        except ValueError as exc:
+            raise ExportError(f"{manifest.name}: bad feature schema ({exc})") from None
+
+    def network(self, manifest: Manifest, schema: FeatureSchema) -> CTRModel:
+        """The version's dense network, weights loaded, in eval mode."""
+        try:
+            config = from_dict(ModelConfig, manifest.data["model"])
+            model = build_model(schema, config)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ExportError(f"{manifest.name}: bad model config ({exc})") from None
+        state = load_torch_file(str(self.fetch(manifest, manifest.data["dense"])))
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise ExportError(f"{manifest.name}: dense weights do not fit the model "
+                              f"({str(exc).splitlines()[0]})") from None
+        if model.row_dim != manifest.row_dim:
+            raise ExportError(f"{manifest.name}: rows have {manifest.row_dim} floats, the "
+                              f"model needs {model.row_dim}")
+        return model.eval()
+
+    def rows(self, manifest: Manifest, shard: dict[str, Any]) -> Rows:
+        """One sparse shard's keys and values (memory-mapped; encoded rows decode per
+        lookup, export/compressed.py)."""
+        rel, rows = shard["file"], int(shard["rows"])
+        codec = manifest.data["sparse"].get("codec")
+        values: Any
+        if codec is not None:
+            t = self.tensors(manifest, rel, ("keys", "codes"))
+            try:
+                values = EncodedRows(t["codes"], manifest.row_dim, RowCodec.parse(codec),
+                                     t.get("codebook"))
+            except ValueError as exc:
+                raise ExportError(f"{manifest.name}/{rel}: {exc}") from None
+        else:
+            t = self.tensors(manifest, rel, ("keys", "values"))
+            values = t["values"]
+        keys = t["keys"]
+        if keys.shape != (rows,) or values.shape != (rows, manifest.row_dim):
+            raise ExportError(f"{manifest.name}/{rel}: holds keys {keys.shape} and values "
+                              f"{values.shape}, the manifest says {rows} rows of "
+                              f"{manifest.row_dim}")
+        if len(keys) and (int(keys[0]) != shard["first_key"]
+                          or int(keys[-1]) != shard["last_key"]):
+            raise ExportError(f"{manifest.name}/{rel}: key range differs from the manifest")
+        return keys, values
+
+    def shards(self, manifest: Manifest) -> list[Rows]:
+        """The non-empty shards of a version, in key order."""
+        return [r for r in (self.rows(manifest, s) for s in manifest.shards) if len(r[0])]
+
+    def delta(self, manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(upserted keys, their rows as fp32, deleted keys) of a delta version."""
+        keys, values = [], []
+        for shard in manifest.shards:
+            k, v = self.rows(manifest, shard)
+            keys.append(np.array(k))
+            values.append(np.array(v))
+        upserts = np.concatenate(keys) if keys else np.empty(0, np.int64)
+        rows = (np.concatenate(values) if values
+                else np.empty((0, manifest.row_dim), np.float32))
+        deleted = np.empty(0, np.int64)
+        sparse = manifest.data["sparse"]
+        if sparse.get("deleted_file"):
+            deleted = np.array(self.tensors(manifest, sparse["deleted_file"], ("keys",))["keys"])
+            if len(deleted) != int(sparse["deleted"]):
+                raise ExportError(f"{manifest.name}: {len(deleted)} deleted keys, the "
+                                  f"manifest says {sparse['deleted']}")
+        return upserts, rows, deleted
+
+    def features(self, manifest: Manifest) -> FeatureConfig | None:
+        """The version's AutoFeature tables, verified, if it lists any."""
+        folder = manifest.data.get("features")
+        if folder is None:
+            return None
+        local = [self.fetch(manifest, rel) for rel in manifest.files
+                 if rel.startswith(f"{folder}/")]
+        if not local:
+            raise ExportError(f"{manifest.name}: lists feature tables but holds none")
+        try:
+            return FeatureConfig.load(local[0].parent / CONFIG_FILE)
+        except (AutoFeatureError, OSError) as exc:
+            raise ExportError(f"{manifest.name}: bad feature tables ({exc})") from None
+
+    def prune_downloads(self, keep: Iterable[str]) -> None:
+        """Drop downloaded files of versions not in ``keep`` (remote exports)."""
+        if self.storage.is_local or self.cache_dir is None or not self.cache_dir.exists():
+            return
+        names = set(keep)
+        for folder in self.cache_dir.iterdir():
+            if folder.is_dir() and folder.name not in names:
+                shutil.rmtree(folder, ignore_errors=True)

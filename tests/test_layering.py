@@ -1,0 +1,62 @@
+"""Data flows downward: only the command line (terarec/cli) imports terarec.cli."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "terarec"
+# Modules still importing terarec.cli while they are being dissolved; empty this set, never
+# grow it.
+PENDING: set[str] = set()
+
+
+def _imports_cli(path: Path) -> list[int]:
+    """Line numbers of the statements in ``path`` that import terarec.cli."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(("terarec", *path.relative_to(SRC).parent.parts))
+    lines = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the module's package
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        if any(n == "terarec.cli" or n.startswith("terarec.cli.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_package_outside_cli_imports_cli():
+    offenders = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("cli/") or rel == "__main__.py":  # the command line itself
+            continue
+        lines = _imports_cli(path)
+        if lines:
+            offenders[rel] = lines
+    assert set(offenders) <= PENDING, f"modules importing terarec.cli: {offenders}"
+    stale = {p for p in PENDING if p not in offenders}
+    assert not stale, f"no longer import terarec.cli, drop them from PENDING: {stale}"
+
+
+def test_the_check_sees_every_import_form(tmp_path, monkeypatch):
+    pkg = tmp_path / "terarec" / "serving"
+    pkg.mkdir(parents=True)
+    forms = ["import terarec.cli.common", "from terarec.cli import common",
+             "from terarec import cli", "from ..cli.common import x",
+             "def f():\n    from terarec.cli.main import main"]
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path / "terarec")
+    for i, form in enumerate(forms):
+        path = pkg / f"m{i}.py"
+        path.write_text(form + "\n")
+        assert _imports_cli(path), form
+    ok = pkg / "ok.py"
+    ok.write_text("import terarec.config\nfrom terarec.client import x\nfrom . import cli_x\n")
+    assert not _imports_cli(ok)
