@@ -5,9 +5,15 @@ The tiered arm trains with a memory budget several times smaller than its final 
 the current one trains); the in-memory arm holds the whole table in RAM. Each arm runs in
 its own process so its peak resident set (VmHWM) is its own.
 
+After training, each arm commits a checkpoint and writes a full export version (both
+streamed from the store a chunk at a time, as ``terarec train`` does).
+
 Reported: ``table_bytes`` (final rows x record bytes), ``memory_budget_bytes``,
-``peak_rss_bytes`` of the tiered arm (and ``start_rss_bytes``: the process before its
-first pass, data and model included), throughput of both arms and their ratio (target
+``peak_rss_bytes`` of the tiered arm through training, checkpoint and full export
+(target <= budget + 1.5 GB with the table >= 4x the budget; ``peak_rss_train_bytes``:
+after training only; ``start_rss_bytes``: the process before its first pass, data and
+model included), ``export_rows_per_s`` and ``checkpoint_s`` of both arms (the in-memory
+arm is the baseline: its rows need no disk reads), throughput of both arms and their ratio (target
 >= 0.7), the disk tier's batched warm read and write rates after training, on its own
 records and on 64 B records (targets >= 2e6 and >= 1e6 rows/s), the rates seen during
 training (sharing the cores with it), and ``prefetch_hidden_share``: the share of
@@ -44,6 +50,8 @@ from terarec.config import (  # noqa: E402
     TrainConfig,
     parse_bytes,
 )
+from terarec.export.writer import IncrementalExporter  # noqa: E402
+from terarec.train.checkpoint import save_checkpoint  # noqa: E402
 from terarec.train.trainer import Trainer  # noqa: E402
 from terarec.types import Batch, KeyedIds  # noqa: E402
 
@@ -118,12 +126,21 @@ def run_arm(args: argparse.Namespace) -> dict:
             rows += r.rows
             busy += r.staging_s + r.train_s + r.write_back_s
         wait += r.prefetch_wait_s
+    train_peak = _status("VmHWM")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        save_checkpoint(Path(tmp) / "model", trainer)
+        t1 = time.perf_counter()
+        exported = IncrementalExporter(Path(tmp) / "export", trainer).export(trainer, full=True)
+        t2 = time.perf_counter()
     s = trainer.store
     # A disk record (encoded values, state, counters); in RAM the same for fp32 rows.
     record = 4 * s.width if args.arm == "tiered" else 4 * (s.row_dim + s.state_dim + 3)
     out = {"sps": rows / busy, "keys": len(s), "table_bytes": len(s) * record,
            "start_rss_bytes": start_rss, "peak_rss_bytes": _status("VmHWM"),
-           "passes": len(passes)}
+           "peak_rss_train_bytes": train_peak, "passes": len(passes),
+           "checkpoint_s": t1 - t0, "export_rows": exported.rows,
+           "export_rows_per_s": exported.rows / max(t2 - t1, 1e-9)}
     if args.arm == "tiered":
         t = s.tier_stats()
         hidden = max(0.0, t.prefetch_s - wait)
@@ -184,11 +201,19 @@ def main() -> None:
         "memory_budget_bytes": budget,
         "table_over_budget": round(main_arm["table_bytes"] / budget, 2),
         "peak_rss_bytes": main_arm["peak_rss_bytes"],
+        "peak_rss_train_bytes": main_arm["peak_rss_train_bytes"],
+        "rss_target_bytes": budget + int(1.5 * (1 << 30)),
         "start_rss_bytes": main_arm["start_rss_bytes"],
         "peak_rss_in_memory_bytes": memory["peak_rss_bytes"],
+        "peak_rss_train_in_memory_bytes": memory["peak_rss_train_bytes"],
         "sps_tiered": round(main_arm["sps"]),
         "sps_in_memory": round(memory["sps"]),
         "ratio": round(main_arm["sps"] / memory["sps"], 3),
+        "export_rows": main_arm["export_rows"],
+        "export_rows_per_s": round(main_arm["export_rows_per_s"]),
+        "export_rows_per_s_in_memory": round(memory["export_rows_per_s"]),
+        "checkpoint_s": round(main_arm["checkpoint_s"], 2),
+        "checkpoint_s_in_memory": round(memory["checkpoint_s"], 2),
         "record_bytes": main_arm["table_bytes"] // max(main_arm["keys"], 1),
         "disk_read_rows_per_s": round(main_arm["disk_read_rows_per_s"]),
         "disk_write_rows_per_s": round(main_arm["disk_write_rows_per_s"]),

@@ -207,6 +207,8 @@ class StoreConfig:
 
 @dataclass
 class TrainConfig:
+    """Everything ``terarec train`` needs besides the data: saved as train_config.json."""
+
     __pydantic_config__ = STRICT
 
     batch_size: Positive = knob(4096, "--batch-size")

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
+import socket
 import tempfile
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -66,3 +71,118 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# -- locks and private scratch folders ------------------------------------------------------
+
+class LockedError(RuntimeError):
+    """Another process holds a lock this one needs (e.g. a second run on one model)."""
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def try_lock_file(path: str | Path) -> int | None:
+    """An open descriptor holding an exclusive ``fcntl`` lock on ``path`` (created if
+    needed), or None when another process holds it. Closing the descriptor, or the
+    holder's death, releases it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if _try_flock(fd):
+        return fd
+    os.close(fd)
+    return None
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | Path, what: str) -> Iterator[Path]:
+    """Hold an ``fcntl`` lock on ``path`` (created if needed) for the ``with`` block, or
+    fail at once with :class:`LockedError` naming the lock file and its holder. The
+    kernel drops the lock when its holder dies, even by kill -9, so a stale file never
+    blocks."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = try_lock_file(path)
+    if fd is None:
+        holder = path.read_text(errors="replace").strip() or "unknown"
+        raise LockedError(f"{what} is in use by another process (lock file {path}, held "
+                          f"by {holder})")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        yield path
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class ScratchDir:
+    """A private folder ``parent/PREFIX-XXXX`` for one process, removed by :meth:`close`.
+
+    Its owner holds an ``fcntl`` lock on a file inside it; a folder whose lock is free
+    was left by a process that died (kill -9 skips every ``finally``) and is removed the
+    next time a ``ScratchDir`` is made under the same parent.
+    """
+
+    OWNER = ".owner"
+
+    def __init__(self, parent: str | Path, prefix: str) -> None:
+        parent = Path(parent)
+        parent.mkdir(parents=True, exist_ok=True)
+        self.removed_stale = self._remove_stale(parent, prefix)
+        # Locked under a hidden name first, so no cleaner ever sees it unlocked.
+        hidden = Path(tempfile.mkdtemp(prefix=f".{prefix}-", dir=parent))
+        fd = try_lock_file(hidden / self.OWNER)
+        self.path = parent / hidden.name[1:]
+        hidden.rename(self.path)
+        # Removed by close(), when the object is collected, or at interpreter exit.
+        self._remove = weakref.finalize(self, ScratchDir._cleanup, self.path, fd)
+
+    @staticmethod
+    def _cleanup(path: Path, fd: int | None) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
+
+    @classmethod
+    def _remove_stale(cls, parent: Path, prefix: str) -> int:
+        removed = 0
+        for folder in parent.glob(f"{prefix}-*"):
+            owner = folder / cls.OWNER
+            try:
+                fd = os.open(owner, os.O_RDWR)
+            except OSError:
+                continue  # not ours, or being created right now
+            try:
+                stale = _try_flock(fd)
+            finally:
+                os.close(fd)
+            if stale:
+                shutil.rmtree(folder, ignore_errors=True)
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        """Remove the folder (idempotent)."""
+        self._remove()
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def remove_atomic_leftovers(folder: str | Path) -> list[Path]:
+    """Remove the temp files :func:`atomic_path` leaves in ``folder`` when its process is
+    killed mid-write. Only for a folder no one else is writing (its lock held)."""
+    removed = []
+    for tmp in Path(folder).glob(".*.tmp"):
+        if tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed

@@ -184,9 +184,11 @@ def _series(
     """The points each key has (items lacking it, or holding nan, are skipped)."""
     out = {}
     for key, label in keys:
-        points = [(x, _number(item.get(key), f"history[{i}][{key!r}]"))
-                  for i, (x, item) in enumerate(zip(xs, history, strict=True))]
-        points = [(x, y) for x, y in points if y is not None and math.isfinite(y)]
+        points: list[tuple[float, float]] = []
+        for i, (x, item) in enumerate(zip(xs, history, strict=True)):
+            y = _number(item.get(key), f"history[{i}][{key!r}]")
+            if y is not None and math.isfinite(y):
+                points.append((x, y))
         if points:
             out[label] = ([x for x, _ in points], [y for _, y in points])
     return out

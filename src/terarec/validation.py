@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import typing_extensions
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 T = TypeVar("T")
 
@@ -43,8 +44,7 @@ class Problem:
     path: str
     kind: str  # pydantic's error type, e.g. "missing", "literal_error"
     message: str  # the whole line, path included
-    field: str = ""  # for "missing" / "unknown": the key itself
-    description: str = ""  # the field's ``Field(description=...)``, if any
+    field: str = ""  # for "missing" / "unknown": the key(s), comma-separated
 
 
 @functools.cache
@@ -52,30 +52,25 @@ def _adapter(tp: Any) -> TypeAdapter[Any]:
     return TypeAdapter(tp)
 
 
-def validate(tp: type[T], data: Any, where: str = "", error: type[ValueError] = InvalidInput,
-             root: str = "") -> T:
-    """``data`` (JSON values: dicts, lists, numbers ...) as a ``tp``, or ``error`` naming
-    every problem, prefixed with ``where`` (a file name, say)."""
+def validate(tp: type[T], data: Any, where: str = "", root: str = "") -> T:
+    """``data`` (JSON values: dicts, lists, numbers ...) as a ``tp``, or ``InvalidInput``
+    naming every problem, prefixed with ``where`` (a file name, say)."""
     try:
         raw = json.dumps(data)
     except (TypeError, ValueError) as exc:
-        raise error(f"{where or root or 'document'}: not JSON data ({exc})") from None
-    return validate_json(tp, raw, where, error, root)
+        raise InvalidInput(f"{where or root or 'document'}: not JSON data ({exc})") from None
+    return validate_json(tp, raw, where, root)
 
 
-def validate_json(tp: type[T], raw: str | bytes, where: str = "",
-                  error: type[ValueError] = InvalidInput, root: str = "") -> T:
+def validate_json(tp: type[T], raw: str | bytes, where: str = "", root: str = "") -> T:
     """Parse and validate JSON text ``raw`` as a ``tp`` (see ``validate``); ``root`` names
     the whole document in errors about it (e.g. "request must be an object")."""
     try:
-        return typing.cast(T, _adapter(tp).validate_json(raw))
+        return typing.cast(T, _adapter(typing.cast(Any, tp)).validate_json(raw))
     except ValidationError as exc:
         found = problems(exc, tp, root)
         text = "; ".join(p.message for p in found)
-        exc_out = error(f"{where}: {text}" if where else text)
-        if isinstance(exc_out, InvalidInput):
-            exc_out.problems = found
-        raise exc_out from None
+        raise InvalidInput(f"{where}: {text}" if where else text, found) from None
 
 
 # -- error formatting --------------------------------------------------------------------
@@ -186,7 +181,7 @@ _KEY_ERRORS = {"extra_forbidden", "unexpected_keyword_argument", "missing", "mis
 def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
     """One Problem per error (the errors of a union's members merged into one)."""
     out: list[Problem] = []
-    unions: dict[str, list[dict[str, Any]]] = {}
+    unions: dict[str, list[ErrorDetails]] = {}
     missing: dict[str, list[Any]] = {}  # parent path -> [parent type, key, key ...]
     unknown: dict[str, list[Any]] = {}
     for err in exc.errors():
@@ -201,7 +196,7 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
                 group = unknown
             elif info is not None and info.description:
                 out.append(Problem(parent_path, "missing", f"{where}missing field {name!r}: "
-                                   f"{info.description}", name, info.description))
+                                   f"{info.description}", name))
                 continue
             else:
                 group = missing
@@ -215,8 +210,7 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
         if len(loc) and _walk(tp, loc[:-1])[0] == path and kind.endswith("_type"):
             unions.setdefault(path, []).append(err)  # one member of a union failed
             continue
-        out.append(Problem(path, kind, _describe(err, path or root, leaf, info),
-                           description=(info.description or "") if info else ""))
+        out.append(Problem(path, kind, _describe(err, path or root, leaf, info)))
     for i, p in enumerate(out):
         if p.message:
             continue
@@ -235,7 +229,7 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
     return out
 
 
-def _describe(err: Any, path: str, leaf: Any, info: FieldInfo | None) -> str:
+def _describe(err: ErrorDetails, path: str, leaf: Any, info: FieldInfo | None) -> str:
     kind, value, ctx = err["type"], err["input"], err.get("ctx") or {}
     subject = path or "document"
     desc = info.description if info is not None and info.description else None

@@ -103,6 +103,10 @@ def test_files_not_cut_by_newlines_are_read_whole_by_every_rank(tmp_path):
     quoted.write_text("\n".join([*lines[:10], '1,0.5,"a\nb",t1', *lines[10:]]) + "\n")
     packed = tmp_path / "rows.csv.gz"
     packed.write_bytes(gzip.compress(("\n".join(lines[1:]) + "\n").encode()))
+    with_header = tmp_path / "header.csv.gz"  # the header is read decompressed
+    with_header.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    assert list(iter_tables(with_header, CSV, 8))[0].equals(
+        list(iter_tables(quoted, CSV, 8))[0])
     assert line_index(bare_cr, 8, header_lines=1) is None
     assert line_index(quoted, 8, header_lines=1, quoted=True) is None
     # pyarrow decompresses by extension; the header is read from the plain text file
@@ -114,6 +118,7 @@ def test_files_not_cut_by_newlines_are_read_whole_by_every_rank(tmp_path):
         _assert_deal_matches_whole_file(bare_cr, CSV, 8, world)
         _assert_deal_matches_whole_file(quoted, CSV, 8, world)
         _assert_deal_matches_whole_file(packed.with_name("rows.csv"), schema, 8, world)
+        _assert_deal_matches_whole_file(with_header, CSV, 8, world)
         shares = _rank_share(packed, schema, 8, world)
         whole = list(iter_tables(plain, schema, 8))
         got = [t for k in range(len(whole)) for t in [shares[k % world][k // world][0]]]

@@ -229,3 +229,30 @@ def test_merge_sorted_interleaves_disjoint_streams_in_bounded_chunks():
     np.testing.assert_array_equal(merged, keys)
     np.testing.assert_array_equal(np.concatenate([c.values[:, 1] for c in chunks]),
                                   keys.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_an_empty_store_saves_and_loads(name, tmp_path):
+    kind, budget, settings = CASES[name]
+    store = _make(kind, budget, settings, tmp_path / "store")
+    digests = store.save(tmp_path / "saved")
+    assert list(store.iter_sorted()) == []
+    for into in ("memory", "tiered"):
+        loaded = _make(into, None, settings, tmp_path / f"loaded-{into}")
+        loaded.load(tmp_path / "saved", digests)
+        assert len(loaded) == 0 and list(loaded.iter_sorted()) == []
+        assert loaded.stats().keys == 0
+
+
+def test_implementations_keep_the_protocol_signatures():
+    """Guard: every protocol method exists on each store with the same parameters."""
+    import inspect
+
+    members = [n for n, v in vars(EmbeddingStore).items()
+               if callable(v) and not n.startswith("_") or n == "__len__"]
+    assert {"pull", "push", "iter_sorted", "save", "load", "committed"} <= set(members)
+    for cls in (MemoryStore, TieredStore):
+        for name in members:
+            want = list(inspect.signature(getattr(EmbeddingStore, name)).parameters)
+            got = list(inspect.signature(getattr(cls, name)).parameters)
+            assert got == want, (cls.__name__, name, got, want)

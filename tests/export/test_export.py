@@ -20,7 +20,7 @@ from terarec.export import (
     latest_version,
     read_manifest,
 )
-from terarec.export.format import DELETED_FILE, LATEST, MANIFEST
+from terarec.export.format import CLAIM, DELETED_FILE, LATEST, MANIFEST
 from terarec.io import sha256_file
 from terarec.train.checkpoint import load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
@@ -108,7 +108,7 @@ def test_manifest_lists_every_file_with_its_checksum(data, tmp_path):
     for name in ("v000001", "v000002"):
         manifest = read_manifest(Storage(uri), name)
         on_disk = {p.relative_to(uri / name).as_posix()
-                   for p in (uri / name).rglob("*") if p.is_file()} - {MANIFEST}
+                   for p in (uri / name).rglob("*") if p.is_file()} - {MANIFEST, CLAIM}
         assert on_disk == set(manifest.files)
         for rel, info in manifest.files.items():
             assert sha256_file(uri / name / rel) == info["sha256"]

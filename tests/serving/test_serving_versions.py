@@ -101,8 +101,9 @@ def test_damaged_delta_is_refused(export, live_run, batch, damage):
         (folder / MANIFEST).write_text((folder / MANIFEST).read_text()[:200])
     elif damage == "manifest of another version":
         manifest["name"] = "v000003"
-    elif damage == "missing dense file":
+    elif damage == "missing dense file":  # refused once it has been missing too long
         (folder / "dense.safetensors").unlink()
+        engine.incomplete_timeout_s = 0
     elif damage == "corrupted dense file":
         _flip_byte(folder / "dense.safetensors")
     elif damage == "row width changed":

@@ -21,6 +21,7 @@ import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import duckdb
 
@@ -42,6 +43,8 @@ from terarec.autofeature.tables import (
 )
 from terarec.io import atomic_path
 from terarec.types import FeatureSchema
+
+DuckDBConfig = dict[str, str | bool | int | float | list[str]]
 
 
 class AutoFeatureEngine:
@@ -72,10 +75,10 @@ class AutoFeatureEngine:
         self._lock = threading.Lock()
         self._loaded: dict[str, str] = {}
 
-    def duckdb_config(self) -> dict[str, str | int]:
+    def duckdb_config(self) -> DuckDBConfig:
         """The settings every connection of this engine is opened with."""
-        config: dict[str, str | int] = {"temp_directory": str(self.scratch_dir()),
-                                        "preserve_insertion_order": True}
+        config: DuckDBConfig = {"temp_directory": str(self.scratch_dir()),
+                                "preserve_insertion_order": True}
         if self.memory_limit is not None:
             config["memory_limit"] = self.memory_limit
         if self.threads is not None:
@@ -151,8 +154,8 @@ class AutoFeatureEngine:
             raise AutoFeatureError(f"unknown columns {unknown}; the schema's fields are "
                                    f"{', '.join(known)}")
         select = ", ".join(f"approx_count_distinct({ident(c)})" for c in names)
-        row = self.run(self.cursor(), f"SELECT {select} FROM {source_sql(files, schema)}",
-                       f"measuring cardinalities over {display(files)}").fetchone()
+        row = _one(self.run(self.cursor(), f"SELECT {select} FROM {source_sql(files, schema)}",
+                            f"measuring cardinalities over {display(files)}"))
         return dict(zip(names, (int(v) for v in row), strict=True))
 
     def loaded_table(self, tables: FeatureTables, table: FeatureTable) -> str:
@@ -223,9 +226,9 @@ def compute_tables(candidates: Sequence[Candidate], train_paths: PathSpec,
                             f" TO {literal(str(staged))} (FORMAT parquet)", f"reading {where}")
             source = f"read_parquet({literal(str(staged))})"
         for keys, group in by_keys.items():
-            train_rows, tables = _compute_key_set(engine, con, source, keys, group, schema,
-                                                  out, f"over {where}")
-            written.update(tables)
+            train_rows, computed = _compute_key_set(engine, con, source, keys, group, schema,
+                                                    out, f"over {where}")
+            written.update(computed)
     finally:
         con.close()
         if staged is not None:
@@ -252,7 +255,7 @@ def _compute_key_set(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, 
                     f"SELECT {key_select}, count(*) AS n, {aggregates} "
                     f"FROM {source} GROUP BY ALL",
                f"computing {', '.join(c.name for _, c in group)} {where}")
-    rows_scanned = int(con.execute("SELECT sum(n) FROM autofeature_agg").fetchone()[0])
+    rows_scanned = int(_one(con.execute("SELECT sum(n) FROM autofeature_agg"))[0])
     key_cols = ", ".join(ident(k) for k in keys)
     written = {}
     for i, cand in group:
@@ -262,8 +265,7 @@ def _compute_key_set(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, 
         present = f"FROM autofeature_agg WHERE v{i} IS NOT NULL"
         copy_to_parquet(engine, con, f"SELECT {key_cols}, v{i} AS {VALUE_COLUMN} {present}",
                         out / file, f"writing {cand.name}")
-        rows, vmin, vmax = con.execute(f"SELECT count(*), min(v{i}), max(v{i}) {present}"
-                                       ).fetchone()
+        rows, vmin, vmax = _one(con.execute(f"SELECT count(*), min(v{i}), max(v{i}) {present}"))
         written[i] = FeatureTable(cand, file, key_types, int(rows),
                                   None if vmin is None else float(vmin),
                                   None if vmax is None else float(vmax))
@@ -271,9 +273,19 @@ def _compute_key_set(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, 
     return rows_scanned, written
 
 
+def _one(cursor: duckdb.DuckDBPyConnection) -> tuple[Any, ...]:
+    """The one row an aggregate query returns."""
+    row = cursor.fetchone()
+    if row is None:
+        raise AutoFeatureError("an aggregate query returned no row")
+    return row
+
+
 def _aggregate_sql(cand: Candidate) -> str:
     if cand.is_count:
         return "count(*)"
+    if cand.value_column is None:
+        raise AutoFeatureError(f"{cand.name}: no value column to aggregate")
     # Doubles throughout: a BIGINT sum would be HUGEINT, which Parquet does not hold.
     return f"CAST({cand.agg}({ident(cand.value_column)}) AS DOUBLE)"
 

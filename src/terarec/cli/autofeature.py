@@ -15,7 +15,9 @@ import io
 import json
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from terarec.autofeature import (
     ALL_AGGREGATES,
@@ -37,6 +39,7 @@ from terarec.autofeature.selection import (
 from terarec.cli.common import add_format_args, schema_from_args
 from terarec.io import atomic_write_text
 
+T = TypeVar("T")
 GAIN_FIELDS = ("name", "kind", "auc", "gain", "selected", "round", "gain_when_chosen")
 
 
@@ -91,6 +94,16 @@ def _split(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _choices(text: str, allowed: Sequence[T], flag: str) -> list[T]:
+    """The comma-separated names in ``text``, each one of ``allowed``."""
+    by_name = {str(a): a for a in allowed}
+    names = _split(text)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"{flag}: unknown {unknown}; known: {', '.join(by_name)}")
+    return [by_name[n] for n in names]
+
+
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     schema = schema_from_args(args)
@@ -108,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                                              schema)
         else:
             candidates = enumerate_candidates(
-                schema, kinds=_split(args.kinds), aggs=_split(args.aggs),
+                schema, kinds=_choices(args.kinds, ALL_KINDS, "--kinds"),
+                aggs=_choices(args.aggs, ALL_AGGREGATES, "--aggs"),
                 cardinalities=engine.cardinalities(args.train, schema),
                 max_cross_pairs=args.max_cross_pairs, max_groupby_keys=args.max_groupby_keys)
         print(f"computing {len(candidates)} candidates over {len(args.train)} training "

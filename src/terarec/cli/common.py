@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import tempfile
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from terarec.config import (
     to_dict,
 )
 from terarec.data.readers import ReadStats, csv_schema
+from terarec.io import ScratchDir
 from terarec.types import FeatureSchema
 from terarec.validation import InvalidInput, strip_type
 
@@ -173,10 +175,29 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
     from terarec.train.checkpoint import restore_trainer
     from terarec.train.passes import iter_file_batches
 
-    trainer = restore_trainer(args.model)
-    with model_inputs(args.model, trainer.schema, args.data,
-                      lambda s: schema_for_data(s, args)) as (schema, data):
-        stats = ReadStats()
-        yield trainer, iter_file_batches(data, schema, trainer.config.batch_size,
-                                         on_bad_row=args.on_bad_row or "error",
-                                         stats=stats), stats
+    with scoring_scratch(args.model) as scratch:
+        trainer = restore_trainer(args.model, scratch_dir=scratch)
+        with model_inputs(args.model, trainer.schema, args.data,
+                          lambda s: schema_for_data(s, args)) as (schema, data):
+            stats = ReadStats()
+            yield trainer, iter_file_batches(data, schema, trainer.config.batch_size,
+                                             on_bad_row=args.on_bad_row or "error",
+                                             stats=stats), stats
+
+
+SCRATCH_DIR = ".scratch"  # inside a model directory: private folders of scoring runs
+
+
+@contextlib.contextmanager
+def scoring_scratch(model_dir: Path) -> Iterator[Path]:
+    """A private folder for a scoring run's tiered store, inside the model directory so
+    that a run killed with -9 leaves nothing elsewhere (the next run removes it); in the
+    temp folder when the model directory is read-only. Removed on exit."""
+    try:
+        if not model_dir.is_dir():
+            raise NotADirectoryError(model_dir)  # restore_trainer says what is wrong
+        scratch = ScratchDir(model_dir / SCRATCH_DIR, "store")
+    except OSError:
+        scratch = ScratchDir(tempfile.gettempdir(), "terarec-store")
+    with scratch as path:
+        yield path

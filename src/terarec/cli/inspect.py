@@ -83,7 +83,7 @@ def summarise(model_dir: Path) -> dict:
     }
 
 
-def _fmt(n: int | None) -> str:
+def _fmt(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

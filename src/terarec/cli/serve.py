@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-rows", type=int, default=1_000_000,
                    help="rows kept in the hot-key cache (default 1,000,000)")
     p.add_argument("--cache-dir", type=Path,
-                   help="local folder for shards of a remote export (default: a temp folder)")
+                   help="folder for the server's private, verified copies of the files it "
+                        "serves (default: a temp folder, removed at exit)")
     p.add_argument("--max-candidates", type=int, default=1000,
                    help="most rows one request may score (default 1000)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
@@ -33,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait-seconds", type=float, default=0.0,
                    help="at startup, wait this long for a first version (default: do not "
                         "wait; /v2/health/ready says 503 until one is loaded)")
+    p.add_argument("--incomplete-seconds", type=float, default=60.0,
+                   help="how long a version whose manifest is there but some files are "
+                        "not (still being copied) is retried before it is refused "
+                        "(default 60)")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_storage_args(p)
@@ -51,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = ServingEngine(args.uri, storage_options=storage_options_from_args(args),
-                           cache_rows=args.cache_rows, cache_dir=args.cache_dir)
+                           cache_rows=args.cache_rows, cache_dir=args.cache_dir,
+                           incomplete_timeout_s=args.incomplete_seconds)
     if args.wait_seconds > 0:
         engine.wait_for_version(args.wait_seconds)
     else:

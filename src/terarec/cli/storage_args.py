@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 
-def add_storage_args(parser: argparse.ArgumentParser) -> None:
+def add_storage_args(parser: argparse._ActionsContainer) -> None:
+    """Add ``--storage-options`` to a parser or an argument group."""
     parser.add_argument(
         "--storage-options", default=None, metavar="JSON",
         help='fsspec options for the export URI, e.g. \'{"endpoint_url": '

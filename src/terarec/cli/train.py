@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +22,14 @@ from terarec.cli.common import (
     schema_for_data,
     schema_from_args,
 )
+from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.config import TrainConfig
 from terarec.distributed.context import DistContext, launched_by_torchrun, topology
 from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
+from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import list_checkpoints
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
@@ -91,6 +95,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                    help="DGC: steps over which sparsity rises from 75%% to its target")
 
 
+LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
+
+
 def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
     return DenseCommConfig(mode=args.dense_comm, dgc_ratio=args.dgc_ratio,
                            dgc_momentum=args.dgc_momentum,
@@ -105,8 +112,28 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         # A single process has no dense gradients to exchange: say so, don't ignore it.
         raise ValueError(f"--dense-comm {args.dense_comm} needs several ranks: launch with "
                          "torchrun --nproc_per_node N -m terarec train ...")
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} is a file, not a model directory")
     config = config_from_args(args)
     ctx = topology(config.device)
+    # Rank 0 (alone: the process) holds the model directory's lock for the whole run.
+    failure: str | None = None
+    with contextlib.ExitStack() as held:
+        if ctx.is_main:
+            try:
+                held.enter_context(exclusive_lock(args.out / LOCK_FILE,
+                                                  f"model directory {args.out}"))
+                remove_atomic_leftovers(args.out)  # of a run killed mid-write
+            except LockedError as exc:
+                failure = str(exc)
+        failure = ctx.broadcast_object(failure)
+        if failure is not None:
+            raise UserError(failure)
+        return _locked_run(args, config, ctx, on_commit)
+
+
+def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
+                on_commit: Callable[[Trainer], None] | None) -> int:
     features = _features(args, ctx)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \

@@ -44,6 +44,7 @@ FORMATS = ("criteo", "csv", "parquet")
 
 _NUMBER_RE = r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$"
 _BLOCK_BYTES = 4 << 20
+_MAX_BLOCK_BYTES = 1 << 30  # one row may be at most this long
 
 
 class DataError(ValueError):
@@ -389,11 +390,7 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
     criteo = schema.format == "criteo"
     needed = [schema.label, *(f.name for f in schema.fields)]
     skip = 1 if header_in_source else 0
-    if header_in_source:
-        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES)
-    else:
-        read_options = pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES,
-                                          column_names=names)
+    column_names = None if header_in_source else names
 
     # Rows with a wrong column count never reach us as data: pyarrow reports them to this
     # handler (with their line number in ``source``, since parsing is single-threaded)
@@ -402,6 +399,8 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
     first_invalid: list[str] = []
 
     def on_invalid(row: Any) -> str:
+        if invalid and row.number <= invalid[-1]:
+            return "skip"  # seen before the reader restarted with larger blocks
         got, want = row.actual_columns, row.expected_columns
         culprit = names[got] if got < want else names[-1]
         message = (f"{path}: line {lines_before + row.number}: field {culprit!r}: "
@@ -430,11 +429,9 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
         strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""])
     cleaner = _Cleaner(schema, lambda i: f"{path}: line {line_of(i)}", on_bad_row, stats)
     try:
-        reader = pa_csv.open_csv(source, read_options=read_options,
-                                 parse_options=parse_options,
-                                 convert_options=convert_options)
         stream_row = 0
-        for block in reader:
+        for block in _csv_blocks(path, source, column_names, parse_options,
+                                 convert_options):
             yield cleaner.clean(block, stream_row)
             stream_row += block.num_rows
     except pa.ArrowInvalid as exc:
@@ -443,9 +440,53 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
         raise DataError(f"{path}: {exc}") from exc
 
 
+def _csv_blocks(path: Path, source: Any, column_names: list[str] | None,
+                parse_options: pa_csv.ParseOptions,
+                convert_options: pa_csv.ConvertOptions) -> Iterator[pa.RecordBatch]:
+    """pyarrow's CSV blocks of ``source`` (``path`` or a seekable buffer of its lines).
+    A row longer than a block (pyarrow: "straddling object straddles two block
+    boundaries") restarts the read with 8x larger blocks, up to ``_MAX_BLOCK_BYTES``,
+    skipping the rows already delivered."""
+    block_bytes, delivered = _BLOCK_BYTES, 0
+    while True:
+        read_options = pa_csv.ReadOptions(use_threads=False, block_size=block_bytes,
+                                          column_names=column_names)
+        seen = 0
+        try:
+            for block in pa_csv.open_csv(source, read_options=read_options,
+                                         parse_options=parse_options,
+                                         convert_options=convert_options):
+                start, seen = seen, seen + block.num_rows
+                if seen > delivered:
+                    yield block.slice(max(0, delivered - start))
+                    delivered = seen
+            return
+        except pa.ArrowInvalid as exc:
+            if "straddl" not in str(exc):
+                raise
+            if block_bytes >= _MAX_BLOCK_BYTES:
+                raise DataError(f"{path}: a row after data row {delivered} is longer than "
+                                f"{_MAX_BLOCK_BYTES >> 20} MiB, the largest block the "
+                                "reader takes; split or shorten that row") from None
+            block_bytes = min(block_bytes * 8, _MAX_BLOCK_BYTES)
+            if hasattr(source, "seek"):
+                source.seek(0)
+
+
 def _read_header(path: Path, delimiter: str) -> list[str]:
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        first = fh.readline()
+    """The first line's column names; a compressed file (by extension, as pyarrow opens
+    it) is decompressed first."""
+    head = b""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        while b"\n" not in head and b"\r" not in head:
+            chunk = stream.read(1 << 16)
+            if not chunk:
+                break
+            head += chunk
+    try:
+        first = head.splitlines()[0].decode("utf-8-sig") if head else ""
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: line 1: header is not UTF-8 text: {exc}") from None
     if not first.strip():
         raise DataError(f"{path}: line 1: empty header line")
     return next(csv.reader([first], delimiter=delimiter))

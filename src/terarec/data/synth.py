@@ -251,8 +251,8 @@ def _draw_features(n: int, rng: np.random.Generator, vocab: tuple[int, ...],
     ids = np.empty((NUM_CATEGORICAL, n), dtype=np.int64)
     for f, v in enumerate(vocab):
         _inverse_cdf(*_zipf_table(v, exponent), u[f], ids[f])
-    for f in np.flatnonzero(CATEGORICAL_MISSING):
-        ids[f, rng.random(n) < CATEGORICAL_MISSING[f]] = -1
+    for col in np.flatnonzero(CATEGORICAL_MISSING):
+        ids[col, rng.random(n) < CATEGORICAL_MISSING[col]] = -1
     z = rng.standard_normal((NUM_DENSE, n))
     dense = np.floor(np.exp(np.asarray(DENSE_MU)[:, None] + np.asarray(DENSE_SIGMA)[:, None] * z))
     for j in np.flatnonzero(DENSE_MISSING):

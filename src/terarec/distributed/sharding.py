@@ -22,13 +22,17 @@ parses and checks only its own local batches (``terarec.data.split``)::
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from terarec.data.readers import DataError, OnBadRow, ReadStats, table_to_batch
 from terarec.data.split import Step, empty_table, iter_rank_tables
+from terarec.distributed.context import DistContext
 from terarec.kernels import splitmix64_array
 from terarec.types import Batch, FeatureSchema
 
@@ -63,17 +67,18 @@ def _rank_steps(paths: Iterable[str | Path], schema: FeatureSchema, local_size: 
 def iter_rank_passes(paths: Iterable[str | Path], schema: FeatureSchema, batch_size: int,
                      pass_rows: int, rank: int, world: int, *, on_bad_row: OnBadRow = "error",
                      stats: ReadStats | None = None,
-                     group: Any = None) -> Iterator[list[Batch]]:
+                     ctx: DistContext | None = None) -> Iterator[list[Batch]]:
     """This rank's share of every pass: one local batch per global step (empty where the
     step has fewer local batches than ranks). Every rank yields the same number of passes
     with the same number of steps, so their collectives line up.
 
     Each rank parses and checks only its own local batches (``terarec.data.split``).
-    ``group``: a process group of this thread's (the read-ahead one's), in which the ranks
-    agree after every pass: the rows read and skipped are summed into every rank's
-    ``stats``, and a bad row found by any rank (``on_bad_row="error"``) is raised as the
-    same DataError on every rank, none left waiting in a collective. Without a group
-    ``stats`` counts this rank's rows and an error is raised by the rank that found it.
+    ``ctx``: the ranks agree after every pass, in ``ctx.plan_group`` (the read-ahead
+    thread's group: call this from that thread): the rows read and skipped are summed
+    into every rank's ``stats``, and a bad row found by any rank (``on_bad_row="error"``)
+    is raised as the same DataError on every rank, none left waiting in a collective.
+    Without ``ctx``, ``stats`` counts this rank's rows and only the rank that found a
+    bad row raises.
     """
     local_size = local_batch_size(batch_size, world)
     stats = stats if stats is not None else ReadStats()
@@ -96,24 +101,25 @@ def iter_rank_passes(paths: Iterable[str | Path], schema: FeatureSchema, batch_s
                 rows += step_rows
         except DataError as exc:
             error = exc
-        _agree(read, error, stats, group, world)
+        _agree(read, error, stats, ctx)
         read.rows, read.skipped, read.examples = 0, 0, []  # the reader keeps this object
         if current:
             yield current
 
 
-def _agree(read: ReadStats, error: DataError | None, stats: ReadStats, group: Any,
-           world: int) -> None:
-    """Add one pass's reading to ``stats`` (every rank's, with a group) and raise the
+def _agree(read: ReadStats, error: DataError | None, stats: ReadStats,
+           ctx: DistContext | None) -> None:
+    """Add one pass's reading to ``stats`` (every rank's, with ``ctx``) and raise the
     first error any rank met."""
-    if group is None or world == 1:
-        reports = [(str(error) if error else None, read.rows, read.skipped, read.examples)]
+    report = (str(error) if error else None, read.rows, read.skipped, read.examples)
+    if ctx is None or ctx.world == 1:
+        reports: list[Any] = [report]
     else:
-        import torch.distributed as dist
-
-        reports = [None] * world
-        dist.all_gather_object(reports, (str(error) if error else None, read.rows,
-                                         read.skipped, read.examples), group=group)
+        reports = [None] * ctx.world
+        # NCCL's object collectives use the thread's current CUDA device: set it for
+        # this (read-ahead) thread too.
+        with torch.cuda.device(ctx.device) if ctx.backend == "nccl" else nullcontext():
+            dist.all_gather_object(reports, report, group=ctx.plan_group)
     for _, rows, skipped, examples in reports:
         stats.rows += rows
         stats.skipped += skipped

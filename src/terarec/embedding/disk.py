@@ -28,7 +28,6 @@ RAM per key: the ``KeyIndex`` (16 B per bucket at 25-50 % load: 32-64 B per key)
 
 from __future__ import annotations
 
-import fcntl
 import json
 import mmap
 import os
@@ -50,7 +49,7 @@ from safetensors.numpy import save_file as save_numpy
 from terarec.embedding.compression import CodedRows, FrequencyClasses
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.quant import decode_rows, encode_rows, row_bytes
-from terarec.io import sha256_file
+from terarec.io import sha256_file, try_lock_file
 from terarec.kernels import grown
 
 SLAB_BYTES = 64 << 20
@@ -531,12 +530,9 @@ class DiskTier:
 def _lock_folder(path: Path) -> int:
     """Hold an exclusive lock on ``path`` for this process's lifetime: a second store on
     the same folder would wipe and overwrite the first one's rows."""
-    fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise RuntimeError(f"{path}: store folder in use by another process") from None
+    fd = try_lock_file(path / ".lock")
+    if fd is None:
+        raise RuntimeError(f"{path}: store folder in use by another process")
     return fd
 
 

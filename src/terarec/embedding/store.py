@@ -16,6 +16,7 @@ Row arrays (one entry per slot of the key index)::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,6 @@ import numba
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file as load_numpy
-from safetensors.numpy import save_file as save_numpy
 
 from terarec.config import StoreConfig
 from terarec.embedding.compression import CodedRows, FrequencyClasses, make_row_values
@@ -163,6 +163,54 @@ def merge_sorted(parts: list[Iterator[RowChunk]],
 def _slice(chunk: RowChunk, lo: int, hi: int) -> RowChunk:
     return RowChunk(chunk.keys[lo:hi], chunk.values[lo:hi], chunk.state[lo:hi],
                     chunk.show[lo:hi], chunk.click[lo:hi], chunk.last_seen[lo:hi])
+
+
+_SAFETENSORS_DTYPES = {np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
+                       np.dtype(np.float32): "F32"}
+
+
+def write_arrays_file(path: Path, rows: int, row_dim: int, state_dim: int,
+                      chunks: Iterator[RowChunk], extras: dict[str, np.ndarray]) -> None:
+    """Write an arrays-form safetensors file (the layout ``save_numpy(to_arrays())``
+    writes, readable by any safetensors reader) from key-ordered chunks holding ``rows``
+    rows in all, a chunk at a time: each column's slice goes to its place in the file.
+
+    safetensors layout: u64 header size | JSON header (tensor -> dtype, shape, byte
+    range in the data) | data: the tensors back to back, in header order.
+    """
+    shapes = {"keys": ((rows,), np.int64), "values": ((rows, row_dim), np.float32),
+              "state": ((rows, state_dim), np.float32), "show": ((rows,), np.float32),
+              "click": ((rows,), np.float32), "last_seen": ((rows,), np.int32)}
+    tensors: list[tuple[str, tuple[int, ...], np.dtype]] = [
+        (name, shape, np.dtype(dtype)) for name, (shape, dtype) in shapes.items()]
+    tensors += [(name, a.shape, a.dtype) for name, a in sorted(extras.items())]
+    header: dict[str, dict] = {}
+    offset = 0
+    for name, shape, dtype in tensors:
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    start = 8 + len(raw)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        fh.truncate(start + offset)
+        done = 0
+        for chunk in chunks:
+            for name, column in chunk.columns().items():
+                begin = header[name]["data_offsets"][0]
+                row_bytes = column.dtype.itemsize * (column.shape[1] if column.ndim > 1 else 1)
+                fh.seek(start + begin + done * row_bytes)
+                fh.write(np.ascontiguousarray(column, shapes[name][1]).tobytes())
+            done += len(chunk)
+        if done != rows:
+            raise ValueError(f"{path}: {done} rows streamed, {rows} announced")
+        for name, _, _ in tensors[len(shapes):]:
+            fh.seek(start + header[name]["data_offsets"][0])
+            fh.write(np.ascontiguousarray(extras[name]).tobytes())
 
 
 @dataclass
@@ -513,8 +561,16 @@ class MemoryStore(EvictionLog):
         {file name: sha256}."""
         dst = Path(dst)
         dst.mkdir(parents=True, exist_ok=True)
-        save_numpy(self.to_arrays(), str(dst / ROWS_FILE))
+        # Streamed from iter_sorted: no second copy of the table, as to_arrays would make.
+        write_arrays_file(dst / ROWS_FILE, len(self), self.row_dim, self.state_dim,
+                          self.iter_sorted(), self._store_extras())
         return {ROWS_FILE: sha256_file(dst / ROWS_FILE)}
+
+    def _store_extras(self) -> dict[str, np.ndarray]:
+        """The store-wide arrays of ``to_arrays``: counters and admission candidates."""
+        return {"counters": np.array([self.admitted_total, self.evicted_total], np.int64),
+                "pruned": np.array([self.pruned_total], np.int64),
+                **self.candidate_arrays()}
 
     def committed(self, path: Path, digests: dict[str, str]) -> None:
         """The folder last saved is now committed at ``path`` (nothing to remember)."""
@@ -543,9 +599,7 @@ class MemoryStore(EvictionLog):
             "show": self.show[slots],
             "click": self.click[slots],
             "last_seen": self.last_seen[slots],
-            "counters": np.array([self.admitted_total, self.evicted_total], np.int64),
-            "pruned": np.array([self.pruned_total], np.int64),
-            **self.candidate_arrays(),
+            **self._store_extras(),
         }
 
     def candidate_arrays(self) -> dict[str, np.ndarray]:

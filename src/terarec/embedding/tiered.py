@@ -1,7 +1,7 @@
 """The tiered store: hot rows in RAM under a byte budget, every row on disk.
 
-Same API as ``MemoryStore`` (pull / push / lookup / end_pass / evict / stats), so the
-trainer and the working set use either unchanged::
+Implements ``EmbeddingStore`` (protocol.py) as ``MemoryStore`` does, so the trainer,
+the working set, checkpoints and exports use either unchanged::
 
     pull(keys)      hot rows: counted in place, pinned      cold rows: one batched disk
                     (memory tier, MemoryStore <= budget)    read (or new, after admission)
@@ -107,7 +107,7 @@ class TierStats:
 
 
 class TieredStore(EvictionLog):
-    """``MemoryStore`` API over a memory tier bounded by ``config.memory_budget`` and a
+    """``EmbeddingStore`` over a memory tier bounded by ``config.memory_budget`` and a
     disk tier under ``path`` (default ``config.disk_path``, else a temporary folder)."""
 
     saved_format = "tiered"  # what ``save`` writes: a slab snapshot
@@ -702,9 +702,10 @@ class TieredStore(EvictionLog):
                 with self._lock:
                     mslots = self.memory.index.lookup(k)
                     hot = mslots >= 0
-                    rec = np.empty((len(k), self.width), np.float32)
-                    rec[hot] = self._records(mslots[hot])
-                    rec[~hot] = self.disk.read_slots(self.disk.index.lookup(k[~hot]))
+                    # Disk records of the cold rows (zeros at the hot ones), read in place.
+                    rec = self.disk.read_slots(np.where(hot, -1, self.disk.index.lookup(k)))
+                    if hot.any():
+                        rec[hot] = self._records(mslots[hot])
                 yield RowChunk(k, **self.layout.decode(rec))
 
     def to_arrays(self) -> dict[str, np.ndarray]:

@@ -42,6 +42,7 @@ FORMAT = "terarec-export"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+CLAIM = ".claim"  # created exclusively by the writer that takes a version number
 DENSE_FILE = "dense.safetensors"
 DELETED_FILE = "sparse/deleted.safetensors"
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
@@ -196,10 +197,40 @@ class Manifest:
             body = validate_json(ManifestBody, raw, where, root="manifest")
         except InvalidInput as exc:
             raise ExportError(str(exc)) from None
+        check_manifest_paths(dict(body), where)
         return cls(dict(body))
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.data, indent=2).encode()
+
+
+def check_member_path(rel: Any, where: str) -> str:
+    """``rel`` when it names a file inside its version folder: relative, ``/``-separated,
+    without ``..`` or empty parts, so no manifest (or writer) reaches another version's
+    files or anything outside the export."""
+    if (not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel
+            or "\0" in rel or any(part in ("", ".", "..") for part in rel.split("/"))):
+        raise ExportError(f"{where}: path {rel!r} is not a plain relative path inside the "
+                          "version folder")
+    return rel
+
+
+def check_manifest_paths(data: dict[str, Any], where: str) -> None:
+    """Every path a (schema-valid) manifest names stays inside its version, and every
+    file it reads is listed with its size and sha256."""
+    files, sparse = data["files"], data["sparse"]
+    for rel in files:
+        check_member_path(rel, f"{where}: files")
+    named = [("dense", data["dense"])]
+    named += [(f"sparse.shards[{i}].file", s["file"]) for i, s in enumerate(sparse["shards"])]
+    if sparse.get("deleted_file") is not None:
+        named.append(("sparse.deleted_file", sparse["deleted_file"]))
+    for field_name, rel in named:
+        check_member_path(rel, f"{where}: {field_name}")
+        if rel not in files:
+            raise ExportError(f"{where}: {field_name} {rel!r} is not listed in 'files'")
+    if data.get("features") is not None:
+        check_member_path(data["features"], f"{where}: features")
 
 
 def read_manifest(storage: Storage, name: str) -> Manifest:

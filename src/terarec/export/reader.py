@@ -1,8 +1,11 @@
 """Reading exported versions (the layout in export/format.py), the other half of writer.py.
 
-Every file is verified against the manifest's size and sha256 before it is used; remote
-files are first copied into ``cache_dir`` so that shards can be memory-mapped. Each method
-raises ``ExportError`` naming the version and file when something does not fit.
+Every file is first copied into ``cache_dir`` (downloaded when remote) and the copy is
+verified against the manifest's size and sha256 before anything maps or loads it: what a
+server maps is a private copy nobody else writes, so the export may be truncated,
+rewritten or deleted underneath it. Each method raises ``ExportError`` naming the version
+and file when something does not fit, ``IncompleteVersionError`` when a file or manifest
+is not there (yet).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from terarec.autofeature.features import CONFIG_FILE, FeatureConfig
 from terarec.config import ModelConfig, from_dict
 from terarec.export.compressed import EncodedRows, RowCodec
 from terarec.export.format import (
+    MANIFEST,
     ExportError,
     Manifest,
     latest_version,
     memmap_tensors,
+    parse_version_name,
     read_manifest,
 )
 from terarec.export.storage import Storage, StorageError
@@ -35,12 +40,16 @@ from terarec.types import FeatureSchema
 Rows = tuple[np.ndarray, np.ndarray]  # keys [n] int64, values [n, row_dim] (maybe encoded)
 
 
-class VersionReader:
-    """Manifests, verified files, rows and networks of the versions under ``storage``."""
+class IncompleteVersionError(ExportError):
+    """A version whose manifest or some of its files are not there (yet): still being
+    copied or uploaded. A server retries it for a while before refusing it."""
 
-    def __init__(self, storage: Storage, cache_dir: Path | None = None) -> None:
-        if cache_dir is None and not storage.is_local:
-            raise ValueError(f"{storage.uri}: a remote export needs a cache_dir")
+
+class VersionReader:
+    """Manifests, verified files, rows and networks of the versions under ``storage``;
+    files are served from private copies under ``cache_dir``."""
+
+    def __init__(self, storage: Storage, cache_dir: Path) -> None:
         self.storage = storage
         self.cache_dir = cache_dir
 
@@ -48,31 +57,44 @@ class VersionReader:
         return latest_version(self.storage)
 
     def manifest(self, name: str) -> Manifest:
+        """A version's manifest; a missing one may still be arriving."""
         try:
+            if not self.storage.exists(f"{name}/{MANIFEST}"):
+                raise IncompleteVersionError(f"{self.storage.uri}: version {name} has no "
+                                             "manifest (yet)")
             return read_manifest(self.storage, name)
         except StorageError as exc:
             raise ExportError(str(exc)) from None
 
     def fetch(self, manifest: Manifest, rel: str) -> Path:
-        """A verified local copy of one of the version's files."""
+        """A private copy of one of the version's files, verified (size and sha256)
+        before anything maps it. A missing file, or a local one shorter than listed, is
+        an incomplete version (it may still be arriving: an object store's PUT is atomic,
+        a local ``cp`` is not); a wrong checksum is a corrupted one."""
         info = manifest.files.get(rel)
         if info is None:
             raise ExportError(f"{manifest.name}: {rel} is not listed in the manifest")
         source = f"{manifest.name}/{rel}"
-        path = self.storage.local_path(source)
-        if path is None:
-            assert self.cache_dir is not None
-            path = self.cache_dir / manifest.name / rel
-            if not path.exists():
-                try:
-                    self.storage.download(source, path)
-                except StorageError as exc:
-                    raise ExportError(str(exc)) from None
-        elif not path.exists():
-            raise ExportError(f"{self.storage.uri}/{source}: missing")
-        if path.stat().st_size != int(info["bytes"]) or sha256_file(path) != info["sha256"]:
-            if self.storage.local_path(source) is None:
-                path.unlink(missing_ok=True)  # a bad download is not kept
+        path = self.cache_dir / manifest.name / rel
+        size, digest = int(info["bytes"]), info["sha256"]
+        if path.exists() and path.stat().st_size == size and sha256_file(path) == digest:
+            return path  # copied for an earlier version of the same content
+        try:
+            self.storage.download(source, path)
+        except StorageError:
+            raise IncompleteVersionError(f"{self.storage.uri}/{source}: missing") from None
+        except OSError as exc:  # e.g. our disk is full: retried, then refused
+            raise IncompleteVersionError(f"{self.storage.uri}/{source}: cannot copy it to "
+                                         f"{path} ({exc})") from None
+        got = path.stat().st_size
+        if got != size:
+            path.unlink(missing_ok=True)  # a bad copy is not kept
+            message = f"{self.storage.uri}/{source}: {got} bytes, the manifest says {size}"
+            if got < size and self.storage.is_local:
+                raise IncompleteVersionError(message)
+            raise ExportError(message)
+        if sha256_file(path) != digest:
+            path.unlink(missing_ok=True)
             raise ExportError(f"{self.storage.uri}/{source}: checksum mismatch, the file is "
                               "corrupted or was replaced")
         return path
@@ -98,7 +120,11 @@ class VersionReader:
             model = build_model(schema, config)
         except (ValueError, TypeError, KeyError) as exc:
             raise ExportError(f"{manifest.name}: bad model config ({exc})") from None
-        state = load_torch_file(str(self.fetch(manifest, manifest.data["dense"])))
+        path = self.fetch(manifest, manifest.data["dense"])
+        try:
+            state = load_torch_file(str(path))
+        except Exception as exc:  # safetensors raises its own error types
+            raise ExportError(f"{manifest.name}: unreadable dense weights ({exc})") from None
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as exc:
@@ -173,10 +199,12 @@ class VersionReader:
             raise ExportError(f"{manifest.name}: bad feature tables ({exc})") from None
 
     def prune_downloads(self, keep: Iterable[str]) -> None:
-        """Drop downloaded files of versions not in ``keep`` (remote exports)."""
-        if self.storage.is_local or self.cache_dir is None or not self.cache_dir.exists():
+        """Drop private copies of versions not in ``keep`` (a version still scoring a
+        request keeps its mapped files: unlinked files stay readable)."""
+        if not self.cache_dir.exists():
             return
         names = set(keep)
         for folder in self.cache_dir.iterdir():
-            if folder.is_dir() and folder.name not in names:
+            if (folder.is_dir() and folder.name not in names
+                    and parse_version_name(folder.name) is not None):
                 shutil.rmtree(folder, ignore_errors=True)

@@ -7,6 +7,8 @@ visible only when its manifest is written, and the manifest is always written la
 
 from __future__ import annotations
 
+import logging
+import os
 import posixpath
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,9 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from terarec.io import atomic_write_bytes
+from terarec.io import atomic_write_bytes, fsync_dir
+
+log = logging.getLogger(__name__)
 
 
 class StorageError(OSError):
@@ -47,6 +51,38 @@ class Storage:
             atomic_write_bytes(self.path(rel), data)
         else:
             self.fs.pipe_file(self.path(rel), data)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Write ``rel`` only if it does not exist yet, atomically against other writers;
+        False when it already exists. Locally ``O_CREAT | O_EXCL``; on object stores a
+        conditional put (``If-None-Match: *``, s3fs ``mode="create"``), else an exists
+        check and a put (not atomic, logged)."""
+        if self.is_local:
+            path = Path(self.path(rel))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(path.parent)
+            return True
+        try:
+            self.fs.pipe_file(self.path(rel), data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError):
+            log.warning("%s: this filesystem has no conditional put; claiming %s with an "
+                        "exists check (concurrent writers may collide)", self.uri, rel)
+        if self.exists(rel):
+            return False
+        self.fs.pipe_file(self.path(rel), data)
+        return True
 
     def read_bytes(self, rel: str) -> bytes:
         try:

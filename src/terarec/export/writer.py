@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -37,9 +39,10 @@ from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
 from terarec.distributed.context import DistContext
-from terarec.embedding.store import RowChunk
+from terarec.embedding.store import CHUNK_ROWS, RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
+    CLAIM,
     DELETED_FILE,
     DENSE_FILE,
     FORMAT,
@@ -48,6 +51,7 @@ from terarec.export.format import (
     MANIFEST,
     ExportError,
     Manifest,
+    check_member_path,
     latest_version,
     list_versions,
     parse_version_name,
@@ -57,7 +61,7 @@ from terarec.export.format import (
     shard_name,
     version_name,
 )
-from terarec.export.storage import Storage
+from terarec.export.storage import Storage, StorageError
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
@@ -99,6 +103,30 @@ class ModelExporter:
         numbers = [parse_version_name(n) or 0 for n in list_versions(self.storage)]
         return max(numbers, default=0) + 1
 
+    def _claim_version(self) -> int:
+        """The next version number, claimed so that a concurrent writer to the same URI
+        never takes it too: a claim file created exclusively in the version folder
+        (``O_EXCL`` locally, a conditional put on object stores)."""
+        version = self._next_version()
+        token = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "time": time.time()}).encode()
+        for _ in range(1000):
+            if self.storage.create_exclusive(f"{version_name(version)}/{CLAIM}", token):
+                return version
+            version += 1  # taken by another writer since we listed
+        raise ExportError(f"{self.storage.uri}: could not claim a version number after "
+                          f"{version}")
+
+    def _publish(self, name: str) -> None:
+        """Point ``LATEST`` at ``name`` unless a concurrent writer already moved it to a
+        newer version (it only moves forward)."""
+        try:
+            newest = parse_version_name(self.storage.read_bytes(LATEST).decode().strip())
+        except (StorageError, UnicodeDecodeError):
+            newest = None
+        if newest is None or newest < (parse_version_name(name) or 0):
+            self.storage.write_bytes(LATEST, name.encode())
+
     def write_full(self, *, schema: FeatureSchema, model_config: ModelConfig,
                    dense: dict[str, torch.Tensor], keys: np.ndarray | None = None,
                    values: np.ndarray | None = None, rows: Iterable[RowChunk] | None = None,
@@ -115,7 +143,7 @@ class ModelExporter:
         header: dict | None = None
         extra: dict[str, bytes] = {}
         if ctx is None or ctx.is_main:
-            version = self._next_version()
+            version = self._claim_version()
             name = version_name(version)
             header = {"name": name, "version": version, "kind": "full", "base": name,
                       "deltas": [], "parent": None, "schema": schema.to_dict(),
@@ -145,7 +173,7 @@ class ModelExporter:
                 header = ExportError(f"{self.storage.uri}: no version to build a delta on; "
                                      "write a full version first")
             else:
-                version = self._next_version()
+                version = self._claim_version()
                 name = version_name(version)
                 header = {"name": name, "version": version, "kind": "delta",
                           "base": parent.base, "deltas": [*parent.deltas, name],
@@ -182,6 +210,7 @@ class ModelExporter:
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:
+            check_member_path(rel, f"{self.storage.uri}/{name}")
             self.storage.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
 
@@ -237,7 +266,7 @@ class ModelExporter:
         })
         raw = manifest.to_bytes()
         self.storage.write_bytes(f"{name}/{MANIFEST}", raw)
-        self.storage.write_bytes(LATEST, name.encode())
+        self._publish(name)
         written = sum(f["bytes"] for f in files.values()) + len(raw)
         result = ExportedVersion(name=name, kind=header["kind"], rows=total,
                                  deleted=sparse["deleted"], bytes=written,
@@ -250,15 +279,19 @@ class ModelExporter:
 def _checked(rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int
              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Key-ordered (keys, values) parts as contiguous int64 / float32, checked for shape,
-    order within a part and finiteness."""
+    order (within and across parts) and finiteness."""
+    last: int | None = None  # the previous part's last key
     for keys, values in rows:
         keys = np.ascontiguousarray(keys, np.int64)
         values = np.ascontiguousarray(values, np.float32)
         if values.shape != (len(keys), row_dim):
             raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys "
                              f"of {row_dim} values")
-        if len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1])):
+        if (len(keys) > 1 and not bool(np.all(keys[1:] > keys[:-1]))) or (
+                len(keys) and last is not None and int(keys[0]) <= last):
             raise ValueError("keys must be sorted and unique")
+        if len(keys):
+            last = int(keys[-1])
         bad = ~np.isfinite(values).all(axis=1)
         if bad.any():
             raise ValueError(f"{int(bad.sum())} rows hold non-finite values (first key "
@@ -305,24 +338,26 @@ def _rank_shards(ctx: DistContext, rows: Iterator[tuple[np.ndarray, np.ndarray]]
 
 def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
             row_dim: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
-    """Re-cut key-ordered (keys, values) parts into numbered shards of ``shard_rows``
-    rows (the last one shorter), checking them on the way (``_checked``): holds at most
-    one shard plus one part."""
-    keys_buf: list[np.ndarray] = []
-    values_buf: list[np.ndarray] = []
+    """Re-cut key-ordered (keys, values) parts into numbered shards of ``shard_rows`` rows
+    (the last one shorter), checking them on the way (``_checked``). Holds one shard
+    buffer (filled in place, pages allocated as written) plus one part; each yielded
+    shard is a view of the buffer, valid until the next one is asked for."""
+    keys_buf = np.empty(shard_rows, np.int64)
+    values_buf = np.empty((shard_rows, row_dim), np.float32)
     held = index = 0
     for keys, values in _checked(rows, row_dim):
-        keys_buf.append(keys)
-        values_buf.append(values)
-        held += len(keys)
-        while held >= shard_rows:
-            k, v = np.concatenate(keys_buf), np.concatenate(values_buf)
-            yield index, (k[:shard_rows], v[:shard_rows])
-            index += 1
-            keys_buf, values_buf = [k[shard_rows:]], [v[shard_rows:]]
-            held -= shard_rows
+        pos = 0
+        while pos < len(keys):
+            take = min(shard_rows - held, len(keys) - pos)
+            keys_buf[held:held + take] = keys[pos:pos + take]
+            values_buf[held:held + take] = values[pos:pos + take]
+            held, pos = held + take, pos + take
+            if held == shard_rows:
+                yield index, (keys_buf, values_buf)
+                index += 1
+                held = 0
     if held:
-        yield index, (np.concatenate(keys_buf), np.concatenate(values_buf))
+        yield index, (keys_buf[:held], values_buf[:held])
 
 
 def _as_json(value: Any) -> Any:
@@ -342,7 +377,7 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     ckpt = load_checkpoint(model_dir)
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
-                               rows=ckpt.iter_sorted(shard_rows),
+                               rows=ckpt.iter_sorted(CHUNK_ROWS),
                                row_dim=row_dim_for(config.model.name, config.model),
                                pass_id=int(ckpt.meta["pass_id"]),
                                features_dir=model_features_dir(model_dir))
@@ -427,7 +462,7 @@ class IncrementalExporter:
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
-                rows=store.iter_sorted(self.exporter.shard_rows), row_dim=store.row_dim,
+                rows=store.iter_sorted(CHUNK_ROWS), row_dim=store.row_dim,
                 pass_id=trainer.pass_id, features_dir=self.features_dir, ctx=self.ctx)
         else:
             keys, values = store.changed_since(self._last_pass)

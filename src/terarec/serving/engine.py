@@ -11,7 +11,6 @@ the newest good state, including the good prefix of a chain of deltas.
 from __future__ import annotations
 
 import logging
-import shutil
 import tempfile
 import threading
 import time
@@ -27,9 +26,10 @@ import torch
 from terarec.autofeature.lookup import FeatureLookup
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.working_set import StagingStats, WorkingSet
-from terarec.export.format import ExportError, Manifest
-from terarec.export.reader import VersionReader
+from terarec.export.format import ExportError, Manifest, list_versions, parse_version_name
+from terarec.export.reader import IncompleteVersionError, VersionReader
 from terarec.export.storage import Storage
+from terarec.io import ScratchDir
 from terarec.models.base import CTRModel
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
@@ -79,6 +79,14 @@ class ServedVersion:
         return frozenset(self.feature_names)
 
 
+def _reason(exc: Exception) -> str:
+    """Why a version was refused: an ExportError's message, or what a malformed manifest
+    lacked."""
+    if isinstance(exc, ExportError):
+        return str(exc)
+    return f"malformed manifest ({type(exc).__name__}: {exc})"
+
+
 class NoVersionError(RuntimeError):
     """Nothing has been loaded yet: the export is empty or every version was refused."""
 
@@ -86,24 +94,35 @@ class NoVersionError(RuntimeError):
 class ServingEngine:
     """Serves the newest good version under ``uri`` and follows new ones.
 
-    ``cache_rows`` bounds the hot-key cache; ``cache_dir`` is where remote (non-local)
-    files are copied so shards can be memory-mapped (a temp folder by default; local
-    exports are mapped in place).
+    ``cache_rows`` bounds the hot-key cache. Every file served is first copied into
+    ``cache_dir`` (a private temp folder by default) and verified there against the
+    manifest (``VersionReader.fetch``), so shards are memory-mapped from copies nobody
+    else writes: the export can be truncated, rewritten or deleted underneath a running
+    server. A version whose files are incomplete is retried for ``incomplete_timeout_s``.
     """
 
     def __init__(self, uri: str | Path, *, storage_options: dict[str, Any] | None = None,
                  cache_rows: int = 1_000_000, cache_dir: str | Path | None = None,
-                 metrics: ServingMetrics | None = None) -> None:
+                 metrics: ServingMetrics | None = None,
+                 incomplete_timeout_s: float = 60.0) -> None:
         self.storage = Storage(uri, storage_options)
         self.metrics = metrics or ServingMetrics()
         self.cache_rows = cache_rows
-        self._own_cache_dir = cache_dir is None and not self.storage.is_local
-        self.cache_dir = (Path(tempfile.mkdtemp(prefix="terarec-serve-"))
-                          if self._own_cache_dir else Path(cache_dir) if cache_dir else None)
+        self.incomplete_timeout_s = incomplete_timeout_s
+        # A default folder is removed on close, or by the next server if this one is
+        # killed (io.ScratchDir); a folder given by the caller is kept.
+        self._scratch = (ScratchDir(tempfile.gettempdir(), "terarec-serve")
+                         if cache_dir is None else None)
+        self.cache_dir = self._scratch.path if self._scratch else Path(cache_dir)  # type: ignore[arg-type]
         self.reader = VersionReader(self.storage, self.cache_dir)
         self.current: ServedVersion | None = None
         self.cache: RowCache | None = None
+        # Refused versions: name -> reason, and the refused manifest's creation time (a
+        # version re-exported under the same name is a new one).
         self.refused: dict[str, str] = {}
+        self._refused_created: dict[str, float | None] = {}
+        # Incomplete versions being retried: (name, created) -> first seen (monotonic).
+        self._pending: dict[tuple[str, float | None], float] = {}
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
@@ -148,74 +167,180 @@ class ServingEngine:
     def _manifest(self, name: str) -> Manifest:
         return self.reader.manifest(name)
 
-    def _refuse(self, name: str, reason: str) -> None:
-        if name not in self.refused:
-            log.error("refusing version %s: %s", name, reason)
-            self.refused[name] = reason
-            self.metrics.refused.inc()
+    def _refuse(self, name: str, reason: str, created: float | None = None) -> None:
+        if self._is_refused(name, created):
+            return
+        log.error("refusing version %s: %s", name, reason)
+        self.refused[name] = reason
+        self._refused_created[name] = created
+        self._pending.pop((name, created), None)
+        self.metrics.refused.inc()
 
-    def _build(self, target: Manifest) -> ServedVersion | None:
+    def _is_refused(self, name: str, created: float | None) -> bool:
+        return name in self.refused and self._refused_created.get(name) == created
+
+    def _incomplete(self, name: str, created: float | None,
+                    exc: IncompleteVersionError) -> bool:
+        """Note that version ``name`` is incomplete; True once it has been so for
+        ``incomplete_timeout_s`` (and is then refused)."""
+        now = time.monotonic()
+        first = self._pending.setdefault((name, created), now)
+        if now - first >= self.incomplete_timeout_s:
+            self._refuse(name, f"files still incomplete after {now - first:.0f} s ({exc})",
+                         created)
+            return True
+        if first == now:
+            log.warning("version %s is incomplete (%s); retrying for up to %.0f s", name,
+                        exc, self.incomplete_timeout_s)
+        return False
+
+    def _continues(self, target: Manifest) -> bool:
+        """Whether ``target`` extends the served chain: same names, and the served head
+        still in the export unchanged (not deleted, not re-exported under its name)."""
+        current = self.current
+        if current is None:
+            return False
+        served = current.manifest
+        if target.chain[:len(served.chain)] != served.chain:
+            return False
+        if target.name == served.name:
+            return target.created == served.created
+        try:
+            return self._manifest(served.name).created == served.created
+        except ExportError:
+            return False
+
+    def _build(self, target: Manifest, continues: bool) -> ServedVersion | None:
         """The newest good state on the way to ``target``: from the current version when
-        ``target`` continues its chain, else from ``target``'s full version."""
+        ``target`` continues its chain, else from ``target``'s full version. Stops at the
+        first incomplete version (retried at the next refresh) or refused one."""
         current = self.current
         chain = target.chain
-        if current is not None and chain[:len(current.manifest.chain)] == current.manifest.chain:
+        if continues and current is not None:
             state, todo = current, chain[len(current.manifest.chain):]
             state = ServedVersion(state.manifest, state.schema, state.model, state.rows,
                                   state.mean_fields, features=state.features,
                                   raw_schema=state.raw_schema)  # touched: this refresh's
         else:
-            if target.base in self.refused:
-                self._refuse(target.name, f"its full version {target.base} was refused")
-                return None
+            base_created: float | None = None
             try:
-                state = self.load_full(self._manifest(target.base))
-            except ExportError as exc:
-                self._refuse(target.base, str(exc))
-                self._refuse(target.name, f"its full version {target.base} was refused")
+                base = target if target.kind == "full" else self._manifest(target.base)
+                base_created = base.created
+                if self._is_refused(base.name, base_created):
+                    raise ExportError(f"version {base.name} was refused")
+                state = self.load_full(base)
+            except IncompleteVersionError as exc:
+                self._incomplete(target.base, base_created, exc)
+                if target.base != target.name and self._is_refused(target.base, base_created):
+                    self._refuse(target.name, f"its full version {target.base} was refused",
+                                 target.created)
+                return None
+            except (ValueError, KeyError, TypeError) as exc:  # ExportError or malformed
+                self._refuse(target.base, _reason(exc), base_created)
+                if target.base != target.name:
+                    self._refuse(target.name, f"its full version {target.base} was refused",
+                                 target.created)
                 return None
             todo = target.deltas
         for name in todo:
-            if name in self.refused:
-                self._refuse(target.name, f"it builds on refused version {name}")
-                break
+            created: float | None = None
             try:
-                state = self.apply_delta(state, self._manifest(name))
-            except ExportError as exc:
-                self._refuse(name, str(exc))
+                manifest = target if name == target.name else self._manifest(name)
+                created = manifest.created
+                if self._is_refused(name, created):
+                    self._refuse(target.name, f"it builds on refused version {name}",
+                                 target.created)
+                    break
+                state = self.apply_delta(state, manifest)
+            except IncompleteVersionError as exc:
+                if self._incomplete(name, created, exc) and name != target.name:
+                    self._refuse(target.name, f"it builds on refused version {name}",
+                                 target.created)
+                break
+            except (ValueError, KeyError, TypeError) as exc:
+                self._refuse(name, _reason(exc), created)
                 if name != target.name:
-                    self._refuse(target.name, f"it builds on refused version {name}")
+                    self._refuse(target.name, f"it builds on refused version {name}",
+                                 target.created)
                 break
         return state
 
     def refresh(self) -> bool:
-        """Load the newest version if there is one; True when a new version was swapped in."""
+        """Load the newest version if there is one; True when a new version was swapped in.
+
+        A newest version numbered at or below the served one is taken when the export was
+        recreated (the served version is gone from it or was re-exported), and ignored
+        otherwise."""
         with self._refresh_lock:
             try:
                 name = self.reader.latest()
             except (OSError, ExportError) as exc:
                 log.warning("cannot read %s: %s", self.storage.uri, exc)
                 return False
+            target = None if name is None else self._target(name)
+            if target is None:
+                return False
+            name = target.name
             current = self.current
-            if name is None or name in self.refused or (current and name == current.name):
+            if self._is_refused(name, target.created) or (
+                    current is not None and name == current.name
+                    and target.created == current.manifest.created):
                 return False
-            try:
-                target = self._manifest(name)
-            except ExportError as exc:
-                self._refuse(name, str(exc))
+            continues = self._continues(target)
+            recreated = current is not None and not continues and not self._same_export(target)
+            if current is not None and not recreated and target.version <= current.version:
                 return False
-            if current is not None and target.version <= current.version:
+            state = self._build(target, continues)
+            if state is None or (current is not None and state is current) or (
+                    current is not None and state.name == current.name
+                    and state.manifest.created == current.manifest.created):
                 return False
-            state = self._build(target)
-            if state is None or (current is not None and state.name == current.name):
-                return False
-            self._swap(state)
+            if recreated:
+                assert current is not None
+                log.warning("%s was recreated (served version %s is gone or was "
+                            "re-exported); switching to its version %s", self.storage.uri,
+                            current.name, state.name)
+            self._swap(state, reuse_cache=continues)
             return True
 
-    def _swap(self, state: ServedVersion) -> None:
-        """Make ``state`` the served version; cached rows follow it in the same step."""
+    def _target(self, newest: str) -> Manifest | None:
+        """The manifest of version ``newest``; when it is unreadable (refused), that of
+        the newest older version with a readable one, so that a broken newest manifest
+        does not hide the versions before it."""
+        try:
+            return self._manifest(newest)
+        except IncompleteVersionError:
+            return None  # removed since it was listed
+        except ExportError as exc:
+            self._refuse(newest, str(exc))
+        number = parse_version_name(newest) or 0
+        for name in reversed(list_versions(self.storage)):
+            if (parse_version_name(name) or 0) >= number:
+                continue
+            try:
+                return self._manifest(name)
+            except IncompleteVersionError:
+                continue  # half-written: no manifest
+            except ExportError as exc:
+                self._refuse(name, str(exc))
+        return None
+
+    def _same_export(self, target: Manifest) -> bool:
+        """Whether the served version is still in the export as it was served."""
         current = self.current
-        same_base = current is not None and current.manifest.base == state.manifest.base
+        if current is None:
+            return False
+        try:
+            return self._manifest(current.name).created == current.manifest.created
+        except ExportError:
+            return False
+
+    def _swap(self, state: ServedVersion, reuse_cache: bool = True) -> None:
+        """Make ``state`` the served version; cached rows follow it in the same step (the
+        cache is kept only when ``state`` continues the served chain)."""
+        current = self.current
+        same_base = (reuse_cache and current is not None
+                     and current.manifest.base == state.manifest.base)
         touched = np.unique(state.touched) if same_base else np.empty(0, np.int64)
         fresh_rows, _ = state.rows.lookup(touched)  # computed before taking the lock
         with self._lock:
@@ -252,8 +377,8 @@ class ServingEngine:
         if self._poller is not None:
             self._poller.join(timeout=10)
             self._poller = None
-        if self._own_cache_dir and self.cache_dir is not None:
-            shutil.rmtree(self.cache_dir, ignore_errors=True)
+        if self._scratch is not None:
+            self._scratch.close()
 
     # -- scoring --------------------------------------------------------------------------
     def served(self) -> ServedVersion:

@@ -274,8 +274,8 @@ def verify_checkpoint(path: Path) -> dict:
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        meta = dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
-                                  root="meta"))
+        meta: dict[str, Any] = dict(validate_json(CheckpointMeta, meta_path.read_bytes(),
+                                                  str(meta_path), root="meta"))
     except ValueError as exc:
         raise CheckpointError(f"corrupted checkpoint: {exc}") from None
     for fname, digest in meta["sha256"].items():
@@ -479,18 +479,20 @@ def _read(path: Path, meta: dict) -> LoadedCheckpoint:
 
 
 def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
-                    name: str | None = None, ctx: DistContext | None = None,
+                    name: str | None = None, scratch_dir: str | Path | None = None,
+                    ctx: DistContext | None = None,
                     dense_comm: DenseCommConfig | None = None):
     """A Trainer holding the newest good checkpoint of ``model_dir`` (written by any
-    number of ranks); collective, holding this rank's keys, when ``ctx`` is one of N."""
+    number of ranks); collective, holding this rank's keys, when ``ctx`` is one of N.
+    Without ``config`` (scoring a saved model) a tiered store lives in ``scratch_dir``, a
+    folder private to this process (else a temp folder), never in the training run's
+    live one."""
     from terarec.train.trainer import Trainer, resolve_device
 
     model_dir = Path(model_dir)
     schema, saved_config = read_model_meta(model_dir)
     if config is None:
-        # Scoring a saved model: a tiered store gets a private scratch folder rather than
-        # the training run's live one (which may be in use).
-        saved_config.store.disk_path = None
+        saved_config.store.disk_path = None if scratch_dir is None else str(scratch_dir)
     config = config or saved_config
     ctx = ctx or DistContext.single(resolve_device(config.device))
     ckpt = _choose(model_dir, name, ctx)

@@ -350,8 +350,7 @@ class Trainer:
         if self.ctx.world > 1:
             groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size,
                                       cfg.pass_rows, self.ctx.rank, self.ctx.world,
-                                      on_bad_row=cfg.on_bad_row, stats=stats,
-                                      group=self.ctx.plan_group)
+                                      on_bad_row=cfg.on_bad_row, stats=stats, ctx=self.ctx)
             return (self.plan(g) if number >= skip else g
                     for number, g in enumerate(groups, first))
         batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
