@@ -10,8 +10,8 @@ together, in the same format: readers need shards of disjoint, increasing key ra
 while a rank owns keys by hash, so the ranks merge their key-ordered streams (a
 distributed k-way merge) and each merged piece becomes one shard, written by one rank::
 
-    every round   each rank holds the next rows of its stream (about shard_rows / N);
-                  bound = the smallest last-held key among ranks not yet done
+    every round   each rank offers the next shard_rows / N rows of its stream;
+                  bound = the smallest last offered key among ranks with more to come
                   rows <= bound ──gather──> rank (round mod N), which merges them by key
                   and writes shard `round` (nothing later can sort before them)
     then          shard entries ──gather──> rank 0: deleted keys, dense weights,
@@ -317,12 +317,15 @@ def _rank_shards(ctx: DistContext, rows: Iterator[tuple[np.ndarray, np.ndarray]]
                 values_buf.append(part[1])
                 held += len(part[0])
         keys = np.concatenate(keys_buf) if keys_buf else np.empty(0, np.int64)
-        last = int(keys[-1]) if held else None
-        status = ctx.all_gather_object((last, done))
-        if all(d for _, d in status) and all(k is None for k, _ in status):
+        # Offer the first `hold` rows: the last of them bounds the round unless they are
+        # this rank's last rows.
+        last = int(keys[min(held, hold) - 1]) if held else None
+        status = ctx.all_gather_object((last, not done or held > hold, held))
+        if all(h == 0 for _, _, h in status) and all(not c for _, c, _ in status):
             return
-        bounds = [k for k, d in status if not d and k is not None]
-        n = int(np.searchsorted(keys, min(bounds), side="right")) if bounds else held
+        bounds = [k for k, bounding, _ in status if bounding and k is not None]
+        n = (int(np.searchsorted(keys[:hold], min(bounds), side="right")) if bounds
+             else min(held, hold))
         values = np.concatenate(values_buf) if values_buf else np.empty((0, 0), np.float32)
         send = (keys[:n], values[:n])
         keys_buf, values_buf = ([keys[n:]], [values[n:]]) if n < held else ([], [])
