@@ -160,7 +160,7 @@ def train_rounds(work: Path, data: Path, rng: random.Random, kills: int,
                 totals["faults"] += 1
                 if code != 2 or "in use by another process" not in text:
                     totals["unguarded_writers"] += 1
-            totals["faults"] += _kill_after(proc, rng.uniform(0.3, 0.9) * baseline_s)
+            totals["faults"] += _kill_after(proc, rng.uniform(0.15, 0.45) * baseline_s)
         if list_checkpoints(out):  # the newest committed checkpoint goes bad
             newest = list_checkpoints(out)[0]
             _flip(newest / "dense.safetensors")

@@ -15,7 +15,7 @@ from terarec.cli import autofeature as autofeature_cli
 from terarec.cli.main import main
 from terarec.data.readers import batch_from_records
 from terarec.data.synth_features import generate_planted
-from terarec.train.checkpoint import restore_trainer
+from terarec.train.checkpoint import checkpoint_name, restore_trainer
 
 SCHEMA_ARGS = ["--format", "csv", "--label", "label", "--numeric", "I1,I2",
                "--categorical", "C1,C2,C3,C4,C5,C6,C7,C8", "--log1p", "I1,I2"]
@@ -72,7 +72,7 @@ def test_model_carries_its_tables_and_scores_raw_rows_like_records(model, data, 
     assert features is not None
     assert features.tables.directory == model / "features"
     assert features.selected == FeatureConfig.load(selected).selected
-    trainer = restore_trainer(model)
+    trainer = restore_trainer(model, name=checkpoint_name(model))  # the one predict uses
     assert trainer.schema == features.schema
     assert [f.name for f in trainer.schema.fields][-len(features.selected):] == \
         list(features.selected)

@@ -97,7 +97,8 @@ def csv_runs(tmp_path_factory):
         lines.append(f"{labels[i]},{rng.random():.3f},{rng.normal():.3f},a{a[i]},b{b[i]},{tags}")
     data = root / "train.csv"
     data.write_text("\n".join(lines) + "\n")
-    common = ["--train", str(data), "--valid", str(data), *CSV_ARGS]
+    # One epoch (with --valid, --epochs is otherwise an upper bound for patience).
+    common = ["--train", str(data), "--valid", str(data), "--epochs", "1", *CSV_ARGS]
     single([*common, "--out", str(root / "single")])
     torchrun([*common, "--out", str(root / "dist")])
     return root
@@ -190,8 +191,8 @@ def test_skipped_rows_are_counted_over_all_ranks(tmp_path):
 
 def _synth_args(root: Path) -> list[str]:
     return ["--train", str(root / "train.txt"), "--valid", str(root / "valid.txt"),
-            "--batch-size", "512", "--pass-rows", "8192", "--threads", "1", "--no-progress",
-            "--dgc-ratio", "0.001", "--dgc-warmup-steps", "20"]
+            "--epochs", "1", "--batch-size", "512", "--pass-rows", "8192", "--threads", "1",
+            "--no-progress", "--dgc-ratio", "0.001", "--dgc-warmup-steps", "20"]
 
 
 @pytest.fixture(scope="module")

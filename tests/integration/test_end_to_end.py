@@ -14,8 +14,9 @@ FAST = ["--no-progress", "--batch-size", "2048", "--pass-rows", "50000", "--seed
 def trained(synth_files, tmp_path_factory):
     train, valid, _, _ = synth_files
     out = tmp_path_factory.mktemp("model")
+    # One epoch: with --valid and no --epochs, training would run until patience stops it.
     code = main(["train", "--train", str(train), "--valid", str(valid), "--format", "criteo",
-                 "--model", "deepfm", "--out", str(out), *FAST])
+                 "--model", "deepfm", "--out", str(out), "--epochs", "1", *FAST])
     assert code == 0
     return out
 

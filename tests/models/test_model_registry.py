@@ -96,7 +96,7 @@ def test_model_config_from_json_mapping_builds_a_two_tower_model() -> None:
     assert config.user_fields == ("user",)
     model = build_model(tiny_schema(), config)
     assert model.item_fields == ("item", "ctx")
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \[.user_field.\]"):
         from_dict(ModelConfig, {"name": "dssm", "user_field": ["user"]})
 
 

@@ -23,6 +23,12 @@ from terarec.config import (
 )
 from terarec.data.readers import ReadStats, csv_schema
 from terarec.io import ScratchDir
+from terarec.train.selection import (
+    DEFAULT_MAX_EPOCHS,
+    DEFAULT_PATIENCE,
+    SELECT_BY,
+    SelectionTracker,
+)
 from terarec.types import FeatureSchema
 from terarec.validation import InvalidInput, strip_type
 
@@ -127,6 +133,36 @@ _int_list = _number_list(int, "integers")
 _float_list = _number_list(float, "numbers")
 
 
+def add_selection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("validation-driven training (with --valid)")
+    g.add_argument("--select-by", choices=list(SELECT_BY), default="logloss",
+                   help="validation metric that picks the best checkpoint (default logloss)")
+    g.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
+                   help="stop after this many evaluations without improvement "
+                   f"(default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
+                   f"(default {DEFAULT_MAX_EPOCHS} + patience)")
+    g.add_argument("--eval-every", type=int, metavar="N",
+                   help="evaluate at least every N steps: passes are cut to at most N "
+                   "batches, so a pass boundary (evaluation, checkpoint) comes every N steps")
+
+
+def selection_from_args(args: argparse.Namespace,
+                        config: TrainConfig) -> SelectionTracker | None:
+    """The run's selection tracker (None without --valid); with --valid, fixes the epoch
+    upper bound and the pass length --eval-every asks for."""
+    if not args.valid:
+        if args.eval_every is not None:
+            raise ValueError("--eval-every needs --valid")
+        return None
+    if args.eval_every is not None:
+        if args.eval_every < 1:
+            raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")
+        config.pass_rows = min(config.pass_rows, args.eval_every * config.batch_size)
+    if args.epochs is None and args.config is None:
+        config.epochs = DEFAULT_MAX_EPOCHS + args.patience
+    return SelectionTracker(args.select_by, args.patience)
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The ``--config`` file (or the defaults) with the config flags the user passed
     applied on top; a bad value is an error naming the flag or the file."""
@@ -161,7 +197,15 @@ def add_model_data_args(parser: argparse.ArgumentParser, data_help: str) -> None
     """``--model DIR --data FILE...`` plus the format args, for commands that score."""
     parser.add_argument("--model", required=True, type=Path, help="model directory")
     parser.add_argument("--data", nargs="+", required=True, type=Path, help=data_help)
+    add_checkpoint_arg(parser)
     add_format_args(parser)
+
+
+def add_checkpoint_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default="best", metavar="best|latest|pass-N",
+                        help="which checkpoint of the model directory: best (default: the "
+                        "best on the validation set, the newest without one), latest, or "
+                        "pass-N")
 
 
 @contextlib.contextmanager
@@ -172,11 +216,12 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
     new rows get exactly the features training computed.
     """
     from terarec.autofeature.features import model_inputs
-    from terarec.train.checkpoint import restore_trainer
+    from terarec.train.checkpoint import checkpoint_name, restore_trainer
     from terarec.train.passes import iter_file_batches
 
     with scoring_scratch(args.model) as scratch:
-        trainer = restore_trainer(args.model, scratch_dir=scratch)
+        trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
+            args.model, getattr(args, "checkpoint", "best")))
         with model_inputs(args.model, trainer.schema, args.data,
                           lambda s: schema_for_data(s, args)) as (schema, data):
             stats = ReadStats()

@@ -1,4 +1,5 @@
-"""``terarec export``: write a model directory's newest checkpoint as a full version."""
+"""``terarec export``: write a model directory's best (or newest) checkpoint as a full
+version."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from terarec.cli.common import add_checkpoint_arg
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 from terarec.export import export_model_dir
 from terarec.export.compressed import RowCodec
@@ -26,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "row-wise scale and bias (default 32); see docs/compression.md")
     p.add_argument("--codebook", action="store_true",
                    help="with --bits 8/4/2/1: shared k-means levels times a row scale")
+    add_checkpoint_arg(p)
     add_storage_args(p)
     p.set_defaults(func=run)
 
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     codec = None if args.bits == 32 and not args.codebook else RowCodec(args.bits,
                                                                         args.codebook)
     result = export_model_dir(args.model, args.out, storage_options_from_args(args),
-                              shard_rows=args.shard_rows, codec=codec)
+                              shard_rows=args.shard_rows, codec=codec,
+                              checkpoint=args.checkpoint)
     print(json.dumps({"uri": args.out, **asdict(result)}))
     return 0

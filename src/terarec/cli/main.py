@@ -13,7 +13,7 @@ import sys
 
 SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
-    "export", "serve",
+    "search", "export", "serve",
     "autofeature",
     "inspect",
 ]

@@ -16,11 +16,13 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_format_args,
+    add_selection_args,
     add_train_args,
     config_from_args,
     report_skipped,
     schema_for_data,
     schema_from_args,
+    selection_from_args,
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
@@ -51,6 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "with the config's schema; --format may name another container)")
     add_format_args(p)
     add_train_args(p)
+    add_selection_args(p)
     add_export_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
@@ -143,7 +146,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress),
             config, lambda: features.schema if features else schema_from_args(args), ctx,
             dense_comm=dense_comm_from_args(args),
-            exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit)
+            exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit,
+            selection=selection_from_args(args, config))
     if ctx.is_main:
         report_skipped(stats)
         shown = ("auc", "logloss", "rows", "samples_per_s") + (

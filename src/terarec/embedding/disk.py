@@ -326,7 +326,7 @@ class DiskTier:
         mm = np.memmap(path, np.float32, "r+", shape=(self.slab_rows, self.width))
         # Rows are read at random: no read-ahead, and no mapping of the 15 neighbouring
         # pages on each fault (they would count in the process's resident set).
-        mm._mmap.madvise(mmap.MADV_RANDOM)
+        _mapping(mm).madvise(mmap.MADV_RANDOM)
         self._maps.append(mm)
         self._bases = np.array([m.ctypes.data for m in self._maps], np.int64)
         dirty = np.zeros(len(self._maps), np.bool_)
@@ -343,7 +343,7 @@ class DiskTier:
         """Unmap the slabs (the folder stays locked: ``restore`` maps them again)."""
         self._bases = np.zeros(0, np.int64)
         for mm in self._maps:
-            mm._mmap.close()
+            _mapping(mm).close()
         self._maps = []
 
     def release(self) -> None:
@@ -390,7 +390,7 @@ class DiskTier:
             hi = ((last & self.mask) + 1) * row if slab == last >> self.shift else \
                 self.slab_rows * row
             lo -= lo % mmap.PAGESIZE
-            self._maps[slab]._mmap.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            _mapping(self._maps[slab]).madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def read_slots(self, slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Records at ``slots`` (zeros where a slot is -1), into ``out`` if given."""
@@ -439,7 +439,7 @@ class DiskTier:
         """Unmap the slab pages this process touched (they stay in the page cache): keeps
         the process's resident set bounded by one pass of disk traffic, not the table."""
         for mm in self._maps:
-            mm._mmap.madvise(mmap.MADV_DONTNEED)
+            _mapping(mm).madvise(mmap.MADV_DONTNEED)
 
     def flush(self) -> None:
         """Write dirty mapped pages to the files and wait for them (msync)."""
@@ -629,3 +629,8 @@ def iter_snapshot_sorted(src: Path, chunk_rows: int = 1 << 16):
             out[at] = mm[s[at] & (slab_rows - 1)]
             del mm
         yield k, out
+
+
+def _mapping(mm: np.memmap) -> mmap.mmap:
+    """The mmap under a numpy memmap, for madvise / close (numpy keeps it private)."""
+    return mm._mmap  # type: ignore[attr-defined]

@@ -93,14 +93,13 @@ def encode_rows(values: np.ndarray, precision: Precision, *, stochastic: bool = 
     n, dim = values.shape
     if precision == "fp32":
         return values.astype("<f4").view(np.uint8).reshape(n, 4 * dim)
-    if stochastic and rng is None:
-        rng = np.random.default_rng()
+    gen = rng if rng is not None else np.random.default_rng()
     row_min, row_max = _row_min_max(values)
     _check_finite(values, row_min, row_max, "encode_rows")
     if precision == "fp16":
         _check_fp16_range(row_min, row_max, "encode_rows")
         if stochastic:
-            values = _snap_fp16_stochastic(values, rng)  # exact fp16 values, cast is exact
+            values = _snap_fp16_stochastic(values, gen)  # exact fp16 values, cast is exact
         half = values.astype("<f2")
         return half.view(np.uint8).reshape(n, 2 * dim)
 
@@ -117,7 +116,7 @@ def encode_rows(values: np.ndarray, precision: Precision, *, stochastic: bool = 
         scale64 = scale.astype(np.float64)
         inv_scale = np.divide(1.0, scale64, out=np.zeros_like(scale64), where=scale64 > 0)
         if stochastic:
-            _quantize_stochastic(values, bias, inv_scale, bits, rng, out)
+            _quantize_stochastic(values, bias, inv_scale, bits, gen, out)
         else:
             _quantize_nearest(values, bias, inv_scale, bits, out)
     _write_tail(out, _packed_bytes(bits, dim), scale.astype(scale_dtype))

@@ -399,7 +399,7 @@ class MemoryStore(EvictionLog):
         when rows have variable length."""
         self.ensure_rows(self.index.slot_bound)
         if self._classes is not None:
-            self.values.set_class(slots, self._classes.classify(
+            self.coded.set_class(slots, self._classes.classify(
                 show if first_show is None else first_show))
         self.values[slots] = init_rows(keys, self.row_dim, self.config.init_std, self.seed)
         self.state[slots] = self.optimizer.init_state(len(keys), self.row_dim)
@@ -416,8 +416,15 @@ class MemoryStore(EvictionLog):
         block = RowBlock(self.values[slots], self.state[slots])
         if self._classes is not None:
             self.promote(slots)
-            block.widths = self.values.widths_of(slots)
+            block.widths = self.coded.widths_of(slots)
         return block
+
+    @property
+    def coded(self) -> CodedRows:
+        """The encoded row values; only stores that keep rows compressed have them."""
+        if not isinstance(self.values, CodedRows):
+            raise TypeError("this store keeps plain fp32 rows")
+        return self.values
 
     @property
     def _classes(self) -> FrequencyClasses | None:
@@ -430,8 +437,11 @@ class MemoryStore(EvictionLog):
     def promote(self, slots: np.ndarray) -> None:
         """Move rows whose show count reached a wider class there (zeros in the new
         columns, so their decoded values, and the model's output, do not change)."""
-        target = np.maximum(self.values.cls[slots], self._classes.classify(self.show[slots]))
-        self.values.set_class(slots, target)
+        classes = self._classes
+        if classes is None:
+            return
+        target = np.maximum(self.coded.cls[slots], classes.classify(self.show[slots]))
+        self.coded.set_class(slots, target)
 
     def push(self, keys: np.ndarray, block: RowBlock) -> None:
         """Write back trained rows of keys previously pulled (and not evicted since)."""
@@ -523,7 +533,7 @@ class MemoryStore(EvictionLog):
             out[:, :v] = self.values[slots]
         else:
             out[:, :v] = 0  # the padding past a row's codes
-            self.values.read_codes(slots, out.view(np.uint8))
+            self.coded.read_codes(slots, out.view(np.uint8))
         out[:, v:v + s] = self.state[slots]
         out[:, v + s] = self.show[slots]
         out[:, v + s + 1] = self.click[slots]
@@ -538,7 +548,7 @@ class MemoryStore(EvictionLog):
             self.values[slots] = rec[:, :v]
         else:
             rec = np.ascontiguousarray(rec)
-            self.values.write_codes(slots, layout.classes(rec[:, v + s]), rec.view(np.uint8))
+            self.coded.write_codes(slots, layout.classes(rec[:, v + s]), rec.view(np.uint8))
         self.state[slots] = rec[:, v:v + s]
         self.show[slots] = rec[:, v + s]
         self.click[slots] = rec[:, v + s + 1]
@@ -633,7 +643,7 @@ class MemoryStore(EvictionLog):
         self.index = KeyIndex.from_items(keys, np.arange(n, dtype=np.int64))
         self._alloc(max(n, 16))
         if self._classes is not None:
-            self.values.set_class(np.arange(n), self._classes.classify(arrays["show"]))
+            self.coded.set_class(np.arange(n), self._classes.classify(arrays["show"]))
         self.values[:n] = arrays["values"]
         self.state[:n] = arrays["state"]
         self.show[:n] = arrays["show"]

@@ -112,6 +112,12 @@ class TieredStore(EvictionLog):
 
     saved_format = "tiered"  # what ``save`` writes: a slab snapshot
     prefetches = True  # ``prefetch`` reads disk rows into RAM ahead of their pass
+    # Per memory slot, grown with the memory tier (``_ensure_meta``): last use tick, row
+    # changed since it was read, a record of it is on disk, kept in RAM for this pass.
+    _used: np.ndarray
+    _dirty: np.ndarray
+    _on_disk: np.ndarray
+    _pinned: np.ndarray
 
     def __init__(self, row_dim: int, optimizer: SparseOptimizer,
                  config: StoreConfig | None = None, seed: int = 0,
@@ -243,7 +249,7 @@ class TieredStore(EvictionLog):
         self._write_back(keys, slots)
         self.memory.index.remove(keys)
         if self._variable:  # their pool positions go to the rows that take their places
-            self.memory.values.release(slots)
+            self.memory.coded.release(slots)
         self._dirty[slots] = False
         self._on_disk[slots] = False
         self._pinned[slots] = False
@@ -362,7 +368,7 @@ class TieredStore(EvictionLog):
             if self._variable:
                 m.promote(hs)
                 block.widths = np.empty(n, np.int32)
-                block.widths[hot] = m.values.widths_of(hs)
+                block.widths[hot] = m.coded.widths_of(hs)
                 block.widths[cold] = self.layout.widths_of(rec)
             if admitted.all():
                 return block, admitted
@@ -572,7 +578,7 @@ class TieredStore(EvictionLog):
         coded = isinstance(m.values, CodedRows)
         # Encoded rows move as bytes (one class: codes by slot), or by class and pool
         # position (several classes: the pools are repacked after).
-        values = m.values.slot_arrays() if coded else [m.values]
+        values = m.coded.slot_arrays() if coded else [m.values]
         arrays = [*values, m.state, m.show, m.click, m.last_seen, self._used, self._dirty,
                   self._on_disk, self._pinned]
         for start in range(0, len(moved), 8192):
@@ -582,8 +588,8 @@ class TieredStore(EvictionLog):
         index = KeyIndex(cap + cap // 2)
         index.lookup_or_insert(keys)  # slots 0..n-1 in this order: no free slots yet
         m.index = index
-        if coded and m.values.variable:
-            m.values.truncate(len(keys))
+        if coded and m.coded.variable:
+            m.coded.truncate(len(keys))
             arrays = arrays[len(values):]
         for a in arrays:
             _release_rows(a, len(keys))

@@ -371,13 +371,15 @@ def _as_json(value: Any) -> Any:
 def export_model_dir(model_dir: str | Path, uri: str | Path,
                      storage_options: dict[str, Any] | None = None,
                      shard_rows: int = DEFAULT_SHARD_ROWS,
-                     codec: RowCodec | None = None) -> ExportedVersion:
-    """Write the newest good checkpoint of a model directory as a full version
-    (rows encoded with ``codec`` when given)."""
-    from terarec.train.checkpoint import load_checkpoint, read_model_meta
+                     codec: RowCodec | None = None,
+                     checkpoint: str = "best") -> ExportedVersion:
+    """Write a checkpoint of a model directory as a full version (rows encoded with
+    ``codec`` when given): ``checkpoint`` is best (the validation set's best, else the
+    newest good one), latest, or pass-N."""
+    from terarec.train.checkpoint import checkpoint_name, load_checkpoint, read_model_meta
 
     schema, config = read_model_meta(Path(model_dir))
-    ckpt = load_checkpoint(model_dir)
+    ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
                                rows=ckpt.iter_sorted(CHUNK_ROWS),

@@ -291,10 +291,9 @@ class ServingEngine:
             if current is not None and not recreated and target.version <= current.version:
                 return False
             state = self._build(target, continues)
-            if state is None or (current is not None and state is current) or (
-                    current is not None and state.name == current.name
-                    and state.manifest.created == current.manifest.created):
-                return False
+            if state is None or (current is not None and not recreated
+                                 and state.version <= current.version):
+                return False  # nothing newer than the served version could be built
             if recreated:
                 assert current is not None
                 log.warning("%s was recreated (served version %s is gone or was "

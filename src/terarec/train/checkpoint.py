@@ -23,6 +23,9 @@ process or by all the ranks of a torchrun job together.
           meta.json               pass id, world size, shard list, history, sha256 of
                                   each file: written last, by rank 0
       LATEST                      name of the newest committed checkpoint
+      BEST                        name of the best one on the validation set (training
+                                  with --valid): kept out of pruning; what eval, predict
+                                  and export load unless told otherwise
 
 One process writes one shard (``sparse/``), N ranks one each. Checkpoints from before
 this layout still load: ``sparse.safetensors`` (one process, before stores saved
@@ -78,6 +81,8 @@ from terarec.validation import validate_json
 
 log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
+LATEST_FILE = "LATEST"
+BEST_FILE = "BEST"
 
 
 class CheckpointError(ValueError):
@@ -154,7 +159,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        atomic_write_text(model_dir / "LATEST", name)
+        atomic_write_text(model_dir / LATEST_FILE, name)
         _prune(root, keep=KEEP_CHECKPOINTS)
     ctx.barrier()
     trainer.store.committed(final / shard, shard_digests)  # later saves link unchanged slabs
@@ -241,10 +246,50 @@ def store_summary(store: EmbeddingStore) -> dict:
     return out
 
 
+def mark_best(model_dir: str | Path, name: str) -> None:
+    """Point ``BEST`` at committed checkpoint ``name`` (atomically)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "checkpoints" / name / "meta.json").exists():
+        raise CheckpointError(f"{model_dir}: no committed checkpoint {name} to mark best")
+    atomic_write_text(model_dir / BEST_FILE, name)
+
+
+def best_checkpoint(model_dir: str | Path) -> str | None:
+    """The checkpoint ``BEST`` names, or None when there is none."""
+    path = Path(model_dir) / BEST_FILE
+    if not path.exists():
+        return None
+    return path.read_text().strip() or None
+
+
+def clear_best(model_dir: str | Path) -> None:
+    """Forget ``BEST`` (a fresh run into a directory an older run left one in)."""
+    (Path(model_dir) / BEST_FILE).unlink(missing_ok=True)
+
+
+def checkpoint_name(model_dir: str | Path, which: str = "best") -> str | None:
+    """The checkpoint ``which`` selects: ``best`` (``BEST``, else the newest), ``latest``
+    (None: the newest that verifies) or a name such as ``pass-3`` / ``pass-000003``."""
+    if which == "latest":
+        return None
+    if which == "best":
+        return best_checkpoint(model_dir)
+    if which.startswith("pass-") and which[5:].isdigit():
+        name = f"pass-{int(which[5:]):06d}"
+        if not (Path(model_dir) / "checkpoints" / name).is_dir():
+            have = ", ".join(p.name for p in list_checkpoints(model_dir)) or "none"
+            raise CheckpointError(f"{model_dir}: no checkpoint {name} (have: {have})")
+        return name
+    raise ValueError(f"--checkpoint {which!r}: expected latest, best or pass-N")
+
+
 def _prune(ckpt_root: Path, keep: int) -> None:
+    """Drop all but the newest ``keep`` checkpoints, never the one ``BEST`` names."""
     done = sorted(p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith("pass-"))
+    best = best_checkpoint(ckpt_root.parent)
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
     for tmp in ckpt_root.glob(".pass-*"):
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -22,8 +22,16 @@ from terarec.distributed.context import DistContext, restart_count
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.export.writer import IncrementalExporter
 from terarec.io import atomic_write_text
-from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
+from terarec.train.checkpoint import (
+    best_checkpoint,
+    clear_best,
+    list_checkpoints,
+    mark_best,
+    restore_trainer,
+    save_checkpoint,
+)
 from terarec.train.passes import iter_file_batches
+from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
@@ -43,12 +51,13 @@ class TrainRun:
 def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], FeatureSchema],
                 ctx: DistContext, *, dense_comm: DenseCommConfig | None = None,
                 exporter: Callable[[Trainer], IncrementalExporter | None] | None = None,
-                on_commit: Callable[[Trainer], None] | None = None
-                ) -> tuple[dict, ReadStats]:
+                on_commit: Callable[[Trainer], None] | None = None,
+                selection: SelectionTracker | None = None) -> tuple[dict, ReadStats]:
     """Train (or resume) ``run`` and write the model directory; returns (metrics, read
     statistics), the same on every rank. ``schema`` is asked for only when starting
     afresh; ``exporter`` makes the run's version writer; ``on_commit`` is called on every
-    rank after each committed checkpoint."""
+    rank after each committed checkpoint; ``selection`` marks the best pass (``BEST``,
+    which is what metrics score) and stops training when its patience runs out."""
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
         if config.store.disk_path is None:
@@ -61,7 +70,12 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if ctx.is_main:
             where = f"rank 0/{ctx.world}: " if ctx.world > 1 else ""
             print(f"{where}resuming {run.out} after pass {trainer.pass_id}")
+        if selection is not None:  # continue with the best value and patience it had
+            selection = SelectionTracker.from_history(trainer.history, selection.select_by,
+                                                      selection.patience)
     else:
+        if ctx.is_main:
+            clear_best(run.out)
         trainer = Trainer(schema(), config, ctx=ctx, dense_comm=dense_comm)
     stats = ReadStats()
     valid = list(iter_file_batches(run.valid, trainer.schema, config.batch_size,
@@ -75,35 +89,50 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             on_commit(t)
 
     def on_pass_end(t: Trainer, record: dict) -> None:
-        if t.pass_id % every == 0:
+        # Every rank holds the same (gathered) metrics, so all take this branch together.
+        if t.pass_id % every == 0 or record.get("best"):
             commit(t)
+            if record.get("best") and ctx.is_main:
+                mark_best(run.out, f"pass-{t.pass_id:06d}")
         if versions is not None:
             versions.on_pass_end(t, record)
 
     start = time.perf_counter()
     history = trainer.fit(run.train, valid, progress=run.progress, stats=stats,
-                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id)
+                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
+                          selection=selection)
     seconds = time.perf_counter() - start
     if not history or trainer.pass_id % every:
         commit(trainer)
     if versions is not None:
         versions.finish(trainer)
-    metrics = _run_metrics(trainer, valid, run, history, seconds, stats)
+    latest = f"pass-{trainer.pass_id:06d}"
+    evaluated = ctx.broadcast_object(best_checkpoint(run.out) or latest)
+    scorer = trainer if evaluated == latest or not valid else restore_trainer(
+        run.out, config, name=evaluated, ctx=ctx, dense_comm=dense_comm)
+    metrics = _run_metrics(scorer, trainer, valid, run, history, seconds, stats)
+    metrics.update(checkpoint=evaluated, stop_reason=trainer.stop_reason)
+    if selection is not None:
+        metrics.update(selection.summary())
     if ctx.is_main:
         atomic_write_text(run.out / "metrics.json", json.dumps(metrics, indent=2))
-        atomic_write_text(run.out / "history.json", json.dumps(trainer.history, indent=2))
+        records = [*trainer.history[:-1], {**trainer.history[-1],
+                                           "stop_reason": trainer.stop_reason}] \
+            if trainer.history else []
+        atomic_write_text(run.out / "history.json", json.dumps(records, indent=2))
     return metrics, stats
 
 
-def _run_metrics(trainer: Trainer, valid: list, run: TrainRun, history: list[dict],
-                 seconds: float, stats: ReadStats) -> dict:
+def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,
+                 history: list[dict], seconds: float, stats: ReadStats) -> dict:
     """Scores on the validation rows (the training rows without them) and the run's
-    figures. ``samples_per_s``: rows trained over the passes' time (each pass's own
+    figures (``scorer``: the trainer or the best pass restored). ``samples_per_s``: rows
+    trained over the passes' time (each pass's own
     figure already takes the ranks' mean), reading and scoring not included."""
     config = trainer.config
     source = valid or iter_file_batches(run.train, trainer.schema, config.batch_size,
                                         on_bad_row=config.on_bad_row)
-    metrics = trainer.evaluate(source)
+    metrics = scorer.evaluate(source)
     metrics["evaluated_on"] = "valid" if valid else "train"
     metrics.pop("samples_per_s")  # scoring throughput; training throughput below
     rows = sum(h["rows"] for h in history)

@@ -65,7 +65,8 @@ from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
 from terarec.models import build_model
 from terarec.train.metrics import evaluate_scores
-from terarec.train.passes import group_passes, iter_file_batches, prefetch
+from terarec.train.passes import group_passes, iter_file_batches
+from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
 
 
@@ -133,6 +134,7 @@ class Trainer:
         self.mean_fields = torch.tensor(mean, device=self.device) if any(mean) else None
         self.pass_id = 0
         self.history: list[dict] = []
+        self.stop_reason: str | None = None  # why the last ``fit`` ended
         self.ddp: torch.nn.Module = self.model
         self.dense_comm: DenseComm | None = None
         if self.ctx.world > 1:
@@ -277,7 +279,7 @@ class Trainer:
         return wait_s, self.store.end_pass(self.pass_id)
 
     @torch.no_grad()
-    def predict_batches(self, batches: list[Batch]) -> np.ndarray:
+    def predict_batches(self, batches: list[Batch] | PassPlan) -> np.ndarray:
         """Click probabilities for in-memory batches (global keys); the store is unchanged.
         Collective on N ranks: each passes its own batches (one per step, as in
         training), whose rows come from their owners."""
@@ -300,18 +302,27 @@ class Trainer:
                 out.append(torch.sigmoid(self.model(batch.dense, emb)).cpu())
         return torch.cat(out).numpy() if out else np.empty(0, np.float32)
 
-    def predict_stream(self, batches: Iterable[Batch]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time. On N
-        ranks, collective over the same batches on every rank: each scores its
+    def predict_stream(self, batches: Iterable[Batch] | list[PassPlan]
+                       ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time.
+        ``batches`` may be pass plans made once (``plan_pass(..., counts=False)``) for a
+        set scored again and again, e.g. a validation set by every trial of a search. On
+        N ranks, collective over the same batches on every rank: each scores its
         round-robin share and yields (probabilities, labels) for it."""
-        for group in group_passes(batches, self.config.pass_rows):
+        if isinstance(batches, list) and batches and isinstance(batches[0], PassPlan):
+            groups: Iterable = batches
+        else:
+            groups = group_passes(batches, self.config.pass_rows)
+        for group in groups:
             if self.ctx.world > 1:
-                group = deal_batches(group, self.ctx.rank, self.ctx.world)
-            labels = (torch.cat([b.labels for b in group]).numpy() if group
+                rows = group.batches if isinstance(group, PassPlan) else group
+                group = deal_batches(rows, self.ctx.rank, self.ctx.world)
+            rows = group.batches if isinstance(group, PassPlan) else group
+            labels = (torch.cat([b.labels for b in rows]).numpy() if rows
                       else np.empty(0, np.float32))
             yield self.predict_batches(group), labels
 
-    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[Batch] | list[PassPlan]) -> dict[str, float]:
         """AUC, logloss, rows and scoring samples/s (reading included) over ``batches``."""
         probs, labels = [], []
         start = time.perf_counter()
@@ -366,42 +377,23 @@ class Trainer:
 
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
             *, progress: bool = True, stats=None, on_pass_end=None,
-            skip_passes: int = 0) -> list[dict]:
-        """Train ``config.epochs`` epochs over ``train_paths`` pass by pass; after each pass,
-        score ``valid_batches`` (if any) and append a history record.
+            skip_passes: int = 0, selection: SelectionTracker | None = None) -> list[dict]:
+        """Train up to ``config.epochs`` epochs over ``train_paths`` pass by pass; after
+        each pass, score ``valid_batches`` (if any) and append a history record. With a
+        ``selection`` tracker, records say which pass was ``best`` and training stops when
+        its patience runs out; ``stop_reason`` says why training ended.
 
         ``skip_passes``: passes already trained (a resumed run): they are read, not trained,
         so the run continues with exactly the batches an uninterrupted run would see.
+        This is the K = 1 case of ``train.loop.run_passes``.
         """
-        cfg = self.config
-        bar = tqdm(unit=" rows", unit_scale=True, disable=not (progress and self.ctx.is_main),
-                   dynamic_ncols=True,
-                   desc="train")
-        start = time.perf_counter()
-        rows_total = 0
-        seen = 0
-        try:
-            for epoch in range(cfg.epochs):
-                passes = self.iter_passes(train_paths, stats, seen, skip_passes)
-                for plan, upcoming in _with_next(prefetch(passes)):
-                    seen += 1
-                    if seen <= skip_passes:
-                        continue
-                    result = self.train_pass(plan, bar, upcoming)
-                    rows_total += result.rows
-                    record = {"epoch": epoch, **result.as_dict()}
-                    if valid_batches:
-                        valid = self.evaluate(valid_batches)
-                        record.update(valid_auc=valid["auc"], valid_logloss=valid["logloss"])
-                    self.history.append(record)
-                    bar.set_postfix(
-                        loss=f"{result.train_loss:.4f}",
-                        auc=f"{record.get('valid_auc', float('nan')):.4f}",
-                        sps=f"{rows_total / (time.perf_counter() - start):,.0f}")
-                    if on_pass_end is not None:
-                        on_pass_end(self, record)
-        finally:
-            bar.close()
+        from terarec.train.loop import TrialRun, run_passes
+
+        run = TrialRun(self, selection, on_pass_end)
+        run_passes([run], train_paths, valid_batches,
+                   progress=progress and self.ctx.is_main, stats=stats,
+                   skip_passes=skip_passes)
+        self.stop_reason = run.stop_reason
         return self.history
 
 

@@ -1,0 +1,82 @@
+"""``terarec search``: K trial configurations trained together in one pass loop (data
+read, hashed and planned once per pass), suggested and pruned by optuna; the best trial
+is written as an ordinary model directory (OUT/best)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from terarec.cli.common import (
+    add_format_args,
+    add_selection_args,
+    add_train_args,
+    config_from_args,
+    report_skipped,
+    schema_from_args,
+    selection_from_args,
+)
+from terarec.config import parse_bytes
+from terarec.data.readers import ReadStats
+from terarec.train.passes import iter_file_batches
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from terarec.train.search import PRUNERS, SAMPLERS
+
+    p = sub.add_parser("search", help="hyper-parameter search, trials trained together",
+                       description=__doc__)
+    p.add_argument("--train", nargs="+", required=True, type=Path, help="training file(s)")
+    p.add_argument("--valid", nargs="+", required=True, type=Path, help="validation file(s)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="search directory: best/, trials/, results.json/.csv, report.html")
+    p.add_argument("--trials", type=int, default=8, help="trials in all (default 8)")
+    p.add_argument("--parallel", type=int,
+                   help="trials trained together in one pass loop (default: all)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="tpe",
+                   help="optuna sampler (default tpe; grid needs choices for every value)")
+    p.add_argument("--pruner", choices=PRUNERS, default="halving",
+                   help="optuna pruner at pass boundaries (default halving: successive "
+                   "halving, which compares trials training together; median compares "
+                   "with finished trials, i.e. earlier waves of --parallel)")
+    p.add_argument("--space", type=Path,
+                   help="search space, JSON or YAML: {config.path: {type, low, high, log} "
+                   "or [choices]} (default: a space for --model, see docs/search.md)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_format_args(p)
+    add_train_args(p)
+    add_selection_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from terarec.train.search import load_space, run_search, write_results, write_search_report
+
+    config = config_from_args(args)
+    if config.store.memory_budget is not None:
+        parse_bytes(config.store.memory_budget)
+    selection_from_args(args, config)  # epoch upper bound, --eval-every
+    schema = schema_from_args(args)
+    space = load_space(args.space, config) if args.space else None
+    stats = ReadStats()
+    valid = list(iter_file_batches(args.valid, schema, config.batch_size,
+                                   on_bad_row=config.on_bad_row, stats=stats))
+    result = run_search(schema, config, args.train, valid, args.out, trials=args.trials,
+                        parallel=args.parallel, space=space, sampler=args.sampler,
+                        pruner=args.pruner, select_by=args.select_by,
+                        patience=args.patience, seed=config.seed,
+                        progress=not args.no_progress)
+    write_results(result, args.out)
+    write_search_report(result, args.out)
+    report_skipped(stats)
+    best = result.best
+    print(json.dumps({"trials": len(result.trials),
+                      "pruned": sum(t.state == "pruned" for t in result.trials),
+                      "best_trial": best.number if best else None,
+                      "best_value": best.selection.best_value if best else None,
+                      "best_params": best.params if best else None,
+                      "seconds": round(result.seconds, 2)}))
+    if result.best_dir is not None:
+        print(f"best model written to {result.best_dir}")
+    return 0

@@ -1,0 +1,174 @@
+"""The pass loop, for one model or K trained side by side on the same passes.
+
+::
+
+    for each epoch, for each pass (read, parsed, hashed and planned ONCE, read ahead):
+        for each live trial:                     its own store, rows, optimizer state,
+            trainer.train_pass(plan)             dense network and RNG stream
+            evaluate on the validation set       (shared batches), selection tracker
+            on_pass_end(trainer, record)         checkpoint, BEST, export deltas
+        on_boundary(live trials)                 a search reports to optuna and prunes
+
+``Trainer.fit`` is this loop with K = 1; ``terarec search`` (``train.search``) runs it
+with K trials. What the trials share is everything up to the ``PassPlan``: reading,
+parsing, hashing, cutting into batches and passes, the unique keys of the pass, each
+occurrence's position among them and per-key shows/clicks. A trial whose batch size
+differs from the first trial's gets the pass re-batched and re-planned (once per distinct
+batch size and pass). Each trial's store keeps its own key index.
+
+Each trial's torch RNG state is swapped in around its passes, so a trial draws exactly
+the random numbers (dropout, ...) it would draw trained alone: K trials with the seeds
+of K separate runs end with the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from terarec.embedding.working_set import PassPlan, plan_pass
+from terarec.train.passes import prefetch
+from terarec.train.selection import (
+    STOP_END_OF_DATA,
+    STOP_EPOCHS,
+    STOP_PATIENCE,
+    SelectionTracker,
+)
+from terarec.types import Batch
+
+if TYPE_CHECKING:
+    from terarec.train.trainer import Trainer
+
+
+@dataclass
+class TrialRun:
+    """One model in the pass loop: its trainer, its selection and its pass-end hook.
+
+    Create it right after its trainer, so ``rng`` is the trainer's own random stream.
+    ``stop_reason`` is None while it trains (see ``train.selection`` for the reasons).
+    """
+
+    trainer: Trainer
+    selection: SelectionTracker | None = None
+    on_pass_end: Callable[[Trainer, dict], None] | None = None
+    stop_reason: str | None = None
+    rng: torch.Tensor = field(default_factory=torch.get_rng_state)
+    steps: int = 0  # optimizer steps so far
+
+    def __post_init__(self) -> None:
+        if self.trainer.history:
+            self.steps = int(self.trainer.history[-1].get("steps", 0))
+
+    @property
+    def live(self) -> bool:
+        return self.stop_reason is None
+
+    def stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+
+def rebatch(batches: Sequence[Batch], batch_size: int) -> list[Batch]:
+    """The same rows, in the same order, cut into batches of ``batch_size``."""
+    whole = Batch.concat(list(batches))
+    return [whole.slice(i, min(i + batch_size, len(whole)))
+            for i in range(0, len(whole), batch_size)]
+
+
+class _PlanCache:
+    """One pass's plan per batch size: the reader's plan, re-batched and re-planned for
+    other batch sizes (once each)."""
+
+    def __init__(self, plan: list[Batch] | PassPlan, batch_size: int) -> None:
+        self.plan, self.batch_size = plan, batch_size
+        self._by_size: dict[int, list[Batch] | PassPlan] = {}
+
+    def for_batch_size(self, batch_size: int) -> list[Batch] | PassPlan:
+        if batch_size == self.batch_size:
+            return self.plan
+        if batch_size not in self._by_size:
+            if isinstance(self.plan, PassPlan):
+                self._by_size[batch_size] = plan_pass(rebatch(self.plan.batches, batch_size))
+            else:
+                self._by_size[batch_size] = rebatch(self.plan, batch_size)
+        return self._by_size[batch_size]
+
+
+def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
+               valid_batches: list[Batch] | list[PassPlan] | None = None, *,
+               progress: bool = True,
+               stats=None, skip_passes: int = 0,
+               on_boundary: Callable[[list[TrialRun]], None] | None = None) -> None:
+    """Train every run pass by pass until each has stopped (patience, its epochs, a
+    pruning ``on_boundary``). The first run's trainer reads the data (its batch size and
+    pass size cut the stream); ``skip_passes`` passes are read, not trained (resuming)."""
+    if not runs:
+        raise ValueError("run_passes needs at least one trial")
+    from terarec.train.trainer import _with_next
+
+    reader = runs[0].trainer
+    epochs = max(r.trainer.config.epochs for r in runs)
+    bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, dynamic_ncols=True,
+               desc="train" if len(runs) == 1 else f"train x{len(runs)}")
+    seen = 0
+    try:
+        for epoch in range(epochs):
+            for run in runs:
+                if run.live and epoch >= run.trainer.config.epochs:
+                    run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
+            if not any(r.live for r in runs):
+                break
+            passes = reader.iter_passes(train_paths, stats, seen, skip_passes)
+            for plan, upcoming in _with_next(prefetch(passes)):
+                seen += 1
+                if seen <= skip_passes:
+                    continue
+                plans = _PlanCache(plan, reader.config.batch_size)
+                live = [r for r in runs if r.live]
+                for run in live:
+                    _train_one(run, plans, upcoming, valid_batches, epoch, bar)
+                if on_boundary is not None:
+                    on_boundary(live)
+                if not any(r.live for r in runs):
+                    break
+    finally:
+        bar.close()
+    for run in runs:
+        run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
+
+
+def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
+               valid: list[Batch] | list[PassPlan] | None,
+               epoch: int, bar: tqdm) -> None:
+    """One pass of one trial: train (in its own RNG stream), evaluate, select, hook."""
+    trainer = run.trainer
+    plan = plans.for_batch_size(trainer.config.batch_size)
+    torch.set_rng_state(run.rng)
+    result = trainer.train_pass(plan, bar, upcoming)
+    run.rng = torch.get_rng_state()
+    run.steps += _steps(plan)
+    record = {"epoch": epoch, "steps": run.steps, **result.as_dict()}
+    if valid:
+        metrics = trainer.evaluate(valid)
+        record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"])
+    if run.selection is not None and run.selection.observe(record).stop:
+        run.stop(STOP_PATIENCE)
+    trainer.history.append(record)
+    bar.set_postfix(loss=f"{result.train_loss:.4f}",
+                    auc=f"{record.get('valid_auc', float('nan')):.4f}")
+    if run.on_pass_end is not None:
+        run.on_pass_end(trainer, record)
+
+
+def _steps(plan) -> int:
+    """Optimizer steps in a pass: its batches (a sharded plan: its global steps)."""
+    if isinstance(plan, PassPlan):
+        return len(plan.batches)
+    if isinstance(plan, list):
+        return len(plan)
+    return len(plan.global_sizes)

@@ -1,0 +1,509 @@
+"""Hyper-parameter search: K trials trained side by side in one pass loop.
+
+::
+
+    study = optuna study (random / TPE / grid sampler, a pruner)
+    for each wave of K trials (``parallel``):
+        ask K trials -> K configs (the base config with the suggested values)
+        train.loop.run_passes(K trials)          data read, hashed and planned once per pass
+            at every pass boundary: report each live trial's validation metric, then ask
+            the pruner; a pruned trial stops and its rows are freed
+        tell each trial its best value (or PRUNED)
+    out/best/            the best trial as an ordinary model directory
+    out/results.json     one row per trial (also results.csv), out/report.html
+
+A trial is exactly ``terarec train`` with its values as flags and the base seed: same
+initial weights, same batches, same random stream (``train.loop``). What trials share
+and what each keeps is described there. With a memory budget (tiered store) the budget is
+split across the live trials and re-split when trials are pruned.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.embedding.working_set import PassPlan, plan_pass
+from terarec.io import atomic_write_text
+from terarec.train.checkpoint import mark_best, save_checkpoint
+from terarec.train.loop import TrialRun, run_passes
+from terarec.train.passes import group_passes
+from terarec.train.selection import STOP_PRUNED, SelectionTracker, higher_is_better
+from terarec.train.trainer import Trainer, make_store
+from terarec.types import Batch, FeatureSchema
+
+SAMPLERS = ("random", "tpe", "grid")
+PRUNERS = ("none", "halving", "median", "hyperband")
+_KINDS = ("float", "int", "categorical")
+
+# Default spaces (dotted TrainConfig paths). Learning rates on a log scale; the widths
+# and MLP shapes are choices, so a grid sampler can use the space as it is.
+_COMMON: dict[str, dict[str, Any]] = {
+    "sparse_optimizer.lr": {"type": "float", "low": 0.01, "high": 0.3, "log": True},
+    "model.embedding_dim": {"type": "categorical", "choices": [4, 8, 16]},
+}
+_DENSE_LR = {"dense_optimizer.lr": {"type": "float", "low": 3e-4, "high": 1e-2, "log": True}}
+_DROPOUT = {"model.dropout": {"type": "categorical", "choices": [0.0, 0.1, 0.2]}}
+DEFAULT_SPACES: dict[str, dict[str, dict[str, Any]]] = {
+    "lr": {"sparse_optimizer.lr": _COMMON["sparse_optimizer.lr"], **_DENSE_LR},
+    "fm": {**_COMMON, **_DENSE_LR},
+    "widedeep": {**_COMMON, **_DENSE_LR, **_DROPOUT},
+    "deepfm": {**_COMMON, **_DENSE_LR, **_DROPOUT},
+    "dcnv2": {**_COMMON, **_DENSE_LR, **_DROPOUT},
+    "dlrm": {**_COMMON, **_DENSE_LR},
+    "dssm": {**_COMMON, **_DENSE_LR},
+}
+
+
+def default_space(model: str) -> dict[str, dict[str, Any]]:
+    """A sensible space for ``model``: learning rates, embedding width, dropout."""
+    if model not in DEFAULT_SPACES:
+        raise ValueError(f"no default search space for model {model!r}; known: "
+                         f"{', '.join(DEFAULT_SPACES)} (give one with --space)")
+    return {k: dict(v) for k, v in DEFAULT_SPACES[model].items()}
+
+
+def load_space(path: str | Path, base: TrainConfig) -> dict[str, dict[str, Any]]:
+    """A search space from a JSON or YAML file: ``{"dotted.config.path": spec}`` where a
+    spec is ``{type: float|int, low, high[, log, step]}`` or ``{type: categorical,
+    choices: [...]}`` (``[a, b, c]`` alone means categorical)."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml  # type: ignore[import-untyped]
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML ({exc})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") \
+                from None
+    return check_space(data, base, str(path))
+
+
+def check_space(data: Any, base: TrainConfig, where: str = "space"
+                ) -> dict[str, dict[str, Any]]:
+    """Validate a space against the config it modifies; errors name the parameter."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{where}: expected a non-empty mapping of config paths to specs")
+    config = to_dict(base)
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in data.items():
+        at = f"{where}: {name}"
+        node: Any = config
+        for part in str(name).split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ValueError(f"{at}: no such config field (e.g. model.embedding_dim, "
+                                 f"sparse_optimizer.lr, batch_size)")
+            node = node[part]
+        if isinstance(spec, list):
+            spec = {"type": "categorical", "choices": spec}
+        if not isinstance(spec, dict) or spec.get("type") not in _KINDS:
+            raise ValueError(f"{at}: expected a list of choices or a mapping with type "
+                             f"one of {', '.join(_KINDS)}")
+        if spec["type"] == "categorical":
+            if not isinstance(spec.get("choices"), list) or not spec["choices"]:
+                raise ValueError(f"{at}: categorical needs a non-empty list 'choices'")
+        else:
+            for bound in ("low", "high"):
+                if not isinstance(spec.get(bound), (int, float)):
+                    raise ValueError(f"{at}: {spec['type']} needs a number '{bound}'")
+            if spec["low"] > spec["high"]:
+                raise ValueError(f"{at}: low {spec['low']} > high {spec['high']}")
+            if spec.get("log") and spec["low"] <= 0:
+                raise ValueError(f"{at}: log scale needs low > 0")
+        out[str(name)] = dict(spec)
+    return out
+
+
+def suggest(trial, space: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The trial's values for every parameter of ``space`` (optuna's suggest API)."""
+    params: dict[str, Any] = {}
+    for name, spec in space.items():
+        kind = spec["type"]
+        if kind == "categorical":
+            params[name] = trial.suggest_categorical(name, spec["choices"])
+        elif kind == "int":
+            params[name] = trial.suggest_int(name, int(spec["low"]), int(spec["high"]),
+                                             step=int(spec.get("step", 1)),
+                                             log=bool(spec.get("log", False)))
+        else:
+            params[name] = trial.suggest_float(name, float(spec["low"]), float(spec["high"]),
+                                               step=spec.get("step"),
+                                               log=bool(spec.get("log", False)))
+    return params
+
+
+def apply_params(base: TrainConfig, params: Mapping[str, Any]) -> TrainConfig:
+    """``base`` with each dotted path set to its value (checked like a config file)."""
+    data = to_dict(base)
+    for name, value in params.items():
+        node = data
+        *parents, leaf = name.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    return from_dict(TrainConfig, data)
+
+
+def grid_space(space: Mapping[str, Mapping[str, Any]]) -> dict[str, list]:
+    """The grid sampler's search space: every parameter must list its values."""
+    grid: dict[str, list] = {}
+    for name, spec in space.items():
+        if spec["type"] == "categorical":
+            grid[name] = list(spec["choices"])
+        elif spec["type"] == "int":
+            grid[name] = list(range(int(spec["low"]), int(spec["high"]) + 1,
+                                    int(spec.get("step", 1))))
+        else:
+            raise ValueError(f"grid sampler: {name} is a float range; give it choices")
+    return grid
+
+
+def make_sampler(name: str, space: Mapping[str, Mapping[str, Any]], seed: int):
+    import optuna
+
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(grid_space(space), seed=seed)
+    raise ValueError(f"sampler {name!r}: expected one of {', '.join(SAMPLERS)}")
+
+
+def make_pruner(name: str):
+    """Pruners that work while trials train together: successive halving and hyperband
+    compare trials that reached the same pass; median needs finished trials (earlier
+    waves, ``parallel`` < ``trials``)."""
+    import optuna
+
+    if name == "none":
+        return optuna.pruners.NopPruner()
+    if name == "halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, reduction_factor=3)
+    raise ValueError(f"pruner {name!r}: expected one of {', '.join(PRUNERS)}")
+
+
+def free_rows(trainer: Trainer) -> None:
+    """Drop a trainer's embedding rows and optimizer state (and a tiered store's files):
+    a pruned or finished trial trains no more."""
+    store = trainer.store
+    path = getattr(getattr(store, "disk", None), "path", None)
+    if hasattr(store, "close"):
+        store.close()
+    in_ram = replace(trainer.config, store=replace(trainer.config.store, memory_budget=None,
+                                                   disk_path=None))
+    trainer.store = make_store(trainer.model.row_dim, trainer.sparse_optimizer, in_ram)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class SearchTrial:
+    """One trial: its values, configuration, state, curve and optuna handle."""
+
+    number: int
+    params: dict[str, Any]
+    config: TrainConfig
+    model_dir: Path
+    optuna_trial: Any
+    run: TrialRun
+    state: str = "running"  # running, complete, pruned, failed
+    seconds: float = 0.0  # its own training and evaluation time
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def selection(self) -> SelectionTracker:
+        assert self.run.selection is not None  # a search trial always selects
+        return self.run.selection
+
+    def row(self) -> dict[str, Any]:
+        """Its line in the results table."""
+        sel = self.selection
+        best = next((h for h in self.history if h["pass_id"] + 1 == sel.best_pass), {})
+        return {"trial": self.number, "state": self.state, "value": sel.best_value,
+                "select_by": sel.select_by, "best_pass": sel.best_pass,
+                "passes": len(self.history), "stop_reason": self.run.stop_reason,
+                "valid_auc": best.get("valid_auc"), "valid_logloss": best.get("valid_logloss"),
+                "seconds": round(self.seconds, 3),
+                **{f"params.{k}": v for k, v in self.params.items()}}
+
+
+@dataclass
+class SearchResult:
+    trials: list[SearchTrial]
+    best: SearchTrial | None
+    best_dir: Path | None
+    study: Any
+    seconds: float
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [t.row() for t in self.trials]
+
+
+def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Path],
+               valid_batches: list[Batch], out_dir: str | Path, *, trials: int = 8,
+               parallel: int | None = None,
+               space: Mapping[str, Mapping[str, Any]] | None = None,
+               sampler: str = "tpe", pruner: str = "halving", select_by: str = "logloss",
+               patience: int | None = 2, seed: int = 0, progress: bool = False,
+               fixed: list[dict[str, Any]] | None = None,
+               on_boundary: Callable[[list[SearchTrial]], None] | None = None
+               ) -> SearchResult:
+    """Run ``trials`` trials, ``parallel`` at a time (default: all) in one pass loop,
+    and write the best one to ``out_dir/best`` as a model directory.
+
+    ``fixed``: parameter sets to try first (``study.enqueue_trial``), e.g. the defaults.
+    ``on_boundary`` sees the wave's trials after each pass's pruning.
+    """
+    import optuna
+
+    if not valid_batches:
+        raise ValueError("search needs a validation set (--valid)")
+    if trials < 1:
+        raise ValueError(f"trials {trials}: must be >= 1")
+    space = dict(space) if space is not None else default_space(base.model.name)
+    if sampler == "grid":  # each grid point once
+        trials = min(trials, math.prod(len(v) for v in grid_space(space).values()))
+    parallel = min(parallel or trials, trials)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    direction: Literal["maximize", "minimize"] = \
+        "maximize" if higher_is_better(select_by) else "minimize"
+    study = optuna.create_study(direction=direction,
+                                sampler=make_sampler(sampler, space, seed),
+                                pruner=make_pruner(pruner))
+    for params in fixed or []:
+        study.enqueue_trial(params)
+    budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
+    # The validation set's keys are planned once for every trial and evaluation.
+    valid = [plan_pass(group, counts=False)
+             for group in group_passes(valid_batches, base.pass_rows)]
+    overall = _BestSoFar(SelectionTracker(select_by, patience=None))
+    done: list[SearchTrial] = []
+    start = time.perf_counter()
+    while len(done) < trials:
+        k = min(parallel, trials - len(done))
+        # Built one after another, each trainer seeds torch itself: the weights of a
+        # trial are those of the same configuration trained alone.
+        wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
+                     overall) for _ in range(k)]
+        _train_wave(wave, study, train_paths, valid, select_by, budget, progress,
+                    on_boundary)
+        done.extend(wave)
+    # The trial with the best validation value of all, pruned ones included (a pruned
+    # trial's best pass is a whole model): the one whose checkpoint ``overall`` took last.
+    best = next((t for t in done if t.number == overall.trial), None)
+    best_dir = _write_best(best, out_dir) if best is not None else None
+    for t in done:  # only the best trial keeps its checkpoints (in out/best)
+        shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
+        for pointer in ("BEST", "LATEST"):
+            (t.model_dir / pointer).unlink(missing_ok=True)
+    return SearchResult(done, best, best_dir, study, time.perf_counter() - start)
+
+
+def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
+         budget: int | None, live: int, select_by: str, patience: int | None,
+         overall: _BestSoFar) -> SearchTrial:
+    trial = study.ask()
+    params = suggest(trial, space)
+    config = apply_params(base, params)
+    model_dir = out_dir / "trials" / f"trial-{trial.number:03d}"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    if budget is not None:
+        config.store.memory_budget = budget // live
+    if config.store.tiered:
+        config.store.disk_path = str(model_dir / "store")
+    run = TrialRun(Trainer(schema, config), SelectionTracker(select_by, patience),
+                   _checkpoint_best(model_dir, trial.number, overall))
+    return SearchTrial(trial.number, params, config, model_dir, trial, run)
+
+
+@dataclass
+class _BestSoFar:
+    """The best pass of any trial so far, and which trial holds it."""
+
+    tracker: SelectionTracker
+    trial: int | None = None
+
+
+def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
+                     ) -> Callable[[Trainer, dict], None]:
+    """The pass-end hook of a trial: commit a checkpoint when the pass is the best of
+    the whole search so far (``overall``). The state the search ends up choosing is the
+    best of all, so it was the best so far when it was reached: later passes of other
+    trials are never needed, and most passes write nothing."""
+
+    def hook(trainer: Trainer, record: dict) -> None:
+        value = record[overall.tracker.key]
+        if record.get("best") and overall.tracker.is_better(value):
+            overall.tracker.update(value, int(record["pass_id"]) + 1)
+            overall.trial = number
+            mark_best(model_dir, save_checkpoint(model_dir, trainer).name)
+
+    return hook
+
+
+def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPlan],
+                select_by: str, budget: int | None, progress: bool,
+                on_boundary: Callable[[list[SearchTrial]], None] | None) -> None:
+    import optuna
+
+    by_run = {id(t.run): t for t in wave}
+
+    def boundary(live: list[TrialRun]) -> None:
+        trials = [by_run[id(r)] for r in live]
+        for t in trials:  # every live trial reports before any is pruned
+            record = t.run.trainer.history[-1]
+            t.seconds += record["staging_s"] + record["train_s"] + record["write_back_s"]
+            value = record.get(f"valid_{select_by}")
+            if value is not None and math.isfinite(value):
+                t.optuna_trial.report(value, step=len(t.run.trainer.history))
+        for t in trials:
+            if t.run.live and t.optuna_trial.should_prune():
+                t.run.stop(STOP_PRUNED)
+                t.state = "pruned"
+                t.history = list(t.run.trainer.history)
+                free_rows(t.run.trainer)
+                _tell(study, t.optuna_trial, state=optuna.trial.TrialState.PRUNED)
+                _write_trial_files(t)
+        alive = [t for t in trials if t.run.live]
+        if budget is not None and alive:  # re-split the budget across live trials
+            for t in alive:
+                store = t.run.trainer.store
+                if getattr(store, "budget", None) is not None:
+                    store.budget = budget // len(alive)  # type: ignore[union-attr]
+        if on_boundary is not None:
+            on_boundary(wave)
+
+    run_passes([t.run for t in wave], train_paths, valid, progress=progress,
+               on_boundary=boundary)
+    for t in wave:
+        if t.state == "pruned":
+            continue
+        t.history = list(t.run.trainer.history)
+        value = t.selection.best_value
+        if value is None:
+            t.state = "failed"
+            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            t.state = "complete"
+            _tell(study, t.optuna_trial, value)
+        _write_trial_files(t)
+        free_rows(t.run.trainer)
+
+
+def _tell(study, trial, value: float | None = None, state=None) -> None:
+    """``study.tell``. The grid sampler calls ``study.stop()`` once its grid is used up,
+    which optuna allows only inside ``optimize``; the trial is stored before that
+    (optuna writes it in a ``finally``), so that one error is dropped."""
+    try:
+        study.tell(trial, value, state=state)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+
+
+def _write_trial_files(t: SearchTrial) -> None:
+    """history.json and metrics.json of a trial, as train writes them."""
+    t.model_dir.mkdir(parents=True, exist_ok=True)
+    history = [*t.history[:-1], {**t.history[-1], "stop_reason": t.run.stop_reason}] \
+        if t.history else []
+    atomic_write_text(t.model_dir / "history.json", json.dumps(history, indent=2))
+    row = t.row()
+    metrics = {"auc": row["valid_auc"], "logloss": row["valid_logloss"],
+               "evaluated_on": "valid", "checkpoint": f"pass-{row['best_pass']:06d}"
+               if row["best_pass"] else None, "passes": row["passes"],
+               "stop_reason": row["stop_reason"], "model": t.config.model.name,
+               "trial": t.number, "params": t.params,
+               **t.selection.summary()}
+    atomic_write_text(t.model_dir / "metrics.json", json.dumps(metrics, indent=2))
+
+
+def _write_best(best: SearchTrial, out_dir: Path) -> Path:
+    """Copy the best trial's directory (less its live store folder) to ``out/best``."""
+    target = out_dir / "best"
+    tmp = out_dir / ".best.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(best.model_dir, tmp, ignore=shutil.ignore_patterns("store"))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def write_results(result: SearchResult, out_dir: str | Path) -> tuple[Path, Path]:
+    """results.json and results.csv: one row per trial, best first."""
+    out_dir = Path(out_dir)
+    rows = result.rows()
+    best = result.best.number if result.best else None
+    rows.sort(key=lambda r: (r["trial"] != best, r["state"] != "complete"))
+    payload = {"best_trial": best, "best_dir": str(result.best_dir) if result.best_dir
+               else None, "seconds": result.seconds, "trials": rows}
+    json_path = out_dir / "results.json"
+    atomic_write_text(json_path, json.dumps(payload, indent=2))
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    csv_path = out_dir / "results.csv"
+    atomic_write_text(csv_path, buf.getvalue())
+    return json_path, csv_path
+
+
+def param_importances(study) -> dict[str, float]:
+    """optuna's parameter importances (fANOVA), or {} when too few trials finished or no
+    parameter varied."""
+    import optuna
+
+    complete = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    if len(complete) < 2:
+        return {}
+    try:
+        return dict(optuna.importance.get_param_importances(study))
+    except (RuntimeError, ValueError, ZeroDivisionError):
+        return {}
+
+
+def write_search_report(result: SearchResult, out_dir: str | Path) -> Path:
+    """The HTML report: per-trial validation curves, importances, the results table."""
+    from terarec.report import write_search_report as write_page
+
+    metric = result.trials[0].selection.select_by if result.trials else "logloss"
+    curves = {}
+    for t in result.trials:
+        points = [(h["pass_id"] + 1, h[f"valid_{metric}"]) for h in t.history
+                  if math.isfinite(h.get(f"valid_{metric}", math.nan))]
+        curves[f"trial {t.number}{' (pruned)' if t.state == 'pruned' else ''}"] = (
+            [x for x, _ in points], [y for _, y in points])
+    best = result.best
+    summary = {"trials": len(result.trials),
+               "pruned": sum(t.state == "pruned" for t in result.trials),
+               "best trial": best.number if best else None,
+               f"best validation {metric}": best.selection.best_value if best else None,
+               "best model directory": str(result.best_dir) if result.best_dir else None,
+               "seconds": result.seconds,
+               **({f"best {k}": v for k, v in best.params.items()} if best else {})}
+    rows = sorted(result.rows(), key=lambda r: (best is None or r["trial"] != best.number,
+                                                r["state"] != "complete"))
+    return write_page(out_dir, rows, curves, param_importances(result.study), metric,
+                      summary)

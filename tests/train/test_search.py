@@ -1,0 +1,204 @@
+"""``terarec search``: trials trained together equal separate ``train`` runs, pruned
+trials lose their rows, the budget is split, outputs are written and the best trial's
+directory exports and predicts."""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from terarec.cli.main import main
+from terarec.config import TrainConfig
+from terarec.data.synth import generate
+from terarec.train.passes import iter_file_batches
+from terarec.train.search import apply_params, check_space, grid_space, run_search
+from terarec.types import FeatureSchema
+
+COMMON = ["--batch-size", "500", "--pass-rows", "2000", "--threads", "1", "--no-progress",
+          "--seed", "4", "--epochs", "2", "--patience", "2"]
+# Two trials that differ in embedding width, learning rates, dropout and batch size.
+TRIALS = [
+    {"model.embedding_dim": 4, "sparse_optimizer.lr": 0.05, "dense_optimizer.lr": 0.002,
+     "model.dropout": 0.2, "batch_size": 500},
+    {"model.embedding_dim": 8, "sparse_optimizer.lr": 0.1, "dense_optimizer.lr": 0.001,
+     "model.dropout": 0.0, "batch_size": 250},
+]
+FLAGS = {"model.embedding_dim": "--embedding-dim", "sparse_optimizer.lr": "--sparse-lr",
+         "dense_optimizer.lr": "--dense-lr", "batch_size": "--batch-size"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("search")
+    generate(root / "train.tsv", 8000, model_seed=2, sample_seed=5)
+    generate(root / "valid.tsv", 2000, model_seed=2, sample_seed=6)
+    return root / "train.tsv", root / "valid.tsv"
+
+
+@pytest.fixture(scope="module")
+def searched(files, tmp_path_factory) -> Path:
+    train, valid = files
+    out = tmp_path_factory.mktemp("run") / "search"
+    # The two trials' values are enqueued (``fixed``), the space holds both values of each.
+    schema = FeatureSchema.criteo()
+    config = TrainConfig()
+    config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
+    config.epochs = 2
+    batches = list(iter_file_batches([valid], schema, 500))
+    space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
+    result = run_search(schema, config, [train], batches, out, trials=2, pruner="none",
+                        sampler="random", fixed=TRIALS, space=space, patience=2)
+    from terarec.train.search import write_results, write_search_report
+
+    write_results(result, out)
+    write_search_report(result, out)
+    return out
+
+
+def _single(files, out: Path, params: dict) -> list[dict]:
+    train, valid = files
+    flags = [*COMMON, "--model", "deepfm"]
+    for key, value in params.items():
+        if key in FLAGS:
+            flags += [FLAGS[key], str(value)]
+    if params.get("model.dropout"):
+        cfg = out.parent / f"{out.name}.json"
+        cfg.write_text(json.dumps({"model": {"dropout": params["model.dropout"]},
+                                   "epochs": 2}))
+        flags += ["--config", str(cfg)]
+    assert main(["train", "--train", str(train), "--valid", str(valid), "--out", str(out),
+                 *flags]) == 0
+    return json.loads((out / "history.json").read_text())
+
+
+def test_k2_search_equals_two_single_train_runs(files, searched, tmp_path):
+    results = json.loads((searched / "results.json").read_text())
+    by_trial = {r["trial"]: r for r in results["trials"]}
+    for number, params in enumerate(TRIALS):
+        single = _single(files, tmp_path / f"single{number}", params)
+        trial = json.loads((searched / "trials" / f"trial-{number:03d}" /
+                            "history.json").read_text())
+        assert [h["valid_auc"] for h in trial] == pytest.approx(
+            [h["valid_auc"] for h in single], abs=1e-9)
+        assert [h["train_loss"] for h in trial] == pytest.approx(
+            [h["train_loss"] for h in single], abs=1e-9)
+        assert by_trial[number]["state"] == "complete"
+    best = results["best_trial"]
+    mine = load_file(str(next((searched / "best" / "checkpoints").glob(
+        "pass-*/dense.safetensors"))))
+    single_dir = tmp_path / f"single{best}"
+    name = (single_dir / "BEST").read_text()
+    theirs = load_file(str(single_dir / "checkpoints" / name / "dense.safetensors"))
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        assert (mine[key] == theirs[key]).all(), key
+
+
+def test_results_report_and_best_directory(files, searched, tmp_path):
+    _, valid = files
+    results = json.loads((searched / "results.json").read_text())
+    assert len(results["trials"]) == 2 and results["trials"][0]["trial"] == \
+        results["best_trial"]
+    with open(searched / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["trial"]) for r in rows] == [r["trial"] for r in results["trials"]]
+    assert "params.model.embedding_dim" in rows[0]
+    page = (searched / "report.html").read_text()
+    assert "trials.png" in page and "importance.png" in page
+    assert (searched / "trials.png").stat().st_size > 1000
+    # the best trial is an ordinary model directory: eval, predict and export take it
+    best = searched / "best"
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(best), "--data", str(valid), "--out", str(out)]) == 0
+    value = results["trials"][0]["value"]
+    assert json.loads(out.read_text())["logloss"] == pytest.approx(value, rel=1e-6)
+    scores = tmp_path / "scores.txt"
+    assert main(["predict", "--model", str(best), "--data", str(valid),
+                 "--out", str(scores)]) == 0
+    assert len(scores.read_text().split()) == 2000
+    assert main(["export", "--model", str(best), "--out", str(tmp_path / "exp")]) == 0
+    assert list((tmp_path / "exp").glob("v*/manifest.json"))
+
+
+def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
+    train, valid = files
+    schema = FeatureSchema.criteo()
+    config = TrainConfig()
+    config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
+    config.epochs, config.store.memory_budget = 1, "32MB"
+    batches = list(iter_file_batches([valid], schema, 500))
+    seen: dict[int, list] = {}
+    refs: dict[int, weakref.ref] = {}
+
+    def boundary(trials) -> None:
+        for t in trials:
+            store = t.run.trainer.store
+            refs.setdefault(t.number, weakref.ref(store))
+            seen.setdefault(t.number, []).append(
+                (t.state, len(store), getattr(store, "budget", None)))
+
+    result = run_search(schema, config, [train], batches, tmp_path / "s", trials=4,
+                        sampler="random", pruner="halving", patience=None,
+                        space={"sparse_optimizer.lr": {"type": "float", "low": 0.001,
+                                                       "high": 0.5, "log": True}},
+                        on_boundary=boundary)
+    pruned = [t for t in result.trials if t.state == "pruned"]
+    assert pruned, "successive halving prunes some of 4 trials by the 3rd pass"
+    budget = 32 << 20
+    for t in result.trials:
+        states = seen[t.number]
+        assert t.config.store.memory_budget == budget // 4  # split across 4 at the start
+        if t.state == "pruned":
+            assert len(t.run.trainer.store) == 0
+            assert not (t.model_dir / "store").exists()  # its disk tier is gone too
+            at = next(i for i, s in enumerate(states) if s[0] == "pruned")
+            assert all(keys == 0 for _, keys, _ in states[at:])
+            assert len(t.history) == at + 1  # no pass trained after it was pruned
+    # after a pruning, the live trials share the whole budget
+    for states in seen.values():
+        for i, (state, _, b) in enumerate(states):
+            live = sum(seen[n][i][0] == "running" for n in seen if i < len(seen[n]))
+            if state == "running" and b is not None and live:
+                assert b == budget // live
+    gc.collect()
+    later = [t for t in pruned if seen[t.number][0][0] == "running"]
+    assert all(refs[t.number]() is None for t in later), "pruned rows still referenced"
+
+
+def test_space_errors_name_the_parameter(tmp_path):
+    config = TrainConfig()
+    with pytest.raises(ValueError, match="model.embeding_dim: no such config field"):
+        check_space({"model.embeding_dim": [4, 8]}, config)
+    with pytest.raises(ValueError, match="sparse_optimizer.lr: log scale needs low > 0"):
+        check_space({"sparse_optimizer.lr": {"type": "float", "low": 0, "high": 1,
+                                             "log": True}}, config)
+    with pytest.raises(ValueError, match="grid sampler: dense_optimizer.lr"):
+        grid_space(check_space({"dense_optimizer.lr": {"type": "float", "low": 1e-4,
+                                                       "high": 1e-2}}, config))
+    bad = tmp_path / "space.yaml"
+    bad.write_text("batch_size: {type: int, low: 512}\n")
+    assert main(["search", "--train", str(bad), "--valid", str(bad), "--out",
+                 str(tmp_path / "o"), "--space", str(bad)]) == 2
+    assert apply_params(config, {"model.embedding_dim": 32}).model.embedding_dim == 32
+
+
+def test_grid_sampler_from_a_yaml_space_tries_each_point_once(files, tmp_path):
+    train, valid = files
+    space = tmp_path / "grid.yaml"
+    space.write_text("model.embedding_dim: [4, 8]\nsparse_optimizer.lr: [0.05, 0.1]\n")
+    out = tmp_path / "grid"
+    assert main(["search", "--train", str(train), "--valid", str(valid), "--out", str(out),
+                 "--batch-size", "500", "--pass-rows", "4000", "--threads", "1",
+                 "--no-progress", "--epochs", "1", "--trials", "6", "--sampler", "grid",
+                 "--pruner", "none", "--space", str(space)]) == 0
+    rows = json.loads((out / "results.json").read_text())["trials"]
+    points = sorted((r["params.model.embedding_dim"], r["params.sparse_optimizer.lr"])
+                    for r in rows)
+    assert points == [(4, 0.05), (4, 0.1), (8, 0.05), (8, 0.1)]  # 6 asked, 4 points
+    assert all(r["state"] == "complete" for r in rows)
