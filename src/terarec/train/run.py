@@ -108,8 +108,10 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         versions.finish(trainer)
     latest = f"pass-{trainer.pass_id:06d}"
     evaluated = ctx.broadcast_object(best_checkpoint(run.out) or latest)
+    # The best pass is scored from its checkpoint, in a store of its own (a tiered one in
+    # a scratch folder: the live store's folder stays the training run's).
     scorer = trainer if evaluated == latest or not valid else restore_trainer(
-        run.out, config, name=evaluated, ctx=ctx, dense_comm=dense_comm)
+        run.out, name=evaluated, ctx=ctx, dense_comm=dense_comm)
     metrics = _run_metrics(scorer, trainer, valid, run, history, seconds, stats)
     metrics.update(checkpoint=evaluated, stop_reason=trainer.stop_reason)
     if selection is not None:
