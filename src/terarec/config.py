@@ -33,6 +33,7 @@ Fraction = Annotated[float, Field(ge=0, lt=1)]
 TRAINING = "training"
 COMPRESSION = "embedding compression"
 INPUT_FORMAT = "input format"
+REGULARISATION = "regularisation"
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,10 @@ class ModelConfig:
     deep_mlp: tuple[Positive, ...] = (256, 128)
     cross_layers: NonNegative = 3
     cross_rank: NonNegative = 0  # DCN-v2: 0 = full-rank cross weights, r > 0 = low-rank U V^T
-    dropout: Fraction = 0.0
+    dropout: Fraction = knob(0.0, "--dropout", "dropout after every hidden MLP layer",
+                             group=REGULARISATION)
+    batch_norm: bool = knob(False, "--batch-norm", "batch norm before every hidden MLP "
+                            "activation", group=REGULARISATION)
     # Two-tower (DSSM) split: ``item_fields`` empty means every categorical field that is
     # not a user field. Both towers use ``deep_mlp``; its last width is the vector size.
     user_fields: tuple[str, ...] = ()
@@ -141,7 +145,14 @@ class SparseOptimizerConfig:
     ftrl_beta: NonNegativeFloat = 1.0
     ftrl_l1: NonNegativeFloat = 0.0
     ftrl_l2: NonNegativeFloat = 0.0
-    weight_decay: NonNegativeFloat = 0.0
+    weight_decay: NonNegativeFloat = knob(
+        0.0, "--sparse-weight-decay", "L2 added to a touched row's gradient once per step",
+        group=REGULARISATION, metavar="WD")
+    # L2 on the embeddings a batch looks up (BARS's embedding_regularizer), per use and
+    # relative to the batch size: see terarec.embedding.optimizers.
+    embedding_l2: NonNegativeFloat = knob(
+        0.0, "--embedding-l2", "L2 on the embeddings each batch looks up, per use and "
+        "independent of the batch size", group=REGULARISATION, metavar="LAMBDA")
     # Group lasso: after each update a row shrinks by ``step * group_lasso`` in L2 norm
     # (to exactly zero when shorter); zero rows are pruned from the store at pass end.
     group_lasso: NonNegativeFloat = knob(
@@ -155,7 +166,9 @@ class DenseOptimizerConfig:
 
     name: Literal["adam", "adagrad", "sgd"] = "adam"
     lr: Rate = knob(1e-3, "--dense-lr")
-    weight_decay: NonNegativeFloat = 0.0
+    weight_decay: NonNegativeFloat = knob(0.0, "--dense-weight-decay",
+                                          "weight decay of the dense optimizer",
+                                          group=REGULARISATION, metavar="WD")
 
 
 @dataclass

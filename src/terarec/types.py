@@ -205,7 +205,11 @@ class Batch:
 @dataclass(frozen=True)
 class FieldSpec:
     """One input column. ``separator`` makes a categorical cell multi-valued (CSV);
-    Parquet list columns are multi-valued without one."""
+    Parquet list columns are multi-valued without one.
+
+    A numeric field feeds ``transform(x)``, standardised as ``(transform(x) - mean) / std``
+    when the statistics are set (``terarec.data.numeric``; schemas saved without them
+    feed ``transform(x)`` as they always did)."""
 
     __pydantic_config__ = STRICT
 
@@ -214,6 +218,8 @@ class FieldSpec:
     transform: NumericTransform = "none"
     separator: str | None = None
     pooling: Pooling = "sum"
+    mean: float | None = None
+    std: float | None = None
 
 
 SCHEMA_VERSION = 1

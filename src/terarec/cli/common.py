@@ -14,6 +14,7 @@ from typing import Any
 from terarec.config import (
     COMPRESSION,
     INPUT_FORMAT,
+    REGULARISATION,
     TRAINING,
     TrainConfig,
     flag_fields,
@@ -21,6 +22,7 @@ from terarec.config import (
     load_train_config,
     to_dict,
 )
+from terarec.data.numeric import DEFAULT_STATS_ROWS, with_numeric_stats
 from terarec.data.readers import ReadStats, csv_schema
 from terarec.io import ScratchDir
 from terarec.train.selection import (
@@ -29,7 +31,7 @@ from terarec.train.selection import (
     SELECT_BY,
     SelectionTracker,
 )
-from terarec.types import FeatureSchema
+from terarec.types import FeatureSchema, NumericTransform
 from terarec.validation import InvalidInput, strip_type
 
 
@@ -46,8 +48,13 @@ def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> N
                    help="separator inside multi-valued categorical cells, e.g. '|'")
     g.add_argument("--multi-valued", default=None,
                    help="comma-separated categorical columns that are multi-valued")
-    g.add_argument("--log1p", default="",
-                   help="comma-separated numeric columns to log1p-transform")
+    g.add_argument("--log1p", default=None,
+                   help="comma-separated numeric columns to transform with signed log1p; "
+                   "the others get none (default: every numeric column gets "
+                   "--numeric-transform)")
+    g.add_argument("--numeric-transform", choices=["log1p", "none"], default=None,
+                   help="per-value transform of every numeric column before "
+                   "standardisation (default log1p: sign(x) * log(1 + |x|))")
     add_config_flags(g, INPUT_FORMAT)  # --on-bad-row
 
 
@@ -61,16 +68,49 @@ def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
         return FeatureSchema.criteo()
     if not args.label or not (args.numeric or args.categorical):
         raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
-    log_cols = set(_split(args.log1p))
     numeric = _split(args.numeric)
-    unknown = sorted(log_cols - set(numeric))
-    if unknown:
-        raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
+    default = getattr(args, "numeric_transform", None) or "log1p"
+    transform: dict[str, NumericTransform] = {c: default for c in numeric}
+    if args.log1p is not None:  # an explicit list: those columns, and no others
+        if getattr(args, "numeric_transform", None) is not None:
+            raise ValueError("--log1p and --numeric-transform both say how to transform "
+                             "numeric columns; give one of them")
+        log_cols = set(_split(args.log1p))
+        unknown = sorted(log_cols - set(numeric))
+        if unknown:
+            raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
+        transform = {c: ("log1p" if c in log_cols else "none") for c in numeric}
     multi = _split(args.multi_valued) if args.multi_valued is not None else None
     return csv_schema(args.label, numeric, _split(args.categorical),
                       delimiter=args.delimiter, separator=args.multi_sep, multi_valued=multi,
-                      transform={c: ("log1p" if c in log_cols else "none") for c in numeric},
-                      format=fmt)
+                      transform=transform, format=fmt)
+
+
+def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
+    """How training gathers the standardisation statistics of numeric columns."""
+    g = parser.add_argument_group("numeric columns")
+    g.add_argument("--no-standardize", action="store_true",
+                   help="feed transformed numeric values as they are, without the "
+                   "(x - mean) / std the first rows' statistics give")
+    g.add_argument("--stats-rows", type=int, default=DEFAULT_STATS_ROWS,
+                   help="rows read from the start of --train for numeric statistics "
+                   f"(default {DEFAULT_STATS_ROWS:,})")
+
+
+def train_schema_from_args(args: argparse.Namespace,
+                           base: FeatureSchema | None = None) -> FeatureSchema:
+    """The schema a new training run uses: ``base`` (default ``schema_from_args``) with
+    numeric statistics gathered from the first ``--stats-rows`` rows of ``--train``.
+    Bad rows are left out of the statistics here; training reads them again and reports
+    or skips them as ``--on-bad-row`` says (on every rank alike under torchrun)."""
+    schema = base if base is not None else schema_from_args(args)
+    if getattr(args, "no_standardize", False):
+        return schema
+    rows = getattr(args, "stats_rows", DEFAULT_STATS_ROWS)
+    if rows <= 0:
+        raise ValueError(f"--stats-rows must be positive, got {rows}")
+    return with_numeric_stats(schema, args.train, max_rows=rows,
+                              on_bad_row="skip")
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:
@@ -90,6 +130,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--config", type=Path, help="TrainConfig JSON; flags given override it")
     add_config_flags(g, TRAINING)
+    add_config_flags(parser.add_argument_group(REGULARISATION), REGULARISATION)  # models.md
     add_config_flags(parser.add_argument_group(COMPRESSION), COMPRESSION)  # docs/compression.md
 
 
@@ -185,6 +226,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lines = [f"{passed[p.path]}: {p.message}" if p.path in passed else p.message
                  for p in exc.problems]
         raise InvalidInput("; ".join(lines), exc.problems) from None
+
+
+def explicit_config_keys(args: argparse.Namespace) -> set[str]:
+    """Dotted config keys the user gave, by a flag or in ``--config``: the ones
+    data-sized defaults (terarec.train.defaults) leave alone."""
+    keys = {".".join(path) for path, flag, _, _ in flag_fields()
+            if getattr(args, flag.attr, None) is not None}
+    config_file = getattr(args, "config", None)
+    if config_file:
+        import json
+
+        def walk(node: dict, prefix: str) -> None:
+            for k, v in node.items():
+                if isinstance(v, dict):
+                    walk(v, f"{prefix}{k}.")
+                else:
+                    keys.add(prefix + k)
+
+        walk(json.loads(Path(config_file).read_text()), "")
+    return keys
 
 
 def report_skipped(stats: ReadStats, what: str = "rows") -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from terarec.config import ModelConfig, TrainConfig
+from terarec.data.numeric import with_numeric_stats
 from terarec.data.readers import ReadStats
 from terarec.data.synth import generate
 from terarec.io import atomic_write_text
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"      CTR {train_info.ctr:.3f}; best reachable validation AUC "
           f"{valid_info.ceiling_auc:.4f} (the true model's)")
 
-    schema = FeatureSchema.criteo()
+    schema = with_numeric_stats(FeatureSchema.criteo(), [data_dir / "train.tsv"])
     config = TrainConfig(seed=args.seed, pass_rows=100_000,
                          model=ModelConfig(name=args.model, embedding_dim=16))
     trainer = Trainer(schema, config)

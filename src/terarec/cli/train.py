@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,13 +17,15 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_format_args,
+    add_numeric_stats_args,
     add_selection_args,
     add_train_args,
     config_from_args,
+    explicit_config_keys,
     report_skipped,
     schema_for_data,
-    schema_from_args,
     selection_from_args,
+    train_schema_from_args,
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
@@ -33,6 +36,7 @@ from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
 from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import list_checkpoints
+from terarec.train.defaults import apply_sized_defaults
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 
@@ -52,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "into the model and joined onto every input row (raw files are read "
                    "with the config's schema; --format may name another container)")
     add_format_args(p)
+    add_numeric_stats_args(p)
     add_train_args(p)
     add_selection_args(p)
     add_export_args(p)
@@ -117,8 +122,16 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
                          "torchrun --nproc_per_node N -m terarec train ...")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
-    config = config_from_args(args)
+    config, sized = apply_sized_defaults(config_from_args(args), args.train,
+                                         explicit_config_keys(args))
+    if launched_by_torchrun() and config.sparse_optimizer.embedding_l2:
+        # the sharded lookup has no batch size to scale by
+        raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
+                         "--sparse-weight-decay")
     ctx = topology(config.device)
+    if sized and ctx.is_main:
+        print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
+              file=sys.stderr)
     # Rank 0 (alone: the process) holds the model directory's lock for the whole run.
     failure: str | None = None
     with contextlib.ExitStack() as held:
@@ -132,11 +145,11 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         failure = ctx.broadcast_object(failure)
         if failure is not None:
             raise UserError(failure)
-        return _locked_run(args, config, ctx, on_commit)
+        return _locked_run(args, config, sized, ctx, on_commit)
 
 
-def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
-                on_commit: Callable[[Trainer], None] | None) -> int:
+def _locked_run(args: argparse.Namespace, config: TrainConfig, sized: dict,
+                ctx: DistContext, on_commit: Callable[[Trainer], None] | None) -> int:
     features = _features(args, ctx)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
@@ -144,7 +157,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         metrics, stats = train_model(
             TrainRun(train=train, valid=valid, out=args.out, resume=args.resume,
                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress),
-            config, lambda: features.schema if features else schema_from_args(args), ctx,
+            config, lambda: train_schema_from_args(args, features.schema if features else None),
+            ctx,
             dense_comm=dense_comm_from_args(args),
             exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit,
             selection=selection_from_args(args, config))
@@ -153,7 +167,13 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         shown = ("auc", "logloss", "rows", "samples_per_s") + (
             ("world_size",) if ctx.world > 1 else ())
         print(json.dumps({k: metrics[k] for k in shown}))
-        print(f"model written to {args.out}")
+        history = json.loads((args.out / "history.json").read_text())
+        from terarec.report import write_report  # matplotlib: only commands that plot load it
+
+        write_report(args.out / "report", history, {**metrics, **sized},
+                     title=f"terarec train: {config.model.name} on "
+                     f"{', '.join(Path(p).name for p in args.train)}")
+        print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
     ctx.close()
     return 0
 

@@ -29,6 +29,7 @@ import pyarrow.csv as pa_csv
 import torch
 
 from terarec.data.hashing import hash_column
+from terarec.data.numeric import transform_values
 from terarec.types import (
     Batch,
     FeatureSchema,
@@ -44,6 +45,11 @@ FORMATS = ("criteo", "csv", "parquet")
 
 _NUMBER_RE = r"^[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?$"
 _BLOCK_BYTES = 4 << 20
+# Dense features are float32: a value beyond its range would become an infinity there.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Standardised values are clipped here: a value this many standard deviations out says
+# nothing more than one at the bound, and must not become an infinity in float32.
+MAX_STANDARDISED = 1e4
 _MAX_BLOCK_BYTES = 1 << 30  # one row may be at most this long
 
 
@@ -245,8 +251,13 @@ class _Cleaner:
         return pc.if_else(pc.fill_null(ok, False), values, pa.scalar(None, pa.float32()))
 
     def numeric(self, col: pa.Array, name: str) -> pa.Array:
-        """float64 with nulls for missing; unparseable or non-finite entries become NaN so
-        ``clean`` can find them (NaN never comes out of a valid cell)."""
+        """float64 with nulls for missing; unparseable, non-finite or beyond-float32
+        entries become NaN so ``clean`` can find them (NaN never comes out of a valid
+        cell)."""
+        x = self._numeric(col, name)
+        return pc.if_else(pc.greater(pc.abs(x), FLOAT32_MAX), pa.scalar(float("nan")), x)
+
+    def _numeric(self, col: pa.Array, name: str) -> pa.Array:
         t = col.type
         if pa.types.is_string(t) or pa.types.is_large_string(t):
             col = pc.if_else(pc.equal(col, ""), pa.scalar(None, t), col)
@@ -297,13 +308,24 @@ class _Cleaner:
             name, _, raw = next(b for b in bad if b[1][i])
             value = raw[int(i)].as_py()
             what = ("label must be 0 or 1" if name == schema.label
-                    else "not a finite number")
+                    else _numeric_problem(value))
             message = (f"{self.where(first_row + int(i))}: field {name!r}: {what}, "
                        f"got {'an empty value' if value in (None, '') else repr(value)}")
             if self.on_bad_row == "error":
                 raise DataError(message)
             self.stats.skip(message)
         return clean.filter(pa.array(~any_bad))
+
+
+def _numeric_problem(value: Any) -> str:
+    """Why a numeric cell was refused, in the words a user can act on."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return "not a finite number"
+    if x != x or abs(x) == float("inf"):
+        return "not a finite number"
+    return f"outside the float32 range (|x| > {FLOAT32_MAX:.4g})"
 
 
 def _texts(name: str, values: list[Any], *, categorical: bool = False,
@@ -327,7 +349,10 @@ def _texts(name: str, values: list[Any], *, categorical: bool = False,
             if categorical:
                 raise DataError(f"record {i}: field {name!r}: {v!r} is a float; "
                                 "categorical values must be strings or integers")
-            out.append(None if v != v else repr(float(v)))  # NaN is missing, as in Parquet
+            if not np.isfinite(v):  # JSON NaN / Infinity: no value a file could hold
+                raise DataError(f"record {i}: field {name!r}: not a finite number, got "
+                                f"{float(v)!r}; send null for a missing value")
+            out.append(repr(float(v)))
         else:
             raise DataError(f"record {i}: field {name!r}: unsupported value {v!r} "
                             f"({type(v).__name__})")
@@ -569,8 +594,9 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     for j, spec in enumerate(schema.numeric):
         x = table.column(spec.name).to_numpy()  # float64, NaN where missing
         missing = np.isnan(x)
-        if spec.transform == "log1p":
-            x = np.sign(x) * np.log1p(np.abs(x))
+        x = transform_values(x, spec.transform)
+        if spec.std is not None:
+            x = np.clip((x - spec.mean) / spec.std, -MAX_STANDARDISED, MAX_STANDARDISED)
         dense[:, j] = np.where(missing, 0.0, x)
         if schema.missing_flags:
             dense[:, num_numeric + j] = missing

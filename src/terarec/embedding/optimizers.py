@@ -13,6 +13,12 @@ State layout per row (``S`` floats):
     ftrl    (proximal): [z_0..z_D, n_0..n_D]  S = 2D
     sgd:                []                    S = 0
 
+``weight_decay`` adds ``wd * w`` to a row's gradient once per step it is touched;
+``embedding_l2`` is BARS's embedding regulariser, the gradient of
+``embedding_l2 / 2 * mean over the batch's rows of ||e||^2`` over the looked-up
+embeddings: ``embedding_l2 * occurrences / batch_rows * w``, so a frequent key is pulled
+toward zero as often as it is used, and the strength does not depend on the batch size.
+
 Row 0 of every working set is the shared zero row of unadmitted and unknown keys: it is
 never updated.
 
@@ -42,10 +48,11 @@ _KINDS = {"adagrad": _ADAGRAD, "adam": _ADAM, "ftrl": _FTRL, "sgd": _SGD}
 
 @numba.njit(nogil=True, cache=True)
 def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, beta2,
-                  alpha, beta, l1, l2, group_lasso):
+                  alpha, beta, l1, l2, group_lasso, emb_l2):
     n, dim = grads.shape
     touched = np.empty(n, np.int64)
     gsum = np.empty((n, dim), np.float32)
+    count = np.zeros(n, np.float32)
     n_t = 0
     for i in range(n):
         r = rows[i]
@@ -55,10 +62,12 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
         if p < 0:
             pos[r] = n_t
             touched[n_t] = r
+            count[n_t] = 1.0
             for d in range(dim):
                 gsum[n_t, d] = grads[i, d]
             n_t += 1
         else:
+            count[p] += 1.0
             for d in range(dim):
                 gsum[p, d] += grads[i, d]
     for j in range(n_t):
@@ -70,6 +79,9 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
         if wd != 0.0:
             for d in range(dim):
                 g[d] += wd * w[d]
+        if emb_l2 != 0.0:
+            for d in range(dim):
+                g[d] += emb_l2 * count[j] * w[d]
         step = lr
         if kind == _ADAGRAD:
             sq = 0.0
@@ -143,14 +155,27 @@ class SparseOptimizer:
             state[:, 0] = self.config.initial_accumulator
         return state
 
+    def _emb_l2(self, batch_rows: int | None) -> float:
+        """The embedding L2 coefficient per occurrence of a row in a batch of
+        ``batch_rows`` rows (the gradient of ``l2/2 * mean_b ||e_b||^2``)."""
+        if not self.config.embedding_l2:
+            return 0.0
+        if batch_rows is None:
+            raise ValueError("embedding_l2 needs the batch size of each step; this trainer "
+                             "does not pass it (use weight_decay for a per-step L2)")
+        return self.config.embedding_l2 / max(batch_rows, 1)
+
     def step(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
-             grads: torch.Tensor, scratch: np.ndarray | None = None) -> int:
+             grads: torch.Tensor, scratch: np.ndarray | None = None,
+             batch_rows: int | None = None) -> int:
         """Apply one update for gradient ``grads[i]`` of row ``rows[i]`` (rows may repeat).
 
         ``scratch``: int64 array of -1 with one entry per working-set row, reused across
-        steps on CPU (returned to all -1). Returns the number of rows updated.
+        steps on CPU (returned to all -1). ``batch_rows``: rows of the step's batch, which
+        scales ``embedding_l2``. Returns the number of rows updated.
         """
         c = self.config
+        emb_l2 = self._emb_l2(batch_rows)
         if weights.device.type == "cpu":
             if scratch is None:
                 scratch = np.full(weights.shape[0], -1, np.int64)
@@ -158,24 +183,28 @@ class SparseOptimizer:
                 self.kind, weights.numpy(), state.numpy(), rows.numpy(),
                 grads.detach().to(torch.float32).contiguous().numpy(), scratch,
                 self.lr, c.eps, c.weight_decay, c.beta1, c.beta2, c.ftrl_alpha,
-                c.ftrl_beta, c.ftrl_l1, c.ftrl_l2, c.group_lasso))
-        return self.step_torch(weights, state, rows, grads)
+                c.ftrl_beta, c.ftrl_l1, c.ftrl_l2, c.group_lasso, emb_l2))
+        return self.step_torch(weights, state, rows, grads, batch_rows)
 
     @torch.no_grad()
     def step_torch(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
-                   grads: torch.Tensor) -> int:
+                   grads: torch.Tensor, batch_rows: int | None = None) -> int:
         """The same update in torch ops, for CUDA and as the CPU kernel's reference."""
         c = self.config
+        emb_l2 = self._emb_l2(batch_rows)
         uniq, inverse = torch.unique(rows, return_inverse=True)
         g = torch.zeros(len(uniq), grads.shape[1], dtype=torch.float32, device=grads.device)
         g.index_add_(0, inverse, grads.to(torch.float32))
+        count = torch.bincount(inverse, minlength=len(uniq)).to(torch.float32)
         keep = uniq != 0
-        uniq, g = uniq[keep], g[keep]
+        uniq, g, count = uniq[keep], g[keep], count[keep]
         w = weights[uniq]
         s = state[uniq]
         dim = w.shape[1]
         if c.weight_decay:
             g = g + c.weight_decay * w
+        if emb_l2:
+            g = g + emb_l2 * count.unsqueeze(1) * w
         step = torch.full((len(uniq), 1), self.lr, dtype=torch.float32, device=w.device)
         if self.kind == _ADAGRAD:
             s[:, 0] += (g * g).mean(dim=1)

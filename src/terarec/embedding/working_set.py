@@ -229,5 +229,6 @@ class _FusedLookup(torch.autograd.Function):
         assert ws.optimizer is not None and ws.state is not None
         if ws.column_mask is not None:
             occ_grad = occ_grad * ws.column_mask.index_select(0, rows)
-        ws.optimizer.step(ws.weights, ws.state, rows, occ_grad, ws._scratch)
+        ws.optimizer.step(ws.weights, ws.state, rows, occ_grad, ws._scratch,
+                          batch_rows=ctx.sparse.batch_size)
         return torch.zeros((), device=grad.device), None, None, None

@@ -62,6 +62,7 @@ from terarec.export.format import (
     version_name,
 )
 from terarec.export.storage import Storage, StorageError
+from terarec.finite import check_finite
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
@@ -207,6 +208,7 @@ class ModelExporter:
             raise header
         assert header is not None
         name = header["name"]
+        check_finite(dense, f"export {name} dense weights")  # rows: checked in _shards
         files: dict[str, dict] = {}
 
         def put(rel: str, data: bytes) -> None:

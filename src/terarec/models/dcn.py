@@ -19,7 +19,8 @@ class DCNv2(CTRModel):
         super().__init__(schema, config)
         x0_dim = self.num_fields * config.embedding_dim + self.dense_dim
         self.cross = CrossNetV2(x0_dim, config.cross_layers, config.cross_rank)
-        self.deep = MLP(x0_dim, tuple(config.deep_mlp), config.dropout, out_dim=1)
+        self.deep = MLP(x0_dim, tuple(config.deep_mlp), config.dropout, out_dim=1,
+                        batch_norm=config.batch_norm)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:

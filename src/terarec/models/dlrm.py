@@ -26,11 +26,13 @@ class DLRM(CTRModel):
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
         has_dense = self.dense_dim > 0
-        self.bottom = MLP(self.dense_dim, tuple(config.bottom_mlp), config.dropout) \
+        self.bottom = MLP(self.dense_dim, tuple(config.bottom_mlp), config.dropout,
+                          batch_norm=config.batch_norm) \
             if has_dense else None
         self.interaction = DotInteraction(self.num_fields + int(has_dense))
         top_in = self.interaction.out_dim + (config.embedding_dim if has_dense else 0)
-        self.top = MLP(top_in, tuple(config.top_mlp), config.dropout, out_dim=1)
+        self.top = MLP(top_in, tuple(config.top_mlp), config.dropout, out_dim=1,
+                       batch_norm=config.batch_norm)
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:

@@ -40,9 +40,10 @@ class DSSM(CTRModel):
         widths = tuple(config.deep_mlp)
         dim = config.embedding_dim
         self.user_tower = MLP(len(self.user_fields) * dim + self.dense_dim, widths[:-1],
-                              config.dropout, out_dim=widths[-1])
+                              config.dropout, out_dim=widths[-1],
+                              batch_norm=config.batch_norm)
         self.item_tower = MLP(len(self.item_fields) * dim, widths[:-1], config.dropout,
-                              out_dim=widths[-1])
+                              out_dim=widths[-1], batch_norm=config.batch_norm)
         self.cosine = config.tower_similarity == "cosine"
         self.scale = float(config.cosine_scale) if self.cosine else 1.0
         self.bias = nn.Parameter(torch.zeros(1))

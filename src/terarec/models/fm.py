@@ -46,7 +46,8 @@ class DeepFM(FM):
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
         deep_in = self.num_fields * config.embedding_dim + self.dense_dim
-        self.deep = MLP(deep_in, tuple(config.deep_mlp), config.dropout, out_dim=1)
+        self.deep = MLP(deep_in, tuple(config.deep_mlp), config.dropout, out_dim=1,
+                        batch_norm=config.batch_norm)
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)

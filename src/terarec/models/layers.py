@@ -9,18 +9,24 @@ from torch import nn
 
 
 class MLP(nn.Sequential):
-    """``Linear -> ReLU (-> Dropout)`` for each width in ``widths``; with ``out_dim`` a last
-    ``Linear`` without activation (a logit or a tower's output vector).
+    """``Linear (-> BatchNorm) -> ReLU (-> Dropout)`` for each width in ``widths``; with
+    ``out_dim`` a last ``Linear`` without activation (a logit or a tower's output vector).
 
     Xavier weights and zero biases: activations keep their scale through the layers, so
-    an untrained network's logit is O(1) and the loss starts near chance.
+    an untrained network's logit is O(1) and the loss starts near chance. Batch norm
+    sits before the activation, as in FuxiCTR's MLP blocks.
     """
 
     def __init__(self, in_dim: int, widths: tuple[int, ...], dropout: float = 0.0,
-                 out_dim: int | None = None) -> None:
+                 out_dim: int | None = None, batch_norm: bool = False) -> None:
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         layers: list[nn.Module] = []
         for width in widths:
-            layers += [nn.Linear(in_dim, width), nn.ReLU(inplace=True)]
+            layers.append(nn.Linear(in_dim, width))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(width))
+            layers.append(nn.ReLU(inplace=True))
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
             in_dim = width

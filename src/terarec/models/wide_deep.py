@@ -20,7 +20,8 @@ class WideDeep(CTRModel):
         self.bias = nn.Parameter(torch.zeros(1))
         self.dense_linear = dense_linear(self.dense_dim)
         deep_in = self.num_fields * config.embedding_dim + self.dense_dim
-        self.deep = MLP(deep_in, tuple(config.deep_mlp), config.dropout, out_dim=1)
+        self.deep = MLP(deep_in, tuple(config.deep_mlp), config.dropout, out_dim=1,
+                        batch_norm=config.batch_norm)
 
     @classmethod
     def row_dim_for(cls, config: ModelConfig) -> int:

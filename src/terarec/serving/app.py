@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field
 
 from terarec.data.readers import DataError
+from terarec.finite import NonFiniteError, check_scores
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
 from terarec.serving.metrics import ServingMetrics
 from terarec.validation import STRICT, InvalidInput, validate_json
@@ -179,7 +180,12 @@ def _score(engine: ServingEngine, version: ServedVersion, context: Mapping[str, 
     except (DataError, ValueError, TypeError, pa.ArrowException) as exc:
         message = str(exc).replace("candidates[", f"{where}[", 1)
         raise BadRequest(message) from None
-    return engine.score_batch(batch, version).tolist()
+    scores = engine.score_batch(batch, version)
+    try:
+        check_scores(scores)
+    except NonFiniteError as exc:
+        raise BadRequest(f"{where}: {exc}") from None
+    return scores.tolist()
 
 
 def create_app(engine: ServingEngine, *, model_name: str = "terarec",

@@ -74,6 +74,7 @@ from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import CHUNK_ROWS, RowChunk, arrays_file, merge_sorted
 from terarec.embedding.tiered import iter_saved, snapshot_arrays
+from terarec.finite import check_trainer_finite
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
@@ -130,6 +131,7 @@ def _durable(path: Path, files: dict[str, str], rel: str | None = None) -> None:
 def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -> Path:
     """Commit the trainer's state after its last pass as a new checkpoint; collective
     when the trainer is one of N ranks."""
+    check_trainer_finite(trainer)  # a diverged model never replaces a good checkpoint
     ctx: DistContext = trainer.ctx
     model_dir = Path(model_dir)
     root = model_dir / "checkpoints"

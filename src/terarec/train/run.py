@@ -21,6 +21,7 @@ from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext, restart_count
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.export.writer import IncrementalExporter
+from terarec.finite import check_finite_loss
 from terarec.io import atomic_write_text
 from terarec.train.checkpoint import (
     best_checkpoint,
@@ -89,6 +90,7 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             on_commit(t)
 
     def on_pass_end(t: Trainer, record: dict) -> None:
+        check_finite_loss(record["train_loss"], f"pass {t.pass_id}")  # the same on every rank
         # Every rank holds the same (gathered) metrics, so all take this branch together.
         if t.pass_id % every == 0 or record.get("best"):
             commit(t)

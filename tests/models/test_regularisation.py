@@ -1,0 +1,85 @@
+"""Dropout, batch norm and embedding L2: present when asked, acting as they should."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from terarec.config import ModelConfig, SparseOptimizerConfig
+from terarec.embedding.optimizers import SparseOptimizer
+from terarec.models import build_model
+from terarec.models.layers import MLP
+from terarec.types import FeatureSchema
+
+
+def test_mlp_layers_follow_the_flags() -> None:
+    plain = MLP(8, (16, 4), out_dim=1)
+    assert not any(isinstance(m, (nn.Dropout, nn.BatchNorm1d)) for m in plain)
+    full = MLP(8, (16, 4), dropout=0.5, out_dim=1, batch_norm=True)
+    kinds = [type(m).__name__ for m in full]
+    assert kinds == ["Linear", "BatchNorm1d", "ReLU", "Dropout"] * 2 + ["Linear"]
+    with pytest.raises(ValueError, match="dropout"):
+        MLP(8, (4,), dropout=1.0)
+
+
+@pytest.mark.parametrize("name", ["widedeep", "deepfm", "dcnv2", "dlrm", "dssm"])
+def test_every_mlp_model_takes_dropout_and_batch_norm(name: str) -> None:
+    torch.manual_seed(0)
+    config = ModelConfig(name=name, embedding_dim=4, dropout=0.5, batch_norm=True,
+                         deep_mlp=(8, 4), bottom_mlp=(8, 4), top_mlp=(8,),
+                         user_fields=("C1", "C2") if name == "dssm" else ())
+    model = build_model(FeatureSchema.criteo(), config)
+    assert any(isinstance(m, nn.BatchNorm1d) for m in model.modules())
+    dense = torch.randn(32, FeatureSchema.criteo().dense_dim)
+    emb = torch.randn(32, 26, model.row_dim)
+    model.train()
+    assert not torch.equal(model(dense, emb), model(dense, emb))  # dropout is random
+    model.eval()
+    torch.testing.assert_close(model(dense, emb), model(dense, emb))
+    single = model(dense[:1], emb[:1])  # batch norm in eval scores one row
+    assert torch.isfinite(single).all()
+
+
+def _step(kernel: str, l2: float, batch_rows: int | None = 4):
+    opt = SparseOptimizer(SparseOptimizerConfig(name="sgd", lr=0.5, embedding_l2=l2))
+    weights = torch.tensor([[0.0, 0.0], [1.0, -2.0], [3.0, 4.0]])
+    rows = torch.tensor([1, 1, 2, 0])
+    grads = torch.zeros(4, 2)
+    step = opt.step if kernel == "cpu" else opt.step_torch
+    step(weights, torch.zeros(3, 0), rows, grads, batch_rows=batch_rows)
+    return weights
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "torch"])
+def test_embedding_l2_pulls_rows_by_use(kernel: str) -> None:
+    w = _step(kernel, l2=1.0)
+    # Row 1 is used twice in a 4-row batch: w -= 0.5 * 1.0 * 2/4 * w; row 2 once.
+    torch.testing.assert_close(w[1], torch.tensor([0.75, -1.5]))
+    torch.testing.assert_close(w[2], torch.tensor([3.0, 4.0]) * (1 - 0.5 / 4))
+    assert (w[0] == 0).all()
+    torch.testing.assert_close(_step(kernel, l2=0.0), torch.tensor(
+        [[0.0, 0.0], [1.0, -2.0], [3.0, 4.0]]))
+
+
+def test_embedding_l2_kernel_matches_reference_under_adagrad() -> None:
+    rng = np.random.default_rng(1)
+    config = SparseOptimizerConfig(name="adagrad", lr=0.1, embedding_l2=0.3)
+    out = []
+    for kernel in ("cpu", "torch"):
+        opt = SparseOptimizer(config)
+        w = torch.from_numpy(rng.standard_normal((6, 3)).astype(np.float32)) if not out \
+            else out[0][1].clone()
+        start = w.clone()
+        s = torch.zeros(6, 1)
+        rows = torch.tensor([1, 3, 3, 5, 1, 0])
+        g = torch.from_numpy(np.arange(18, dtype=np.float32).reshape(6, 3) / 10)
+        (opt.step if kernel == "cpu" else opt.step_torch)(w, s, rows, g, batch_rows=3)
+        out.append((w, start))
+    torch.testing.assert_close(out[0][0], out[1][0])
+
+
+def test_embedding_l2_needs_the_batch_size() -> None:
+    with pytest.raises(ValueError, match="batch size"):
+        _step("cpu", l2=1.0, batch_rows=None)

@@ -1,0 +1,60 @@
+"""Data-sized defaults: the row estimate and what it sets, and what it leaves alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from terarec.cli.common import add_train_args, config_from_args, explicit_config_keys
+from terarec.config import TrainConfig
+from terarec.train.defaults import apply_sized_defaults, estimate_rows, sized_defaults
+
+
+def test_row_estimate_of_small_and_large_text_files(tmp_path: Path) -> None:
+    small = tmp_path / "small.csv"
+    small.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(999)))
+    assert estimate_rows([small]) == 1000  # header included: within one row
+    big = tmp_path / "big.tsv"
+    big.write_text("".join(f"{i % 2}\t{i:08d}\n" for i in range(300_000)))
+    assert abs(estimate_rows([big, small]) - 301_000) < 3_000
+    assert estimate_rows([tmp_path / "missing.csv"]) is None
+
+
+@pytest.mark.parametrize("rows, batch, epochs", [
+    (1_000, 256, 2), (8_000, 256, 2), (32_768, 1024, 2), (100_000, 4096, 1),
+    (10**10, 4096, 1)])
+def test_sized_values(rows: int, batch: int, epochs: int) -> None:
+    sized = sized_defaults(rows)
+    assert sized["batch_size"] == batch and sized["epochs"] == epochs
+    base = TrainConfig()
+    scale = (batch / 4096) ** 0.5
+    assert sized["sparse_optimizer.lr"] == pytest.approx(base.sparse_optimizer.lr * scale)
+    assert sized["dense_optimizer.lr"] == pytest.approx(base.dense_optimizer.lr * scale)
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
+    data = tmp_path / "d.csv"
+    data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
+    config, sized = apply_sized_defaults(config_from_args(_args(["--seed", "3"])), [data],
+                                         explicit_config_keys(_args(["--seed", "3"])))
+    assert (config.batch_size, config.epochs) == (256, 2) and config.seed == 3
+    assert config.sparse_optimizer.lr == pytest.approx(0.0125)
+    assert sized["estimated_rows"] == 5001 and sized["batch_size"] == 256
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"dense_optimizer": {"lr": 0.01}}))
+    for argv in (["--batch-size", "100"], ["--config", str(cfg)]):
+        args = _args(argv)
+        explicit = explicit_config_keys(args)
+        config, sized = apply_sized_defaults(config_from_args(args), [data], explicit)
+        assert sized == {}
+        assert config.epochs == 1 and config.sparse_optimizer.lr == 0.05
+    assert explicit == {"dense_optimizer.lr"}
