@@ -122,16 +122,12 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
                          "torchrun --nproc_per_node N -m terarec train ...")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
-    config, sized = apply_sized_defaults(config_from_args(args), args.train,
-                                         explicit_config_keys(args))
+    config = config_from_args(args)
     if launched_by_torchrun() and config.sparse_optimizer.embedding_l2:
         # the sharded lookup has no batch size to scale by
         raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
                          "--sparse-weight-decay")
     ctx = topology(config.device)
-    if sized and ctx.is_main:
-        print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
-              file=sys.stderr)
     # Rank 0 (alone: the process) holds the model directory's lock for the whole run.
     failure: str | None = None
     with contextlib.ExitStack() as held:
@@ -145,19 +141,25 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         failure = ctx.broadcast_object(failure)
         if failure is not None:
             raise UserError(failure)
-        return _locked_run(args, config, sized, ctx, on_commit)
+        return _locked_run(args, config, ctx, on_commit)
 
 
-def _locked_run(args: argparse.Namespace, config: TrainConfig, sized: dict,
-                ctx: DistContext, on_commit: Callable[[Trainer], None] | None) -> int:
+def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
+                on_commit: Callable[[Trainer], None] | None) -> int:
     features = _features(args, ctx)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
             feature_inputs(features, args.valid, schema=raw) as valid:
+        # the inputs as the model reads them (joined copies with AutoFeature tables)
+        read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid})
+        config, sized = apply_sized_defaults(config, train, explicit_config_keys(args))
+        if sized and ctx.is_main:
+            print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
+                  file=sys.stderr)
         metrics, stats = train_model(
             TrainRun(train=train, valid=valid, out=args.out, resume=args.resume,
                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress),
-            config, lambda: train_schema_from_args(args, features.schema if features else None),
+            config, lambda: train_schema_from_args(read, features.schema if features else None),
             ctx,
             dense_comm=dense_comm_from_args(args),
             exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit,
