@@ -25,8 +25,8 @@ then first occurrence; its batch is remapped to ids into that table::
 A rank with an empty batch (or no keys for some owner) still joins every exchange with
 zero-length splits, which gloo and NCCL both accept.
 
-The requester's side of staging (``plan_rank_pass``) is local work, so ``ShardedTrainer``
-makes it in the read-ahead thread, as ``Trainer`` makes its ``PassPlan``.
+The requester's side of staging (``plan_rank_pass``) is local work, so a rank's
+``Trainer`` makes it in the read-ahead thread, as one process makes its ``PassPlan``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _sum_rows(rows, grads, n_rows, world):
 class _ShardedLookup(torch.autograd.Function):
     """Pooled lookup into a step table fetched from the owners. The backward forms the
     table's gradient (occurrences of a key summed, divided by the world size: see
-    ``ShardedTrainer``) and starts sending it to the owners; the anchor, a scalar that
+    ``train.trainer``) and starts sending it to the owners; the anchor, a scalar that
     requires grad, puts the function in the graph as in ``WorkingSet``'s fused lookup."""
 
     @staticmethod
