@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,7 +143,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
     else:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
         timeout = timedelta(seconds=timeout_s)
         store = _attempt_store(world, timeout)
         if store is not None:

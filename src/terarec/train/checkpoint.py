@@ -231,7 +231,7 @@ def sum_store_summaries(parts: list[dict]) -> dict:
     for key, value in parts[0].items():
         values = [p.get(key) for p in parts]
         if isinstance(value, dict):
-            out[key] = sum_store_summaries(values)
+            out[key] = sum_store_summaries([v or {} for v in values])
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = sum(v or 0 for v in values)
         else:
@@ -453,9 +453,10 @@ def merge_shards(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     store-wide totals summed."""
     if len(parts) == 1:
         return parts[0]
-    orders = {col: np.argsort(np.concatenate([p[col] for p in parts]), kind="stable")
-              for col in ("keys", "cand_keys") if col in parts[0]}
-    merged = {}
+    orders: dict[str, np.ndarray] = {
+        col: np.argsort(np.concatenate([p[col] for p in parts]), kind="stable")
+        for col in ("keys", "cand_keys") if col in parts[0]}
+    merged: dict[str, np.ndarray] = {}
     for name in parts[0]:
         column = sparse_key_column(name)
         if column is None:

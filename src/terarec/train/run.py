@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from terarec.config import TrainConfig, parse_bytes
 from terarec.data.readers import ReadStats
@@ -136,7 +137,7 @@ def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,
     config = trainer.config
     source = valid or iter_file_batches(run.train, trainer.schema, config.batch_size,
                                         on_bad_row=config.on_bad_row)
-    metrics = scorer.evaluate(source)
+    metrics: dict[str, Any] = dict(scorer.evaluate(source))
     metrics["evaluated_on"] = "valid" if valid else "train"
     metrics.pop("samples_per_s")  # scoring throughput; training throughput below
     rows = sum(h["rows"] for h in history)

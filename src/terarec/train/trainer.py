@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -167,7 +168,10 @@ class Trainer:
         Collective on N ranks (``_train_rank_pass``); alone, the local fast path below.
         """
         if self.ctx.world > 1:
+            assert not isinstance(batches, PassPlan) and not isinstance(upcoming, PassPlan)
             return self._train_rank_pass(batches, progress, upcoming)
+        assert not isinstance(batches, ShardedPassPlan)  # ranks plan those
+        assert not isinstance(upcoming, ShardedPassPlan)
         self.model.train()
         t0 = time.perf_counter()
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True)
@@ -285,6 +289,7 @@ class Trainer:
         training), whose rows come from their owners."""
         self.model.eval()
         if self.ctx.world > 1:
+            assert not isinstance(batches, PassPlan)  # ranks score batches
             return self._predict_rank_batches(batches)
         if not batches:
             return np.empty(0, np.float32)
@@ -312,7 +317,7 @@ class Trainer:
         if isinstance(batches, list) and batches and isinstance(batches[0], PassPlan):
             groups: Iterable = batches
         else:
-            groups = group_passes(batches, self.config.pass_rows)
+            groups = group_passes(cast(Iterable[Batch], batches), self.config.pass_rows)
         for group in groups:
             if self.ctx.world > 1:
                 rows = group.batches if isinstance(group, PassPlan) else group
@@ -436,7 +441,8 @@ class _Prefetcher(threading.Thread):
     def __init__(self, store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray
                  ) -> None:
         super().__init__(name="terarec-store-prefetch", daemon=True)
-        self.store, self.upcoming, self.error = store, upcoming, None
+        self.store, self.upcoming = store, upcoming
+        self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
