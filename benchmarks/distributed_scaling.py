@@ -112,7 +112,6 @@ def worker(args: argparse.Namespace) -> None:
     from terarec.distributed.context import init_distributed, launched_by_torchrun
     from terarec.distributed.dense_comm import DenseCommConfig
     from terarec.distributed.sharding import iter_rank_passes
-    from terarec.distributed.trainer import ShardedTrainer
     from terarec.embedding.working_set import plan_pass
     from terarec.train.passes import group_passes, iter_file_batches, prefetch
     from terarec.train.trainer import Trainer
@@ -128,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
         comm = DenseCommConfig(mode=args.dense_comm, dgc_ratio=args.dgc_ratio,
                                dgc_momentum=args.dgc_momentum,
                                dgc_warmup_steps=args.dgc_warmup_steps)
-        trainer: Trainer = ShardedTrainer(schema, config, ctx, comm)
+        trainer = Trainer(schema, config, ctx=ctx, dense_comm=comm)
         passes = list(iter_rank_passes([train_file], schema, args.batch_size, args.pass_rows,
                                        ctx.rank, ctx.world))
         ctx.barrier()
@@ -139,8 +138,8 @@ def worker(args: argparse.Namespace) -> None:
         passes = list(group_passes(iter_file_batches([train_file], schema, args.batch_size),
                                    args.pass_rows))
     # Pass planning runs in the read-ahead thread, as in ``fit``: ``plan_pass`` for one
-    # process, ``ShardedTrainer.plan`` (requests and their key exchange) for a rank.
-    plan = trainer.plan if isinstance(trainer, ShardedTrainer) else plan_pass
+    # process, ``Trainer.plan`` (requests and their key exchange) for a rank.
+    plan = trainer.plan if trainer.ctx.world > 1 else plan_pass
     history, start = [], 0.0
     for number, planned in enumerate(prefetch(map(plan, passes))):
         history.append(trainer.train_pass(planned).as_dict())

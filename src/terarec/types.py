@@ -10,10 +10,11 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from terarec.validation import STRICT, InvalidInput, validate
 
@@ -219,7 +220,7 @@ class FieldSpec:
     separator: str | None = None
     pooling: Pooling = "sum"
     mean: float | None = None
-    std: float | None = None
+    std: Annotated[float, Field(gt=0)] | None = None
 
 
 SCHEMA_VERSION = 1

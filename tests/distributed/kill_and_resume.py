@@ -8,9 +8,9 @@ restarted worker group must resume from the last committed pass on its own.
 import os
 import sys
 
+from terarec.cli import train
 from terarec.cli.main import build_parser
 from terarec.distributed.context import restart_count
-from terarec.distributed.run import train_main
 
 KILL_RANK = int(os.environ["KILL_RANK"])
 KILL_AFTER_PASS = int(os.environ["KILL_AFTER_PASS"])
@@ -22,4 +22,4 @@ def on_commit(trainer) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(train_main(build_parser().parse_args(sys.argv[1:]), on_commit=on_commit))
+    sys.exit(train.run(build_parser().parse_args(sys.argv[1:]), on_commit=on_commit))

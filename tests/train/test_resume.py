@@ -129,7 +129,7 @@ def _copy_model(src: Path, dst: Path) -> Path:
 def test_corrupted_checkpoint_is_refused_and_the_previous_loads(reference, tmp_path, caplog):
     model = _copy_model(reference, tmp_path / "model")
     newest, previous = list_checkpoints(model)[:2]
-    index = newest / "sparse" / "index.safetensors"
+    index = load_checkpoint(model, newest.name).sparse_dir / "index.safetensors"
     raw = bytearray(index.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     index.write_bytes(bytes(raw))

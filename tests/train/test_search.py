@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from terarec.cli.main import main
 from terarec.config import TrainConfig
+from terarec.data.numeric import with_numeric_stats
 from terarec.data.synth import generate
 from terarec.train.passes import iter_file_batches
 from terarec.train.search import apply_params, check_space, grid_space, run_search
@@ -47,7 +48,8 @@ def searched(files, tmp_path_factory) -> Path:
     train, valid = files
     out = tmp_path_factory.mktemp("run") / "search"
     # The two trials' values are enqueued (``fixed``), the space holds both values of each.
-    schema = FeatureSchema.criteo()
+    # ``train`` standardises numerics with statistics of the training rows: so do the trials.
+    schema = with_numeric_stats(FeatureSchema.criteo(), [train])
     config = TrainConfig()
     config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
     config.epochs = 2
@@ -129,7 +131,8 @@ def test_results_report_and_best_directory(files, searched, tmp_path):
 
 def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
     train, valid = files
-    schema = FeatureSchema.criteo()
+    # ``train`` standardises numerics with statistics of the training rows: so do the trials.
+    schema = with_numeric_stats(FeatureSchema.criteo(), [train])
     config = TrainConfig()
     config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
     config.epochs, config.store.memory_budget = 1, "32MB"

@@ -69,7 +69,7 @@ def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
     if not args.label or not (args.numeric or args.categorical):
         raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
     numeric = _split(args.numeric)
-    default = getattr(args, "numeric_transform", None) or "log1p"
+    default: NumericTransform = getattr(args, "numeric_transform", None) or "log1p"
     transform: dict[str, NumericTransform] = {c: default for c in numeric}
     if args.log1p is not None:  # an explicit list: those columns, and no others
         if getattr(args, "numeric_transform", None) is not None:

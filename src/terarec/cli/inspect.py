@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from terarec.train.checkpoint import load_checkpoint
+from terarec.train.checkpoint import load_checkpoint, sum_store_summaries
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +49,8 @@ def show_histogram(show: np.ndarray | Iterable[np.ndarray]) -> dict[str, int]:
 
 def summarise(model_dir: Path) -> dict:
     ckpt = load_checkpoint(model_dir)
-    store = dict(ckpt.meta.get("store") or {})
+    # 2-rank checkpoints from before the common layout list only per-rank figures
+    store = dict(ckpt.meta.get("store") or sum_store_summaries(ckpt.meta.get("stores") or [{}]))
     keys = [0]
 
     def shows() -> Iterator[np.ndarray]:

@@ -10,17 +10,17 @@ from pathlib import Path
 
 from terarec.cli.common import (
     add_format_args,
+    add_numeric_stats_args,
     add_selection_args,
     add_train_args,
     config_from_args,
     explicit_config_keys,
     report_skipped,
-    schema_from_args,
     selection_from_args,
+    train_schema_from_args,
 )
 from terarec.config import parse_bytes
 from terarec.data.readers import ReadStats
-from terarec.train.defaults import apply_sized_defaults
 from terarec.train.passes import iter_file_batches
 
 
@@ -48,20 +48,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_format_args(p)
     add_train_args(p)
+    add_numeric_stats_args(p)
     add_selection_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from terarec.train.defaults import apply_sized_defaults
     from terarec.train.search import load_space, run_search, write_results, write_search_report
 
-    # The same data-sized defaults as train, so a trial equals a single run with its flags.
+    # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
     config, _ = apply_sized_defaults(config_from_args(args), args.train,
                                      explicit_config_keys(args))
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)
     selection_from_args(args, config)  # epoch upper bound, --eval-every
-    schema = schema_from_args(args)
+    schema = train_schema_from_args(args)
     space = load_space(args.space, config) if args.space else None
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,

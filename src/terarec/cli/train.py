@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 from terarec.autofeature.features import (
@@ -28,29 +29,15 @@ from terarec.cli.common import (
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
-from terarec.config import parse_bytes
-from terarec.data.readers import ReadStats
-from terarec.distributed.context import launched_by_torchrun
-from terarec.distributed.run import (
-    add_distributed_args,
-    reject_distributed_args,
-    train_main,
-)
+from terarec.config import TrainConfig
+from terarec.distributed.context import DistContext, launched_by_torchrun, topology
+from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
-from terarec.finite import check_finite_loss
-from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
-from terarec.train.checkpoint import (
-    best_checkpoint,
-    clear_best,
-    list_checkpoints,
-    mark_best,
-    restore_trainer,
-    save_checkpoint,
-)
+from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
+from terarec.train.checkpoint import list_checkpoints
 from terarec.train.defaults import apply_sized_defaults
-from terarec.train.passes import iter_file_batches
-from terarec.train.selection import SelectionTracker
+from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 
 
@@ -102,130 +89,107 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
                                features_dir=model_features_dir(args.out))
 
 
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--dense-comm", choices=DENSE_COMMS, default="none",
+                   help="dense gradient exchange: none (all-reduce), fp16, or dgc "
+                        "(Deep Gradient Compression)")
+    g.add_argument("--dgc-ratio", type=float, default=0.001,
+                   help="DGC: share of gradient entries sent per step (default 0.001)")
+    g.add_argument("--dgc-momentum", type=float, default=0.5,
+                   help="DGC: momentum of the local momentum correction (default 0.5: "
+                        "the dense optimizer adds its own)")
+    g.add_argument("--dgc-warmup-steps", type=int, default=100,
+                   help="DGC: steps over which sparsity rises from 75%% to its target")
+
+
 LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
 
 
-def run(args: argparse.Namespace) -> int:
-    """Train, holding the model directory's lock; with AutoFeature tables, on copies of
-    the inputs joined with them."""
-    if launched_by_torchrun():  # one rank of `torchrun ... -m terarec train`
-        return train_main(args)
-    reject_distributed_args(args)
+def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
+    return DenseCommConfig(mode=args.dense_comm, dgc_ratio=args.dgc_ratio,
+                           dgc_momentum=args.dgc_momentum,
+                           dgc_warmup_steps=args.dgc_warmup_steps)
+
+
+def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = None) -> int:
+    """Train, alone or as one torchrun rank (the same code); with AutoFeature tables, on
+    copies of the inputs joined with them. ``on_commit``: called on every rank after
+    each committed checkpoint."""
+    if not launched_by_torchrun() and args.dense_comm != "none":
+        # A single process has no dense gradients to exchange: say so, don't ignore it.
+        raise ValueError(f"--dense-comm {args.dense_comm} needs several ranks: launch with "
+                         "torchrun --nproc_per_node N -m terarec train ...")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
-    try:
-        lock = exclusive_lock(args.out / LOCK_FILE, f"model directory {args.out}")
-        with lock:
-            remove_atomic_leftovers(args.out)  # of a run killed mid-write
-            return _locked_run(args)
-    except LockedError as exc:
-        raise UserError(str(exc)) from None
+    config = config_from_args(args)
+    if launched_by_torchrun() and config.sparse_optimizer.embedding_l2:
+        # the sharded lookup has no batch size to scale by
+        raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
+                         "--sparse-weight-decay")
+    ctx = topology(config.device)
+    # Rank 0 (alone: the process) holds the model directory's lock for the whole run.
+    failure: str | None = None
+    with contextlib.ExitStack() as held:
+        if ctx.is_main:
+            try:
+                held.enter_context(exclusive_lock(args.out / LOCK_FILE,
+                                                  f"model directory {args.out}"))
+                remove_atomic_leftovers(args.out)  # of a run killed mid-write
+            except LockedError as exc:
+                failure = str(exc)
+        failure = ctx.broadcast_object(failure)
+        if failure is not None:
+            raise UserError(failure)
+        return _locked_run(args, config, ctx, on_commit)
 
 
-def _locked_run(args: argparse.Namespace) -> int:
-    features = None
-    if args.resume and list_checkpoints(args.out):
-        features = model_features(args.out)
-    elif args.features:
-        features = install_features(args.out, FeatureConfig.load(args.features))
-        print(f"features: {', '.join(features.selected) or 'none selected'}")
-    if features is None:
-        return _run(args, None)
-    raw = schema_for_data(features.base_schema, args)
+def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
+                on_commit: Callable[[Trainer], None] | None) -> int:
+    features = _features(args, ctx)
+    raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
             feature_inputs(features, args.valid, schema=raw) as valid:
-        return _run(argparse.Namespace(**{**vars(args), "train": train, "valid": valid}),
-                    features)
+        # the inputs as the model reads them (joined copies with AutoFeature tables)
+        read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid})
+        config, sized = apply_sized_defaults(config, train, explicit_config_keys(args))
+        if sized and ctx.is_main:
+            print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
+                  file=sys.stderr)
+        metrics, stats = train_model(
+            TrainRun(train=train, valid=valid, out=args.out, resume=args.resume,
+                     checkpoint_every=args.checkpoint_every, progress=not args.no_progress),
+            config, lambda: train_schema_from_args(read, features.schema if features else None),
+            ctx,
+            dense_comm=dense_comm_from_args(args),
+            exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit,
+            selection=selection_from_args(args, config))
+    if ctx.is_main:
+        report_skipped(stats)
+        shown = ("auc", "logloss", "rows", "samples_per_s") + (
+            ("world_size",) if ctx.world > 1 else ())
+        print(json.dumps({k: metrics[k] for k in shown}))
+        history = json.loads((args.out / "history.json").read_text())
+        from terarec.report import write_report  # matplotlib: only commands that plot load it
 
-
-def _run(args: argparse.Namespace, features: FeatureConfig | None) -> int:
-    config, sized = apply_sized_defaults(config_from_args(args), args.train,
-                                         explicit_config_keys(args))
-    if sized:
-        print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
-              file=sys.stderr)
-    if config.store.memory_budget is not None:
-        parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
-        if config.store.disk_path is None:
-            config.store.disk_path = str(args.out / "store")
-    resuming = args.resume and list_checkpoints(args.out)
-    selection = selection_from_args(args, config)
-    if resuming:
-        trainer = restore_trainer(args.out, config)
-        print(f"resuming {args.out} after pass {trainer.pass_id}")
-        schema = trainer.schema
-        if selection is not None:  # continue with the best value and patience it had
-            selection = SelectionTracker.from_history(trainer.history, args.select_by,
-                                                      args.patience)
-    else:
-        clear_best(args.out)
-        schema = train_schema_from_args(args, features.schema if features else None)
-        trainer = Trainer(schema, config)
-    stats = ReadStats()
-    valid = list(iter_file_batches(args.valid, schema, config.batch_size,
-                                   on_bad_row=config.on_bad_row, stats=stats))
-
-    exporter = make_exporter(args, trainer)
-
-    def on_pass_end(t: Trainer, record: dict) -> None:
-        check_finite_loss(record["train_loss"], f"pass {t.pass_id}")
-        if t.pass_id % max(1, args.checkpoint_every) == 0 or record.get("best"):
-            committed = save_checkpoint(args.out, t)
-            if record.get("best"):
-                mark_best(args.out, committed.name)
-        if exporter is not None:
-            exporter.on_pass_end(t, record)
-
-    start = time.perf_counter()
-    history = trainer.fit(args.train, valid, progress=not args.no_progress, stats=stats,
-                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
-                          selection=selection)
-    seconds = time.perf_counter() - start
-    latest = save_checkpoint(args.out, trainer)
-    if exporter is not None:
-        exporter.finish(trainer)
-    trained = history
-    rows = sum(h["rows"] for h in trained)
-    busy = sum(h["staging_s"] + h["train_s"] + h["write_back_s"] for h in trained)
-    evaluated = best_checkpoint(args.out) or latest.name
-    if valid:
-        scorer = trainer if evaluated == latest.name else restore_trainer(args.out,
-                                                                         name=evaluated)
-        metrics = scorer.evaluate(valid)
-        metrics["evaluated_on"] = "valid"
-    else:
-        metrics = trainer.evaluate(iter_file_batches(args.train, schema, config.batch_size,
-                                                     on_bad_row=config.on_bad_row))
-        metrics["evaluated_on"] = "train"
-    metrics.pop("samples_per_s")  # here: training throughput, set below
-    metrics.update(
-        eval_rows=metrics.pop("rows"), rows=rows, passes=trainer.pass_id,
-        samples_per_s=rows / busy if busy else 0.0, wall_seconds=seconds,
-        skipped_rows=stats.skipped, store_keys=len(trainer.store), model=config.model.name,
-        checkpoint=evaluated, stop_reason=trainer.stop_reason)
-    if selection is not None:
-        metrics.update(selection.summary())
-    metrics.update(_store_size(trainer))
-    atomic_write_text(args.out / "metrics.json", json.dumps(metrics, indent=2))
-    history = [*trainer.history[:-1], {**trainer.history[-1],
-                                       "stop_reason": trainer.stop_reason}] \
-        if trainer.history else []
-    atomic_write_text(args.out / "history.json", json.dumps(history, indent=2))
-    from terarec.report import write_report  # matplotlib: only the commands that plot load it
-
-    write_report(args.out / "report", history, {**metrics, **sized},
-                 title=f"terarec train: {config.model.name} on "
-                 f"{', '.join(Path(p).name for p in args.train)}")
-    report_skipped(stats)
-    print(json.dumps({k: metrics[k] for k in ("auc", "logloss", "rows", "samples_per_s")}))
-    print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
+        write_report(args.out / "report", history, {**metrics, **sized},
+                     title=f"terarec train: {config.model.name} on "
+                     f"{', '.join(Path(p).name for p in args.train)}")
+        print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
+    ctx.close()
     return 0
 
 
-def _store_size(trainer: Trainer) -> dict:
-    """Stored value bytes (codes + row scale/bias, no optimizer state) and pruned keys."""
-    st = trainer.store.stats()
-    value_bytes = trainer.store.value_bytes
-    return {"store_value_bytes": value_bytes,
-            "store_bytes_per_key": value_bytes / max(st.keys, 1),
-            "store_precision": trainer.config.store.precision, "pruned_keys": st.pruned}
+def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
+    """The run's AutoFeature tables: the model's own when resuming, else ``--features``
+    copied into the model directory (by rank 0, before any rank reads them)."""
+    if args.resume and list_checkpoints(args.out):
+        return model_features(args.out)
+    if not args.features:
+        return None
+    features = None
+    if ctx.is_main:
+        features = install_features(args.out, FeatureConfig.load(args.features))
+        print(f"features: {', '.join(features.selected) or 'none selected'}")
+    ctx.barrier()
+    return features if features is not None else model_features(args.out)

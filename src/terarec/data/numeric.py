@@ -66,11 +66,11 @@ def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
             break
     fields = []
     for spec in schema.fields:
-        acc = sums.get(spec.name)
-        if acc is None or acc[0] == 0:
+        totals = sums.get(spec.name)
+        if totals is None or totals[0] == 0:
             fields.append(spec)
             continue
-        n, s, ss = acc
+        n, s, ss = totals
         mean_d = s / n
         var = max(ss / n - mean_d * mean_d, 0.0)
         std = float(np.sqrt(var))

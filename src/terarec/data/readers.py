@@ -373,7 +373,7 @@ def _record_list(spec: FieldSpec, value: Any, record: int) -> list[str | None] |
     if value is None:
         return None
     if isinstance(value, str):
-        return value.split(spec.separator)
+        return list(value.split(spec.separator))
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     return _texts(spec.name, items, categorical=True, record=record).to_pylist()
 

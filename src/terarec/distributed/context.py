@@ -5,6 +5,10 @@
 ``env://`` rendezvous reads them. gloo carries CPU tensors, NCCL CUDA tensors: the backend
 follows the training device, and each rank on a GPU node takes GPU ``LOCAL_RANK``.
 
+The same class is the topology of a single process (``DistContext.single``): world 1,
+no process group, and every collective returns its input at once, so one trainer and one
+driver serve a laptop run and a torchrun rank alike (as in nanoGPT and TorchRec).
+
 Three groups over the same ranks: DDP's gradient all-reduce runs in the default group,
 the embedding row exchanges in their own, and the next pass's key exchange, made in the
 read-ahead thread, in a third: no group is used by two threads, so the collectives of
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +57,8 @@ def _attempt_store(world: int, timeout: timedelta) -> dist.Store | None:
 
 @dataclass
 class DistContext:
+    """Where this process stands among the ranks; ``world == 1``: alone, collectives free."""
+
     rank: int
     world: int
     local_rank: int
@@ -59,6 +66,12 @@ class DistContext:
     backend: str
     sparse_group: dist.ProcessGroup | None
     plan_group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def single(cls, device: torch.device) -> DistContext:
+        """The topology of one process: no process group, no-op collectives."""
+        return cls(rank=0, world=1, local_rank=0, device=device, backend="none",
+                   sparse_group=None)
 
     @property
     def is_main(self) -> bool:
@@ -71,29 +84,46 @@ class DistContext:
 
     # -- small collectives on host values ------------------------------------------------
     def barrier(self) -> None:
+        if self.world == 1:
+            return
         if self.backend == "nccl":
             dist.barrier(device_ids=[self.device.index or 0])
         else:
             dist.barrier()
 
     def all_gather_object(self, obj):
+        if self.world == 1:
+            return [obj]
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
 
+    def gather_object(self, obj, dst: int = 0) -> list | None:
+        """Every rank's ``obj`` on rank ``dst`` (None elsewhere), in the row exchange
+        group: larger payloads (export rows) than the default group's small objects."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.sparse_group)
+        return out
+
     def broadcast_object(self, obj, src: int = 0):
+        if self.world == 1:
+            return obj
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def all_sum(self, values: list[float]) -> np.ndarray:
         """Element-wise sum over ranks (float64 on the wire: exact for counts < 2^53)."""
+        if self.world == 1:
+            return np.asarray(values, dtype=np.float64)
         t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t)
         return t.cpu().numpy()
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -113,7 +143,7 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
     else:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
         timeout = timedelta(seconds=timeout_s)
         store = _attempt_store(world, timeout)
         if store is not None:
@@ -123,3 +153,12 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
     plan_group = dist.new_group(backend=backend) if world > 1 else None
     return DistContext(rank=rank, world=world, local_rank=local_rank, device=dev,
                        backend=backend, sparse_group=sparse_group, plan_group=plan_group)
+
+
+def topology(device: str = "auto") -> DistContext:
+    """This process's topology: a rank of the torchrun job that started it, or alone."""
+    if launched_by_torchrun():
+        return init_distributed(device)
+    if device == "auto":
+        return DistContext.single(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return DistContext.single(torch.device(device))

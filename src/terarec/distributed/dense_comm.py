@@ -168,7 +168,8 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 def _fp16_hook(meter: CommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     meter.add(bucket.buffer().numel() * 2)
-    return default_hooks.fp16_compress_hook(None, bucket)
+    # None: the hook's own default, the DDP model's process group.
+    return default_hooks.fp16_compress_hook(None, bucket)  # type: ignore[arg-type]
 
 
 def dense_grad_bytes(model: torch.nn.Module) -> int:

@@ -25,8 +25,8 @@ then first occurrence; its batch is remapped to ids into that table::
 A rank with an empty batch (or no keys for some owner) still joins every exchange with
 zero-length splits, which gloo and NCCL both accept.
 
-The requester's side of staging (``plan_rank_pass``) is local work, so ``ShardedTrainer``
-makes it in the read-ahead thread, as ``Trainer`` makes its ``PassPlan``.
+The requester's side of staging (``plan_rank_pass``) is local work, so a rank's
+``Trainer`` makes it in the read-ahead thread, as one process makes its ``PassPlan``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _sum_rows(rows, grads, n_rows, world):
 class _ShardedLookup(torch.autograd.Function):
     """Pooled lookup into a step table fetched from the owners. The backward forms the
     table's gradient (occurrences of a key summed, divided by the world size: see
-    ``ShardedTrainer``) and starts sending it to the owners; the anchor, a scalar that
+    ``train.trainer``) and starts sending it to the owners; the anchor, a scalar that
     requires grad, puts the function in the graph as in ``WorkingSet``'s fused lookup."""
 
     @staticmethod
@@ -362,6 +362,7 @@ class ShardedWorkingSet:
         owned = plan.owned
         dim = store.row_dim
         if train:
+            assert plan.owned_show is not None and plan.owned_click is not None
             block, admitted = store.pull(owned, plan.owned_show, plan.owned_click, pass_id)
             rows, state_rows, widths = block.values, block.state, block.widths
         else:
@@ -435,14 +436,15 @@ class ShardedWorkingSet:
             rows = int(self._request_splits[step].sum())
             self._send_gradients(step, torch.zeros(rows, self.weights.shape[1],
                                                    device=self.weights.device))
+        assert self._in_flight is not None  # set by _send_gradients
         _, received, work, _ = self._in_flight
         work.wait()
         self._in_flight = None
         received = received.to(self.weights.device)
-        rows = self._rows(step)
+        step_rows = self._rows(step)
         if self.column_mask is not None:
-            received = received * self.column_mask.index_select(0, rows)
-        self.optimizer.step(self.weights, self.state, rows, received, self._scratch)
+            received = received * self.column_mask.index_select(0, step_rows)
+        self.optimizer.step(self.weights, self.state, step_rows, received, self._scratch)
 
     # -- pass end -----------------------------------------------------------------------
     def write_back(self, store: EmbeddingStore) -> None:

@@ -79,7 +79,8 @@ def plan_pass(batches: list[Batch], counts: bool = True) -> PassPlan:
     show = click = None
     if counts:
         show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
-        occ = np.concatenate([occurrence_labels(b) for b in batches]) if batches else []
+        occ = (np.concatenate([occurrence_labels(b) for b in batches]) if batches
+               else np.empty(0, np.float32))
         click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
     return PassPlan(batches, uniq, inverse, show, click)
 

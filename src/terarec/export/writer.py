@@ -4,6 +4,21 @@ training holding only what changed since the previous version.
 Order of writes, for local folders and object stores alike: sparse shards, deleted keys,
 dense weights, then ``manifest.json`` (with every file's sha256), then ``LATEST``. A
 reader that finds a manifest finds every file it lists, whole.
+
+Under torchrun (a ``DistContext`` of N ranks) a version is written by every rank
+together, in the same format: readers need shards of disjoint, increasing key ranges,
+while a rank owns keys by hash, so the ranks merge their key-ordered streams (a
+distributed k-way merge) and each merged piece becomes one shard, written by one rank::
+
+    every round   each rank offers the next shard_rows / N rows of its stream;
+                  bound = the smallest last offered key among ranks with more to come
+                  rows <= bound ──gather──> rank (round mod N), which merges them by key
+                  and writes shard `round` (nothing later can sort before them)
+    then          shard entries ──gather──> rank 0: deleted keys, dense weights,
+                  manifest, LATEST
+
+so a rank holds about one shard of rows at a time, and rank 0 writes the manifest only
+once every rank's shard files are complete.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ import torch
 from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
+from terarec.distributed.context import DistContext
 from terarec.embedding.store import CHUNK_ROWS, RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
@@ -116,63 +132,81 @@ class ModelExporter:
                    dense: dict[str, torch.Tensor], keys: np.ndarray | None = None,
                    values: np.ndarray | None = None, rows: Iterable[RowChunk] | None = None,
                    row_dim: int | None = None, pass_id: int,
-                   features_dir: str | Path | None = None) -> ExportedVersion:
+                   features_dir: str | Path | None = None,
+                   ctx: DistContext | None = None) -> ExportedVersion:
         """A self-contained version: every row of the store and the dense weights, and the
         model's AutoFeature tables (``features_dir``) when it was trained with them.
 
         Rows come as ``keys`` + ``values`` arrays, or streamed as key-ordered ``rows``
         chunks (``EmbeddingStore.iter_sorted``) of ``row_dim`` values: then no more than
-        one shard is held in RAM."""
-        version = self._claim_version()
-        name = version_name(version)
-        header = {"name": name, "version": version, "kind": "full", "base": name,
-                  "deltas": [], "parent": None, "schema": schema.to_dict(),
-                  "model": to_dict(model_config)}
-        extra = {}
-        if features_dir is not None:
-            header["features"] = FEATURES_DIR
-            extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
-                     for p in sorted(Path(features_dir).iterdir()) if p.is_file()}
+        one shard is held in RAM. Collective with a ``ctx`` of N ranks, each passing the
+        rows it owns."""
+        header: dict | None = None
+        extra: dict[str, bytes] = {}
+        if ctx is None or ctx.is_main:
+            version = self._claim_version()
+            name = version_name(version)
+            header = {"name": name, "version": version, "kind": "full", "base": name,
+                      "deltas": [], "parent": None, "schema": schema.to_dict(),
+                      "model": to_dict(model_config)}
+            if features_dir is not None:
+                header["features"] = FEATURES_DIR
+                extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
+                         for p in sorted(Path(features_dir).iterdir()) if p.is_file()}
         if rows is None:
             if keys is None or values is None:
                 raise ValueError("write_full needs keys and values, or rows")
-            return self._write(header, dense, keys, values, None, pass_id, extra)
+            return self._write(header, dense, keys, values, None, pass_id, extra, ctx)
         if row_dim is None:
             raise ValueError("write_full with streamed rows needs row_dim")
         return self._write_rows(header, dense, ((c.keys, c.values) for c in rows), row_dim,
-                                None, pass_id, extra)
+                                None, pass_id, extra, ctx)
 
     def write_delta(self, *, dense: dict[str, torch.Tensor], keys: np.ndarray,
-                    values: np.ndarray, deleted: np.ndarray, pass_id: int) -> ExportedVersion:
-        """Rows upserted and keys deleted since the latest version, plus the dense weights."""
-        parent = self.latest()
-        if parent is None:
-            raise ExportError(f"{self.storage.uri}: no version to build a delta on; "
-                              "write a full version first")
-        version = self._claim_version()
-        name = version_name(version)
-        header = {"name": name, "version": version, "kind": "delta", "base": parent.base,
-                  "deltas": [*parent.deltas, name], "parent": parent.name,
-                  "schema": parent.data["schema"], "model": parent.data["model"]}
-        if "features" in parent.data:  # the base version holds the tables
-            header["features"] = parent.data["features"]
-        return self._write(header, dense, keys, values, deleted, pass_id)
+                    values: np.ndarray, deleted: np.ndarray, pass_id: int,
+                    ctx: DistContext | None = None) -> ExportedVersion:
+        """Rows upserted and keys deleted since the latest version, plus the dense weights.
+        Collective with a ``ctx`` of N ranks, each passing its own keys."""
+        header: dict | ExportError | None = None
+        if ctx is None or ctx.is_main:
+            parent = self.latest()
+            if parent is None:
+                header = ExportError(f"{self.storage.uri}: no version to build a delta on; "
+                                     "write a full version first")
+            else:
+                version = self._claim_version()
+                name = version_name(version)
+                header = {"name": name, "version": version, "kind": "delta",
+                          "base": parent.base, "deltas": [*parent.deltas, name],
+                          "parent": parent.name, "schema": parent.data["schema"],
+                          "model": parent.data["model"]}
+                if "features" in parent.data:  # the base version holds the tables
+                    header["features"] = parent.data["features"]
+        return self._write(header, dense, keys, values, deleted, pass_id, None, ctx)
 
-    def _write(self, header: dict, dense: dict[str, torch.Tensor], keys: np.ndarray,
-               values: np.ndarray, deleted: np.ndarray | None, pass_id: int,
-               extra: dict[str, bytes] | None = None) -> ExportedVersion:
+    def _write(self, header: dict | ExportError | None, dense: dict[str, torch.Tensor],
+               keys: np.ndarray, values: np.ndarray, deleted: np.ndarray | None,
+               pass_id: int, extra: dict[str, bytes] | None = None,
+               ctx: DistContext | None = None) -> ExportedVersion:
         values = np.asarray(values, np.float32)
         if values.ndim != 2 or len(values) != len(keys):
             raise ValueError(f"values of shape {values.shape} do not match {len(keys)} keys")
         return self._write_rows(header, dense, [(keys, values)], values.shape[1], deleted,
-                                pass_id, extra)
+                                pass_id, extra, ctx)
 
-    def _write_rows(self, header: dict, dense: dict[str, torch.Tensor],
+    def _write_rows(self, header: dict | ExportError | None, dense: dict[str, torch.Tensor],
                     rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int,
                     deleted: np.ndarray | None, pass_id: int,
-                    extra: dict[str, bytes] | None = None) -> ExportedVersion:
-        """Write a version from key-ordered (keys, values) parts, shard by shard."""
+                    extra: dict[str, bytes] | None = None,
+                    ctx: DistContext | None = None) -> ExportedVersion:
+        """Write the version ``header`` describes (made on rank 0, or alone) from
+        key-ordered (keys, values) parts, shard by shard."""
         t0 = time.perf_counter()
+        ctx = ctx or DistContext.single(torch.device("cpu"))
+        header = ctx.broadcast_object(header)
+        if isinstance(header, ExportError):
+            raise header
+        assert header is not None
         name = header["name"]
         check_finite(dense, f"export {name} dense weights")  # rows: checked in _shards
         files: dict[str, dict] = {}
@@ -182,22 +216,45 @@ class ModelExporter:
             self.storage.write_bytes(f"{name}/{rel}", data)
             files[rel] = {"sha256": sha256_bytes(data), "bytes": len(data)}
 
-        shards: list[dict] = []
-        total = 0
-        for keys, values in _shards(rows, self.shard_rows, row_dim):
-            i = len(shards)
+        mine: list[tuple[int, dict]] = []
+        pieces = (_shards(rows, self.shard_rows, row_dim) if ctx.world == 1
+                  else _rank_shards(ctx, _checked(rows, row_dim), self.shard_rows))
+        for i, (keys, values) in pieces:
+            if mine and int(keys[0]) <= mine[-1][1]["last_key"]:
+                raise ValueError("keys must be sorted and unique")
             if self.codec is None:
                 put(shard_name(i), rows_bytes(keys, values))
             else:
                 put(shard_name(i), shard_bytes(compress_rows(keys, values, self.codec)))
-            shards.append({"file": shard_name(i), "rows": len(keys),
-                           "first_key": int(keys[0]), "last_key": int(keys[-1])})
-            total += len(keys)
+            mine.append((i, {"file": shard_name(i), "rows": len(keys),
+                             "first_key": int(keys[0]), "last_key": int(keys[-1])}))
+        # past here, every rank's shard files are complete
+        every_rank = ctx.gather_object((mine, files, deleted))
+        result = None
+        if ctx.is_main:
+            assert every_rank is not None
+            shards = [entry for _, entry in sorted((e for part in every_rank for e in part[0]),
+                                                   key=lambda e: e[0])]
+            files = {k: v for part in every_rank for k, v in part[1].items()}
+            parts = [np.asarray(part[2], np.int64) for part in every_rank
+                     if part[2] is not None]
+            result = self._commit(header, files, shards,
+                                  np.concatenate(parts) if parts else None, dense, extra,
+                                  pass_id, row_dim, put, t0)
+        return ctx.broadcast_object(result)
+
+    def _commit(self, header: dict, files: dict[str, dict], shards: list[dict],
+                deleted: np.ndarray | None, dense: dict[str, torch.Tensor],
+                extra: dict[str, bytes] | None, pass_id: int, row_dim: int,
+                put: Callable[[str, bytes], None], t0: float) -> ExportedVersion:
+        """Deleted keys, dense weights, extra files, then the manifest and ``LATEST``."""
+        name = header["name"]
+        total = sum(s["rows"] for s in shards)
         sparse: dict[str, Any] = {"shards": shards, "rows": total, "deleted": 0}
         if self.codec is not None:
             sparse["codec"] = self.codec.name
         if deleted is not None:
-            deleted = np.unique(np.asarray(deleted, np.int64))
+            deleted = np.unique(deleted)
             put(DELETED_FILE, rows_bytes(deleted))
             sparse.update(deleted=int(len(deleted)), deleted_file=DELETED_FILE)
         state = {k: v.detach().cpu().contiguous() for k, v in dense.items()}
@@ -221,15 +278,10 @@ class ModelExporter:
         return result
 
 
-def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
-            row_dim: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Re-cut key-ordered (keys, values) parts into shards of ``shard_rows`` rows (the
-    last one shorter), checking order, shape and finiteness on the way. Holds one shard
-    buffer (filled in place, pages allocated as written) plus one part; each yielded
-    shard is a view of the buffer, valid until the next one is asked for."""
-    keys_buf = np.empty(shard_rows, np.int64)
-    values_buf = np.empty((shard_rows, row_dim), np.float32)
-    held = 0
+def _checked(rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int
+             ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Key-ordered (keys, values) parts as contiguous int64 / float32, checked for shape,
+    order (within and across parts) and finiteness."""
     last: int | None = None  # the previous part's last key
     for keys, values in rows:
         keys = np.ascontiguousarray(keys, np.int64)
@@ -246,6 +298,59 @@ def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
         if bad.any():
             raise ValueError(f"{int(bad.sum())} rows hold non-finite values (first key "
                              f"{int(keys[bad][0])}): refusing to export them")
+        yield keys, values
+
+
+def _rank_shards(ctx: DistContext, rows: Iterator[tuple[np.ndarray, np.ndarray]],
+                 shard_rows: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
+    """Collective: (index, (keys, values)) of the shards this rank writes, cut from the
+    k-way merge of every rank's key-ordered rows (see the module docstring)."""
+    hold = max(1, shard_rows // ctx.world)
+    keys_buf: list[np.ndarray] = []
+    values_buf: list[np.ndarray] = []
+    held, done, index = 0, False, 0
+    while True:
+        while not done and held < hold:
+            part = next(rows, None)
+            if part is None:
+                done = True
+            elif len(part[0]):
+                keys_buf.append(part[0])
+                values_buf.append(part[1])
+                held += len(part[0])
+        keys = np.concatenate(keys_buf) if keys_buf else np.empty(0, np.int64)
+        # Offer the first `hold` rows: the last of them bounds the round unless they are
+        # this rank's last rows.
+        last = int(keys[min(held, hold) - 1]) if held else None
+        status = ctx.all_gather_object((last, not done or held > hold, held))
+        if all(h == 0 for _, _, h in status) and all(not c for _, c, _ in status):
+            return
+        bounds = [k for k, bounding, _ in status if bounding and k is not None]
+        n = (int(np.searchsorted(keys[:hold], min(bounds), side="right")) if bounds
+             else min(held, hold))
+        values = np.concatenate(values_buf) if values_buf else np.empty((0, 0), np.float32)
+        send = (keys[:n], values[:n])
+        keys_buf, values_buf = ([keys[n:]], [values[n:]]) if n < held else ([], [])
+        held -= n
+        parts = ctx.gather_object(send, dst=index % ctx.world)
+        if parts is not None:
+            merged = np.concatenate([k for k, _ in parts])
+            order = np.argsort(merged, kind="stable")
+            yield index, (merged[order], np.concatenate(
+                [v for _, v in parts if len(v)])[order])
+        index += 1
+
+
+def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
+            row_dim: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
+    """Re-cut key-ordered (keys, values) parts into numbered shards of ``shard_rows`` rows
+    (the last one shorter), checking them on the way (``_checked``). Holds one shard
+    buffer (filled in place, pages allocated as written) plus one part; each yielded
+    shard is a view of the buffer, valid until the next one is asked for."""
+    keys_buf = np.empty(shard_rows, np.int64)
+    values_buf = np.empty((shard_rows, row_dim), np.float32)
+    held = index = 0
+    for keys, values in _checked(rows, row_dim):
         pos = 0
         while pos < len(keys):
             take = min(shard_rows - held, len(keys) - pos)
@@ -253,10 +358,11 @@ def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
             values_buf[held:held + take] = values[pos:pos + take]
             held, pos = held + take, pos + take
             if held == shard_rows:
-                yield keys_buf, values_buf
+                yield index, (keys_buf, values_buf)
+                index += 1
                 held = 0
     if held:
-        yield keys_buf[:held], values_buf[:held]
+        yield index, (keys_buf[:held], values_buf[:held])
 
 
 def _as_json(value: Any) -> Any:
@@ -321,13 +427,17 @@ class IncrementalExporter:
         self.every_minutes = every_minutes
         self.exported: list[ExportedVersion] = []
         trainer.store.track_evictions()
+        self.ctx: DistContext = trainer.ctx  # on N ranks every export is collective
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
         self._clock = clock
         self._last_time = clock()
-        latest = self.exporter.latest()
-        if (latest is not None and latest.pass_id == trainer.pass_id
-                and latest.data["schema"] == _as_json(trainer.schema.to_dict())
-                and latest.data["model"] == _as_json(to_dict(trainer.config.model))):
+        resumes = False
+        if self.ctx.is_main:  # rank 0 reads the target; every rank follows its reading
+            latest = self.exporter.latest()
+            resumes = (latest is not None and latest.pass_id == trainer.pass_id
+                       and latest.data["schema"] == _as_json(trainer.schema.to_dict())
+                       and latest.data["model"] == _as_json(to_dict(trainer.config.model)))
+        if self.ctx.broadcast_object(resumes):
             self._last_pass = trainer.pass_id
 
     def due(self, trainer) -> bool:
@@ -342,7 +452,8 @@ class IncrementalExporter:
         return self.every_minutes is not None and minutes >= self.every_minutes
 
     def on_pass_end(self, trainer, record: dict | None = None) -> ExportedVersion | None:
-        return self.export(trainer) if self.due(trainer) else None
+        # Rank 0's clock decides, so that every rank joins the same exports.
+        return self.export(trainer) if self.ctx.broadcast_object(self.due(trainer)) else None
 
     def finish(self, trainer) -> ExportedVersion | None:
         """Export whatever the last passes changed, if anything was trained since."""
@@ -351,6 +462,7 @@ class IncrementalExporter:
         return self.export(trainer)
 
     def export(self, trainer, full: bool = False) -> ExportedVersion:
+        """Write a version now (collective on N ranks: each passes the rows it owns)."""
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:
@@ -358,14 +470,15 @@ class IncrementalExporter:
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
                 rows=store.iter_sorted(CHUNK_ROWS), row_dim=store.row_dim,
-                pass_id=trainer.pass_id, features_dir=self.features_dir)
+                pass_id=trainer.pass_id, features_dir=self.features_dir, ctx=self.ctx)
         else:
             keys, values = store.changed_since(self._last_pass)
             evicted = store.take_evicted()
             # A key evicted and admitted again since the last export is an upsert.
             deleted = np.setdiff1d(evicted, keys, assume_unique=True)
             result = self.exporter.write_delta(dense=dense, keys=keys, values=values,
-                                               deleted=deleted, pass_id=trainer.pass_id)
+                                               deleted=deleted, pass_id=trainer.pass_id,
+                                               ctx=self.ctx)
         self._last_pass = trainer.pass_id
         self._last_time = self._clock()
         self.exported.append(result)

@@ -29,6 +29,9 @@ class DSSM(CTRModel):
     inner product ranks exactly as the model scores.
     """
 
+    user_index: torch.Tensor  # buffers: each tower's field positions in ``emb``
+    item_index: torch.Tensor
+
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
         self.user_fields, self.item_fields = self._split_fields(schema, config)

@@ -77,6 +77,8 @@ class DotInteraction(nn.Module):
                      | g20 g21 g22 |
     """
 
+    flat_index: torch.Tensor  # buffer: upper-triangle positions in the flattened Gram matrix
+
     def __init__(self, num_vectors: int) -> None:
         super().__init__()
         self.num_vectors = num_vectors

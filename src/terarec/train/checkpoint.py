@@ -1,4 +1,5 @@
-"""Model directories and checkpoints, committed atomically at pass boundaries.
+"""Model directories and checkpoints, committed atomically at pass boundaries, by one
+process or by all the ranks of a torchrun job together.
 
 ::
 
@@ -7,26 +8,41 @@
       train_config.json           TrainConfig used
       checkpoints/
         pass-000003/              one committed pass (older ones pruned)
-          dense.safetensors       model weights
-          dense_optimizer.pt      dense optimizer state
-          sparse/                 what ``store.save`` wrote; for a memory store:
-            rows.safetensors        keys (sorted) + values + optimizer state + counters
-                                  (older checkpoints: sparse.safetensors, still loaded)
-                                  for a tiered store (docs/tiered-store.md):
+          dense.safetensors       model weights                  (rank 0; equal on all)
+          dense_optimizer.pt      dense optimizer state          (rank 0)
+          sparse/                 one process: what ``store.save`` wrote; for a memory
+            rows.safetensors        store keys (sorted) + values + optimizer state +
+                                    counters; for a tiered store (docs/tiered-store.md):
             slab-NNNNNN.bin         disk-tier slabs, hard-linked from the previous
                                     checkpoint where unchanged since it
             index.safetensors       key -> slot
             store.safetensors       admission candidates, counters
-          meta.json               pass id, history, sha256 of each file: written last
+          sparse-0000R-of-0000N/  instead, N torchrun ranks: rank R's keys, saved the same
+                                  way by its store
+          dense_comm-0000R-of-0000N.pt  rank R's unsent DGC residuals (dgc only)
+          meta.json               pass id, world size, shard list, history, sha256 of
+                                  each file: written last, by rank 0
       LATEST                      name of the newest committed checkpoint
       BEST                        name of the best one on the validation set (training
                                   with --valid): kept out of pruning; what eval, predict
                                   and export load unless told otherwise
 
-A checkpoint is written into a hidden temp folder, each file fsynced, the folder renamed
-into place, then ``LATEST`` replaced atomically; a crash at any point leaves the previous
-checkpoint intact and loadable. Each key's values and optimizer state are taken from the
-same moment (the store between passes), never from two snapshots.
+One process writes one shard (``sparse/``), N ranks one each. Checkpoints from before
+this layout still load: ``sparse.safetensors`` (one process, before stores saved
+themselves) and ``sparse-0000R-of-0000N.safetensors`` files (N ranks).
+
+Commit: rank 0 makes a hidden staging folder; every rank writes and fsyncs its files
+into it; the checksums are gathered to rank 0 (nobody gets past that point before every
+rank's files are durable); rank 0 writes the manifest, renames the folder into place and
+replaces ``LATEST``; a final barrier returns once the pass is committed. A crash (of any
+rank) at any point leaves the previous checkpoint intact and loadable. Each key's values
+and optimizer state are taken from the same moment (the store between passes). Alone,
+every collective is free. On several nodes the model directory must be on a
+filesystem every rank sees.
+
+Restoring works at any world size: with the shard count of the checkpoint, each rank
+reads its own shard (a tiered store adopts its slab files); otherwise every rank reads
+the shards one by one and keeps the keys it now owns (``shard_of``).
 """
 
 from __future__ import annotations
@@ -51,6 +67,9 @@ from safetensors.torch import save_file as save_torch
 from typing_extensions import NotRequired, TypedDict
 
 from terarec.config import TrainConfig, from_dict, to_dict
+from terarec.distributed.context import DistContext
+from terarec.distributed.dense_comm import DenseCommConfig
+from terarec.distributed.sharding import shard_of
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import CHUNK_ROWS, RowChunk, arrays_file, merge_sorted
@@ -95,56 +114,129 @@ def read_model_meta(model_dir: Path) -> tuple[FeatureSchema, TrainConfig]:
     return schema, config
 
 
+def shard_name(rank: int, world: int) -> str:
+    """Rank ``rank``'s sparse shard: the folder its store saves itself into."""
+    return "sparse" if world == 1 else f"sparse-{rank:05d}-of-{world:05d}"
+
+
+def comm_file(rank: int, world: int) -> str:
+    return f"dense_comm-{rank:05d}-of-{world:05d}.pt"
+
+
+def _durable(path: Path, files: dict[str, str], rel: str | None = None) -> None:
+    _fsync_file(path)
+    files[rel or path.name] = sha256_file(path)
+
+
 def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -> Path:
-    """Commit the trainer's state after its last pass as a new checkpoint."""
+    """Commit the trainer's state after its last pass as a new checkpoint; collective
+    when the trainer is one of N ranks."""
     check_trainer_finite(trainer)  # a diverged model never replaces a good checkpoint
+    ctx: DistContext = trainer.ctx
     model_dir = Path(model_dir)
-    write_model_meta(model_dir, trainer.schema, trainer.config)
-    ckpt_root = model_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+    root = model_dir / "checkpoints"
     name = f"pass-{trainer.pass_id:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=ckpt_root))
+    staging: Path | None = None
+    if ctx.is_main:
+        write_model_meta(model_dir, trainer.schema, trainer.config)
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    staging = Path(ctx.broadcast_object(str(staging)))
+    ctx.barrier()
+    if not staging.is_dir():
+        raise CheckpointError(f"rank {ctx.rank}: {staging} is not visible; the model "
+                              "directory must be on a filesystem every rank sees")
     try:
-        dense = {k: v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}
-        save_torch(dense, str(tmp / "dense.safetensors"))
-        torch.save(trainer.dense_optimizer.state_dict(), tmp / "dense_optimizer.pt")
-        files = ["dense.safetensors", "dense_optimizer.pt"]
-        store = trainer.store
-        # The store writes its own files (a tiered store never materialises its table).
-        sparse_digests = {f"sparse/{name}": digest for name, digest in
-                          store.save(tmp / "sparse").items()}
-        files += list(sparse_digests)
-        fsync_dir(tmp / "sparse")
-        for f in files:
-            _fsync_file(tmp / f)
-        digests = {f: sparse_digests.get(f) or sha256_file(tmp / f) for f in files}
-        meta = {
-            "pass_id": trainer.pass_id,
-            "history": trainer.history,
-            "rng": {"torch": torch.get_rng_state().tolist()},
-            "sha256": digests,
-            "sparse_format": store.saved_format,
-            "store": store_summary(store),
-            **(extra or {}),
-        }
-        with open(tmp / "meta.json", "w") as fh:
-            json.dump(meta, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        final = ckpt_root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(ckpt_root)
+        files, shard, shard_digests = _write_rank_files(staging, trainer)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    store.committed(final / "sparse", {k[len("sparse/"):]: v for k, v in
-                                       sparse_digests.items()})
-    atomic_write_text(model_dir / LATEST_FILE, name)
-    _prune(ckpt_root, keep=KEEP_CHECKPOINTS)
+        if ctx.world == 1:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise  # a rank that fails exits; torchrun stops the others
+    # past here, every rank's files are durable
+    every_rank = ctx.all_gather_object((files, store_summary(trainer.store)))
+    final = root / name
+    if ctx.is_main:
+        try:
+            _commit(staging, final, trainer, every_rank, extra)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        atomic_write_text(model_dir / LATEST_FILE, name)
+        _prune(root, keep=KEEP_CHECKPOINTS)
+    ctx.barrier()
+    trainer.store.committed(final / shard, shard_digests)  # later saves link unchanged slabs
     return final
+
+
+def _write_rank_files(staging: Path, trainer) -> tuple[dict[str, str], str, dict[str, str]]:
+    """This rank's sparse shard (and DGC residuals; the dense files on rank 0), fsynced:
+    ({file: sha256}, shard name, {file in the shard: sha256})."""
+    ctx: DistContext = trainer.ctx
+    store = trainer.store
+    files: dict[str, str] = {}
+    shard = shard_name(ctx.rank, ctx.world)
+    # The store writes its own files (a tiered store never materialises its table).
+    shard_digests = store.save(staging / shard)
+    for fname, digest in shard_digests.items():
+        _fsync_file(staging / shard / fname)
+        files[f"{shard}/{fname}"] = digest
+    fsync_dir(staging / shard)
+    comm_state = trainer.dense_comm.state_dict() if trainer.dense_comm is not None else {}
+    if comm_state:
+        torch.save(comm_state, staging / comm_file(ctx.rank, ctx.world))
+        _durable(staging / comm_file(ctx.rank, ctx.world), files)
+    if ctx.is_main:
+        dense = {k: v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}
+        save_torch(dense, str(staging / "dense.safetensors"))
+        _durable(staging / "dense.safetensors", files)
+        torch.save(trainer.dense_optimizer.state_dict(), staging / "dense_optimizer.pt")
+        _durable(staging / "dense_optimizer.pt", files)
+    return files, shard, shard_digests
+
+
+def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict | None) -> None:
+    """Rank 0: the manifest, then the folder renamed into place."""
+    world = trainer.ctx.world
+    summaries = [summary for _, summary in every_rank]
+    meta = {
+        "pass_id": trainer.pass_id,
+        "world_size": world,
+        "sparse_format": trainer.store.saved_format,
+        "history": trainer.history,
+        "rng": {"torch": torch.get_rng_state().tolist()},
+        "sha256": {k: v for part, _ in every_rank for k, v in part.items()},
+        "store": sum_store_summaries(summaries),  # the whole model's figures
+        **({"sparse_shards": [shard_name(r, world) for r in range(world)],
+            "stores": summaries,  # per rank: keys, tiers
+            "dense_comm": trainer.dense_comm_config.as_dict()} if world > 1 else {}),
+        **(extra or {}),
+    }
+    with open(staging / "meta.json", "w") as fh:
+        json.dump(meta, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fsync_dir(staging)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    fsync_dir(final.parent)
+
+
+def sum_store_summaries(parts: list[dict]) -> dict:
+    """Per-rank store figures (``store_summary``) added up: numbers summed, nested dicts
+    likewise."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict = {}
+    for key, value in parts[0].items():
+        values = [p.get(key) for p in parts]
+        if isinstance(value, dict):
+            out[key] = sum_store_summaries([v or {} for v in values])
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = sum(v or 0 for v in values)
+        else:
+            out[key] = value
+    return out
 
 
 def store_summary(store: EmbeddingStore) -> dict:
@@ -263,22 +355,41 @@ class LoadedCheckpoint:
         return self.meta.get("sparse_format") == "tiered"
 
     @property
+    def world_size(self) -> int:
+        """How many ranks wrote it (shards are split by ``shard_of(key, world_size)``)."""
+        return int(self.meta.get("world_size", 1))
+
+    @property
+    def shards(self) -> list[str]:
+        """The sparse shards, one per rank, each what a store saved (a folder) or an
+        arrays file (older layouts): ``sparse`` for one process, or
+        ``sparse.safetensors`` in checkpoints written before stores saved themselves."""
+        if self.meta.get("sparse_shards"):
+            return list(self.meta["sparse_shards"])
+        return ["sparse"] if (self.path / "sparse").is_dir() else ["sparse.safetensors"]
+
+    @property
     def sparse_dir(self) -> Path:
-        """The tiered store's snapshot folder (``tiered`` checkpoints)."""
+        """The ``sparse/`` folder of a one-process checkpoint."""
         return self.path / "sparse"
 
     @property
     def sparse_source(self) -> Path:
-        """What the store saved (``EmbeddingStore.load`` reads it): the ``sparse/``
-        folder, or ``sparse.safetensors`` in checkpoints written before stores saved
-        themselves."""
-        return self.sparse_dir if self.sparse_dir.is_dir() else self.path / "sparse.safetensors"
+        """What a one-process checkpoint's store saved (``EmbeddingStore.load`` reads it):
+        the ``sparse/`` folder, or ``sparse.safetensors`` in older checkpoints."""
+        return self.path / self.shards[0]
 
     @property
     def sparse_digests(self) -> dict[str, str]:
         """sha256 of the files in ``sparse/``, by name inside it."""
-        return {k[len("sparse/"):]: v for k, v in self.meta["sha256"].items()
-                if k.startswith("sparse/")}
+        return self.shard_digests("sparse")
+
+    def shard_digests(self, shard: str) -> dict[str, str]:
+        """{file in the shard's folder: sha256}, for a store loading (a tiered one
+        adopting the slabs of) its shard."""
+        prefix = f"{shard}/"
+        return {k[len(prefix):]: v for k, v in self.meta["sha256"].items()
+                if k.startswith(prefix)}
 
     def _dims(self) -> tuple[int, int]:
         """(row_dim, state_dim) of the stored rows, from the model directory's config."""
@@ -290,25 +401,43 @@ class LoadedCheckpoint:
         """The stored rows in increasing key order, at most ``chunk_rows`` per chunk,
         whatever wrote them (either store, any number of torchrun ranks): exports and
         ``inspect`` read a checkpoint this way, never the whole table at once."""
-        shards = self.meta.get("sparse_shards")
-        if shards:
-            yield from merge_sorted([iter_saved(self.path / name, chunk_rows)
-                                     for name in shards], chunk_rows)
-            return
         row_dim, state_dim = self._dims()
-        yield from iter_saved(self.sparse_source, chunk_rows, row_dim, state_dim)
+        yield from merge_sorted([iter_saved(self.path / name, chunk_rows, row_dim, state_dim)
+                                 for name in self.shards], chunk_rows)
+
+    def shard_arrays(self, shard: str) -> dict[str, np.ndarray]:
+        """One shard as sorted-key arrays (``MemoryStore.to_arrays`` form); a tiered
+        shard's rows are decoded into RAM, so this is one rank's share at most."""
+        rows = arrays_file(self.path / shard)
+        if rows is not None:
+            return load_numpy(str(rows))
+        return snapshot_arrays(self.path / shard, *self._dims())
 
     @functools.cached_property
     def sparse(self) -> dict[str, np.ndarray]:
-        """The store as sorted-key arrays (``MemoryStore.to_arrays`` form), read on first
-        use; for a tiered checkpoint this materialises the table, so restoring a tiered
-        store goes through ``sparse_dir`` instead."""
-        if self.meta.get("sparse_shards"):
-            return load_sparse(self.path, self.meta)
-        rows = arrays_file(self.sparse_source)
-        if rows is not None:
-            return load_numpy(str(rows))
-        return snapshot_arrays(self.sparse_dir, *self._dims())
+        """The whole store as sorted-key arrays, every shard merged, read on first use
+        (small tables, tests); restoring goes shard by shard (``restore_trainer``),
+        exports and ``inspect`` stream ``iter_sorted``."""
+        return merge_shards([self.shard_arrays(s) for s in self.shards])
+
+    def rank_arrays(self, rank: int, world: int) -> dict[str, np.ndarray]:
+        """The rows ``rank`` owns out of ``world``, shard by shard (only the kept keys of
+        each stay in RAM); store-wide totals go to rank 0."""
+        if world == self.world_size:
+            return self.shard_arrays(self.shards[rank])
+        parts = []
+        for shard in self.shards:
+            arrays = self.shard_arrays(shard)
+            part = {}
+            for name, values in arrays.items():
+                column = sparse_key_column(name)
+                if column is None:
+                    part[name] = values if rank == 0 else np.zeros_like(values)
+                else:
+                    part[name] = values[shard_of(arrays[column], world) == rank]
+            parts.append(part)
+            del arrays
+        return merge_shards(parts)
 
 
 def sparse_key_column(name: str) -> str | None:
@@ -319,20 +448,15 @@ def sparse_key_column(name: str) -> str | None:
     return "cand_keys" if name.startswith("cand_") else "keys"
 
 
-def load_sparse(path: Path, meta: dict) -> dict[str, np.ndarray]:
-    """A checkpoint's sparse rows as one sorted-key table.
-
-    A checkpoint written by N torchrun ranks lists one file per rank under
-    ``sparse_shards`` (disjoint key sets): they are merged, so any number of processes
-    can restore, export or score a model trained by any number of ranks.
-    """
-    shards = meta.get("sparse_shards")
-    if not shards:
-        return load_numpy(str(path / "sparse.safetensors"))
-    parts = [load_numpy(str(path / name)) for name in shards]
-    orders = {col: np.argsort(np.concatenate([p[col] for p in parts]), kind="stable")
-              for col in ("keys", "cand_keys") if col in parts[0]}
-    merged = {}
+def merge_shards(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Sorted-key tables of disjoint key sets as one: rows and candidates merged by key,
+    store-wide totals summed."""
+    if len(parts) == 1:
+        return parts[0]
+    orders: dict[str, np.ndarray] = {
+        col: np.argsort(np.concatenate([p[col] for p in parts]), kind="stable")
+        for col in ("keys", "cand_keys") if col in parts[0]}
+    merged: dict[str, np.ndarray] = {}
     for name in parts[0]:
         column = sparse_key_column(name)
         if column is None:
@@ -340,6 +464,13 @@ def load_sparse(path: Path, meta: dict) -> dict[str, np.ndarray]:
         else:
             merged[name] = np.concatenate([p[name] for p in parts])[orders[column]]
     return merged
+
+
+def rank_arrays(path: Path, meta: dict, rank: int, world: int) -> dict[str, np.ndarray]:
+    """The sparse rows ``rank`` owns out of ``world``, from the checkpoint at ``path``
+    written by any number of ranks (or by a single process)."""
+    ckpt = LoadedCheckpoint(path=Path(path), meta=meta, dense={}, dense_optimizer={})
+    return ckpt.rank_arrays(rank, world)
 
 
 def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedCheckpoint:
@@ -363,31 +494,70 @@ def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedChe
             log.warning("refusing checkpoint: %s", exc)
             errors.append(str(exc))
             continue
-        return LoadedCheckpoint(
-            path=path, meta=meta,
-            dense=load_torch(str(path / "dense.safetensors")),
-            dense_optimizer=torch.load(path / "dense_optimizer.pt", weights_only=True))
+        return _read(path, meta)
     raise CheckpointError("no loadable checkpoint: " + "; ".join(errors))
 
 
-def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
-                    name: str | None = None, scratch_dir: str | Path | None = None):
-    """A Trainer holding the newest good checkpoint of ``model_dir``. Without ``config``
-    (scoring a saved model) a tiered store lives in ``scratch_dir``, a folder private to
-    this process (else a temp folder), never in the training run's live one."""
-    from terarec.train.trainer import Trainer
+def _choose(model_dir: Path, name: str | None, ctx: DistContext) -> LoadedCheckpoint:
+    """The checkpoint every rank loads: rank 0 picks ``name`` or the newest one that
+    verifies (``load_checkpoint``), the others follow its choice."""
+    choice: str | Exception = ""
+    ckpt = None
+    if ctx.is_main:
+        try:
+            ckpt = load_checkpoint(model_dir, name)
+            choice = ckpt.path.name
+        except CheckpointError as exc:
+            choice = exc
+    choice = ctx.broadcast_object(choice)
+    if isinstance(choice, Exception):
+        raise CheckpointError(str(choice))
+    if ckpt is not None:
+        return ckpt
+    path = model_dir / "checkpoints" / choice  # verified by rank 0
+    with open(path / "meta.json") as fh:
+        meta = json.load(fh)
+    return _read(path, meta)
 
-    schema, saved_config = read_model_meta(Path(model_dir))
+
+def _read(path: Path, meta: dict) -> LoadedCheckpoint:
+    return LoadedCheckpoint(
+        path=path, meta=meta, dense=load_torch(str(path / "dense.safetensors")),
+        dense_optimizer=torch.load(path / "dense_optimizer.pt", weights_only=True))
+
+
+def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
+                    name: str | None = None, scratch_dir: str | Path | None = None,
+                    ctx: DistContext | None = None,
+                    dense_comm: DenseCommConfig | None = None):
+    """A Trainer holding the newest good checkpoint of ``model_dir`` (written by any
+    number of ranks); collective, holding this rank's keys, when ``ctx`` is one of N.
+    Without ``config`` (scoring a saved model) a tiered store lives in ``scratch_dir``, a
+    folder private to this process (else a temp folder), never in the training run's
+    live one."""
+    from terarec.train.trainer import Trainer, resolve_device
+
+    model_dir = Path(model_dir)
+    schema, saved_config = read_model_meta(model_dir)
     if config is None:
         saved_config.store.disk_path = None if scratch_dir is None else str(scratch_dir)
-    ckpt = load_checkpoint(model_dir, name)
-    trainer = Trainer(schema, config or saved_config)
+    config = config or saved_config
+    ctx = ctx or DistContext.single(resolve_device(config.device))
+    ckpt = _choose(model_dir, name, ctx)
+    if dense_comm is None and ctx.world > 1 and "dense_comm" in ckpt.meta:
+        dense_comm = DenseCommConfig(**ckpt.meta["dense_comm"])
+    trainer = Trainer(schema, config, ctx=ctx, dense_comm=dense_comm)
     trainer.model.load_state_dict(ckpt.dense)
     trainer.dense_optimizer.load_state_dict(ckpt.dense_optimizer)
-    if ckpt.meta.get("sparse_shards"):
-        trainer.store.load_arrays(ckpt.sparse)
+    same_world = ckpt.world_size == ctx.world
+    if same_world:  # this rank's own shard, whatever store saved it
+        shard = ckpt.shards[ctx.rank]
+        trainer.store.load(ckpt.path / shard, ckpt.shard_digests(shard))
     else:
-        trainer.store.load(ckpt.sparse_source, ckpt.sparse_digests)
+        trainer.store.load_arrays(ckpt.rank_arrays(ctx.rank, ctx.world))
+    comm = ckpt.path / comm_file(ctx.rank, ctx.world)
+    if same_world and trainer.dense_comm is not None and comm.exists():
+        trainer.dense_comm.load_state_dict(torch.load(comm, weights_only=True))
     trainer.pass_id = int(ckpt.meta["pass_id"])
     trainer.history = list(ckpt.meta.get("history", []))
     torch.set_rng_state(torch.tensor(ckpt.meta["rng"]["torch"], dtype=torch.uint8))

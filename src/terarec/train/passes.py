@@ -12,12 +12,12 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from terarec.data.readers import ReadStats, iter_batches
+from terarec.data.readers import OnBadRow, ReadStats, iter_batches
 from terarec.types import Batch, FeatureSchema
 
 
 def iter_file_batches(paths: Iterable[str | Path], schema: FeatureSchema, batch_size: int,
-                      on_bad_row: str = "error",
+                      on_bad_row: OnBadRow = "error",
                       stats: ReadStats | None = None) -> Iterator[Batch]:
     for path in paths:
         yield from iter_batches(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import atomic_write_text
 from terarec.train.checkpoint import mark_best, save_checkpoint
@@ -390,8 +391,8 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
         if budget is not None and alive:  # re-split the budget across live trials
             for t in alive:
                 store = t.run.trainer.store
-                if getattr(store, "budget", None) is not None:
-                    store.budget = budget // len(alive)  # type: ignore[union-attr]
+                if isinstance(store, TieredStore) and store.budget is not None:
+                    store.budget = budget // len(alive)
         if on_boundary is not None:
             on_boundary(wave)
 

@@ -1,6 +1,7 @@
-"""The pass loop: stage a pass's working set, train its batches, write rows back.
+"""The pass loop, for one process or one of N torchrun ranks: stage a pass's working
+set, train its batches, write rows back.
 
-::
+One process (``DistContext.single``, the local fast path)::
 
     for each pass (N rows, read ahead in a thread):
         ws = WorkingSet.stage(store, batches)      unique keys -> store.pull -> device tensor
@@ -8,6 +9,27 @@
             loss.backward()                        sparse optimizer runs inside backward
             dense_optimizer.step()
         ws.write_back(store); store.end_pass()     rows + optimizer state back, eviction
+
+Rank r of N (``DistContext`` from torchrun): each rank reads its round-robin share of
+every pass (``distributed.sharding``), owns one shard of the store, and trains one local
+batch per global step::
+
+    stage       ShardedWorkingSet.stage: keys to owners, owners pull rows (once a pass)
+    per step    emb = ws.lookup(s, ...)                   rows from their owners
+                loss = sum_bce(local) * world / global_rows
+                loss.backward()                           DDP all-reduces dense grads; the
+                                                          lookup's backward starts sending
+                                                          table.grad / world to the owners
+                dense_optimizer.step()                    while that exchange runs
+                ws.apply_gradients(s)                     owners apply the sparse optimizer
+    pass end    owners write rows back to their own store
+
+Scaling: a single process minimises the mean loss over the global batch. Rank r's local
+loss is ``sum_bce_r * world / B``, so DDP's average over ranks gives the single-process
+dense gradient, and dividing the row gradients by ``world`` gives the single-process row
+gradient once the owner sums what every rank sent. Every figure of a ``PassResult`` is
+summed over ranks (a no-op in one process), so history records read the same at any
+world size.
 """
 
 from __future__ import annotations
@@ -15,21 +37,33 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from terarec.config import TrainConfig
+from terarec.data.readers import ReadStats
+from terarec.distributed.context import DistContext
+from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
+from terarec.distributed.lookup import (
+    ShardedPassPlan,
+    ShardedWorkingSet,
+    exchange_plan,
+    plan_rank_pass,
+)
+from terarec.distributed.sharding import deal_batches, iter_rank_passes
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
-from terarec.embedding.working_set import PassPlan, WorkingSet, plan_pass
+from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
 from terarec.models import build_model
 from terarec.train.metrics import evaluate_scores
 from terarec.train.passes import group_passes, iter_file_batches
@@ -57,27 +91,43 @@ class PassResult:
     evicted_keys: int
     store_keys: int
     prefetch_wait_s: float = 0.0  # time the pass waited for the next pass's disk reads
+    world_size: int = 1
+    dense_bytes_per_step: float = 0.0   # per rank: DDP's gradient exchange
+    sparse_bytes_per_step: float = 0.0  # per rank: keys, rows and row gradients sent
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 class Trainer:
-    """Owns the model, the store and the optimizers; trains pass by pass."""
+    """Owns the model, the store and the optimizers; trains pass by pass.
+
+    ``ctx`` is the topology: alone by default; a torchrun rank's ``DistContext`` makes the
+    store this rank's key shard and wraps the dense model in DistributedDataParallel with
+    the ``dense_comm`` hook."""
 
     def __init__(self, schema: FeatureSchema, config: TrainConfig,
-                 store: EmbeddingStore | None = None) -> None:
+                 store: EmbeddingStore | None = None,
+                 ctx: DistContext | None = None,
+                 dense_comm: DenseCommConfig | None = None) -> None:
         self.schema = schema
+        # The config keeps the user's device ("auto" stays "auto" in the saved model, so
+        # one process can load it anywhere); a rank runs on the device it got.
         self.config = config
+        self.ctx = ctx if ctx is not None else DistContext.single(resolve_device(config.device))
+        self.dense_comm_config = dense_comm or DenseCommConfig()
+        if self.ctx.world == 1 and self.dense_comm_config.mode != "none":
+            raise ValueError(f"dense gradient exchange {self.dense_comm_config.mode!r} needs "
+                             "several ranks: launch with torchrun --nproc_per_node N")
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
-        self.device = resolve_device(config.device)
+        self.device = self.ctx.device
         self.model = build_model(schema, config.model).to(self.device)
         self.sparse_optimizer = SparseOptimizer(config.sparse_optimizer)
         self.store = store if store is not None else make_store(
-            self.model.row_dim, self.sparse_optimizer, config)
+            self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
         self.dense_optimizer = _dense_optimizer(self.model, config)
         # The fused lookup's backward needs a graph input that requires grad.
         self._anchor = torch.zeros((), requires_grad=True, device=self.device)
@@ -86,21 +136,42 @@ class Trainer:
         self.pass_id = 0
         self.history: list[dict] = []
         self.stop_reason: str | None = None  # why the last ``fit`` ended
+        self.ddp: torch.nn.Module = self.model
+        self.dense_comm: DenseComm | None = None
+        if self.ctx.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(self.model, device_ids=ids,
+                                               broadcast_buffers=False,
+                                               gradient_as_bucket_view=True)
+            self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, self.ctx.world)
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
 
     # -- one step / one pass ------------------------------------------------------------
     def _logits(self, ws: WorkingSet, batch: Batch, train: bool) -> torch.Tensor:
         emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
         return self.model(batch.dense, emb)
 
-    def train_pass(self, batches: list[Batch] | PassPlan, progress: tqdm | None = None,
-                   upcoming: list[Batch] | PassPlan | None = None) -> PassResult:
+    def train_pass(self, batches: list[Batch] | PassPlan | ShardedPassPlan,
+                   progress: tqdm | None = None,
+                   upcoming: list[Batch] | PassPlan | ShardedPassPlan | None = None
+                   ) -> PassResult:
         """Stage, train and write back one pass; returns its figures. A ``PassPlan`` made
         ahead (``plan_pass``, e.g. in the read-ahead thread) takes the key work off the
         critical path.
 
         ``upcoming``: the next pass, whose rows a store with a disk tier reads into RAM in
         a thread while this pass trains.
+
+        Collective on N ranks (``_train_rank_pass``); alone, the local fast path below.
         """
+        if self.ctx.world > 1:
+            assert not isinstance(batches, PassPlan) and not isinstance(upcoming, PassPlan)
+            return self._train_rank_pass(batches, progress, upcoming)
+        assert not isinstance(batches, ShardedPassPlan)  # ranks plan those
+        assert not isinstance(upcoming, ShardedPassPlan)
         self.model.train()
         t0 = time.perf_counter()
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True)
@@ -120,16 +191,86 @@ class Trainer:
         t2 = time.perf_counter()
         wait_s, evicted = self._close_pass(ws, prefetcher)
         t3 = time.perf_counter()
-        rows = sum(len(b) for b in batches)
         weights = torch.tensor([len(b) for b in batches], dtype=torch.float32)
-        mean_loss = float((torch.stack(losses).cpu() * weights).sum() / weights.sum())
+        loss_sum = float((torch.stack(losses).cpu() * weights).sum()) if losses else 0.0
+        return self._pass_result((t0, t1, t2, t3), loss_sum, sum(len(b) for b in batches),
+                                 ws.stats.unique_keys, ws.stats.admitted_keys, evicted,
+                                 wait_s)
+
+    def _pass_result(self, times: tuple[float, float, float, float], loss_sum: float,
+                     rows: int, unique_keys: int, admitted_keys: int, evicted: int,
+                     wait_s: float, sparse_bytes: float = 0.0,
+                     dense_bytes: float = 0.0) -> PassResult:
+        """One pass's figures, summed over ranks (free alone), and the next pass number.
+        ``samples_per_s``: global rows over the ranks' mean pass time."""
+        t0, t1, t2, t3 = times
+        world = self.ctx.world
+        totals = self.ctx.all_sum([loss_sum, rows, unique_keys, admitted_keys, evicted,
+                                   len(self.store), sparse_bytes, dense_bytes, t3 - t0])
+        rows = int(totals[1])
+        busy = totals[8] / world
         result = PassResult(
-            pass_id=self.pass_id, rows=rows, train_loss=mean_loss, staging_s=t1 - t0,
-            train_s=t2 - t1, write_back_s=t3 - t2, samples_per_s=rows / (t3 - t0),
-            unique_keys=ws.stats.unique_keys, admitted_keys=ws.stats.admitted_keys,
-            evicted_keys=evicted, store_keys=len(self.store), prefetch_wait_s=wait_s)
+            pass_id=self.pass_id, rows=rows, train_loss=float(totals[0] / max(rows, 1)),
+            staging_s=t1 - t0, train_s=t2 - t1, write_back_s=t3 - t2,
+            samples_per_s=float(rows / busy) if busy > 0 else 0.0,
+            unique_keys=int(totals[2]), admitted_keys=int(totals[3]),
+            evicted_keys=int(totals[4]), store_keys=int(totals[5]), prefetch_wait_s=wait_s,
+            world_size=world, sparse_bytes_per_step=float(totals[6] / world),
+            dense_bytes_per_step=float(totals[7] / world))
         self.pass_id += 1
         return result
+
+    def _rank_step_loss(self, ws: ShardedWorkingSet, step: int, batch: Batch) -> torch.Tensor:
+        """Summed BCE of a local batch. A rank with no rows this step still runs the
+        model (DDP all-reduces on every rank), on one zero sample weighted 0."""
+        if len(batch) == 0:
+            ws.fetch(step)  # collective: the owners serve whoever asked
+            dense = torch.zeros(1, batch.dense.shape[1], device=self.device)
+            emb = torch.zeros(1, batch.sparse.num_fields, self.model.row_dim,
+                              device=self.device)
+            logits = self.ddp(dense, emb)
+            return F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits),
+                                                      reduction="sum") * 0.0
+        emb = ws.lookup(step, batch.sparse, self.mean_fields, self._anchor)
+        logits = self.ddp(batch.dense, emb)
+        return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+
+    def _train_rank_pass(self, batches: list[Batch] | ShardedPassPlan,
+                         progress: tqdm | None,
+                         upcoming: list[Batch] | ShardedPassPlan | None) -> PassResult:
+        """Collective: stage, train and write back this rank's share of one pass. Once
+        the next pass is planned (``plan``, whose key exchange told this rank which keys
+        it will serve), a store with a disk tier reads their rows in a thread meanwhile."""
+        self.model.train()
+        ctx = self.ctx
+        assert self.dense_comm is not None
+        t0 = time.perf_counter()
+        ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True)
+        prefetcher = _start_prefetch(
+            self.store, upcoming.owned if isinstance(upcoming, ShardedPassPlan) else None)
+        t1 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        bytes_before = self.dense_comm.meter.bytes
+        for step, batch in enumerate(ws.batches):
+            bce = self._rank_step_loss(ws, step, batch)
+            global_rows = max(int(ws.global_sizes[step]), 1)
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            (bce * (ctx.world / global_rows)).backward()  # starts the row gradients' exchange
+            self.dense_optimizer.step()
+            ws.apply_gradients(step)
+            self.dense_comm.count_step()
+            loss_sum += bce.detach().to(torch.float64).cpu()
+            if progress is not None:
+                progress.update(global_rows)
+        t2 = time.perf_counter()
+        wait_s, evicted = self._close_pass(ws, prefetcher)
+        t3 = time.perf_counter()
+        steps = max(len(ws.batches), 1)
+        return self._pass_result(
+            (t0, t1, t2, t3), float(loss_sum), sum(len(b) for b in ws.batches),
+            ws.stats.unique_keys, ws.stats.admitted_keys, evicted, wait_s,
+            sparse_bytes=(ws.stats.staging_bytes + ws.step_bytes) / steps,
+            dense_bytes=(self.dense_comm.meter.bytes - bytes_before) / steps)
 
     def _close_pass(self, ws, prefetcher: _Prefetcher | None) -> tuple[float, int]:
         """Wait for the next pass's read-ahead (the store is the pass's own again before
@@ -143,26 +284,47 @@ class Trainer:
 
     @torch.no_grad()
     def predict_batches(self, batches: list[Batch] | PassPlan) -> np.ndarray:
-        """Click probabilities for in-memory batches (global keys); the store is unchanged."""
+        """Click probabilities for in-memory batches (global keys); the store is unchanged.
+        Collective on N ranks: each passes its own batches (one per step, as in
+        training), whose rows come from their owners."""
         self.model.eval()
+        if self.ctx.world > 1:
+            assert not isinstance(batches, PassPlan)  # ranks score batches
+            return self._predict_rank_batches(batches)
         if not batches:
             return np.empty(0, np.float32)
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=False)
         out = [torch.sigmoid(self._logits(ws, b, train=False)).cpu() for b in ws.batches]
         return torch.cat(out).numpy()
 
+    def _predict_rank_batches(self, batches: list[Batch]) -> np.ndarray:
+        ws = ShardedWorkingSet.stage(self.ctx, self.store, batches, self.pass_id, train=False)
+        out = []
+        for step, batch in enumerate(ws.batches):
+            table = ws.fetch(step)
+            if len(batch):
+                emb = _pooled(table, batch.sparse, self.mean_fields)
+                out.append(torch.sigmoid(self.model(batch.dense, emb)).cpu())
+        return torch.cat(out).numpy() if out else np.empty(0, np.float32)
+
     def predict_stream(self, batches: Iterable[Batch] | list[PassPlan]
                        ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time.
         ``batches`` may be pass plans made once (``plan_pass(..., counts=False)``) for a
-        set scored again and again, e.g. a validation set by every trial of a search."""
+        set scored again and again, e.g. a validation set by every trial of a search. On
+        N ranks, collective over the same batches on every rank: each scores its
+        round-robin share and yields (probabilities, labels) for it."""
         if isinstance(batches, list) and batches and isinstance(batches[0], PassPlan):
             groups: Iterable = batches
         else:
-            groups = group_passes(batches, self.config.pass_rows)
+            groups = group_passes(cast(Iterable[Batch], batches), self.config.pass_rows)
         for group in groups:
+            if self.ctx.world > 1:
+                rows = group.batches if isinstance(group, PassPlan) else group
+                group = deal_batches(rows, self.ctx.rank, self.ctx.world)
             rows = group.batches if isinstance(group, PassPlan) else group
-            labels = torch.cat([b.labels for b in rows]).numpy()
+            labels = (torch.cat([b.labels for b in rows]).numpy() if rows
+                      else np.empty(0, np.float32))
             yield self.predict_batches(group), labels
 
     def evaluate(self, batches: Iterable[Batch] | list[PassPlan]) -> dict[str, float]:
@@ -185,18 +347,38 @@ class Trainer:
 
     def _all_scores(self, labels: np.ndarray,
                     probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The (labels, probabilities) metrics are computed over: here, this process's."""
-        return labels, probs
+        """The (labels, probabilities) metrics are computed over: every rank's, so that
+        ``evaluate`` gives the same metrics on every rank."""
+        if self.ctx.world == 1:
+            return labels, probs
+        parts = self.ctx.all_gather_object((labels, probs))
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
     # -- whole runs ---------------------------------------------------------------------
-    def iter_passes(self, train_paths: list[str | Path], stats=None, first: int = 0,
-                    skip: int = 0) -> Iterator[list[Batch] | PassPlan]:
-        """The passes ``fit`` trains, numbered from ``first``; runs in the read-ahead thread
-        (a sharded trainer reads only its rank's share here)."""
+    def iter_passes(self, train_paths: list[str | Path], stats: ReadStats | None = None,
+                    first: int = 0, skip: int = 0
+                    ) -> Iterator[list[Batch] | PassPlan | ShardedPassPlan]:
+        """The passes ``fit`` trains, numbered from ``first``, planned in the read-ahead
+        thread; passes below ``skip`` (already trained, when resuming) are not planned. On
+        N ranks: this rank's share of every pass, its requests exchanged with the owners
+        (``plan``)."""
         cfg = self.config
+        if self.ctx.world > 1:
+            groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size,
+                                      cfg.pass_rows, self.ctx.rank, self.ctx.world,
+                                      on_bad_row=cfg.on_bad_row, stats=stats, ctx=self.ctx)
+            return (self.plan(g) if number >= skip else g
+                    for number, g in enumerate(groups, first))
         batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
                                     on_bad_row=cfg.on_bad_row, stats=stats)
         return _plans(group_passes(batches, cfg.pass_rows), first, skip)
+
+    def plan(self, batches: list[Batch]) -> ShardedPassPlan:
+        """Collective in the planning group: this rank's share of a training pass, planned
+        and exchanged with the owners. Call it from one thread only (the read-ahead one),
+        in pass order on every rank."""
+        ctx = self.ctx
+        return exchange_plan(ctx, plan_rank_pass(batches, ctx.world), group=ctx.plan_group)
 
     def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
             *, progress: bool = True, stats=None, on_pass_end=None,
@@ -213,7 +395,8 @@ class Trainer:
         from terarec.train.loop import TrialRun, run_passes
 
         run = TrialRun(self, selection, on_pass_end)
-        run_passes([run], train_paths, valid_batches, progress=progress, stats=stats,
+        run_passes([run], train_paths, valid_batches,
+                   progress=progress and self.ctx.is_main, stats=stats,
                    skip_passes=skip_passes)
         self.stop_reason = run.stop_reason
         return self.history
@@ -234,6 +417,14 @@ def make_store(row_dim: int, optimizer: SparseOptimizer,
     return MemoryStore(row_dim, optimizer, config.store, seed=config.seed)
 
 
+def rank_store_config(config: TrainConfig, ctx: DistContext) -> TrainConfig:
+    """On N ranks, each rank's tiered store gets its own disk folder under the store's."""
+    if ctx.world == 1 or not config.store.disk_path:
+        return config
+    folder = str(Path(config.store.disk_path) / f"rank-{ctx.rank:05d}")
+    return replace(config, store=replace(config.store, disk_path=folder))
+
+
 def _with_next(items: Iterator) -> Iterator[tuple]:
     """Each pass with the one after it (None for the last): the read-ahead pass is what
     the store prefetches while the current one trains."""
@@ -250,7 +441,8 @@ class _Prefetcher(threading.Thread):
     def __init__(self, store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray
                  ) -> None:
         super().__init__(name="terarec-store-prefetch", daemon=True)
-        self.store, self.upcoming, self.error = store, upcoming, None
+        self.store, self.upcoming = store, upcoming
+        self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
