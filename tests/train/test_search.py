@@ -22,8 +22,8 @@ from terarec.train.search import apply_params, check_space, grid_space, run_sear
 from terarec.types import FeatureSchema
 
 COMMON = ["--batch-size", "500", "--pass-rows", "2000", "--threads", "1", "--no-progress",
-          "--seed", "4", "--epochs", "2", "--patience", "2", "--admit-min-count", "1",
-          "--no-standardize"]
+          "--seed", "4", "--epochs", "2", "--patience", "2",
+          "--admit-min-count", "1"]  # the fixture's TrainConfig admits every key
 # Two trials that differ in embedding width, learning rates, dropout and batch size.
 TRIALS = [
     {"model.embedding_dim": 4, "sparse_optimizer.lr": 0.05, "dense_optimizer.lr": 0.002,
