@@ -205,7 +205,7 @@ def synth_runs(tmp_path_factory):
     for comm in ("none", "dgc"):
         torchrun([*_synth_args(root), "--out", str(root / comm), "--dense-comm", comm])
     # per-rank tiered stores under a budget smaller than each rank's table
-    torchrun([*_synth_args(root), "--out", str(root / "tiered"), "--memory-budget", "6MB",
+    torchrun([*_synth_args(root), "--out", str(root / "tiered"), "--memory-budget", "4MB",
               "--store-dir", str(root / "rank-stores")])
     return root
 
