@@ -75,7 +75,7 @@ def train_loop(args: argparse.Namespace, ranks: int, dense_comm: str) -> dict:
 
 def train_cli(args: argparse.Namespace, ranks: int) -> float:
     """Rows per second of wall time for the whole ``terarec train`` command."""
-    out = args.workdir / f"cli-{ranks}"
+    out = Path(tempfile.mkdtemp(prefix=f"cli-{ranks}-", dir=args.workdir))  # a fresh run
     seconds = _launch(args, ranks, [
         "-m", "terarec", "train", "--train", str(args.workdir / "train.txt"),
         "--valid", str(args.workdir / "valid.txt"), "--out", str(out),

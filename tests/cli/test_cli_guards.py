@@ -117,3 +117,16 @@ def test_a_live_scratch_dir_is_not_removed(tmp_path):
         assert other.removed_stale == 0 and (mine / "data").exists()
         other.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fresh_run_into_a_trained_directory_is_refused_and_keeps_its_checkpoints(
+        data, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(data), "--out", str(out), *TRAIN]) == 0
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert cli_main(["train", "--train", str(data), "--out", str(out), *TRAIN]) == 2
+    err = capsys.readouterr().err
+    assert "holds checkpoints of an earlier run" in err and "--resume" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert cli_main(["train", "--train", str(data), "--out", str(out), *TRAIN,
+                     "--resume"]) == 0

@@ -76,6 +76,11 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             selection = SelectionTracker.from_history(trainer.history, selection.select_by,
                                                       selection.patience)
     else:
+        earlier = list_checkpoints(run.out)
+        if earlier:  # a fresh run's pass-000001 would be pruned below their numbers
+            raise ValueError(f"{run.out} holds checkpoints of an earlier run (newest "
+                             f"{earlier[0].name}): pass --resume to continue it, or "
+                             "choose another --out")
         if ctx.is_main:
             clear_best(run.out)
         trainer = Trainer(schema(), config, ctx=ctx, dense_comm=dense_comm)
