@@ -16,25 +16,17 @@ from terarec.models import build_model
 from terarec.types import FeatureSchema
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 SCHEMA = FeatureSchema.criteo()
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(name, value)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}"}
-    fs = Storage("s3://claims", options).fs
+def s3(s3_server):
+    fs = Storage("s3://claims", s3_server).fs
     if not fs.exists("claims"):  # moto's state is per process, shared by its servers
         fs.mkdir("claims")
-    yield options
-    server.stop()
+    return s3_server
 
 
 def _full(exporter: ModelExporter) -> str:

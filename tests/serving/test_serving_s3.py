@@ -17,22 +17,14 @@ from terarec.train.checkpoint import save_checkpoint
 from terarec.train.trainer import Trainer
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 
 @pytest.fixture
-def s3(monkeypatch):
+def s3(s3_server):
     """Storage options for a fresh S3 server with one bucket."""
-    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(name, value)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    options = {"endpoint_url": f"http://{host}:{port}"}
-    Storage("s3://models", options).fs.mkdir("models")
-    yield options
-    server.stop()
+    Storage("s3://models", s3_server).fs.mkdir("models")
+    return s3_server
 
 
 def test_export_and_serve_through_s3(s3, tmp_path):
