@@ -174,6 +174,15 @@ _int_list = _number_list(int, "integers")
 _float_list = _number_list(float, "numbers")
 
 
+def add_training_args(p: argparse.ArgumentParser) -> None:
+    """What ``train`` and ``search`` both take: input format, numeric statistics, the
+    training knobs and validation-driven selection (a trial is one ``train`` run)."""
+    add_format_args(p)
+    add_numeric_stats_args(p)
+    add_train_args(p)
+    add_selection_args(p)
+
+
 def add_selection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("validation-driven training (with --valid)")
     g.add_argument("--select-by", choices=list(SELECT_BY), default="logloss",

@@ -9,10 +9,7 @@ import json
 from pathlib import Path
 
 from terarec.cli.common import (
-    add_format_args,
-    add_numeric_stats_args,
-    add_selection_args,
-    add_train_args,
+    add_training_args,
     config_from_args,
     explicit_config_keys,
     report_skipped,
@@ -46,10 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="search space, JSON or YAML: {config.path: {type, low, high, log} "
                    "or [choices]} (default: a space for --model, see docs/search.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_format_args(p)
-    add_train_args(p)
-    add_numeric_stats_args(p)
-    add_selection_args(p)
+    add_training_args(p)
     p.set_defaults(func=run)
 
 

@@ -16,10 +16,7 @@ from terarec.autofeature.features import (
     model_features,
 )
 from terarec.cli.common import (
-    add_format_args,
-    add_numeric_stats_args,
-    add_selection_args,
-    add_train_args,
+    add_training_args,
     config_from_args,
     explicit_config_keys,
     report_skipped,
@@ -55,10 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="feature config from `terarec autofeature`: its tables are copied "
                    "into the model and joined onto every input row (raw files are read "
                    "with the config's schema; --format may name another container)")
-    add_format_args(p)
-    add_numeric_stats_args(p)
-    add_train_args(p)
-    add_selection_args(p)
+    add_training_args(p)
     add_export_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)
