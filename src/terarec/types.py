@@ -153,6 +153,10 @@ class KeyedIds:
         if not parts:
             raise ValueError("nothing to concatenate")
         fields_ = parts[0].fields
+        if all(p.fields == fields_ and p.one_per_slot for p in parts):  # [F, B] blocks
+            ids = torch.cat([p.values.view(len(fields_), -1) for p in parts], dim=1)
+            return KeyedIds(fields_, ids.reshape(-1),
+                            torch.arange(ids.numel() + 1, dtype=torch.int64))
         values, lengths = [], []
         for f in range(len(fields_)):
             for p in parts:

@@ -36,22 +36,27 @@ _MISSING_TAG = np.uint64(0x6D697373696E6721)  # "missing!" in ASCII
 
 
 @numba.njit(cache=True, nogil=True)
-def _hash_strings(data: np.ndarray, offsets: np.ndarray, seed: np.uint64,
-                  missing: np.int64) -> np.ndarray:
-    """Hash each ``data[offsets[i]:offsets[i+1]]``; empty ranges give ``missing``."""
+def _hash_strings(data: np.ndarray, offsets: np.ndarray, seeds: np.ndarray,
+                  missing: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Hash each ``data[offsets[i]:offsets[i+1]]``; values ``bounds[f]:bounds[f+1]``
+    belong to field ``f`` (seed ``seeds[f]``; empty ranges give ``missing[f]``), so the
+    columns of several fields hash in one call."""
     n = offsets.shape[0] - 1
     out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        lo = offsets[i]
-        hi = offsets[i + 1]
-        if hi == lo:
-            out[i] = missing
-            continue
-        h = seed
-        for j in range(lo, hi):
-            h = (h ^ np.uint64(data[j])) * _FNV_PRIME
-        h = splitmix64(h ^ np.uint64(hi - lo))
-        out[i] = np.int64(h & _KEY_MASK)
+    for f in range(bounds.shape[0] - 1):
+        seed = seeds[f]
+        miss = missing[f]
+        for i in range(bounds[f], bounds[f + 1]):
+            lo = offsets[i]
+            hi = offsets[i + 1]
+            if hi == lo:
+                out[i] = miss
+                continue
+            h = seed
+            for j in range(lo, hi):
+                h = (h ^ np.uint64(data[j])) * _FNV_PRIME
+            h = splitmix64(h ^ np.uint64(hi - lo))
+            out[i] = np.int64(h & _KEY_MASK)
     return out
 
 
@@ -103,20 +108,47 @@ def _hash_array(field: str, values: pa.Array, salt: str) -> np.ndarray:
             keys[values.is_null().to_numpy(zero_copy_only=False)] = missing_key(field, salt)
         return keys
     arr = _as_bytes_array(values, field)
-    n = len(arr)
-    miss = np.int64(missing_key(field, salt))
-    if n == 0:
+    if len(arr) == 0:
         return np.empty(0, dtype=np.int64)
+    return _hash_bytes(arr, [field], np.array([0, len(arr)], np.int64), salt)
+
+
+def _hash_bytes(arr: pa.Array, fields: Sequence[str], bounds: np.ndarray,
+                salt: str) -> np.ndarray:
+    """Keys of a (large_)string/binary array whose values ``bounds[f]:bounds[f+1]``
+    belong to ``fields[f]`` (nulls -> that field's missing key)."""
+    n = len(arr)
+    seeds = np.array([field_seed(f, salt) for f in fields], np.uint64)
+    missing = np.array([missing_key(f, salt) for f in fields], np.int64)
     buffers = arr.buffers()
     large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
     offsets = np.frombuffer(buffers[1], dtype=np.int64 if large else np.int32)
     offsets = offsets[arr.offset:arr.offset + n + 1]
     data = (np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None
             else np.empty(0, dtype=np.uint8))
-    keys = _hash_strings(data, offsets, np.uint64(field_seed(field, salt)), miss)
+    keys = _hash_strings(data, offsets, seeds, missing, bounds)
     if arr.null_count:
-        keys[arr.is_null().to_numpy(zero_copy_only=False)] = miss
+        null = arr.is_null().to_numpy(zero_copy_only=False)
+        keys[null] = (missing[0] if len(fields) == 1
+                      else np.repeat(missing, np.diff(bounds))[null])
     return keys
+
+
+def hash_columns(fields: Sequence[str], columns: Sequence[pa.Array], salt: str) -> np.ndarray:
+    """``np.concatenate([hash_column(f, c, salt) for f, c in zip(fields, columns)])`` in
+    one kernel call: the field-major key layout of a batch (columns of strings, binary
+    or integers; serving hashes a request's fields together this way)."""
+    if not columns:
+        return np.empty(0, dtype=np.int64)
+    arrays = [_as_bytes_array(c, f) for f, c in zip(fields, columns, strict=True)]
+    if any(a.type != pa.string() for a in arrays):
+        arrays = [a.cast(pa.large_binary()) for a in arrays]
+    bounds = np.zeros(len(arrays) + 1, np.int64)
+    np.cumsum([len(a) for a in arrays], out=bounds[1:])
+    arr = arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+    if len(arr) == 0:
+        return np.empty(0, dtype=np.int64)
+    return _hash_bytes(arr, fields, bounds, salt)
 
 
 def hash_column(field: str, values: pa.Array | pa.ChunkedArray, salt: str) -> np.ndarray:

@@ -204,7 +204,6 @@ def batch_from_records(records: Sequence[Mapping[str, Any]], schema: FeatureSche
     """
     if not records:
         raise DataError("no records")
-    cleaner = _Cleaner(schema, lambda i: f"record {i}", "error", ReadStats())
     columns: dict[str, pa.Array] = {}
     columns[schema.label] = pa.array([_label_text(r.get(schema.label)) for r in records],
                                      type=pa.string())
@@ -213,11 +212,67 @@ def batch_from_records(records: Sequence[Mapping[str, Any]], schema: FeatureSche
     for spec in schema.categorical:
         values = [r.get(spec.name) for r in records]
         if spec.separator is not None:
-            columns[spec.name] = pa.array(
-                [_record_list(spec, v, i) for i, v in enumerate(values)],
-                type=pa.list_(pa.string()))
+            columns[spec.name] = _record_lists(spec, values)
         else:
             columns[spec.name] = _texts(spec.name, values, categorical=True)
+    return _raw_block_to_batch(columns, schema)
+
+
+def batch_from_columns(columns: Mapping[str, pa.Array], n: int,
+                       schema: FeatureSchema) -> Batch:
+    """``batch_from_records`` for ``n`` rows whose values already sit in Arrow columns
+    (a decoded JSON request, binary tensors): the same keys, dense values and errors,
+    converted a column at a time. An absent column is all missing; a column of a type
+    no text file could hold (floats for a categorical field, nested values, non-finite
+    numbers) goes through the record path's per-value checks, which name the record."""
+    out: dict[str, pa.Array] = {schema.label: pa.nulls(n, pa.string()).fill_null("0")}
+    for spec in schema.numeric:
+        out[spec.name] = _numeric_column(spec.name, columns.get(spec.name), n)
+    for spec in schema.categorical:
+        out[spec.name] = _categorical_column(spec, columns.get(spec.name), n)
+    return _raw_block_to_batch(out, schema)
+
+
+def _numeric_column(name: str, col: pa.Array | None, n: int) -> pa.Array:
+    if col is None or pa.types.is_null(col.type):
+        return pa.nulls(n, pa.float64())
+    t = col.type
+    if pa.types.is_integer(t):  # as the record path does, through a rounding float64
+        return pc.cast(col, pa.float64(), safe=False)
+    if pa.types.is_boolean(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
+        return col
+    if pa.types.is_floating(t) and pc.all(pc.is_finite(col)).as_py() is not False:
+        return col
+    return _texts(name, col.to_pylist())
+
+
+def _categorical_column(spec: FieldSpec, col: pa.Array | None, n: int) -> pa.Array:
+    if col is None or pa.types.is_null(col.type):
+        return pa.nulls(n, pa.string())
+    t = col.type
+    text = (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t))
+    if spec.separator is None:
+        if text or pa.types.is_integer(t) or pa.types.is_dictionary(t):
+            return col
+        return _texts(spec.name, col.to_pylist(), categorical=True)
+    if text:
+        return col
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+            pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type)
+            or pa.types.is_integer(t.value_type) or pa.types.is_null(t.value_type)):
+        return col
+    return _record_lists(spec, col.to_pylist())
+
+
+def _record_lists(spec: FieldSpec, values: list[Any]) -> pa.Array:
+    return pa.array([_record_list(spec, v, i) for i, v in enumerate(values)],
+                    type=pa.list_(pa.string()))
+
+
+def _raw_block_to_batch(columns: dict[str, pa.Array], schema: FeatureSchema) -> Batch:
+    """Raw request columns (label first) -> checked, converted and hashed Batch."""
+    cleaner = _Cleaner(schema, lambda i: f"record {i}", "error", ReadStats())
     block = pa.RecordBatch.from_pydict(columns)
     clean = cleaner.clean(block, 0)
     return table_to_batch(pa.Table.from_batches([clean]), schema)
@@ -589,17 +644,9 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     """A clean table (from ``iter_tables``) as a Batch: dense features, hashed keys, labels."""
     n = table.num_rows
     labels = np.array(table.column(schema.label).to_numpy(), dtype=np.float32)  # writable
-    dense = np.zeros((n, schema.dense_dim), dtype=np.float32)
-    num_numeric = len(schema.numeric)
-    for j, spec in enumerate(schema.numeric):
-        x = table.column(spec.name).to_numpy()  # float64, NaN where missing
-        missing = np.isnan(x)
-        x = transform_values(x, spec.transform)
-        if spec.std is not None:
-            x = np.clip((x - spec.mean) / spec.std, -MAX_STANDARDISED, MAX_STANDARDISED)
-        dense[:, j] = np.where(missing, 0.0, x)
-        if schema.missing_flags:
-            dense[:, num_numeric + j] = missing
+    # float64, NaN where missing
+    dense = dense_features([table.column(s.name).to_numpy() for s in schema.numeric], n,
+                           schema)
     keys: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     for spec in schema.categorical:
@@ -617,6 +664,23 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     # Offsets built in numpy: small torch ops pay thread-pool wake-ups on every batch.
     sparse = KeyedIds(schema.sparse_names, as_int64_tensor(values), torch.from_numpy(offsets))
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
+
+
+def dense_features(numeric: Sequence[np.ndarray], n: int, schema: FeatureSchema) -> np.ndarray:
+    """``Batch.dense`` ``[n, dense_dim]`` float32 from each numeric field's clean float64
+    values (NaN where missing): transformed, standardised, missing as 0, then the
+    missing flags."""
+    dense = np.zeros((n, schema.dense_dim), dtype=np.float32)
+    num_numeric = len(schema.numeric)
+    for j, (spec, x) in enumerate(zip(schema.numeric, numeric, strict=True)):
+        missing = np.isnan(x)
+        x = transform_values(x, spec.transform)
+        if spec.std is not None:
+            x = np.clip((x - spec.mean) / spec.std, -MAX_STANDARDISED, MAX_STANDARDISED)
+        dense[:, j] = np.where(missing, 0.0, x)
+        if schema.missing_flags:
+            dense[:, num_numeric + j] = missing
+    return dense
 
 
 def _multi_keys(spec: FieldSpec, col: pa.ChunkedArray, n: int,

@@ -24,16 +24,22 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
+import msgspec
+import orjson
 import pyarrow as pa
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field
 
-from terarec.data.readers import DataError
+from terarec.data.readers import DataError, batch_from_columns
 from terarec.finite import NonFiniteError, check_scores
+from terarec.serving import binary
+from terarec.serving.batching import DynamicBatcher, QueueFull
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
+from terarec.serving.features import columns_batch, relabel
 from terarec.serving.metrics import ServingMetrics
+from terarec.types import Batch
 from terarec.validation import STRICT, InvalidInput, validate_json
 
 log = logging.getLogger(__name__)
@@ -133,8 +139,8 @@ class _Timing:
             self.metrics.requests.labels(route, str(status)).inc()
 
 
-async def _read_body(request: Request, max_bytes: int, model: type[T]) -> T:
-    """The request body, at most ``max_bytes``, parsed and validated as a ``model``."""
+async def _read_bytes(request: Request, max_bytes: int) -> bytes:
+    """The request body, at most ``max_bytes`` (413 past it, 400 when empty)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -149,9 +155,14 @@ async def _read_body(request: Request, max_bytes: int, model: type[T]) -> T:
         if size > max_bytes:
             raise BadRequest(f"request body exceeds the limit of {max_bytes} bytes", 413)
         chunks.append(chunk)
-    body = b"".join(chunks)
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if not body:
         raise BadRequest("empty request body; expected a JSON object", 400)
+    return body
+
+
+def _parse(model: type[T], body: bytes) -> T:
+    """``body`` parsed and validated as a ``model``; errors name the JSON path."""
     try:
         return validate_json(model, body, root="request")
     except InvalidInput as exc:
@@ -164,6 +175,43 @@ async def _read_body(request: Request, max_bytes: int, model: type[T]) -> T:
                          400) from None
 
 
+async def _read_body(request: Request, max_bytes: int, model: type[T]) -> T:
+    """The request body, at most ``max_bytes``, parsed and validated as a ``model``."""
+    return _parse(model, await _read_bytes(request, max_bytes))
+
+
+class _PredictBody(msgspec.Struct, forbid_unknown_fields=True):
+    """``PredictRequest`` as msgspec decodes it: the fast first try (see
+    ``_decode_predict``)."""
+
+    candidates: list[dict[str, Any]]
+    context: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+_PREDICT_DECODER = msgspec.json.Decoder(_PredictBody)
+
+
+def _decode_predict(body: bytes, version: ServedVersion, max_candidates: int
+                    ) -> tuple[Mapping[str, Any], list[dict[str, Any]]]:
+    """The body's context and candidates, checked against the served model.
+
+    msgspec decodes a well-formed body in one pass and whole-request set operations
+    check its feature names; anything either refuses (or that msgspec reads differently
+    from the JSON standard pydantic follows, such as NaN) is decoded and checked again
+    by ``PredictRequest`` and ``_predict_request``, which word the error."""
+    try:
+        fast = _PREDICT_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        fast = None
+    if fast is not None and 0 < len(fast.candidates) <= max_candidates:
+        names = set().union(*fast.candidates)
+        allowed = version.feature_set
+        if names <= allowed and fast.context.keys() <= allowed \
+                and names.isdisjoint(fast.context):
+            return fast.context, fast.candidates
+    return _predict_request(_parse(PredictRequest, body), version, max_candidates)
+
+
 def _check_features(features: Mapping[str, Any], where: str,
                     version: ServedVersion) -> Mapping[str, Any]:
     if not features.keys() <= version.feature_set:
@@ -173,14 +221,49 @@ def _check_features(features: Mapping[str, Any], where: str,
     return features
 
 
-def _score(engine: ServingEngine, version: ServedVersion, context: Mapping[str, Any],
-           candidates: list[dict[str, Any]], where: str) -> list[float]:
+def _request_batch(version: ServedVersion, context: Mapping[str, Any],
+                   candidates: list[dict[str, Any]], where: str) -> Batch:
     try:
-        batch = version.batch(context, candidates)
+        return version.batch(context, candidates)
     except (DataError, ValueError, TypeError, pa.ArrowException) as exc:
         message = str(exc).replace("candidates[", f"{where}[", 1)
         raise BadRequest(message) from None
-    scores = engine.score_batch(batch, version)
+
+
+def _columns_request_batch(version: ServedVersion, columns: dict[str, Any], rows: int
+                           ) -> Batch:
+    """The Batch of a tensor request (one column per input): Arrow columns converted
+    whole; a column pyarrow cannot type, or a bad value, takes the per-record path,
+    whose error names the row."""
+    if version.features is None:
+        try:
+            arrays = {name: data if isinstance(data, pa.Array) else pa.array(data)
+                      for name, data in columns.items()}
+            return columns_batch(arrays, rows, version.schema)
+        except (DataError, ValueError, TypeError, OverflowError, pa.ArrowException):
+            if all(isinstance(data, pa.Array) for data in columns.values()):
+                return _binary_batch_error(version, columns, rows)
+    names = list(columns)
+    values = [c.to_pylist() if isinstance(c, pa.Array) else c for c in columns.values()]
+    records = [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+    return _request_batch(version, {}, records, "row")
+
+
+def _binary_batch_error(version: ServedVersion, columns: dict[str, Any], rows: int
+                        ) -> Batch:
+    """``batch_from_columns`` on binary tensors, its errors as 422s naming the row."""
+    try:
+        return batch_from_columns(columns, rows, version.schema)
+    except (DataError, ValueError, TypeError, OverflowError, pa.ArrowException) as exc:
+        raise BadRequest(relabel(str(exc), "row")) from None
+
+
+async def _scores(batcher: DynamicBatcher, version: ServedVersion, batch: Batch,
+                  where: str) -> list[float]:
+    try:
+        scores = await batcher.score(version, batch)
+    except QueueFull as exc:
+        raise BadRequest(f"server overloaded: {exc}; retry later", 503) from None
     try:
         check_scores(scores)
     except NonFiniteError as exc:
@@ -188,11 +271,19 @@ def _score(engine: ServingEngine, version: ServedVersion, context: Mapping[str, 
     return scores.tolist()
 
 
+def _json(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
+
+
 def create_app(engine: ServingEngine, *, model_name: str = "terarec",
                max_candidates: int = 1000, max_body_bytes: int = 4 << 20,
-               poll_interval_s: float | None = None) -> FastAPI:
+               poll_interval_s: float | None = None,
+               batcher: DynamicBatcher | None = None) -> FastAPI:
     """The ASGI app. With ``poll_interval_s`` the engine follows new versions while the
-    app runs (started and stopped with the app's lifespan)."""
+    app runs (started and stopped with the app's lifespan). Requests in flight together
+    are scored in one pass by ``batcher`` (by default one over ``engine.score_batch``
+    with its default limits)."""
+    batcher = batcher or DynamicBatcher(engine.score_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -233,7 +324,8 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     async def server_metadata() -> dict:
         from terarec import __version__
 
-        return {"name": "terarec", "version": __version__, "extensions": []}
+        return {"name": "terarec", "version": __version__,
+                "extensions": ["binary_tensor_data"]}
 
     @app.get("/v2/models/{name}")
     async def model_metadata(name: str) -> dict:
@@ -252,25 +344,35 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
         return JSONResponse({"name": model_name, "ready": ok}, status_code=200 if ok else 503)
 
     @app.post("/v2/models/{name}/infer")
-    async def infer(name: str, request: Request) -> dict:
+    async def infer(name: str, request: Request) -> Response:
         version = served_model(name)
-        body = await _read_body(request, max_body_bytes, InferRequest)
-        records = _kserve_records(body, version, max_candidates)
-        scores = _score(engine, version, {}, records, "row")
-        out = {"model_name": model_name, "model_version": str(version.version),
-               "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(scores)],
-                            "data": scores}]}
-        if body.id is not None:
-            out["id"] = body.id
-        return out
+        raw = await _read_bytes(request, max_body_bytes)
+        header = request.headers.get(binary.HEADER)
+        if header is None:
+            body = _parse(InferRequest, raw)
+            columns, rows = _kserve_columns(body, version, max_candidates)
+            request_id = body.id
+        else:
+            columns, rows, request_id = _binary_columns(raw, header, version,
+                                                        max_candidates)
+        batch = _columns_request_batch(version, columns, rows)
+        scores = await _scores(batcher, version, batch, "row")
+        out: dict[str, Any] = {
+            "model_name": model_name, "model_version": str(version.version),
+            "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(scores)],
+                         "data": scores}]}
+        if request_id is not None:
+            out["id"] = request_id
+        return _json(out)
 
     @app.post("/predict")
-    async def predict(request: Request) -> dict:
+    async def predict(request: Request) -> Response:
         version = engine.served()
-        body = await _read_body(request, max_body_bytes, PredictRequest)
-        context, candidates = _predict_request(body, version, max_candidates)
-        scores = _score(engine, version, context, candidates, "candidates")
-        return {"model": model_name, "version": version.version, "scores": scores}
+        raw = await _read_bytes(request, max_body_bytes)
+        context, candidates = _decode_predict(raw, version, max_candidates)
+        batch = _request_batch(version, context, candidates, "candidates")
+        scores = await _scores(batcher, version, batch, "candidates")
+        return _json({"model": model_name, "version": version.version, "scores": scores})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -296,42 +398,128 @@ def _predict_request(body: PredictRequest, version: ServedVersion,
     return context, candidates
 
 
-def _kserve_records(body: InferRequest, version: ServedVersion,
-                    max_candidates: int) -> list[dict[str, Any]]:
-    """Rows from a v2 inference request: one input tensor per feature, shape [N] or
-    [N, 1], all with the same N."""
-    if any(o.get("name") != OUTPUT_NAME for o in body.outputs):
-        raise BadRequest(f"'outputs' may only request the output {OUTPUT_NAME!r}")
-    columns: dict[str, list[Any]] = {}
+def _kserve_columns(body: InferRequest, version: ServedVersion, max_candidates: int
+                    ) -> tuple[dict[str, Any], int]:
+    """Columns of a v2 inference request: one input tensor per feature, shape [N] or
+    [N, 1], all with the same N; and N."""
+    _check_outputs(body.outputs)
+    columns: dict[str, Any] = {}
     rows = None
-    known = version.feature_names
     for i, tensor in enumerate(body.inputs):
         name, shape, data = tensor.name, tensor.shape, tensor.data
-        if name not in version.feature_set:
-            raise BadRequest(f"inputs[{i}]: unknown input {name!r}; the model's inputs are "
-                             f"{list(known)}")
-        where = f"input {name!r}"
-        if name in columns:
-            raise BadRequest(f"{where} given twice")
-        if tensor.datatype not in KSERVE_DATATYPES:
-            raise BadRequest(f"{where}: unknown datatype {tensor.datatype!r}")
-        if not shape or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
-            raise BadRequest(f"{where}: shape must be [N] or [N, 1], got {shape!r}")
+        where = _check_tensor(i, name, tensor.datatype, shape, columns, version)
         if len(data) and isinstance(data[0], list) and len(shape) == 2:
             if not all(isinstance(row, list) and len(row) == 1 for row in data):
                 raise BadRequest(f"{where}: nested 'data' must hold one value per row")
             data = [row[0] for row in data]
         if shape[0] != len(data):
             raise BadRequest(f"{where}: shape {shape} does not match {len(data)} values")
-        if rows is None:
-            rows = shape[0]
-            if rows < 1:
-                raise BadRequest(f"{where}: no rows")
-            if rows > max_candidates:
-                raise BadRequest(f"{rows} rows exceed the limit of {max_candidates}", 413)
-        elif shape[0] != rows:
-            raise BadRequest(f"{where}: {shape[0]} rows, other inputs have {rows}")
+        rows = _check_rows(where, shape[0], rows, max_candidates)
         columns[name] = data
-    names = list(columns)
-    return [dict(zip(names, values, strict=True))
-            for values in zip(*columns.values(), strict=True)]
+    assert rows is not None  # InferRequest holds one input at least
+    return columns, rows
+
+
+def _check_outputs(outputs: list[dict[str, Any]]) -> None:
+    if any(o.get("name") != OUTPUT_NAME for o in outputs):
+        raise BadRequest(f"'outputs' may only request the output {OUTPUT_NAME!r}")
+
+
+def _check_tensor(i: int, name: str, datatype: str, shape: list[int],
+                  columns: Mapping[str, Any], version: ServedVersion) -> str:
+    """``inputs[i]`` names a feature, once, with a known datatype and a [N] / [N, 1]
+    shape; returns how errors about it name it."""
+    if name not in version.feature_set:
+        raise BadRequest(f"inputs[{i}]: unknown input {name!r}; the model's inputs are "
+                         f"{list(version.feature_names)}")
+    where = f"input {name!r}"
+    if name in columns:
+        raise BadRequest(f"{where} given twice")
+    if datatype not in KSERVE_DATATYPES:
+        raise BadRequest(f"{where}: unknown datatype {datatype!r}")
+    if not shape or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
+        raise BadRequest(f"{where}: shape must be [N] or [N, 1], got {shape!r}")
+    return where
+
+
+def _check_rows(where: str, n: int, rows: int | None, max_candidates: int) -> int:
+    if rows is None:
+        if n < 1:
+            raise BadRequest(f"{where}: no rows")
+        if n > max_candidates:
+            raise BadRequest(f"{n} rows exceed the limit of {max_candidates}", 413)
+        return n
+    if n != rows:
+        raise BadRequest(f"{where}: {n} rows, other inputs have {rows}")
+    return rows
+
+
+@dataclass
+class BinaryInput:
+    """An input tensor whose values follow the JSON header as raw bytes."""
+
+    __pydantic_config__ = STRICT
+
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any]
+
+
+@dataclass
+class BinaryInferRequest:
+    """The JSON header of a v2 request with binary tensor data."""
+
+    __pydantic_config__ = STRICT
+
+    inputs: Annotated[list[BinaryInput], Field(
+        min_length=1, description="a non-empty array of input tensors")]
+    id: str | None = None
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def _binary_columns(raw: bytes, header: str, version: ServedVersion, max_candidates: int
+                    ) -> tuple[dict[str, Any], int, str | None]:
+    """Columns of a request with binary tensor data (``binary``): the JSON header's
+    first ``header`` bytes, then each input's ``binary_data_size`` bytes in order."""
+    try:
+        size = int(header)
+    except ValueError:
+        size = -1
+    if not 0 < size <= len(raw):
+        raise BadRequest(f"bad {binary.HEADER} header {header!r}: the body has "
+                         f"{len(raw)} bytes", 400)
+    body = _parse(BinaryInferRequest, raw[:size])
+    _check_outputs(body.outputs)
+    data = memoryview(raw)[size:]
+    columns: dict[str, Any] = {}
+    rows, start = None, 0
+    for i, tensor in enumerate(body.inputs):
+        name, shape = tensor.name, tensor.shape
+        where = _check_tensor(i, name, tensor.datatype, shape, columns, version)
+        nbytes = tensor.parameters.get("binary_data_size")
+        if type(nbytes) is not int or nbytes < 0:
+            raise BadRequest(f"{where}: parameters.binary_data_size must be a byte count, "
+                             f"got {nbytes!r}")
+        rows = _check_rows(where, shape[0], rows, max_candidates)
+        chunk = data[start:start + nbytes]
+        if len(chunk) != nbytes:
+            raise BadRequest(f"{where}: binary_data_size {nbytes} runs past the end of the "
+                             f"body ({len(data) - start} bytes left)", 400)
+        start += nbytes
+        try:
+            if tensor.datatype == "BYTES":
+                col = binary.bytes_tensor(chunk, rows)
+                if name in version.numeric_names:
+                    col = col.cast(pa.string())  # numeric text must be UTF-8
+            else:
+                col = binary.fixed_tensor(chunk, tensor.datatype, rows)
+        except (binary.BinaryTensorError, pa.ArrowException) as exc:
+            raise BadRequest(f"{where}: {exc}") from None
+        columns[name] = col
+    if start != len(data):
+        raise BadRequest(f"the body holds {len(data)} bytes of tensor data, the inputs "
+                         f"declare {start}", 400)
+    assert rows is not None
+    return columns, rows, body.id

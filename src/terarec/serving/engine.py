@@ -78,6 +78,11 @@ class ServedVersion:
     def feature_set(self) -> frozenset[str]:
         return frozenset(self.feature_names)
 
+    @cached_property
+    def numeric_names(self) -> frozenset[str]:
+        """The numeric fields a request may send."""
+        return frozenset(f.name for f in (self.raw_schema or self.schema).numeric)
+
 
 def _reason(exc: Exception) -> str:
     """Why a version was refused: an ExportError's message, or what a malformed manifest
