@@ -99,6 +99,19 @@ def try_lock_file(path: str | Path) -> int | None:
 
 
 @contextlib.contextmanager
+def waiting_lock(path: str | Path) -> Iterator[None]:
+    """Hold an ``fcntl`` lock on ``path`` (created if needed) for the ``with`` block,
+    waiting while another process holds it (e.g. servers sharing one download folder
+    take turns copying a file, so the second finds it there)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def exclusive_lock(path: str | Path, what: str) -> Iterator[Path]:
     """Hold an ``fcntl`` lock on ``path`` (created if needed) for the ``with`` block, or
     fail at once with :class:`LockedError` naming the lock file and its holder. The

@@ -38,35 +38,66 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="how long a version whose manifest is there but some files are "
                         "not (still being copied) is retried before it is refused "
                         "(default 60)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (per worker)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes on the one port (default 1), each scoring on "
+                        "its own core with its own hot-key cache; they share the "
+                        "memory-mapped shards and swap versions together")
+    p.add_argument("--max-batch-rows", type=int, default=4096,
+                   help="most rows of concurrent requests scored in one pass (default "
+                        "4096)")
+    p.add_argument("--max-delay-ms", type=float, default=1.0,
+                   help="longest a request waits for others to join its pass while more "
+                        "keep arriving (default 1 ms; a request alone never waits)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_storage_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     import uvicorn
 
-    from terarec.serving.app import create_app
-    from terarec.serving.engine import ServingEngine
+    from terarec.io import ScratchDir
+    from terarec.serving.workers import (
+        SWAP_NOTICE,
+        ServeOptions,
+        WorkerError,
+        build_app,
+        serve_workers,
+    )
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = ServingEngine(args.uri, storage_options=storage_options_from_args(args),
-                           cache_rows=args.cache_rows, cache_dir=args.cache_dir,
-                           incomplete_timeout_s=args.incomplete_seconds)
-    if args.wait_seconds > 0:
-        engine.wait_for_version(args.wait_seconds)
-    else:
-        engine.refresh()
-    if engine.current is None:
-        logging.getLogger(__name__).warning("no version under %s yet; polling every %.1fs",
-                                            args.uri, args.poll_seconds)
-    app = create_app(engine, model_name=args.name, max_candidates=args.max_candidates,
-                     max_body_bytes=args.max_body_bytes, poll_interval_s=args.poll_seconds)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False)
+    if args.workers < 1:
+        raise SystemExit(f"--workers must be >= 1, got {args.workers}")
+    options = ServeOptions(
+        uri=str(args.uri), storage_options=storage_options_from_args(args),
+        model_name=args.name, poll_seconds=args.poll_seconds, cache_rows=args.cache_rows,
+        cache_dir=None if args.cache_dir is None else str(args.cache_dir),
+        max_candidates=args.max_candidates, max_body_bytes=args.max_body_bytes,
+        wait_seconds=args.wait_seconds, incomplete_seconds=args.incomplete_seconds,
+        threads=args.threads, max_batch_rows=args.max_batch_rows,
+        max_delay_ms=args.max_delay_ms)
+    serve = {"host": args.host, "port": args.port, "log_level": args.log_level,
+             "access_log": False}
+    if args.workers == 1:
+        uvicorn.run(build_app(options), **serve)
+        return 0
+    # Workers share one download folder (one copy of each shard in the page cache) and
+    # a swap notice in it.
+    import tempfile
+
+    scratch = ScratchDir(tempfile.gettempdir(), "terarec-serve") if args.cache_dir is None \
+        else None
+    folder = scratch.path if scratch is not None else Path(args.cache_dir)
+    options.cache_dir = str(folder)
+    options.swap_notice = str(folder / SWAP_NOTICE)
+    try:
+        serve_workers(options, args.workers, args.host, args.port, args.log_level)
+    except WorkerError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return 1
+    finally:
+        if scratch is not None:
+            scratch.close()
     return 0

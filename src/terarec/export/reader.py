@@ -10,6 +10,7 @@ is not there (yet).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -32,11 +33,12 @@ from terarec.export.format import (
     read_manifest,
 )
 from terarec.export.storage import Storage, StorageError
-from terarec.io import sha256_file
+from terarec.io import sha256_file, waiting_lock
 from terarec.models import build_model
 from terarec.models.base import CTRModel
 from terarec.types import FeatureSchema
 
+FETCH_LOCK = ".fetch.lock"
 Rows = tuple[np.ndarray, np.ndarray]  # keys [n] int64, values [n, row_dim] (maybe encoded)
 
 
@@ -74,6 +76,18 @@ class VersionReader:
         info = manifest.files.get(rel)
         if info is None:
             raise ExportError(f"{manifest.name}: {rel} is not listed in the manifest")
+        # Servers sharing ``cache_dir`` (serve --workers) copy one file at a time, so
+        # that the second finds the first's copy (and maps the same pages). Without a
+        # lock (the folder cannot be written) the copy below says why.
+        with contextlib.ExitStack() as stack:
+            try:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(waiting_lock(self.cache_dir / FETCH_LOCK))
+            except OSError:
+                pass
+            return self._fetch(manifest, rel, info)
+
+    def _fetch(self, manifest: Manifest, rel: str, info: dict[str, Any]) -> Path:
         source = f"{manifest.name}/{rel}"
         path = self.cache_dir / manifest.name / rel
         size, digest = int(info["bytes"]), info["sha256"]

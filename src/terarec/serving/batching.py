@@ -99,7 +99,9 @@ class DynamicBatcher:
         """The next pass: waiting requests of the first one's version, up to max_rows
         (always at least one)."""
         first = self._queue[0]
-        group, rest, rows = [], [], 0
+        group: list[_Pending] = []
+        rest: list[_Pending] = []
+        rows = 0
         for p in self._queue:
             if p.version is first.version and (not group or rows + len(p.batch)
                                                <= self.max_rows):

@@ -29,7 +29,7 @@ from terarec.embedding.working_set import StagingStats, WorkingSet
 from terarec.export.format import ExportError, Manifest, list_versions, parse_version_name
 from terarec.export.reader import IncompleteVersionError, VersionReader
 from terarec.export.storage import Storage
-from terarec.io import ScratchDir
+from terarec.io import ScratchDir, atomic_write_text
 from terarec.models.base import CTRModel
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
@@ -37,6 +37,8 @@ from terarec.serving.rows import RowCache, ShardedRows, VersionRows
 from terarec.types import Batch, FeatureSchema
 
 log = logging.getLogger(__name__)
+# How often a server sharing a swap notice with others checks it (a stat of one file).
+NOTICE_POLL_S = 0.05
 
 
 @dataclass
@@ -109,8 +111,13 @@ class ServingEngine:
     def __init__(self, uri: str | Path, *, storage_options: dict[str, Any] | None = None,
                  cache_rows: int = 1_000_000, cache_dir: str | Path | None = None,
                  metrics: ServingMetrics | None = None,
-                 incomplete_timeout_s: float = 60.0) -> None:
+                 incomplete_timeout_s: float = 60.0,
+                 swap_notice: str | Path | None = None) -> None:
         self.storage = Storage(uri, storage_options)
+        # Several servers of one export (``serve --workers``) share a notice file: each
+        # writes it after a swap, and the others look for a new version as soon as it
+        # changes, so all of them serve a new version within one poll of the first.
+        self.swap_notice = Path(swap_notice) if swap_notice is not None else None
         self.metrics = metrics or ServingMetrics()
         self.cache_rows = cache_rows
         self.incomplete_timeout_s = incomplete_timeout_s
@@ -355,6 +362,11 @@ class ServingEngine:
             self.current = state
         if not same_base:
             self.reader.prune_downloads(state.manifest.chain)
+        if self.swap_notice is not None:
+            try:
+                atomic_write_text(self.swap_notice, f"{state.name} {state.manifest.created}")
+            except OSError as exc:
+                log.warning("cannot write the swap notice %s: %s", self.swap_notice, exc)
         self.metrics.served(state.version, state.manifest.created)
         log.info("serving version %s (%s on %s, %d overlay rows)", state.name,
                  state.manifest.kind, state.manifest.base, state.rows.overlay_rows)
@@ -366,8 +378,16 @@ class ServingEngine:
             return
         self._stop.clear()
 
+        step = interval_s if self.swap_notice is None else min(interval_s, NOTICE_POLL_S)
+
         def loop() -> None:
-            while not self._stop.wait(interval_s):
+            notice = self._notice_stamp()
+            due = time.monotonic() + interval_s
+            while not self._stop.wait(step):
+                stamp = self._notice_stamp()
+                if time.monotonic() < due and stamp == notice:
+                    continue
+                notice, due = stamp, time.monotonic() + interval_s
                 try:
                     self.refresh()
                 except Exception:  # keep serving whatever happens to one refresh
@@ -375,6 +395,15 @@ class ServingEngine:
 
         self._poller = threading.Thread(target=loop, name="terarec-poll", daemon=True)
         self._poller.start()
+
+    def _notice_stamp(self) -> int | None:
+        """When the swap notice last changed (None: no notice, or not written yet)."""
+        if self.swap_notice is None:
+            return None
+        try:
+            return self.swap_notice.stat().st_mtime_ns
+        except OSError:
+            return None
 
     def close(self) -> None:
         self._stop.set()

@@ -162,7 +162,7 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
 def part_batch(records: Sequence[Mapping[str, Any]], schema: FeatureSchema) -> Batch:
     """``batch_from_records(records, schema)``, built column-wise when pyarrow can type
     the records (it reads all of them into one column per field in C++)."""
-    columns = _columns(records)
+    columns = _columns(records, schema)
     if columns is not None:
         try:
             return columns_batch(columns, len(records), schema)
@@ -236,17 +236,56 @@ def _numeric_kind(col: pa.Array | None) -> str:
     return "text" if col is not None and pa.types.is_string(col.type) else "number"
 
 
-def _columns(records: Sequence[Mapping[str, Any]]) -> dict[str, pa.Array] | None:
+_TYPES: dict[int, tuple[FeatureSchema, pa.DataType]] = {}
+
+
+def _columns(records: Sequence[Mapping[str, Any]],
+             schema: FeatureSchema) -> dict[str, pa.Array] | None:
     """One Arrow column per key of ``records`` (null where a record lacks it), or None
-    when pyarrow cannot give a key one type (strings and numbers mixed, huge integers)."""
-    try:
-        struct = pa.array(records)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
-        return None
-    if not pa.types.is_struct(struct.type) or len(struct) != len(records):
-        return None
+    when pyarrow cannot give a key one type (strings and numbers mixed, huge integers).
+
+    Typing the values is half of pyarrow's work, so the types the last request of this
+    ``schema`` had are tried first (requests of one client mostly agree); only types
+    into which pyarrow converts nothing the record path would refuse are reused."""
+    hit = _TYPES.get(id(schema))
+    struct = None
+    if hit is not None and hit[0] is schema:
+        try:
+            struct = pa.array(records, type=hit[1])
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            struct = None
+    if struct is None:
+        try:
+            struct = pa.array(records)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return None
+        if not pa.types.is_struct(struct.type) or len(struct) != len(records):
+            return None
+        _remember_types(schema, struct.type)
     return {struct.type.field(i).name: struct.field(i)
             for i in range(struct.type.num_fields)}
+
+
+def _remember_types(schema: FeatureSchema, inferred: pa.StructType) -> None:
+    """Keep ``inferred`` as the types to try first for ``schema``, widened to all its
+    fields, if it holds only strings (any field) and floats (numeric fields): pyarrow
+    refuses a value of another type for either (an integer for a string, a string for a
+    float), where for an integer type it would take a float like 2.0."""
+    got = {inferred.field(i).name: inferred.field(i).type
+           for i in range(inferred.num_fields)}
+    fields = []
+    for spec in schema.fields:
+        t = got.pop(spec.name, pa.null())
+        if pa.types.is_null(t):
+            t = pa.string()
+        if not (t == pa.string() or (t == pa.float64() and spec.kind == "numeric")):
+            return
+        fields.append((spec.name, t))
+    if got:  # keys that are no field of the schema
+        return
+    if len(_TYPES) >= 256:
+        _TYPES.clear()
+    _TYPES[id(schema)] = (schema, pa.struct(fields))
 
 
 def _relabel(build: Callable[[], Batch], where: str) -> Batch:
