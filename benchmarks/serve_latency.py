@@ -1,17 +1,27 @@
-"""Serving latency: one `terarec serve` process under a closed-loop load of 1-context x
-100-candidate requests on loopback, with two deltas swapped in mid-run.
+"""Serving latency and throughput: `terarec serve --workers N` under a closed-loop load of
+1-context x 100-candidate requests on loopback, with deltas swapped in while it answers.
 
 Setup trains DeepFM on synthetic click logs for three passes and exports a full version
 after the first and a delta after each of the others into a staging folder. The server
-starts on the full version; the load runs in a separate process (``--concurrency``
-keep-alive connections, each sending its next request as soon as the previous answer
-arrives); a third and two thirds into the run the next delta is published (files first,
-manifest, then ``LATEST``) and the server picks it up while answering.
+starts on the full version; load comes from separate client processes (keep-alive
+connections, each sending its next request as soon as the previous answer arrives) in
+two phases of ``--seconds`` each:
 
-Offline reference: the same requests scored in-process by the same engine (hashing,
-lookups and the network, without HTTP), rows per second.
+* latency: one request in flight (``p50_ms``, ``p99_ms``);
+* saturation: ``--saturation-concurrency`` requests in flight, enough to keep every
+  worker busy (``rows_per_s_saturated``, with its own p50 / p99).
 
-Prints one JSON line. Usage: ``python benchmarks/serve_latency.py [--seconds 30]``.
+Half-way through each phase the next delta is published (files first, manifest, then
+``LATEST``) and the workers swap to it while answering; errors are counted in both.
+
+Baselines measured in the same run, on this machine, with the server's torch threads:
+``forward_bound_rows_per_s``, the served network's forward pass alone on pre-pooled rows
+at the request's batch size (what one core could score if requests cost nothing else),
+and ``offline_rows_per_s``, the whole request path in-process without HTTP.
+``max_score_diff`` compares the server's answers with the record path
+(``batch_from_records``, what `terarec predict` reads) on the final version.
+
+Prints one JSON line. Usage: ``python benchmarks/serve_latency.py [--seconds 20]``.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import pyarrow.csv as pa_csv
 import torch
 
 from terarec.config import ModelConfig, TrainConfig
+from terarec.data.readers import batch_from_records
 from terarec.data.synth import generate
 from terarec.export import IncrementalExporter
 from terarec.io import atomic_write_bytes
@@ -93,7 +104,7 @@ def make_requests(path: Path, count: int, candidates: int) -> list[dict]:
     return requests
 
 
-def client(port: int, bodies: list[bytes], concurrency: int, seconds: float,
+def client(port: int, bodies: list[bytes], concurrency: int, seconds: float, first: int,
            out: mp.Queue) -> None:
     """Closed loop: ``concurrency`` connections, each sending its next request as soon
     as the previous answer arrives. Puts (start, latency_s, status, version) tuples."""
@@ -103,7 +114,7 @@ def client(port: int, bodies: list[bytes], concurrency: int, seconds: float,
 
     def worker(k: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        i, mine = k, []
+        i, mine = first + k, []
         while time.time() < stop_at:
             body = bodies[i % len(bodies)]
             i += concurrency
@@ -129,6 +140,48 @@ def client(port: int, bodies: list[bytes], concurrency: int, seconds: float,
     for t in threads:
         t.join()
     out.put(results)
+
+
+def run_phase(port: int, bodies: list[bytes], concurrency: int, seconds: float,
+              processes: int, deltas: list[Path], served: Path) -> dict:
+    """One closed-loop phase from ``processes`` client processes; ``deltas`` are
+    published evenly inside it. Returns its figures and raw results."""
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    per = [concurrency // processes + (1 if k < concurrency % processes else 0)
+           for k in range(processes)]
+    loads = [ctx.Process(target=client, args=(port, bodies, c, seconds, 7919 * k, queue))
+             for k, c in enumerate(per) if c]
+    start = time.time()
+    for load in loads:
+        load.start()
+    published = []
+    for k, delta in enumerate(deltas, start=1):
+        time.sleep(max(0.0, start + seconds * k / (len(deltas) + 1) - time.time()))
+        publish(delta, served)
+        published.append((time.time(), int(delta.name[1:])))
+    results = [r for _ in loads for r in queue.get(timeout=seconds + 120)]
+    for load in loads:
+        load.join()
+    starts = np.array([r[0] for r in results])
+    latency = np.array([r[1] for r in results])
+    ok = np.array([r[2] == 200 for r in results])
+    versions = np.array([r[3] for r in results])
+    elapsed = float((starts + latency).max() - starts.min())
+    # A swap window runs from publishing a version to its first answer, plus a second.
+    during_swap, swap_lags = 0, []
+    for published_at, version in published:
+        seen = starts[versions >= version]
+        first = seen.min() if len(seen) else starts.max()
+        swap_lags.append(round(float(first - published_at), 3))
+        window = (starts >= published_at - 0.5) & (starts <= first + 1.0)
+        during_swap += int((~ok & window).sum())
+    good = latency[ok] if ok.any() else np.array([float("nan")])
+    return {"requests": int(len(results)), "ok": int(ok.sum()), "elapsed": elapsed,
+            "p50_ms": round(float(np.percentile(good, 50)) * 1e3, 2),
+            "p99_ms": round(float(np.percentile(good, 99)) * 1e3, 2),
+            "errors": int((~ok).sum()), "errors_during_swap": during_swap,
+            "versions": sorted({int(v) for v in versions[ok]}), "swap_lags": swap_lags}
 
 
 def free_port() -> int:
@@ -159,12 +212,9 @@ def scrape(port: int) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-def offline_rows_per_s(export: Path, requests: list[dict], threads: int,
-                       seconds: float = 5.0) -> float:
+def offline_rows_per_s(engine: ServingEngine, requests: list[dict],
+                       seconds: float = 3.0) -> float:
     """The same requests scored in-process: merge, hash, look up, run the network."""
-    torch.set_num_threads(threads)
-    engine = ServingEngine(export)
-    engine.refresh()
     for r in requests[:5]:  # warm-up: compiled kernels, caches
         engine.score_records(r["candidates"], r["context"])
     rows, start, i = 0, time.perf_counter(), 0
@@ -176,11 +226,50 @@ def offline_rows_per_s(export: Path, requests: list[dict], threads: int,
     return rows / (time.perf_counter() - start)
 
 
+@torch.no_grad()
+def forward_bound_rows_per_s(engine: ServingEngine, request: dict,
+                             seconds: float = 3.0) -> float:
+    """The served network alone on one request's pre-pooled rows, rows per second."""
+    version = engine.served()
+    batch = version.batch(request["context"], request["candidates"])
+    emb = engine.pooled(batch, version)
+    model = version.model
+    for _ in range(20):
+        model(batch.dense, emb)
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        model(batch.dense, emb)
+        calls += 1
+    return calls * len(batch) / (time.perf_counter() - start)
+
+
+def max_score_diff(port: int, engine: ServingEngine, requests: list[dict]) -> float:
+    """Largest |server - record path| score over a few requests, on the final version."""
+    engine.refresh()
+    version = engine.served()
+    worst = 0.0
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    for r in requests[:10]:
+        conn.request("POST", "/predict", json.dumps(r).encode(),
+                     {"Content-Type": "application/json"})
+        body = json.loads(conn.getresponse().read())
+        if body["version"] != version.version:
+            raise RuntimeError(f"server on version {body['version']}, expected "
+                               f"{version.version}")
+        merged = [{**r["context"], **c} for c in r["candidates"]]
+        expected = engine.score_batch(batch_from_records(merged, version.schema), version)
+        worst = max(worst, float(np.abs(np.asarray(body["scores"]) - expected).max()))
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="load duration")
-    parser.add_argument("--concurrency", type=int, default=1,
-                        help="requests in flight (1: latency alone; more adds queueing)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="duration of each phase")
+    parser.add_argument("--workers", type=int, default=2, help="server worker processes")
+    parser.add_argument("--saturation-concurrency", type=int, default=16,
+                        help="requests in flight in the saturation phase")
+    parser.add_argument("--client-processes", type=int, default=2,
+                        help="client processes driving the saturation phase")
     parser.add_argument("--candidates", type=int, default=100)
     parser.add_argument("--requests", type=int, default=100, help="distinct request bodies")
     parser.add_argument("--rows-per-pass", type=int, default=20_000)
@@ -199,66 +288,55 @@ def main() -> None:
             [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
         server = subprocess.Popen(
             [sys.executable, "-m", "terarec", "serve", str(served), "--port", str(port),
-             "--poll-seconds", "0.25", "--threads", str(args.threads), "--cache-rows",
-             str(args.cache_rows), "--log-level", "warning"], env=env)
+             "--workers", str(args.workers), "--poll-seconds", "0.25", "--threads",
+             str(args.threads), "--cache-rows", str(args.cache_rows), "--log-level",
+             "warning"], env=env)
         wait_ready(port)
-        for body in bodies[:20]:  # warm-up outside the measurement
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            conn.request("POST", "/predict", body, {"Content-Type": "application/json"})
-            conn.getresponse().read()
+        warm = mp.get_context("spawn").Queue()
+        client(port, bodies, 2 * args.workers, 2.0, 0, warm)  # warm-up, every worker
+        warm.get()
 
-        queue: mp.Queue = mp.get_context("spawn").Queue()
-        load = mp.get_context("spawn").Process(
-            target=client, args=(port, bodies, args.concurrency, args.seconds, queue))
-        start = time.time()
-        load.start()
-        published = []
-        for k, delta in enumerate(deltas, start=1):
-            time.sleep(max(0.0, start + args.seconds * k / (len(deltas) + 1) - time.time()))
-            publish(delta, served)
-            published.append((time.time(), int(delta.name[1:])))
-        results = queue.get(timeout=args.seconds + 120)
-        load.join()
+        latency = run_phase(port, bodies, 1, args.seconds, 1, deltas[:1], served)
+        saturated = run_phase(port, bodies, args.saturation_concurrency, args.seconds,
+                              args.client_processes, deltas[1:], served)
         metrics = scrape(port)
+
+        torch.set_num_threads(args.threads)
+        engine = ServingEngine(served)
+        engine.refresh()
+        diff = max_score_diff(port, engine, requests)
+        forward = forward_bound_rows_per_s(engine, requests[0])
+        offline = offline_rows_per_s(engine, requests)
+        engine.close()
     finally:
         if server is not None:
             server.terminate()
-            server.wait(timeout=30)
-
-    starts = np.array([r[0] for r in results])
-    latency = np.array([r[1] for r in results])
-    ok = np.array([r[2] == 200 for r in results])
-    versions = np.array([r[3] for r in results])
-    elapsed = (starts.max() + latency[starts.argmax()]) - starts.min()
-    # A swap window runs from publishing a version to its first answer, plus a second.
-    during_swap = 0
-    swap_lags = []
-    for published_at, version in published:
-        seen = starts[versions >= version]
-        first = seen.min() if len(seen) else starts.max()
-        swap_lags.append(float(first - published_at))
-        window = (starts >= published_at - 0.5) & (starts <= first + 1.0)
-        during_swap += int((~ok & window).sum())
-    offline = offline_rows_per_s(served, requests, args.threads)
+            server.wait(timeout=60)
     shutil.rmtree(work, ignore_errors=True)
-    qps = ok.sum() / elapsed
+    rows_saturated = saturated["ok"] * args.candidates / saturated["elapsed"]
     print(json.dumps({
-        "qps": round(float(qps), 1),
-        "p50_ms": round(float(np.percentile(latency[ok], 50)) * 1e3, 2),
-        "p99_ms": round(float(np.percentile(latency[ok], 99)) * 1e3, 2),
-        "errors": int((~ok).sum()),
-        "errors_during_swap": during_swap,
-        "cache_hit_rate": round(metrics["terarec_cache_hit_rate"], 4),
+        "p50_ms": latency["p50_ms"],
+        "p99_ms": latency["p99_ms"],
+        "qps": round(latency["ok"] / latency["elapsed"], 1),
+        "rows_per_s_saturated": round(rows_saturated, 1),
+        "p50_ms_saturated": saturated["p50_ms"],
+        "p99_ms_saturated": saturated["p99_ms"],
+        "forward_bound_rows_per_s": round(forward, 1),
+        "ratio_saturated_vs_forward_bound": round(rows_saturated / forward, 3),
         "offline_rows_per_s": round(offline, 1),
-        "ratio_server_vs_offline": round(float(qps * args.candidates / offline), 3),
-        "requests": int(len(results)),
-        "versions_seen": sorted({int(v) for v in versions[ok]}),
-        "swap_seen_after_s": [round(x, 3) for x in swap_lags],
-        "final_version": int(metrics["terarec_model_version"]),
-        "concurrency": args.concurrency,
+        "errors": latency["errors"] + saturated["errors"],
+        "errors_during_swap": latency["errors_during_swap"] + saturated["errors_during_swap"],
+        "max_score_diff": diff,
+        "cache_hit_rate": round(metrics.get("terarec_cache_hit_rate", float("nan")), 4),
+        "versions_seen": sorted(set(latency["versions"]) | set(saturated["versions"])),
+        "swap_seen_after_s": latency["swap_lags"] + saturated["swap_lags"],
+        "requests": latency["requests"] + saturated["requests"],
+        "workers": args.workers,
+        "saturation_concurrency": args.saturation_concurrency,
         "candidates": args.candidates,
         "seconds": args.seconds,
-        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "threads": args.threads,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
         "cpus": os.cpu_count(),
     }))
 

@@ -78,6 +78,13 @@ def missing_key(field: str, salt: str) -> int:
     return splitmix64_int(field_seed(field, salt) ^ int(_MISSING_TAG)) & int(_KEY_MASK)
 
 
+@lru_cache(maxsize=1024)
+def _field_keys(fields: tuple[str, ...], salt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Seeds (uint64) and missing keys (int64) of ``fields``, for the kernel."""
+    return (np.array([field_seed(f, salt) for f in fields], np.uint64),
+            np.array([missing_key(f, salt) for f in fields], np.int64))
+
+
 def _as_bytes_array(values: pa.Array, field: str) -> pa.Array:
     """Bring ``values`` to (large_)string/binary, the layout the kernel reads."""
     t = values.type
@@ -118,8 +125,7 @@ def _hash_bytes(arr: pa.Array, fields: Sequence[str], bounds: np.ndarray,
     """Keys of a (large_)string/binary array whose values ``bounds[f]:bounds[f+1]``
     belong to ``fields[f]`` (nulls -> that field's missing key)."""
     n = len(arr)
-    seeds = np.array([field_seed(f, salt) for f in fields], np.uint64)
-    missing = np.array([missing_key(f, salt) for f in fields], np.int64)
+    seeds, missing = _field_keys(tuple(fields), salt)
     buffers = arr.buffers()
     large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
     offsets = np.frombuffer(buffers[1], dtype=np.int64 if large else np.int32)

@@ -645,8 +645,10 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     n = table.num_rows
     labels = np.array(table.column(schema.label).to_numpy(), dtype=np.float32)  # writable
     # float64, NaN where missing
-    dense = dense_features([table.column(s.name).to_numpy() for s in schema.numeric], n,
-                           schema)
+    numeric = np.empty((len(schema.numeric), n), dtype=np.float64)
+    for j, spec in enumerate(schema.numeric):
+        numeric[j] = table.column(spec.name).to_numpy()
+    dense = dense_features(numeric, schema)
     keys: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     for spec in schema.categorical:
@@ -666,20 +668,29 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
 
 
-def dense_features(numeric: Sequence[np.ndarray], n: int, schema: FeatureSchema) -> np.ndarray:
-    """``Batch.dense`` ``[n, dense_dim]`` float32 from each numeric field's clean float64
-    values (NaN where missing): transformed, standardised, missing as 0, then the
-    missing flags."""
+def dense_features(numeric: np.ndarray, schema: FeatureSchema) -> np.ndarray:
+    """``Batch.dense`` ``[n, dense_dim]`` float32 from the numeric fields' clean float64
+    values ``[fields, n]`` (NaN where missing): transformed, standardised, missing as
+    0, then the missing flags. Whole rows of fields at a time."""
+    n = numeric.shape[1]
     dense = np.zeros((n, schema.dense_dim), dtype=np.float32)
-    num_numeric = len(schema.numeric)
-    for j, (spec, x) in enumerate(zip(schema.numeric, numeric, strict=True)):
-        missing = np.isnan(x)
-        x = transform_values(x, spec.transform)
-        if spec.std is not None:
-            x = np.clip((x - spec.mean) / spec.std, -MAX_STANDARDISED, MAX_STANDARDISED)
-        dense[:, j] = np.where(missing, 0.0, x)
-        if schema.missing_flags:
-            dense[:, num_numeric + j] = missing
+    specs = schema.numeric
+    if not specs:
+        return dense
+    missing = np.isnan(numeric)
+    x = numeric.copy()
+    for transform in {s.transform for s in specs}:
+        rows = [j for j, s in enumerate(specs) if s.transform == transform]
+        x[rows] = transform_values(x[rows], transform)
+    scaled = [j for j, s in enumerate(specs) if s.std is not None]
+    if scaled:
+        mean = np.array([[specs[j].mean] for j in scaled], dtype=np.float64)
+        std = np.array([[specs[j].std] for j in scaled], dtype=np.float64)
+        x[scaled] = np.clip((x[scaled] - mean) / std, -MAX_STANDARDISED, MAX_STANDARDISED)
+    num = len(specs)
+    dense[:, :num] = np.where(missing, 0.0, x).T
+    if schema.missing_flags:
+        dense[:, num:2 * num] = missing.T
     return dense
 
 

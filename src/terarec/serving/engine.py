@@ -33,7 +33,7 @@ from terarec.io import ScratchDir, atomic_write_text
 from terarec.models.base import CTRModel
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
-from terarec.serving.rows import RowCache, ShardedRows, VersionRows
+from terarec.serving.rows import FallbackRows, RowCache, RowSource, ShardedRows, VersionRows
 from terarec.types import Batch, FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,15 @@ class ServedVersion:
     # AutoFeature tables the model was trained with, joined onto every request's raw values.
     features: FeatureLookup | None = None
     raw_schema: FeatureSchema | None = None
+    # Rows the version's own do not hold (a cold tier): asked for the keys ``rows``
+    # does not find. None: a key ``rows`` lacks is a zero row.
+    cold_rows: RowSource | None = None
+
+    @cached_property
+    def source(self) -> RowSource:
+        """Where the request path reads this version's rows (behind the hot cache)."""
+        return self.rows if self.cold_rows is None else FallbackRows(self.rows,
+                                                                     self.cold_rows)
 
     @property
     def name(self) -> str:
@@ -174,7 +183,7 @@ class ServingEngine:
         touched = np.concatenate([state.touched, upserts, deleted])
         return ServedVersion(manifest, state.schema, model,
                              state.rows.with_delta(upserts, rows, deleted), state.mean_fields,
-                             touched, state.features, state.raw_schema)
+                             touched, state.features, state.raw_schema, state.cold_rows)
 
     def _manifest(self, name: str) -> Manifest:
         return self.reader.manifest(name)
@@ -232,7 +241,8 @@ class ServingEngine:
             state, todo = current, chain[len(current.manifest.chain):]
             state = ServedVersion(state.manifest, state.schema, state.model, state.rows,
                                   state.mean_fields, features=state.features,
-                                  raw_schema=state.raw_schema)  # touched: this refresh's
+                                  raw_schema=state.raw_schema,
+                                  cold_rows=state.cold_rows)  # touched: this refresh's
         else:
             base_created: float | None = None
             try:
@@ -421,26 +431,24 @@ class ServingEngine:
         return current
 
     def _rows_for(self, version: ServedVersion, keys: np.ndarray) -> np.ndarray:
-        """Rows of unique ``keys`` from the cache, then the version's own rows."""
+        """Rows of unique ``keys`` from the hot cache, then the version's row source."""
         with self._lock:
             cache = self.cache if version is self.current else None
             if cache is None:
-                return version.rows.lookup(keys)[0]
+                return version.source.lookup(keys)[0]
             slots, hit = cache.get(keys)
             rows = np.empty((len(keys), version.rows.row_dim), np.float32)
             rows[hit] = cache.values[slots[hit]]
             miss = np.flatnonzero(~hit)
             if len(miss):
-                rows[miss] = version.rows.lookup(keys[miss])[0]
+                rows[miss] = version.source.lookup(keys[miss])[0]
                 cache.put(keys[miss], rows[miss])
         self.metrics.cache_counts(len(keys), len(keys) - len(miss))
         return rows
 
-    @torch.no_grad()
-    def score_batch(self, batch: Batch, version: ServedVersion | None = None) -> np.ndarray:
-        """Click probabilities for a batch of global keys, as ``Trainer.predict_batches``
-        computes them (unknown keys pool as zero rows)."""
-        version = version or self.served()
+    def pooled(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
+        """``[B, F, row_dim]``: the batch's keys looked up once each (unique keys of the
+        whole batch) and pooled per field with the training lookup code."""
         sparse = batch.sparse
         uniq, inverse = unique_inverse(sparse.values.numpy())
         weights = torch.zeros(len(uniq) + 1, version.rows.row_dim)
@@ -448,7 +456,14 @@ class ServingEngine:
         local = sparse.with_values(torch.from_numpy(inverse + 1))
         ws = WorkingSet(uniq, weights, None, [], None,
                         StagingStats(len(inverse), len(uniq), len(uniq)))
-        emb = ws.lookup(local, version.mean_fields)
+        return ws.lookup(local, version.mean_fields)
+
+    @torch.no_grad()
+    def score_batch(self, batch: Batch, version: ServedVersion | None = None) -> np.ndarray:
+        """Click probabilities for a batch of global keys, as ``Trainer.predict_batches``
+        computes them (unknown keys pool as zero rows)."""
+        version = version or self.served()
+        emb = self.pooled(batch, version)
         probs = torch.sigmoid(version.model(batch.dense, emb))
         self.metrics.scored_rows.inc(len(batch))
         return probs.numpy()

@@ -113,6 +113,12 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
     if not candidates:
         raise DataError("no candidates")
     row_names = frozenset().union(*candidates)
+    if row_names.isdisjoint(context):
+        columns = _columns(candidates, schema, row_names)
+        fast = (None if columns is None
+                else _common_columns(columns, len(candidates), schema, context))
+        if fast is not None:
+            return fast
     if len(row_names) == len(schema.fields) or not schema.categorical:
         merged = [{**context, **c} for c in candidates]
         return _relabel(lambda: part_batch(merged, schema), "candidates")
@@ -178,76 +184,122 @@ def columns_batch(columns: Mapping[str, pa.Array], n: int, schema: FeatureSchema
     return fast if fast is not None else batch_from_columns(columns, n, schema)
 
 
-def _common_columns(columns: Mapping[str, pa.Array], n: int,
-                    schema: FeatureSchema) -> Batch | None:
-    """The Batch of ``columns`` when every field is single-valued, every categorical
-    column strings or integers and every numeric one numbers or numeric strings with
-    finite float32 values; else None (``batch_from_columns`` then checks each value)."""
-    if any(spec.separator is not None for spec in schema.categorical):
+def _common_columns(columns: Mapping[str, pa.Array], n: int, schema: FeatureSchema,
+                    shared: Mapping[str, Any] | None = None) -> Batch | None:
+    """The Batch of ``n`` rows whose fields are ``columns`` (``n`` values each) or, for
+    the other fields, the single values in ``shared`` (a request's context, broadcast).
+
+    Covers the usual request: every field single-valued, categorical values strings or
+    integers, numeric ones numbers or numeric strings with finite float32 values. The
+    context's values become one Arrow array per kind, every categorical value of the
+    request is hashed in one kernel call and every numeric text parsed in one cast.
+    Anything else gives None (``batch_from_columns`` / the record path then check each
+    value and word the error)."""
+    shared = shared or {}
+    if any(spec.separator is not None for spec in schema.categorical) \
+            or not shared.keys().isdisjoint(columns):
         return None
-    cats = []
-    for spec in schema.categorical:
-        col = columns.get(spec.name)
-        if col is None or pa.types.is_null(col.type):
-            col = pa.nulls(n, pa.string())
+    cat_names = [s.name for s in schema.categorical]
+    num_names = [s.name for s in schema.numeric]
+    ctx_cats = _one_row([shared.get(f) for f in cat_names if f not in columns])
+    ctx_nums = _one_row([shared.get(f) for f in num_names if f not in columns])
+    if ctx_cats is None or ctx_nums is None:
+        return None
+
+    cats: list[pa.Array] = []
+    j = 0
+    for name in cat_names:
+        col = columns.get(name)
+        if col is None:
+            col, j = ctx_cats.slice(j, 1), j + 1
+        if pa.types.is_null(col.type):
+            col = pa.nulls(len(col), pa.string())
         elif not (pa.types.is_string(col.type) or pa.types.is_integer(col.type)
                   or pa.types.is_binary(col.type)):
             return None
         cats.append(col)
-    nums, texts = [], []  # numeric strings are parsed together, in one cast
-    for spec in schema.numeric:
-        col = columns.get(spec.name)
-        if col is None or pa.types.is_null(col.type):
-            col = pa.nulls(n, pa.float64())
+    keys = hash_columns(cat_names, cats, schema.hash_salt)
+    ids = keys[_broadcast_index([len(c) for c in cats], n)].reshape(-1)
+
+    texts: list[tuple[int, pa.Array]] = []  # numeric texts are parsed together
+    numbers: list[tuple[int, pa.Array]] = []
+    j = 0
+    for k, name in enumerate(num_names):
+        col = columns.get(name)
+        if col is None:
+            col, j = ctx_nums.slice(j, 1), j + 1
+        if pa.types.is_null(col.type):
+            numbers.append((k, pa.nulls(len(col), pa.float64())))
         elif pa.types.is_string(col.type):
-            texts.append(col)
-            continue
+            texts.append((k, col))
         elif pa.types.is_integer(col.type) or pa.types.is_floating(col.type):
-            col = pc.cast(col, pa.float64(), safe=False)
+            numbers.append((k, pc.cast(col, pa.float64(), safe=False)))
         else:
             return None
-        nums.append(col)
+    parts = list(numbers)
     if texts:
-        text = pa.concat_arrays(texts) if len(texts) > 1 else texts[0]
+        text = pa.concat_arrays([c for _, c in texts])
         if pc.any(pc.equal(text, "")).as_py():  # a missing value, as in a file: long way
             return None
-        nums.append(pc.cast(text, pa.float64()))  # ArrowInvalid on bad text: long way
-    dense_in: list[np.ndarray] = []
-    if nums:
-        flat = pa.concat_arrays(nums) if len(nums) > 1 else nums[0]
+        try:
+            parsed = pc.cast(text, pa.float64())
+        except pa.ArrowInvalid:  # text that is no number: the long way names it
+            return None
+        start = 0
+        for k, c in texts:
+            parts.append((k, parsed.slice(start, len(c))))
+            start += len(c)
+    numeric = np.empty((len(num_names), n), dtype=np.float64)
+    if parts:
+        flat = pa.concat_arrays([c for _, c in parts])
         x = flat.to_numpy(zero_copy_only=False)  # nulls -> NaN
         valid = ~flat.is_null().to_numpy(zero_copy_only=False) if flat.null_count else True
         if np.any(valid & ~(np.abs(x) <= FLOAT32_MAX)):  # NaN, infinite or beyond float32
             return None
-        parsed = iter(x.reshape(-1, n))  # numbers first, then the parsed texts
-        by_name = {s.name: next(parsed) for s in schema.numeric
-                   if _numeric_kind(columns.get(s.name)) != "text"}
-        by_name.update((s.name, next(parsed)) for s in schema.numeric
-                       if _numeric_kind(columns.get(s.name)) == "text")
-        dense_in = [by_name[s.name] for s in schema.numeric]
-    dense = dense_features(dense_in, n, schema)
-    keys = hash_columns([s.name for s in schema.categorical], cats, schema.hash_salt)
-    sparse = KeyedIds(schema.sparse_names, torch.from_numpy(keys),
-                      torch.arange(len(keys) + 1, dtype=torch.int64))
+        order = [k for k, _ in parts]
+        lengths = [len(c) for _, c in parts]
+        numeric[order] = x[_broadcast_index(lengths, n)]
+    dense = dense_features(numeric, schema)
+    sparse = KeyedIds(schema.sparse_names, torch.from_numpy(ids),
+                      torch.arange(len(ids) + 1, dtype=torch.int64))
     return Batch(torch.from_numpy(dense), sparse, torch.zeros(n))
 
 
-def _numeric_kind(col: pa.Array | None) -> str:
-    return "text" if col is not None and pa.types.is_string(col.type) else "number"
+def _one_row(values: list[Any]) -> pa.Array | None:
+    """One row's values of several fields as one Arrow array (None: pyarrow cannot
+    give them one type, e.g. strings and numbers mixed)."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None
 
 
-_TYPES: dict[int, tuple[FeatureSchema, pa.DataType]] = {}
+def _broadcast_index(lengths: Sequence[int], n: int) -> np.ndarray:
+    """``[len(lengths), n]`` positions into the concatenation of segments of
+    ``lengths`` (each ``n`` long, or 1 long and repeated)."""
+    lengths_np = np.asarray(lengths, np.int64)
+    starts = np.zeros(len(lengths_np), np.int64)
+    np.cumsum(lengths_np[:-1], out=starts[1:])
+    step = (lengths_np == n) if n > 1 else np.zeros(len(lengths_np), np.bool_)
+    return starts[:, None] + np.arange(n)[None, :] * step[:, None]
 
 
-def _columns(records: Sequence[Mapping[str, Any]],
-             schema: FeatureSchema) -> dict[str, pa.Array] | None:
-    """One Arrow column per key of ``records`` (null where a record lacks it), or None
-    when pyarrow cannot give a key one type (strings and numbers mixed, huge integers).
+_TYPES: dict[tuple[int, frozenset[str]], tuple[FeatureSchema, pa.DataType]] = {}
 
-    Typing the values is half of pyarrow's work, so the types the last request of this
-    ``schema`` had are tried first (requests of one client mostly agree); only types
-    into which pyarrow converts nothing the record path would refuse are reused."""
-    hit = _TYPES.get(id(schema))
+
+def _columns(records: Sequence[Mapping[str, Any]], schema: FeatureSchema,
+             names: frozenset[str] | None = None) -> dict[str, pa.Array] | None:
+    """One Arrow column per key of ``records`` (null where a record lacks it; ``names``
+    are all their keys), or None when pyarrow cannot give a key one type (strings and
+    numbers mixed, huge integers).
+
+    Typing the values is half of pyarrow's work, so the types the last such records
+    (of this ``schema``, with these keys) had are tried first: requests of one client
+    mostly agree. Only types into which pyarrow converts nothing the record path would
+    refuse are reused."""
+    names = frozenset().union(*records) if names is None else names
+    key = (id(schema), names)
+    hit = _TYPES.get(key)
     struct = None
     if hit is not None and hit[0] is schema:
         try:
@@ -261,31 +313,31 @@ def _columns(records: Sequence[Mapping[str, Any]],
             return None
         if not pa.types.is_struct(struct.type) or len(struct) != len(records):
             return None
-        _remember_types(schema, struct.type)
+        _remember_types(key, schema, struct.type)
     return {struct.type.field(i).name: struct.field(i)
             for i in range(struct.type.num_fields)}
 
 
-def _remember_types(schema: FeatureSchema, inferred: pa.StructType) -> None:
-    """Keep ``inferred`` as the types to try first for ``schema``, widened to all its
-    fields, if it holds only strings (any field) and floats (numeric fields): pyarrow
-    refuses a value of another type for either (an integer for a string, a string for a
-    float), where for an integer type it would take a float like 2.0."""
-    got = {inferred.field(i).name: inferred.field(i).type
-           for i in range(inferred.num_fields)}
+def _remember_types(key: tuple[int, frozenset[str]], schema: FeatureSchema,
+                    inferred: pa.StructType) -> None:
+    """Keep ``inferred`` as the types to try first, if it holds only strings (any
+    field) and floats (numeric fields), and only fields of ``schema``: pyarrow refuses a
+    value of another type for either (an integer for a string, a string for a float),
+    where for an integer type it would take a float like 2.0."""
+    numeric = {s.name for s in schema.numeric}
+    known = {s.name for s in schema.fields}
     fields = []
-    for spec in schema.fields:
-        t = got.pop(spec.name, pa.null())
+    for i in range(inferred.num_fields):
+        name, t = inferred.field(i).name, inferred.field(i).type
         if pa.types.is_null(t):
             t = pa.string()
-        if not (t == pa.string() or (t == pa.float64() and spec.kind == "numeric")):
+        if name not in known or not (t == pa.string()
+                                     or (t == pa.float64() and name in numeric)):
             return
-        fields.append((spec.name, t))
-    if got:  # keys that are no field of the schema
-        return
+        fields.append((name, t))
     if len(_TYPES) >= 256:
         _TYPES.clear()
-    _TYPES[id(schema)] = (schema, pa.struct(fields))
+    _TYPES[key] = (schema, pa.struct(fields))
 
 
 def _relabel(build: Callable[[], Batch], where: str) -> Batch:

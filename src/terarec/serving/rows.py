@@ -13,14 +13,53 @@
 
 A ``VersionRows`` is immutable: a delta yields a new one sharing the same shards, so the
 version being served is never modified while requests read it.
+
+Every stage behind the cache is a ``RowSource``: one call maps a batch of unique int64
+keys to their rows and a found mask. A tier that holds rows elsewhere (cold keys in a
+remote store) is one more ``RowSource``, chained behind a version's own rows with
+``FallbackRows`` (``ServedVersion.cold_rows``).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numba
 import numpy as np
 
 from terarec.embedding.index import KeyIndex
+
+
+class RowSource(Protocol):
+    """Rows by key, a batch at a time: the request path's one row-reading step."""
+
+    row_dim: int
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For unique int64 ``keys``: float32 rows ``[len(keys), row_dim]`` (zero where
+        not found) and the bool found mask."""
+        ...
+
+
+class FallbackRows:
+    """``first``'s rows, and ``then``'s for the keys ``first`` does not find."""
+
+    def __init__(self, first: RowSource, then: RowSource) -> None:
+        if first.row_dim != then.row_dim:
+            raise ValueError(f"row sources of {first.row_dim} and {then.row_dim} "
+                             "values per row cannot be chained")
+        self.first = first
+        self.then = then
+        self.row_dim = first.row_dim
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows, found = self.first.lookup(keys)
+        missing = np.flatnonzero(~found)
+        if len(missing):
+            more, more_found = self.then.lookup(keys[missing])
+            rows[missing] = more
+            found[missing] = more_found
+        return rows, found
 
 
 class ShardedRows:
