@@ -21,6 +21,11 @@ and ``offline_rows_per_s``, the whole request path in-process without HTTP.
 ``max_score_diff`` compares the server's answers with the record path
 (``batch_from_records``, what `terarec predict` reads) on the final version.
 
+On a machine other jobs load, wall-clock figures measure the machine; the CPU time the
+server's processes spent (from /proc) does not depend on them nearly as much, so the
+line also holds ``server_cpu_ms_per_request`` (per phase), the saturated rows per server
+CPU second and their ratio to the forward pass's rows per CPU second.
+
 Prints one JSON line. Usage: ``python benchmarks/serve_latency.py [--seconds 20]``.
 """
 
@@ -143,9 +148,10 @@ def client(port: int, bodies: list[bytes], concurrency: int, seconds: float, fir
 
 
 def run_phase(port: int, bodies: list[bytes], concurrency: int, seconds: float,
-              processes: int, deltas: list[Path], served: Path) -> dict:
+              processes: int, deltas: list[Path], served: Path, server_pid: int) -> dict:
     """One closed-loop phase from ``processes`` client processes; ``deltas`` are
-    published evenly inside it. Returns its figures and raw results."""
+    published evenly inside it. Returns its figures, including the server's CPU time."""
+    cpu_before = cpu_seconds(server_pid)
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
     per = [concurrency // processes + (1 if k < concurrency % processes else 0)
@@ -163,6 +169,7 @@ def run_phase(port: int, bodies: list[bytes], concurrency: int, seconds: float,
     results = [r for _ in loads for r in queue.get(timeout=seconds + 120)]
     for load in loads:
         load.join()
+    server_cpu = cpu_seconds(server_pid) - cpu_before
     starts = np.array([r[0] for r in results])
     latency = np.array([r[1] for r in results])
     ok = np.array([r[2] == 200 for r in results])
@@ -181,7 +188,31 @@ def run_phase(port: int, bodies: list[bytes], concurrency: int, seconds: float,
             "p50_ms": round(float(np.percentile(good, 50)) * 1e3, 2),
             "p99_ms": round(float(np.percentile(good, 99)) * 1e3, 2),
             "errors": int((~ok).sum()), "errors_during_swap": during_swap,
-            "versions": sorted({int(v) for v in versions[ok]}), "swap_lags": swap_lags}
+            "versions": sorted({int(v) for v in versions[ok]}), "swap_lags": swap_lags,
+            "server_cpu_s": server_cpu}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants (Linux
+    /proc): what the server spent, whatever else loads the machine."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    family, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    return sum(times.get(p, 0.0) for p in family)
 
 
 def free_port() -> int:
@@ -228,19 +259,22 @@ def offline_rows_per_s(engine: ServingEngine, requests: list[dict],
 
 @torch.no_grad()
 def forward_bound_rows_per_s(engine: ServingEngine, request: dict,
-                             seconds: float = 3.0) -> float:
-    """The served network alone on one request's pre-pooled rows, rows per second."""
+                             seconds: float = 3.0) -> tuple[float, float]:
+    """The served network alone on one request's pre-pooled rows: rows per second of
+    wall time and per CPU second of this process."""
     version = engine.served()
     batch = version.batch(request["context"], request["candidates"])
     emb = engine.pooled(batch, version)
     model = version.model
     for _ in range(20):
         model(batch.dense, emb)
-    calls, start = 0, time.perf_counter()
+    calls, start, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         model(batch.dense, emb)
         calls += 1
-    return calls * len(batch) / (time.perf_counter() - start)
+    rows = calls * len(batch)
+    return (rows / (time.perf_counter() - start),
+            rows / max(time.process_time() - cpu, 1e-9))
 
 
 def max_score_diff(port: int, engine: ServingEngine, requests: list[dict]) -> float:
@@ -296,16 +330,17 @@ def main() -> None:
         client(port, bodies, 2 * args.workers, 2.0, 0, warm)  # warm-up, every worker
         warm.get()
 
-        latency = run_phase(port, bodies, 1, args.seconds, 1, deltas[:1], served)
+        latency = run_phase(port, bodies, 1, args.seconds, 1, deltas[:1], served,
+                            server.pid)
         saturated = run_phase(port, bodies, args.saturation_concurrency, args.seconds,
-                              args.client_processes, deltas[1:], served)
+                              args.client_processes, deltas[1:], served, server.pid)
         metrics = scrape(port)
 
         torch.set_num_threads(args.threads)
         engine = ServingEngine(served)
         engine.refresh()
         diff = max_score_diff(port, engine, requests)
-        forward = forward_bound_rows_per_s(engine, requests[0])
+        forward, forward_cpu = forward_bound_rows_per_s(engine, requests[0])
         offline = offline_rows_per_s(engine, requests)
         engine.close()
     finally:
@@ -314,6 +349,7 @@ def main() -> None:
             server.wait(timeout=60)
     shutil.rmtree(work, ignore_errors=True)
     rows_saturated = saturated["ok"] * args.candidates / saturated["elapsed"]
+    rows_per_cpu = saturated["ok"] * args.candidates / max(saturated["server_cpu_s"], 1e-9)
     print(json.dumps({
         "p50_ms": latency["p50_ms"],
         "p99_ms": latency["p99_ms"],
@@ -324,6 +360,14 @@ def main() -> None:
         "forward_bound_rows_per_s": round(forward, 1),
         "ratio_saturated_vs_forward_bound": round(rows_saturated / forward, 3),
         "offline_rows_per_s": round(offline, 1),
+        # CPU-time figures: what the server spends per request, which the other jobs on
+        # a shared machine disturb far less than wall-clock latency.
+        "server_cpu_ms_per_request": round(latency["server_cpu_s"] / latency["ok"] * 1e3, 3),
+        "server_cpu_ms_per_request_saturated": round(
+            saturated["server_cpu_s"] / saturated["ok"] * 1e3, 3),
+        "rows_per_server_cpu_s_saturated": round(rows_per_cpu, 1),
+        "forward_bound_rows_per_cpu_s": round(forward_cpu, 1),
+        "ratio_cpu_saturated_vs_forward_bound": round(rows_per_cpu / forward_cpu, 3),
         "errors": latency["errors"] + saturated["errors"],
         "errors_during_swap": latency["errors_during_swap"] + saturated["errors_during_swap"],
         "max_score_diff": diff,
