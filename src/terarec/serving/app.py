@@ -12,6 +12,10 @@ model's saved schema, exactly as training hashed its files::
 
     {"context": {"C1": "u42", "I1": 3}, "candidates": [{"C3": "item7"}, {"C3": "item9"}]}
     -> {"model": "terarec", "version": 3, "scores": [0.031, 0.207]}
+
+``/v2/models/NAME/infer`` also takes KServe's binary tensor data (``serving/binary.py``).
+Every scoring request goes through one ``DynamicBatcher``, which scores the requests in
+flight together in one pass (``serving/batching.py``).
 """
 
 from __future__ import annotations
@@ -198,11 +202,6 @@ def _parse(model: type[T], body: bytes) -> T:
             raise BadRequest("malformed JSON: nested too deeply", 400) from None
         raise BadRequest(f"malformed JSON: {bad_json.message.split(': ', 1)[-1]}",
                          400) from None
-
-
-async def _read_body(request: Request, max_bytes: int, model: type[T]) -> T:
-    """The request body, at most ``max_bytes``, parsed and validated as a ``model``."""
-    return _parse(model, await _read_bytes(request, max_bytes))
 
 
 class _PredictBody(msgspec.Struct, forbid_unknown_fields=True):

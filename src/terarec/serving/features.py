@@ -1,19 +1,19 @@
-"""Raw request values -> Batch, column-wise, hashing each shared context value once.
+"""Raw request values -> Batch, column-wise, converting each context value once.
 
 A ``/predict`` request holds one context (user, page) and N candidates; scoring it means
 scoring the N merged rows ``{**context, **candidate}``. Parsing and hashing are per
 field and independent of the other fields, so the fields no candidate carries (the
-context's, and those nobody sent) are converted once, on a single row, and broadcast::
+context's, and those nobody sent) are converted on a single row and broadcast::
 
-    fields carried by some candidate ──> columns of N rows ─┐ per field,
-    every other field               ──> columns of 1 row  ─┴ broadcast -> Batch
+    candidates ──> pa.array: one Arrow column per field (N values)  ─┐ one hashing call,
+    context    ──> one Arrow array per kind (1 value per field)    ─┴ one numeric parse
+                                                                      -> broadcast Batch
 
-Each part is turned into Arrow columns by pyarrow in one call (``pa.array`` of the
-decoded dicts) and converted a whole column at a time (``batch_from_columns``: the
-hashing kernels training uses, vectorised numeric parsing). A part pyarrow cannot type,
-or one holding a bad value, is converted by ``batch_from_records`` instead, whose errors
-name the record and field. Either way the result is exactly
-``batch_from_records(merged rows, schema)``, the keys training saw.
+That is the usual request (``_common_columns``). A request it does not cover
+(multi-valued fields, a field mixing strings and numbers, a bad value) is converted in
+two parts, per field (``batch_from_columns``), or record by record
+(``batch_from_records``), whose errors name the record and field. Every way gives
+exactly ``batch_from_records(merged rows, schema)``, the keys training saw.
 """
 
 from __future__ import annotations
