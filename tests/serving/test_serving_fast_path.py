@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -274,7 +275,7 @@ def test_serve_workers_answer_on_one_port_and_swap_together(live_run, tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "terarec", "serve", str(export), "--port", str(port),
          "--workers", "2", "--threads", "1", "--poll-seconds", "1", "--log-level",
-         "warning"], env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"})
+         "warning"], env=dict(os.environ, PYTHONPATH=str(src)))
     body = json.dumps({"candidates": live_run.records[:8]}).encode()
 
     def versions(count: int) -> list[int]:
