@@ -26,13 +26,18 @@ from terarec.cli.common import (
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
-from terarec.config import TrainConfig
-from terarec.distributed.context import DistContext, launched_by_torchrun, topology
+from terarec.config import TrainConfig, resumed_config
+from terarec.distributed.context import (
+    DistContext,
+    launched_by_torchrun,
+    restart_count,
+    topology,
+)
 from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
 from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
-from terarec.train.checkpoint import list_checkpoints
+from terarec.train.checkpoint import list_checkpoints, read_model_meta
 from terarec.train.defaults import apply_sized_defaults
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
@@ -116,7 +121,18 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
                          "torchrun --nproc_per_node N -m terarec train ...")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
+    for flag, value in (("--checkpoint-every", args.checkpoint_every),
+                        ("--delta-every", args.delta_every)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    if args.delta_minutes is not None and not args.delta_minutes > 0:
+        raise UserError(f"--delta-minutes {args.delta_minutes}: must be > 0")
     config = config_from_args(args)
+    store_dir = config.store.disk_path
+    if store_dir is not None and Path(store_dir).exists() and not Path(store_dir).is_dir():
+        raise UserError(f"--store-dir {store_dir} is a file, not a folder")
+    if args.export_to is not None and Path(args.export_to).is_file():
+        raise UserError(f"--export-to {args.export_to} is a file, not an export folder")
     if launched_by_torchrun() and config.sparse_optimizer.embedding_l2:
         # the sharded lookup has no batch size to scale by
         raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
@@ -146,7 +162,11 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
             feature_inputs(features, args.valid, schema=raw) as valid:
         # the inputs as the model reads them (joined copies with AutoFeature tables)
         read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid})
-        config, sized = apply_sized_defaults(config, train, explicit_config_keys(args))
+        given = explicit_config_keys(args)
+        config, sized = apply_sized_defaults(config, train, given)
+        if _resuming(args):  # the model's own shape, seed and optimizers, or an error
+            config = resumed_config(read_model_meta(args.out)[1], config, given,
+                                    str(args.out))
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
@@ -174,10 +194,16 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     return 0
 
 
+def _resuming(args: argparse.Namespace) -> bool:
+    """Whether this run continues the checkpoints in ``--out`` (``--resume``, or a worker
+    group torchrun restarted)."""
+    return (args.resume or restart_count() > 0) and bool(list_checkpoints(args.out))
+
+
 def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
     """The run's AutoFeature tables: the model's own when resuming, else ``--features``
     copied into the model directory (by rank 0, before any rank reads them)."""
-    if args.resume and list_checkpoints(args.out):
+    if _resuming(args):
         return model_features(args.out)
     if not args.features:
         return None
