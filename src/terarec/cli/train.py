@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +37,13 @@ from terarec.distributed.context import (
 from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
-from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
+from terarec.io import (
+    LockedError,
+    exclusive_lock,
+    remove_atomic_leftovers,
+    shared_lock,
+    try_lock_file,
+)
 from terarec.train.checkpoint import list_checkpoints, read_model_meta
 from terarec.train.defaults import apply_sized_defaults
 from terarec.train.run import TrainRun, train_model
@@ -103,6 +110,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 
 LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
+RANKS_LOCK_FILE = ".lock-ranks"  # in --out: shared by every rank of that run
 
 
 def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
@@ -138,20 +146,38 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
                          "--sparse-weight-decay")
     ctx = topology(config.device)
-    # Rank 0 (alone: the process) holds the model directory's lock for the whole run.
-    failure: str | None = None
     with contextlib.ExitStack() as held:
-        if ctx.is_main:
-            try:
-                held.enter_context(exclusive_lock(args.out / LOCK_FILE,
-                                                  f"model directory {args.out}"))
-                remove_atomic_leftovers(args.out)  # of a run killed mid-write
-            except LockedError as exc:
-                failure = str(exc)
-        failure = ctx.broadcast_object(failure)
-        if failure is not None:
-            raise UserError(failure)
+        _lock_model_dir(args.out, ctx, held)
         return _locked_run(args, config, ctx, on_commit)
+
+
+def _lock_model_dir(out: Path, ctx: DistContext, held: contextlib.ExitStack) -> None:
+    """Every rank (alone: the process) holds ``out``'s locks for the whole run, or every
+    rank fails with the same message: rank 0 holds ``LOCK_FILE`` (one run per model
+    directory), and each rank a shared lock on ``RANKS_LOCK_FILE``, which rank 0 first
+    checks is free: no rank of an earlier run, whose rank 0 is gone, still writes its
+    shard into ``out``. Rank 0's verdict is broadcast before any other collective, so no
+    rank waits for a peer that gave up."""
+    failure: str | None = None
+    if ctx.is_main:
+        try:
+            held.enter_context(exclusive_lock(out / LOCK_FILE, f"model directory {out}"))
+            fd = try_lock_file(out / RANKS_LOCK_FILE)
+            if fd is None:
+                raise LockedError(f"model directory {out} is still written by a rank of "
+                                  f"an earlier run (lock file {out / RANKS_LOCK_FILE}); "
+                                  "wait for it to exit")
+            os.close(fd)
+            remove_atomic_leftovers(out)  # of a run killed mid-write
+        except LockedError as exc:
+            failure = str(exc)
+        except OSError as exc:
+            failure = f"--out {out}: {exc.strerror or exc}"
+    failure = ctx.broadcast_object(failure)
+    if failure is not None:
+        held.close()
+        raise UserError(failure)
+    held.enter_context(shared_lock(out / RANKS_LOCK_FILE, f"model directory {out}"))
 
 
 def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
