@@ -32,7 +32,7 @@ from typing import Protocol
 import numba
 import numpy as np
 
-from terarec.config import StoreConfig
+from terarec.config import StoreConfig, parse_bytes
 from terarec.embedding.index import KeyIndex
 from terarec.kernels import GOLDEN_GAMMA, grown, splitmix64, splitmix64_array
 
@@ -272,8 +272,8 @@ class Probability:
 
     def admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
               pass_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        salt = np.uint64((self.seed * 1_000_003 + pass_id + 1) & ((1 << 64) - 1)) \
-            * np.uint64(GOLDEN_GAMMA)
+        salt = np.uint64(((self.seed * 1_000_003 + pass_id + 1) * GOLDEN_GAMMA)
+                         & ((1 << 64) - 1))
         z = splitmix64_array(np.asarray(keys, np.int64).view(np.uint64) ^ salt)
         u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
         ok = u < 1.0 - (1.0 - self.p) ** np.asarray(show, np.float64)
@@ -297,8 +297,6 @@ def make_admission(config: StoreConfig, seed: int = 0) -> Admission:
     if config.admit_min_count <= 1 and config.admit_min_clicks <= 0:
         return AdmitAll()
     if config.admit_sketch_bytes is not None:
-        from terarec.config import parse_bytes
-
         return SketchCount(parse_bytes(config.admit_sketch_bytes), config.admit_min_count,
                            config.admit_min_clicks, seed)
     return ExactCount(config.admit_min_count, config.admit_min_clicks)
