@@ -10,8 +10,7 @@ Arms (one model config, one epoch, eviction at every pass end):
     keep_all           every key admitted, nothing evicted: the baseline
     exact_count2       admission at 2 shows, exact candidate table (today's)
     sketch_count2      admission at 2 shows, count-min sketch of a fixed size (default:
-                       1/8 of the exact table's peak RAM in this run, rounded down to a
-                       power of two)
+                       1/8 of the exact table's peak RAM in this run)
     probability_0.5    each show admits a new key with probability 0.5
     show_click         admission at 2 shows and 1 click
     l2_below           eviction of rows with an L2 norm below --l2-below
@@ -86,8 +85,8 @@ def run_dataset(name: str, train: Path, valid: Path, base: TrainConfig,
 
     keep_all = arm({"admit_min_count": 1})
     exact = arm({"admit_min_count": 2})
-    size = (1 << max(10, (exact["admission_ram_bytes"] // 8).bit_length() - 1)
-            if sketch_bytes == "auto" else parse_bytes(sketch_bytes))
+    size = (max(1024, exact["admission_ram_bytes"] // 8) if sketch_bytes == "auto"
+            else parse_bytes(sketch_bytes))
     results = [("keep_all", keep_all), ("exact_count2", exact)]
     for policy, store in _arms(keep_all, exact, size, l2_below):
         results.append((policy, arm(store)))
@@ -112,7 +111,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=300_000, help="synthetic training rows")
     p.add_argument("--valid-rows", type=int, default=100_000)
-    p.add_argument("--vocab-scale", type=float, default=0.1)
+    p.add_argument("--vocab-scale", type=float, default=1.0,
+                   help="synth vocabulary sizes relative to Criteo-shaped defaults")
     p.add_argument("--pass-rows", type=int, default=25_000)
     p.add_argument("--sketch-bytes", default="auto",
                    help="size of the sketch arm's sketch (auto: 1/8 of the exact table's)")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from terarec.config import SparseOptimizerConfig, StoreConfig, TrainConfig, from_dict
-from terarec.embedding.admission import ExactCount, SketchCount, make_admission
+from terarec.embedding.admission import SKETCH_ARRAY, ExactCount, SketchCount, make_admission
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
@@ -151,3 +151,19 @@ def test_policy_choice_and_bad_combinations_are_refused_with_the_field():
         from_dict(TrainConfig, {"store": {"admit_min_count": 300, "admit_sketch_bytes": "1MB"}})
     with pytest.raises(InvalidInput, match=r"store\.admit_sketch_bytes: size '1XB'"):
         from_dict(TrainConfig, {"store": {"admit_sketch_bytes": "1XB"}})
+
+
+def test_sketch_counters_are_as_narrow_as_the_threshold_and_merge_by_sum():
+    a, b = SketchCount(4096, 2), SketchCount(4096, 2)
+    assert (a.bits, a.width) == (2, 4096)  # 4 rows of 4,096 2-bit counters in 4 KB
+    assert SketchCount(4096, 4).bits == 4 and SketchCount(4096, 200).bits == 8
+    keys = np.arange(1, 301, dtype=np.int64)
+    ones = np.ones(300, np.float32)
+    admitted, earlier, _ = a.admit(keys[:1], 5 * ones[:1], ones[:1], 0)
+    assert admitted.tolist() == [1] and earlier.tolist() == [0.0]  # saturated at 3
+    assert a.counters().max() == 3
+    assert len(a.admit(keys[1:150], ones[:149], ones[:149], 0)[0]) < 10
+    assert len(b.admit(keys[150:], ones[150:], ones[150:], 0)[0]) < 10
+    merged = SketchCount(4096, 2)  # what a re-sharded restore gets: the ranks' sum
+    merged.load_arrays({SKETCH_ARRAY: a.counters().astype(np.int64) + b.counters()})
+    assert len(merged.admit(keys[1:], ones[1:], ones[1:], 1)[0]) == 299  # each seen twice
