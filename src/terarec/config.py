@@ -241,6 +241,10 @@ class StoreConfig:
             raise ValueError("admit_probability admits by a draw per show: it does not "
                              "combine with admit_min_count > 1, admit_min_clicks or "
                              "admit_sketch_bytes")
+        if self.admit_sketch_bytes is not None and self.admit_min_count <= 1 \
+                and not self.admit_min_clicks:
+            raise ValueError("admit_sketch_bytes counts keys until they are admitted: give "
+                             "admit_min_count >= 2 or admit_min_clicks >= 1 with it")
         if self.admit_sketch_bytes is not None and max(self.admit_min_count,
                                                        self.admit_min_clicks) > 255:
             raise ValueError("admit_sketch_bytes counts up to 255: admit_min_count and "

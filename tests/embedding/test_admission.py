@@ -150,7 +150,9 @@ def test_policy_choice_and_bad_combinations_are_refused_with_the_field():
     with pytest.raises(InvalidInput, match=r"store: admit_sketch_bytes counts up to 255"):
         from_dict(TrainConfig, {"store": {"admit_min_count": 300, "admit_sketch_bytes": "1MB"}})
     with pytest.raises(InvalidInput, match=r"store\.admit_sketch_bytes: size '1XB'"):
-        from_dict(TrainConfig, {"store": {"admit_sketch_bytes": "1XB"}})
+        from_dict(TrainConfig, {"store": {"admit_sketch_bytes": "1XB", "admit_min_count": 2}})
+    with pytest.raises(InvalidInput, match=r"store: admit_sketch_bytes counts keys until"):
+        from_dict(TrainConfig, {"store": {"admit_sketch_bytes": "1MB"}})
 
 
 def test_sketch_counters_are_as_narrow_as_the_threshold_and_merge_by_sum():
