@@ -11,6 +11,7 @@ Arms (one model config, one epoch, eviction at every pass end):
     exact_count2       admission at 2 shows, exact candidate table (today's)
     sketch_count2      admission at 2 shows, count-min sketch of a fixed size (default:
                        1/8 of the exact table's peak RAM in this run)
+    sketch_count2_quarter  the same with a quarter of that sketch (1/32 of the table)
     probability_0.5    each show admits a new key with probability 0.5
     show_click         admission at 2 shows and 1 click
     l2_below           eviction of rows with an L2 norm below --l2-below
@@ -70,6 +71,8 @@ def _arms(keep_all: dict, exact: dict, sketch_bytes: int, l2_below: float
     cap = max(1, int(0.3 * keep_all["keys"]))
     return [
         ("sketch_count2", {"admit_min_count": 2, "admit_sketch_bytes": sketch_bytes}),
+        ("sketch_count2_quarter", {"admit_min_count": 2,
+                                   "admit_sketch_bytes": max(1024, sketch_bytes // 4)}),
         ("probability_0.5", {"admit_probability": 0.5}),
         ("show_click", {"admit_min_count": 2, "admit_min_clicks": 1}),
         ("l2_below", {"evict_l2_below": l2_below}),
@@ -116,7 +119,7 @@ def main() -> int:
     p.add_argument("--pass-rows", type=int, default=25_000)
     p.add_argument("--sketch-bytes", default="auto",
                    help="size of the sketch arm's sketch (auto: 1/8 of the exact table's)")
-    p.add_argument("--l2-below", type=float, default=0.035)
+    p.add_argument("--l2-below", type=float, default=0.05)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-criteo", action="store_true")
     args = p.parse_args()
