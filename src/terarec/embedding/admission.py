@@ -81,6 +81,13 @@ def _nothing(n: int) -> np.ndarray:
     return np.zeros(n, np.float32)
 
 
+def no_candidates() -> dict[str, np.ndarray]:
+    """The candidate arrays of a policy that keeps no waiting keys: empty, so that every
+    saved store has the same columns (and files read the same as before the policies)."""
+    return {"cand_keys": np.empty(0, np.int64), "cand_show": _nothing(0),
+            "cand_click": _nothing(0), "cand_seen": np.empty(0, np.int32)}
+
+
 class AdmitAll:
     """Every key is admitted on first sight; nothing kept."""
 
@@ -96,7 +103,7 @@ class AdmitAll:
         pass
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {}
+        return no_candidates()
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         pass
@@ -279,7 +286,7 @@ class SketchCount:
     def arrays(self) -> dict[str, np.ndarray]:
         # Unpacked in checkpoints, a byte per counter: re-sharding sums the ranks'
         # sketches counter by counter.
-        return {SKETCH_ARRAY: self.counters()}
+        return {**no_candidates(), SKETCH_ARRAY: self.counters()}
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         saved = arrays.get(SKETCH_ARRAY)
@@ -328,7 +335,7 @@ class Probability:
         pass
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {}
+        return no_candidates()
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         pass
