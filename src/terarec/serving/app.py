@@ -32,6 +32,7 @@ from pydantic import Field
 
 from terarec.data.readers import DataError
 from terarec.finite import NonFiniteError, check_scores
+from terarec.serving.cluster import SparseReadError
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
 from terarec.serving.metrics import ServingMetrics
 from terarec.validation import STRICT, InvalidInput, validate_json
@@ -213,6 +214,10 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
 
     @app.exception_handler(NoVersionError)
     async def no_version(request: Request, exc: NoVersionError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=503)
+
+    @app.exception_handler(SparseReadError)
+    async def sparse_unreadable(request: Request, exc: SparseReadError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
 
     def served_model(name: str) -> ServedVersion:

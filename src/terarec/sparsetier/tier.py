@@ -80,6 +80,12 @@ class TierMetrics:
                                    "Failed reads or writes, by node", ["node"], registry=r)
         self.rows_read = Counter("terarec_sparse_rows_read", "Rows asked of the cluster",
                                  registry=r)
+        self.lookups = Counter("terarec_sparse_lookups",
+                               "Keys looked up in a version's rows (after the row cache)",
+                               registry=r)
+        self.hot_hits = Counter("terarec_sparse_hot_hits",
+                                "Keys found among the hot rows held in local memory",
+                                registry=r)
 
 
 class NodeConn:

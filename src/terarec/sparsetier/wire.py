@@ -123,7 +123,7 @@ class ReplyError(Exception):
 @numba.njit(nogil=True, cache=True)
 def _parse_bulks(buf, n, offsets, lengths):
     """Parse ``n`` replies from ``buf``: bulk strings (offset, length; -1 for nil),
-    ``+simple`` (length -2) or an error (returns -(pos + 2) of the error). Returns the bytes
+    ``+simple`` or ``:integer`` (length -2) or an error (returns -(pos + 2) of the error). Returns the bytes
     consumed, or -1 while incomplete."""
     pos = 0
     size = buf.shape[0]
@@ -139,7 +139,7 @@ def _parse_bulks(buf, n, offsets, lengths):
             return -1
         if kind == 45:  # '-'
             return -(pos + 2)
-        if kind == 43:  # '+'
+        if kind == 43 or kind == 58:  # '+' or ':' (a simple string or an integer)
             offsets[i] = pos + 1
             lengths[i] = -2
             pos = end + 2
