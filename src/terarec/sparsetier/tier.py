@@ -196,12 +196,13 @@ class SparseTier:
 
     ``hedge``: send a read to a replica when the master has not answered within the hedge
     delay (``hedge_delay_s`` if given, else the node's observed p95, at least
-    ``hedge_floor_s``). ``timeout_s`` bounds one socket operation.
+    ``hedge_floor_s``). ``timeout_s`` bounds one socket operation; the slot map is
+    re-read every ``refresh_s`` and after errors.
     """
 
     def __init__(self, url: str, *, metrics: TierMetrics | None = None, hedge: bool = True,
                  hedge_floor_s: float = 0.002, hedge_delay_s: float | None = None,
-                 timeout_s: float = 2.0, workers: int = 64) -> None:
+                 timeout_s: float = 2.0, workers: int = 64, refresh_s: float = 1.0) -> None:
         self.url = url
         self.seeds = parse_url(url)
         self.metrics = metrics or TierMetrics()
@@ -217,6 +218,16 @@ class SparseTier:
         self._last_refresh = 0.0
         self.topology = Topology.fetch(self.seeds, timeout_s)
         self._known: list[Address] = self._all_nodes(self.topology)
+        # the slot map is also re-read every refresh_s: a failover is seen even when no
+        # read failed (the rows being hot, cached or on other shards)
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh_loop, args=(refresh_s,),
+                                           name="terarec-topology", daemon=True)
+        self._refresher.start()
+
+    def _refresh_loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.refresh_topology()
 
     # -- topology ---------------------------------------------------------------------
     def _all_nodes(self, topo: Topology) -> list[Address]:
@@ -277,6 +288,7 @@ class SparseTier:
         return out
 
     def close(self) -> None:
+        self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._conns_lock:
             for conns in self._conns.values():

@@ -123,8 +123,8 @@ class ReplyError(Exception):
 @numba.njit(nogil=True, cache=True)
 def _parse_bulks(buf, n, offsets, lengths):
     """Parse ``n`` replies from ``buf``: bulk strings (offset, length; -1 for nil),
-    ``+simple`` or ``:integer`` (length -2) or an error (returns -(pos + 2) of the error). Returns the bytes
-    consumed, or -1 while incomplete."""
+    ``+simple`` or ``:integer`` (length -2) or an error (returns -(pos + 2) of the
+    error). Returns the bytes consumed, or -1 while incomplete."""
     pos = 0
     size = buf.shape[0]
     for i in range(n):
