@@ -182,3 +182,28 @@ def test_rows_stay_in_the_versions_codec(chain, redis_cluster, tmp_path, flags):
                                    local_scores(export, chain.records), atol=1e-6)
     finally:
         engine.close()
+
+
+def test_hot_rows_are_the_most_shown_within_the_budget(chain, redis_cluster):
+    from terarec.export.reader import VersionReader
+    from terarec.export.storage import Storage
+
+    reader = VersionReader(Storage(chain.export), chain.export.parent / "reader-cache")
+    manifest = reader.manifest("v000004")
+    keys, shows = reader.shows(manifest)
+    assert len(keys) == manifest.data["sparse"]["rows"]  # small model: every key listed
+    assert (np.diff(shows) <= 0).all() and shows[0] > shows[-1]
+    assert publish(redis_cluster.url, chain.export, "hot") == 0
+    row_bytes = 4 * manifest.row_dim + 8
+    engine = engine_for(chain, redis_cluster.url, "hot", hot_rows=1000,
+                        hot_bytes=25 * row_bytes)
+    try:
+        rows = engine.current.rows
+        np.testing.assert_array_equal(rows.hot_keys, np.sort(keys[:25]))
+        # the hot rows are the version's own rows
+        local = reader.shards(manifest)
+        want = np.concatenate([v for _, v in local])[
+            np.searchsorted(np.concatenate([k for k, _ in local]), rows.hot_keys)]
+        np.testing.assert_allclose(rows.hot_values, want)
+    finally:
+        engine.close()

@@ -284,8 +284,9 @@ class ClusterEngine(ServingEngine):
                                       f"read from the sparse tier within "
                                       f"{self.deadline_s * 1000:.0f} ms")
             good = miss[~failed]
-            with self._lock:
-                if cache is not None and cache is self.cache and len(good):
+            with self._lock:  # a version swapped in meanwhile may have changed these rows
+                if (cache is not None and cache is self.cache and version is self.current
+                        and len(good)):
                     _, already = cache.get(keys[good])
                     cache.put(keys[good[~already]], rows[good[~already]])
         self.metrics.cache_counts(len(keys), len(keys) - len(miss))
