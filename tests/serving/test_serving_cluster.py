@@ -207,3 +207,15 @@ def test_hot_rows_are_the_most_shown_within_the_budget(chain, redis_cluster):
         np.testing.assert_allclose(rows.hot_values, want)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("command", ["serve", "publish"])
+def test_tier_urls_that_cannot_work_are_clear_errors(command, tmp_path, capsys):
+    from serving_helpers import free_port
+
+    flag = "--sparse-tier" if command == "serve" else "--to"
+    assert cli_main([command, str(tmp_path), flag, "http://127.0.0.1:1"]) == 2
+    assert "expected redis://HOST:PORT" in capsys.readouterr().err
+    dead = f"redis://127.0.0.1:{free_port()}"
+    assert cli_main([command, str(tmp_path), flag, dead]) == 2
+    assert "no cluster node answered" in capsys.readouterr().err

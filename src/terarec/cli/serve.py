@@ -81,19 +81,26 @@ def run(args: argparse.Namespace) -> int:
                   cache_rows=args.cache_rows, cache_dir=args.cache_dir,
                   incomplete_timeout_s=args.incomplete_seconds)
     if args.sparse_tier:
+        from redis.exceptions import RedisError
+
+        from terarec.cli.main import UserError
         from terarec.serving.cluster import ClusterEngine
+        from terarec.sparsetier.tier import TierError
 
         for flag in ("hot_rows", "hot_bytes", "sparse_deadline_ms", "hedge_floor_ms"):
             value = getattr(args, flag)
             if value is not None and value < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
-        engine: ServingEngine = ClusterEngine(
-            args.uri, args.sparse_tier, ns=args.namespace, hot_rows=args.hot_rows,
-            hot_bytes=args.hot_bytes, strict=args.strict_sparse,
-            deadline_s=args.sparse_deadline_ms / 1000, hedge=not args.no_hedge,
-            hedge_floor_s=args.hedge_floor_ms / 1000,
-            hedge_delay_s=None if args.hedge_ms is None else args.hedge_ms / 1000,
-            **common)
+        try:
+            engine: ServingEngine = ClusterEngine(
+                args.uri, args.sparse_tier, ns=args.namespace, hot_rows=args.hot_rows,
+                hot_bytes=args.hot_bytes, strict=args.strict_sparse,
+                deadline_s=args.sparse_deadline_ms / 1000, hedge=not args.no_hedge,
+                hedge_floor_s=args.hedge_floor_ms / 1000,
+                hedge_delay_s=None if args.hedge_ms is None else args.hedge_ms / 1000,
+                **common)
+        except (TierError, RedisError) as exc:
+            raise UserError(f"--sparse-tier {args.sparse_tier}: {exc}") from None
     else:
         engine = ServingEngine(args.uri, **common)
     if args.wait_seconds > 0:

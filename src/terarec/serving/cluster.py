@@ -34,7 +34,7 @@ from terarec.serving.engine import ServedVersion, ServingEngine
 from terarec.serving.rows import ShardedRows, VersionRows
 from terarec.sparsetier.control import Control
 from terarec.sparsetier.layout import Layout, RowFormat
-from terarec.sparsetier.tier import SparseTier, TierMetrics
+from terarec.sparsetier.tier import SparseTier, TierError, TierMetrics
 from terarec.sparsetier.wire import row_keys
 
 log = logging.getLogger(__name__)
@@ -190,6 +190,16 @@ class ClusterEngine(ServingEngine):
                 self._register({current.name} if current else set())
             except Exception as exc:  # the cluster being down must not stop serving
                 log.warning("sparse tier: cannot register the served version: %s", exc)
+
+    def refresh(self) -> bool:
+        """As ServingEngine.refresh; the cluster being unreachable is not the version's
+        fault: it is logged and the version tried again at the next poll."""
+        try:
+            return super().refresh()
+        except (RedisError, TierError, SparseReadError) as exc:
+            log.warning("sparse tier: cannot load a version from %s now: %s", self.tier.url,
+                        exc)
+            return False
 
     def _target(self, newest: str) -> Manifest | None:
         """The export's manifest of the newest announced version, if it is the one that
