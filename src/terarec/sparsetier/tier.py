@@ -102,21 +102,19 @@ class NodeConn:
     def call(self, payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Send ``n`` pipelined commands; (reply buffer, offsets, lengths)."""
         self.sock.sendall(payload)
+        parser = wire.ReplyParser(n)
         buf = bytearray()
-        chunk = bytearray(1 << 16)
+        chunk = bytearray(1 << 18)
         view = memoryview(chunk)
-        minimum = 4 * n
         while True:
             got = self.sock.recv_into(view)
             if not got:
                 raise ConnectionError(f"{self.address}: connection closed")
             buf += view[:got]
-            if len(buf) < minimum:
-                continue
-            arr = np.frombuffer(bytes(buf), np.uint8)
-            used, offsets, lengths = wire.parse_replies(arr, n)
-            if used >= 0:
-                return arr, offsets, lengths
+            arr = np.frombuffer(buf, np.uint8)
+            if parser.feed(arr):
+                return arr, parser.offsets, parser.lengths
+            del arr  # the buffer grows on the next recv
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -121,31 +121,32 @@ class ReplyError(Exception):
 
 
 @numba.njit(nogil=True, cache=True)
-def _parse_bulks(buf, n, offsets, lengths):
-    """Parse ``n`` replies from ``buf``: bulk strings (offset, length; -1 for nil),
-    ``+simple`` or ``:integer`` (length -2) or an error (returns -(pos + 2) of the
-    error). Returns the bytes consumed, or -1 while incomplete."""
-    pos = 0
+def _parse_bulks(buf, start, pos, n, offsets, lengths, state):
+    """Parse replies ``start``..``n - 1`` from ``buf`` at byte ``pos``: bulk strings
+    (offset, length; -1 for nil), ``+simple`` or ``:integer`` (length -2). Stops at the
+    first incomplete reply: ``state`` = (replies parsed, next byte). Returns -1, or the
+    byte position of an error reply."""
     size = buf.shape[0]
-    for i in range(n):
+    i = start
+    while i < n:
         if pos >= size:
-            return -1
+            break
         kind = buf[pos]
-        # the line up to \r\n
-        end = pos + 1
+        end = pos + 1  # the line up to \r\n
         while end + 1 < size and not (buf[end] == 13 and buf[end + 1] == 10):
             end += 1
         if end + 1 >= size:
-            return -1
+            break
         if kind == 45:  # '-'
-            return -(pos + 2)
-        if kind == 43 or kind == 58:  # '+' or ':' (a simple string or an integer)
+            return pos
+        if kind == 43 or kind == 58:  # '+' or ':'
             offsets[i] = pos + 1
             lengths[i] = -2
             pos = end + 2
+            i += 1
             continue
         if kind != 36:  # not '$': unexpected
-            return -(pos + 2)
+            return pos
         neg = False
         value = 0
         for j in range(pos + 1, end):
@@ -158,27 +159,50 @@ def _parse_bulks(buf, n, offsets, lengths):
             offsets[i] = 0
             lengths[i] = -1
             pos = end + 2
+            i += 1
             continue
-        start = end + 2
-        if start + value + 2 > size:
-            return -1
-        offsets[i] = start
+        if end + 2 + value + 2 > size:
+            break
+        offsets[i] = end + 2
         lengths[i] = value
-        pos = start + value + 2
-    return pos
+        pos = end + 2 + value + 2
+        i += 1
+    state[0] = i
+    state[1] = pos
+    return -1
+
+
+class ReplyParser:
+    """Replies of ``n`` pipelined commands, parsed as their bytes arrive (``feed``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.offsets = np.zeros(n, np.int64)
+        self.lengths = np.zeros(n, np.int64)
+        self._state = np.zeros(2, np.int64)
+
+    @property
+    def done(self) -> bool:
+        return int(self._state[0]) >= self.n
+
+    def feed(self, buf: np.ndarray) -> bool:
+        """Parse what ``buf`` (every byte received so far) adds; True once all ``n``
+        replies are in. Raises ReplyError on an error reply."""
+        if self.n:
+            at = _parse_bulks(buf, int(self._state[0]), int(self._state[1]), self.n,
+                              self.offsets, self.lengths, self._state)
+            if at >= 0:
+                end = bytes(buf[at:at + 200]).split(b"\r\n", 1)[0]
+                raise ReplyError(end.decode(errors="replace").lstrip("-"))
+        return self.done
 
 
 def parse_replies(buf: np.ndarray, n: int) -> tuple[int, np.ndarray, np.ndarray]:
     """(bytes consumed or -1 if incomplete, offsets, lengths) of ``n`` replies in
     ``buf``; raises ReplyError on an error reply."""
-    offsets = np.zeros(n, np.int64)
-    lengths = np.zeros(n, np.int64)
-    used = _parse_bulks(buf, n, offsets, lengths) if n else 0
-    if used < -1:
-        at = -used - 2
-        end = bytes(buf[at:at + 200]).split(b"\r\n", 1)[0]
-        raise ReplyError(end.decode(errors="replace").lstrip("-"))
-    return used, offsets, lengths
+    parser = ReplyParser(n)
+    complete = parser.feed(buf)
+    return (int(parser._state[1]) if complete else -1), parser.offsets, parser.lengths
 
 
 @numba.njit(nogil=True, cache=True)
