@@ -219,3 +219,21 @@ def test_tier_urls_that_cannot_work_are_clear_errors(command, tmp_path, capsys):
     dead = f"redis://127.0.0.1:{free_port()}"
     assert cli_main([command, str(tmp_path), flag, dead]) == 2
     assert "no cluster node answered" in capsys.readouterr().err
+
+
+def test_train_publishes_each_exported_version(redis_cluster, tmp_path):
+    from serving_helpers import make_data
+
+    data = make_data(tmp_path / "train.tsv", 1600)
+    export = tmp_path / "export"
+    assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "model"),
+                     "--pass-rows", "800", "--batch-size", "400", "--embedding-dim", "4",
+                     "--threads", "1", "--no-progress", "--export-to", str(export),
+                     "--publish-to", redis_cluster.url, "--publish-namespace", "trained"]) == 0
+    control = Control(redis_cluster.url, Layout("trained"))
+    try:
+        newest = sorted(p.name for p in export.iterdir() if p.name.startswith("v"))[-1]
+        assert control.newest() == newest
+        assert control.meta(newest)["kind"] == "delta" and control.meta("v000001")["cold"]
+    finally:
+        control.close()

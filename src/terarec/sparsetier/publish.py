@@ -28,6 +28,7 @@ import numpy as np
 from terarec.export.format import Manifest, parse_version_name
 from terarec.export.reader import VersionReader
 from terarec.export.storage import Storage
+from terarec.export.writer import ExportedVersion, IncrementalExporter
 from terarec.io import ScratchDir
 from terarec.sparsetier.control import Control
 from terarec.sparsetier.layout import Layout, RowFormat
@@ -210,3 +211,33 @@ class Publisher:
         self.control.set_meta(manifest.name, hot=1)
         log.info("published delta %s: %d upserts, %d deletions", manifest.name,
                  len(upserts), len(deleted))
+
+
+class PublishingExporter(IncrementalExporter):
+    """An IncrementalExporter that publishes each version it writes (``train
+    --publish-to``): deltas as the hot part, full versions as both parts. A publish that
+    fails is logged and training goes on (``terarec publish`` can catch up later)."""
+
+    def __init__(self, uri: str | Path, trainer: Any, *, publish_to: str,
+                 namespace: str = "terarec", **kwargs: Any) -> None:
+        super().__init__(uri, trainer, **kwargs)
+        self.uri = str(uri)
+        self.publish_to, self.namespace = publish_to, namespace
+        self.storage_options = kwargs.get("storage_options")
+        self.published: list[PublishResult] = []
+
+    def export(self, trainer: Any, full: bool = False) -> ExportedVersion:
+        result = super().export(trainer, full)
+        if self.ctx.is_main:
+            try:
+                publisher = Publisher(self.publish_to, self.namespace)
+                try:
+                    self.published.append(publisher.publish(
+                        f"{self.uri.rstrip('/')}/{result.name}",
+                        part="all" if result.kind == "full" else "hot",
+                        storage_options=self.storage_options))
+                finally:
+                    publisher.close()
+            except Exception as exc:  # the export is written; publishing can be redone
+                log.error("publishing %s to %s failed: %s", result.name, self.publish_to, exc)
+        return result
