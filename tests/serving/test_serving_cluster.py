@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import redis
 import torch
-from cluster_helpers import local_scores, train_chain
+from cluster_helpers import local_scores
 from serving_helpers import ServerThread
 
 from terarec.cli.main import main as cli_main
@@ -21,9 +21,9 @@ from terarec.sparsetier.layout import Layout
 from terarec.sparsetier.tier import SparseTier
 
 
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    return train_chain(tmp_path_factory.mktemp("cluster-chain"))
+@pytest.fixture
+def chain(cluster_chain):
+    return cluster_chain
 
 
 @pytest.fixture(autouse=True)

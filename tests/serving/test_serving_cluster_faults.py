@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 import redis
 import torch
-from cluster_helpers import train_chain
 from serving_helpers import ServerThread
 
 from terarec.cli.main import main as cli_main
 from terarec.serving.app import create_app
 from terarec.serving.cluster import ClusterEngine
 
+pytestmark = pytest.mark.slow
 
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory):
-    return train_chain(tmp_path_factory.mktemp("cluster-faults"))
+
+@pytest.fixture
+def chain(cluster_chain):
+    return cluster_chain
 
 
 @pytest.fixture(autouse=True)
