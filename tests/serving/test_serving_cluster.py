@@ -237,3 +237,42 @@ def test_train_publishes_each_exported_version(redis_cluster, tmp_path):
         assert control.meta(newest)["kind"] == "delta" and control.meta("v000001")["cold"]
     finally:
         control.close()
+
+
+def test_the_serve_command_reads_the_tier(chain, redis_cluster):
+    import http.client
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from serving_helpers import free_port
+
+    assert publish(redis_cluster.url, chain.export, "cli") == 0
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "terarec", "serve", str(chain.export), "--port", str(port),
+         "--sparse-tier", redis_cluster.url, "--namespace", "cli", "--hot-rows", "10",
+         "--cache-rows", "0", "--strict-sparse", "--hedge-floor-ms", "1", "--threads", "1",
+         "--log-level", "warning"], env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 60
+        body = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("POST", "/predict", json.dumps({"candidates": chain.records}),
+                             {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                if response.status == 200:
+                    body = json.loads(response.read())
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert body is not None, "the server never answered"
+        assert body["version"] == 4
+        np.testing.assert_allclose(body["scores"], chain.trainer_scores[4], atol=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
