@@ -39,6 +39,8 @@ from terarec.sparsetier.wire import row_keys
 
 log = logging.getLogger(__name__)
 HOT_ROW_OVERHEAD = 8  # bytes a hot row costs beyond its fp32 values (its key)
+BULK_ROWS = 1 << 16  # rows per read when loading hot rows or refreshing the cache
+BULK_DEADLINE_S = 10.0
 
 
 class SparseReadError(RuntimeError):
@@ -66,9 +68,11 @@ class ClusterRows(VersionRows):
     def overlay_rows(self) -> int:
         return len(self.keys)
 
-    def read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read(self, keys: np.ndarray, deadline_s: float | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, found, failed) of unique ``keys``: zero rows where absent, deleted or
-        not read within the deadline (``failed``)."""
+        not read within the deadline (``failed``; default: the request deadline)."""
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
         keys = np.ascontiguousarray(keys, np.int64)
         n = len(keys)
         out = np.zeros((n, self.row_dim), np.float32)
@@ -102,7 +106,7 @@ class ClusterRows(VersionRows):
             rkeys = np.concatenate([row_keys(self.layout.rows(self.chain[w]), keys[sel])
                                     for w, sel in batch])
             values, hit, miss = self.tier.read(rkeys, self.formats[batch[0][0]].width,
-                                               self.deadline_s)
+                                               deadline_s)
             lo = 0
             for w, sel in batch:
                 part = slice(lo, lo + len(sel))
@@ -115,12 +119,18 @@ class ClusterRows(VersionRows):
         return out, found, failed
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Like ``read``, but rows that could not be read raise SparseReadError."""
-        rows, found, failed = self.read(keys)
-        if failed.any():
-            raise SparseReadError(f"{int(failed.sum())} of {len(keys)} rows could not be "
-                                  f"read from the sparse tier within "
-                                  f"{self.deadline_s * 1000:.0f} ms")
+        """Rows and found mask of any number of ``keys`` outside a request (hot rows at
+        load, a delta's rows for the cache): read in chunks with a generous deadline;
+        rows that cannot be read raise SparseReadError."""
+        keys = np.ascontiguousarray(keys, np.int64)
+        rows = np.zeros((len(keys), self.row_dim), np.float32)
+        found = np.zeros(len(keys), np.bool_)
+        for lo in range(0, len(keys), BULK_ROWS):
+            part = slice(lo, lo + BULK_ROWS)
+            rows[part], found[part], failed = self.read(keys[part], BULK_DEADLINE_S)
+            if failed.any():
+                raise SparseReadError(f"{int(failed.sum())} rows could not be read from the "
+                                      f"sparse tier within {BULK_DEADLINE_S:.0f} s")
         return rows, found
 
     def with_version_delta(self, name: str, fmt: RowFormat, codebooks: dict[int, np.ndarray],
@@ -242,10 +252,7 @@ class ClusterEngine(ServingEngine):
         if self.hot_bytes is not None:
             budget = min(budget, self.hot_bytes // (4 * manifest.row_dim + HOT_ROW_OVERHEAD))
         hot = np.sort(self.control.shows_of(manifest.name)[:max(0, budget)])
-        values = np.zeros((len(hot), manifest.row_dim), np.float32)
-        for lo in range(0, len(hot), 1 << 16):
-            values[lo:lo + (1 << 16)] = _with_deadline(rows, 5.0).lookup(hot[lo:lo + (1 << 16)])[0]
-        rows.hot_keys, rows.hot_values = hot, values
+        rows.hot_keys, rows.hot_values = hot, rows.lookup(hot)[0]
         log.info("%s: %d hot rows in local memory, the rest read from %s", manifest.name,
                  len(hot), self.tier.url)
         return rows
@@ -312,13 +319,6 @@ class ClusterEngine(ServingEngine):
         super().close()
         self.tier.close()
         self.control.close()
-
-
-def _with_deadline(rows: ClusterRows, deadline_s: float) -> ClusterRows:
-    """``rows`` read with a longer deadline (loading hot rows is not a request)."""
-    copy = ClusterRows(rows.tier, rows.layout, rows.chain, rows.formats, rows.codebooks,
-                       rows.keys, rows.which, rows.hot_keys, rows.hot_values, deadline_s)
-    return copy
 
 
 class _AnnouncedReader(VersionReader):
