@@ -49,6 +49,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-delay-ms", type=float, default=1.0,
                    help="longest a request waits for others to join its pass while more "
                         "keep arriving (default 1 ms; a request alone never waits)")
+    tier = p.add_argument_group("sparse tier (rows in a Redis Cluster, `terarec publish`)")
+    tier.add_argument("--sparse-tier", metavar="redis://HOST:PORT",
+                      help="read sparse rows from this cluster; only the dense part and the "
+                           "hot rows are held locally")
+    tier.add_argument("--namespace", default="terarec",
+                      help="the model's key prefix in the cluster (default terarec)")
+    tier.add_argument("--hot-rows", type=int, default=1_000_000,
+                      help="most-shown rows held in local memory (default 1,000,000)")
+    tier.add_argument("--hot-bytes", type=int,
+                      help="cap on the hot rows' memory, in bytes (fp32 values + key)")
+    tier.add_argument("--sparse-deadline-ms", type=float, default=100.0,
+                      help="how long one request waits for cluster rows (default 100)")
+    tier.add_argument("--hedge-ms", type=float,
+                      help="fixed hedge delay (default: each node's observed p95, at least "
+                           "--hedge-floor-ms)")
+    tier.add_argument("--hedge-floor-ms", type=float, default=2.0,
+                      help="smallest hedge delay (default 2)")
+    tier.add_argument("--no-hedge", action="store_true",
+                      help="never send a read to a replica before the master failed")
+    tier.add_argument("--strict-sparse", action="store_true",
+                      help="answer 503 when rows cannot be read in time (default: score "
+                           "them as zero rows, as unknown keys)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_storage_args(p)
     p.set_defaults(func=run)
@@ -80,8 +102,31 @@ def run(args: argparse.Namespace) -> int:
         max_delay_ms=args.max_delay_ms)
     serve = {"host": args.host, "port": args.port, "log_level": args.log_level,
              "access_log": False}
+    if args.sparse_tier:
+        for flag in ("hot_rows", "hot_bytes", "sparse_deadline_ms", "hedge_floor_ms"):
+            value = getattr(args, flag)
+            if value is not None and value < 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+        options.sparse_tier = {
+            "url": args.sparse_tier, "ns": args.namespace, "hot_rows": args.hot_rows,
+            "hot_bytes": args.hot_bytes, "strict": args.strict_sparse,
+            "deadline_s": args.sparse_deadline_ms / 1000, "hedge": not args.no_hedge,
+            "hedge_floor_s": args.hedge_floor_ms / 1000,
+            "hedge_delay_s": None if args.hedge_ms is None else args.hedge_ms / 1000}
     if args.workers == 1:
-        uvicorn.run(build_app(options), **serve)
+        if not args.sparse_tier:
+            uvicorn.run(build_app(options), **serve)
+            return 0
+        from redis.exceptions import RedisError
+
+        from terarec.cli.main import UserError
+        from terarec.sparsetier.tier import TierError
+
+        try:
+            app = build_app(options)
+        except (TierError, RedisError) as exc:
+            raise UserError(f"--sparse-tier {args.sparse_tier}: {exc}") from None
+        uvicorn.run(app, **serve)
         return 0
     # Workers share one download folder (one copy of each shard in the page cache) and
     # a swap notice in it.

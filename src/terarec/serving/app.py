@@ -41,6 +41,7 @@ from terarec.data.readers import DataError, batch_from_columns
 from terarec.finite import NonFiniteError, check_scores
 from terarec.serving import binary
 from terarec.serving.batching import DynamicBatcher, QueueFull
+from terarec.serving.cluster import SparseReadError
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
 from terarec.serving.features import columns_batch, relabel
 from terarec.serving.metrics import ServingMetrics
@@ -165,7 +166,7 @@ class _Shortcut:
             response = await self.handler(Request(scope, receive))
         except BadRequest as exc:
             response = _json({"error": str(exc)}, exc.status)
-        except NoVersionError as exc:
+        except (NoVersionError, SparseReadError) as exc:
             response = _json({"error": str(exc)}, 503)
         await response(scope, receive, send)
 
@@ -329,6 +330,10 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
 
     @app.exception_handler(NoVersionError)
     async def no_version(request: Request, exc: NoVersionError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=503)
+
+    @app.exception_handler(SparseReadError)
+    async def sparse_unreadable(request: Request, exc: SparseReadError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
 
     @app.exception_handler(StarletteHTTPException)

@@ -54,6 +54,8 @@ class ServeOptions:
     threads: int | None = None
     max_batch_rows: int = 4096
     max_delay_ms: float = 1.0
+    # ClusterEngine's arguments ("url" and its keywords) to read rows from a sparse tier.
+    sparse_tier: dict[str, Any] | None = None
 
 
 def build_app(options: ServeOptions) -> FastAPI:
@@ -66,10 +68,18 @@ def build_app(options: ServeOptions) -> FastAPI:
 
     if options.threads:
         torch.set_num_threads(options.threads)
-    engine = ServingEngine(options.uri, storage_options=options.storage_options,
-                           cache_rows=options.cache_rows, cache_dir=options.cache_dir,
-                           incomplete_timeout_s=options.incomplete_seconds,
-                           swap_notice=options.swap_notice)
+    common: dict[str, Any] = dict(
+        storage_options=options.storage_options, cache_rows=options.cache_rows,
+        cache_dir=options.cache_dir, incomplete_timeout_s=options.incomplete_seconds,
+        swap_notice=options.swap_notice)
+    engine: ServingEngine
+    if options.sparse_tier:
+        from terarec.serving.cluster import ClusterEngine
+
+        tier = dict(options.sparse_tier)
+        engine = ClusterEngine(options.uri, tier.pop("url"), **tier, **common)
+    else:
+        engine = ServingEngine(options.uri, **common)
     if options.wait_seconds > 0:
         engine.wait_for_version(options.wait_seconds)
     else:
