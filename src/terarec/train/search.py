@@ -32,6 +32,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.embedding.shared import (
+    SharedKeys,
+    SharedRowsStore,
+    key_side_config,
+    sharing_refusal,
+)
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import atomic_write_text
@@ -306,8 +312,9 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
         k = min(parallel, trials - len(done))
         # Built one after another, each trainer seeds torch itself: the weights of a
         # trial are those of the same configuration trained alone.
+        keys = _KeySides()  # one key index per admission/eviction setting of the wave
         wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
-                     overall) for _ in range(k)]
+                     overall, keys) for _ in range(k)]
         _train_wave(wave, study, train_paths, valid, select_by, budget, progress,
                     on_boundary)
         done.extend(wave)
@@ -324,7 +331,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
 
 def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
          budget: int | None, live: int, select_by: str, patience: int | None,
-         overall: _BestSoFar) -> SearchTrial:
+         overall: _BestSoFar, keys: _KeySides) -> SearchTrial:
     trial = study.ask()
     params = suggest(trial, space)
     config = apply_params(base, params)
@@ -334,9 +341,30 @@ def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
         config.store.memory_budget = budget // live
     if config.store.tiered:
         config.store.disk_path = str(model_dir / "store")
-    run = TrialRun(Trainer(schema, config), SelectionTracker(select_by, patience),
+    trainer = Trainer(schema, config)
+    keys.attach(trainer)
+    run = TrialRun(trainer, SelectionTracker(select_by, patience),
                    _checkpoint_best(model_dir, trial.number, overall))
     return SearchTrial(trial.number, params, config, model_dir, trial, run)
+
+
+class _KeySides:
+    """The shared key indexes of one wave: trials whose stores admit and evict alike
+    share one (``embedding.shared``); a trial whose store cannot share keeps its own."""
+
+    def __init__(self) -> None:
+        self.by_setting: dict[tuple, SharedKeys] = {}
+
+    def attach(self, trainer: Trainer) -> None:
+        """Give ``trainer`` a view of its key side in place of the store it built."""
+        config = trainer.config
+        if sharing_refusal(config.store, config.sparse_optimizer) is not None:
+            return
+        setting = key_side_config(config.store)
+        shared = self.by_setting.setdefault(setting, SharedKeys(config.store, config.seed))
+        trainer.store = SharedRowsStore(shared, trainer.model.row_dim,
+                                        trainer.sparse_optimizer, config.store,
+                                        seed=config.seed)
 
 
 @dataclass
