@@ -48,7 +48,7 @@ def test_views_equal_stores_of_their_own(cfg):
     assert all(isinstance(v, EmbeddingStore) for v in views)
     rng = np.random.default_rng(0)
     for p, keys, show, click in _passes(rng, 9):
-        for i, (view, own) in enumerate(zip(views, alone)):
+        for i, (view, own) in enumerate(zip(views, alone, strict=True)):
             # the second model pulls the same keys in another order (another batch size)
             order = np.arange(len(keys)) if i == 0 else rng.permutation(len(keys))
             k, s, c = keys[order], show[order], click[order]
@@ -63,10 +63,10 @@ def test_views_equal_stores_of_their_own(cfg):
             own.push(k[oa], RowBlock(trained.values.copy(), trained.state.copy()))
             assert view.end_pass(p) == own.end_pass(p)
             assert len(view) == len(own)
-    for view, own in zip(views, alone):
+    for view, own in zip(views, alone, strict=True):
         _same(view.to_arrays(), own.to_arrays())
         probe = np.arange(-5, 420, dtype=np.int64)
-        for got, want in zip(view.lookup(probe), own.lookup(probe)):
+        for got, want in zip(view.lookup(probe), own.lookup(probe), strict=True):
             np.testing.assert_array_equal(got, want)
     if cfg.evict_after_passes:
         assert views[0].stats().evicted > 0 and views[0].stats().candidates > 0
@@ -88,7 +88,7 @@ def test_save_load_restores_every_view_and_the_key_side(tmp_path):
     loaded = [SharedRowsStore(fresh, d, SparseOptimizer(o), cfg, seed=3) for d, o in MODELS]
     for i, view in enumerate(loaded):
         view.load(tmp_path / f"m{i}")
-    for view, want in zip(loaded, saved):
+    for view, want in zip(loaded, saved, strict=True):
         _same(view.to_arrays(), want)
     # the loaded models keep training on one key side: the next pass admits once
     keys = np.arange(1000, 1010, dtype=np.int64)
@@ -105,7 +105,7 @@ def test_the_key_side_is_paid_once():
     for store in [*views, *alone]:
         store.pull(keys, ones, ones, 0)
     index_bytes = alone[0].index.nbytes
-    for view, own in zip(views, alone):
+    for view, own in zip(views, alone, strict=True):
         assert view.nbytes == own.nbytes - own.index.nbytes - 12 * len(own)  # rows only
         assert view.value_bytes == own.value_bytes
     assert shared.nbytes >= index_bytes

@@ -28,6 +28,7 @@ tiered store (its disk tier keeps its own index); ``sharing_refusal`` says why.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 
 from terarec.config import SparseOptimizerConfig, StoreConfig
