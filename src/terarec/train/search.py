@@ -20,6 +20,7 @@ split across the live trials and re-split when trials are pruned.
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
@@ -31,6 +32,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+import torch
+
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
 from terarec.embedding.shared import (
     SharedKeys,
@@ -38,6 +42,7 @@ from terarec.embedding.shared import (
     key_side_config,
     sharing_refusal,
 )
+from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import atomic_write_text
@@ -209,6 +214,11 @@ def make_pruner(name: str):
     raise ValueError(f"pruner {name!r}: expected one of {', '.join(PRUNERS)}")
 
 
+def _in_ram(config: TrainConfig) -> TrainConfig:
+    """``config`` with its store all in RAM (no memory budget, no disk tier)."""
+    return replace(config, store=replace(config.store, memory_budget=None, disk_path=None))
+
+
 def free_rows(trainer: Trainer) -> None:
     """Drop a trainer's embedding rows and optimizer state (and a tiered store's files):
     a pruned or finished trial trains no more."""
@@ -216,9 +226,8 @@ def free_rows(trainer: Trainer) -> None:
     path = getattr(getattr(store, "disk", None), "path", None)
     if hasattr(store, "close"):
         store.close()
-    in_ram = replace(trainer.config, store=replace(trainer.config.store, memory_budget=None,
-                                                   disk_path=None))
-    trainer.store = make_store(trainer.model.row_dim, trainer.sparse_optimizer, in_ram)
+    trainer.store = make_store(trainer.model.row_dim, trainer.sparse_optimizer,
+                               _in_ram(trainer.config))
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -317,6 +326,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
                      overall, keys) for _ in range(k)]
         _train_wave(wave, study, train_paths, valid, select_by, budget, progress,
                     on_boundary)
+        overall.flush()
         done.extend(wave)
     # The trial with the best validation value of all, pruned ones included (a pruned
     # trial's best pass is a whole model): the one whose checkpoint ``overall`` took last.
@@ -368,26 +378,75 @@ class _KeySides:
 
 
 @dataclass
+class _Snapshot:
+    """A trial's state after one pass, held in RAM until it is written (a copy of its
+    rows, dense weights and optimizer state: what ``save_checkpoint`` writes)."""
+
+    model_dir: Path
+    trainer: Trainer
+    pass_id: int
+    history: list[dict]
+    rng: torch.Tensor
+    dense: dict[str, torch.Tensor]
+    dense_optimizer: dict[str, Any]
+    rows: dict[str, np.ndarray]
+
+    @classmethod
+    def take(cls, model_dir: Path, trainer: Trainer) -> _Snapshot:
+        return cls(model_dir, trainer, trainer.pass_id, list(trainer.history),
+                   torch.get_rng_state(),
+                   {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                   copy.deepcopy(trainer.dense_optimizer.state_dict()),
+                   trainer.store.to_arrays())
+
+    def write(self) -> None:
+        """Commit it as the trial's checkpoint and mark it BEST. The trial has stopped
+        training: its trainer is set back to the snapshot, on an in-RAM store."""
+        t = self.trainer
+        t.model.load_state_dict(self.dense)
+        t.dense_optimizer.load_state_dict(self.dense_optimizer)
+        t.store = make_store(t.model.row_dim, t.sparse_optimizer, _in_ram(t.config))
+        t.store.load_arrays(self.rows)
+        t.pass_id, t.history = self.pass_id, self.history
+        torch.set_rng_state(self.rng)
+        mark_best(self.model_dir, save_checkpoint(self.model_dir, t).name)
+
+
+@dataclass
 class _BestSoFar:
-    """The best pass of any trial so far, and which trial holds it."""
+    """The best pass of any trial so far, which trial holds it, and (for a trial whose
+    rows are all in RAM) its state not yet written."""
 
     tracker: SelectionTracker
     trial: int | None = None
+    pending: _Snapshot | None = None
+
+    def flush(self) -> None:
+        """Write the pending best state (at the end of each wave)."""
+        if self.pending is not None:
+            self.pending.write()
+            self.pending = None
 
 
 def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
                      ) -> Callable[[Trainer, dict], None]:
-    """The pass-end hook of a trial: commit a checkpoint when the pass is the best of
-    the whole search so far (``overall``). The state the search ends up choosing is the
-    best of all, so it was the best so far when it was reached: later passes of other
-    trials are never needed, and most passes write nothing."""
+    """The pass-end hook of a trial: keep its state when the pass is the best of the
+    whole search so far (``overall``). The state the search ends up choosing is the best
+    of all, so it was the best so far when it was reached: later passes of other trials
+    are never needed. An in-RAM store's state is copied and written once, at the end of
+    the wave (most passes that lead at some point are overtaken before then); a tiered
+    store's is committed at once (its rows are not copied into RAM)."""
 
     def hook(trainer: Trainer, record: dict) -> None:
         value = record[overall.tracker.key]
         if record.get("best") and overall.tracker.is_better(value):
             overall.tracker.update(value, int(record["pass_id"]) + 1)
             overall.trial = number
-            mark_best(model_dir, save_checkpoint(model_dir, trainer).name)
+            if isinstance(trainer.store, MemoryStore):
+                overall.pending = _Snapshot.take(model_dir, trainer)
+            else:
+                overall.pending = None
+                mark_best(model_dir, save_checkpoint(model_dir, trainer).name)
 
     return hook
 
