@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--space", type=Path,
                    help="search space, JSON or YAML: {config.path: {type, low, high, log} "
                    "or [choices]} (default: a space for --model, see docs/search.md)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the search in --out after a stop or a crash: finished "
+                   "trials are kept, interrupted ones run again (same settings needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_training_args(p)
     p.set_defaults(func=run)
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                         parallel=args.parallel, space=space, sampler=args.sampler,
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, resume=args.resume)
     write_results(result, args.out)
     write_search_report(result, args.out)
     report_skipped(stats)

@@ -25,6 +25,7 @@ import csv
 import io
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -234,22 +235,39 @@ def free_rows(trainer: Trainer) -> None:
 
 @dataclass
 class SearchTrial:
-    """One trial: its values, configuration, state, curve and optuna handle."""
+    """One trial: its values, configuration, state, curve and optuna handle. A trial
+    that finished before a resumed search started has no ``run``: its selection and
+    stop reason were read back from its directory (``kept``)."""
 
     number: int
     params: dict[str, Any]
     config: TrainConfig
     model_dir: Path
     optuna_trial: Any
-    run: TrialRun
+    run: TrialRun | None
     state: str = "running"  # running, complete, pruned, failed
     seconds: float = 0.0  # its own training and evaluation time
     history: list[dict] = field(default_factory=list)
+    kept: tuple[SelectionTracker, str | None] | None = None
 
     @property
     def selection(self) -> SelectionTracker:
-        assert self.run.selection is not None  # a search trial always selects
+        if self.kept is not None:
+            return self.kept[0]
+        assert self.run is not None and self.run.selection is not None
         return self.run.selection
+
+    @property
+    def stop_reason(self) -> str | None:
+        if self.kept is not None:
+            return self.kept[1]
+        assert self.run is not None
+        return self.run.stop_reason
+
+    @property
+    def trainer(self) -> Trainer:
+        assert self.run is not None, "a trial restored from disk has no trainer"
+        return self.run.trainer
 
     def row(self) -> dict[str, Any]:
         """Its line in the results table."""
@@ -257,7 +275,7 @@ class SearchTrial:
         best = next((h for h in self.history if h["pass_id"] + 1 == sel.best_pass), {})
         return {"trial": self.number, "state": self.state, "value": sel.best_value,
                 "select_by": sel.select_by, "best_pass": sel.best_pass,
-                "passes": len(self.history), "stop_reason": self.run.stop_reason,
+                "passes": len(self.history), "stop_reason": self.stop_reason,
                 "valid_auc": best.get("valid_auc"), "valid_logloss": best.get("valid_logloss"),
                 "seconds": round(self.seconds, 3),
                 **{f"params.{k}": v for k, v in self.params.items()}}
@@ -282,16 +300,16 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
                sampler: str = "tpe", pruner: str = "halving", select_by: str = "logloss",
                patience: int | None = 2, seed: int = 0, progress: bool = False,
                fixed: list[dict[str, Any]] | None = None,
-               on_boundary: Callable[[list[SearchTrial]], None] | None = None
-               ) -> SearchResult:
+               on_boundary: Callable[[list[SearchTrial]], None] | None = None,
+               resume: bool = False) -> SearchResult:
     """Run ``trials`` trials, ``parallel`` at a time (default: all) in one pass loop,
     and write the best one to ``out_dir/best`` as a model directory.
 
     ``fixed``: parameter sets to try first (``study.enqueue_trial``), e.g. the defaults.
-    ``on_boundary`` sees the wave's trials after each pass's pruning.
+    ``on_boundary`` sees the wave's trials after each pass's pruning. ``resume``:
+    continue the search in ``out_dir`` (``open_study``, ``_resumed_trials``): finished
+    trials are kept, interrupted ones run again from the start with their values.
     """
-    import optuna
-
     if not valid_batches:
         raise ValueError("search needs a validation set (--valid)")
     if trials < 1:
@@ -302,20 +320,20 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     parallel = min(parallel or trials, trials)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    direction: Literal["maximize", "minimize"] = \
-        "maximize" if higher_is_better(select_by) else "minimize"
-    study = optuna.create_study(direction=direction,
-                                sampler=make_sampler(sampler, space, seed),
-                                pruner=make_pruner(pruner))
-    for params in fixed or []:
-        study.enqueue_trial(params)
+    settings = {"space": space, "sampler": sampler, "pruner": pruner,
+                "select_by": select_by, "patience": patience, "seed": seed,
+                "config": to_dict(base)}
+    study = open_study(out_dir, settings, resume)
+    overall = _BestSoFar(SelectionTracker(select_by, patience=None))
+    done = _resumed_trials(study, out_dir, base, select_by, patience, overall) \
+        if resume else []
+    if not resume:
+        for params in fixed or []:
+            study.enqueue_trial(params)
     budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
     # The validation set's keys are planned once for every trial and evaluation.
     valid = [plan_pass(group, counts=False)
              for group in group_passes(valid_batches, base.pass_rows)]
-    overall = _BestSoFar(SelectionTracker(select_by, patience=None))
-    done: list[SearchTrial] = []
     start = time.perf_counter()
     while len(done) < trials:
         k = min(parallel, trials - len(done))
@@ -325,7 +343,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
         wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
                      overall, keys) for _ in range(k)]
         _train_wave(wave, study, train_paths, valid, select_by, budget, progress,
-                    on_boundary)
+                    on_boundary, overall)
         overall.flush()
         done.extend(wave)
     # The trial with the best validation value of all, pruned ones included (a pruned
@@ -337,6 +355,149 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
         for pointer in ("BEST", "LATEST"):
             (t.model_dir / pointer).unlink(missing_ok=True)
     return SearchResult(done, best, best_dir, study, time.perf_counter() - start)
+
+
+STUDY_FILE = "study.journal"  # optuna's journal: every trial asked, reported and told
+SETTINGS_FILE = "search.json"  # what the search was started with
+_INTERRUPTED = "interrupted"  # user attribute of a trial a stopped search left running
+
+
+def open_study(out_dir: Path, settings: dict[str, Any], resume: bool):
+    """The search's optuna study, journaled in ``out_dir/study.journal`` so that a
+    search killed at any point can be resumed. A fresh search refuses a directory that
+    holds one; a resumed one must have the settings it was started with."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    journal, saved = out_dir / STUDY_FILE, out_dir / SETTINGS_FILE
+    settings = json.loads(json.dumps(settings))  # as it reads back (lists, not tuples)
+    if resume:
+        if not journal.exists() or not saved.exists():
+            raise ValueError(f"{out_dir}: no search to resume (no {STUDY_FILE} / "
+                             f"{SETTINGS_FILE}); run it without --resume first")
+        before = json.loads(saved.read_text())
+        for key, value in settings.items():
+            if before.get(key) != value:
+                raise ValueError(f"{saved}: the search was started with a different "
+                                 f"{key} ({_diff(before.get(key), value)}); resume it "
+                                 "with the settings it was started with")
+    elif journal.exists():
+        raise ValueError(f"{out_dir} holds a search ({STUDY_FILE}): pass --resume to "
+                         "continue it, or choose another --out")
+    else:
+        atomic_write_text(saved, json.dumps(settings, indent=2))
+    storage = JournalStorage(JournalFileBackend(
+        str(journal), lock_obj=_FileLock(out_dir / f"{STUDY_FILE}.flock")))  # type: ignore[arg-type]
+    direction: Literal["maximize", "minimize"] = \
+        "maximize" if higher_is_better(settings["select_by"]) else "minimize"
+    study = optuna.create_study(storage=storage, study_name="search",
+                                load_if_exists=resume, direction=direction,
+                                pruner=make_pruner(settings["pruner"]))
+    # A sampler's random stream is not journaled: a resumed one continues from a seed of
+    # its own, so that it does not draw again the values it drew before. The grid
+    # sampler's seed orders its grid, which point numbers in the journal refer to.
+    shift = len(study.trials) if settings["sampler"] != "grid" else 0
+    study.sampler = make_sampler(settings["sampler"], settings["space"],
+                                 settings["seed"] + shift)
+    return study
+
+
+def _diff(before: Any, now: Any) -> str:
+    """Where two settings differ: the first differing path (dotted) and both values."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        for key in sorted(set(before) | set(now)):
+            if before.get(key) != now.get(key):
+                inner = _diff(before.get(key), now.get(key))
+                return f"{key}.{inner}" if isinstance(before.get(key), dict) else \
+                    f"{key}: {before.get(key)!r} then, {now.get(key)!r} now"
+    return f"{before!r} then, {now!r} now"
+
+
+def _resumed_trials(study, out_dir: Path, base: TrainConfig, select_by: str,
+                    patience: int | None, overall: _BestSoFar) -> list[SearchTrial]:
+    """The trials a stopped search finished, read back from their directories, and the
+    best of them so far (``overall``). Trials it left running are told FAIL (marked
+    interrupted, left out of the results) and asked again with the same values."""
+    import optuna
+
+    states = {optuna.trial.TrialState.COMPLETE: "complete",
+              optuna.trial.TrialState.PRUNED: "pruned",
+              optuna.trial.TrialState.FAIL: "failed"}
+    done: list[SearchTrial] = []
+    for frozen in study.get_trials(deepcopy=False):
+        model_dir = out_dir / "trials" / f"trial-{frozen.number:03d}"
+        if frozen.state == optuna.trial.TrialState.RUNNING:
+            study._storage.set_trial_user_attr(frozen._trial_id, _INTERRUPTED, True)
+            _tell(study, frozen.number, state=optuna.trial.TrialState.FAIL)
+            _ask_again(study, frozen)
+            shutil.rmtree(model_dir, ignore_errors=True)
+            continue
+        if frozen.state not in states or frozen.user_attrs.get(_INTERRUPTED):
+            continue
+        history = json.loads((model_dir / "history.json").read_text())
+        metrics = json.loads((model_dir / "metrics.json").read_text())
+        selection = SelectionTracker.from_history(history, select_by, patience)
+        stop = history[-1].get("stop_reason") if history else None
+        t = SearchTrial(frozen.number, dict(metrics.get("params", frozen.params)),
+                        apply_params(base, frozen.params), model_dir, frozen, None,
+                        state=states[frozen.state], seconds=float(metrics.get("seconds", 0)),
+                        history=history, kept=(selection, stop))
+        done.append(t)
+        value = selection.best_value
+        if (model_dir / "BEST").exists() and value is not None \
+                and overall.tracker.is_better(value):
+            overall.tracker.update(value, selection.best_pass or 0)
+            overall.trial = t.number
+    return done
+
+
+def _ask_again(study, frozen) -> None:
+    """Queue a trial with the values of the interrupted ``frozen`` (all of them, or
+    the grid sampler's point of it); the grid point number goes with it, since the grid
+    counts the interrupted trial as visited. A trial interrupted before it drew its
+    values is simply replaced by the next one asked."""
+    import optuna
+
+    params = dict(frozen.params)
+    sampler = study.sampler
+    grid_id = frozen.system_attrs.get("grid_id")
+    if isinstance(sampler, optuna.samplers.GridSampler) and grid_id is not None:
+        params = dict(zip(sampler._param_names, sampler._all_grids[grid_id], strict=True))
+    elif set(params) != set(frozen.distributions) or not params:
+        return
+    study.enqueue_trial(params)
+    waiting = study._storage.get_all_trials(study._study_id, deepcopy=False)[-1]
+    for key in ("grid_id", "search_space"):
+        if key in frozen.system_attrs:
+            study._storage.set_trial_system_attr(waiting._trial_id, key,
+                                                 frozen.system_attrs[key])
+
+
+class _FileLock:
+    """The journal's lock: ``flock`` on a file, released by the kernel when the process
+    dies (optuna's lock files outlive a kill -9 and stall a resume until their grace
+    period)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        import fcntl
+
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return True
+
+    def release(self) -> None:
+        import fcntl
+
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
@@ -453,51 +614,58 @@ def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
 
 def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPlan],
                 select_by: str, budget: int | None, progress: bool,
-                on_boundary: Callable[[list[SearchTrial]], None] | None) -> None:
+                on_boundary: Callable[[list[SearchTrial]], None] | None,
+                overall: _BestSoFar) -> None:
     import optuna
 
     by_run = {id(t.run): t for t in wave}
+    runs = [t.run for t in wave if t.run is not None]
+
+    def finish(t: SearchTrial, pruned: bool = False) -> None:
+        """A trial that trains no more: its best state written if it leads, its files
+        written, then optuna told (so a told trial always has its files), rows freed."""
+        t.history = list(t.trainer.history)
+        if overall.pending is not None and overall.pending.trainer is t.trainer:
+            overall.flush()  # sets the trainer back to its best pass
+        value = t.selection.best_value
+        t.state = "pruned" if pruned else "complete" if value is not None else "failed"
+        _write_trial_files(t)
+        if pruned:
+            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.PRUNED)
+        elif value is None:
+            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            _tell(study, t.optuna_trial, value)
+        free_rows(t.trainer)
 
     def boundary(live: list[TrialRun]) -> None:
         trials = [by_run[id(r)] for r in live]
         for t in trials:  # every live trial reports before any is pruned
-            record = t.run.trainer.history[-1]
+            record = t.trainer.history[-1]
             t.seconds += record["staging_s"] + record["train_s"] + record["write_back_s"]
             value = record.get(f"valid_{select_by}")
             if value is not None and math.isfinite(value):
-                t.optuna_trial.report(value, step=len(t.run.trainer.history))
+                t.optuna_trial.report(value, step=len(t.trainer.history))
         for t in trials:
+            assert t.run is not None
             if t.run.live and t.optuna_trial.should_prune():
                 t.run.stop(STOP_PRUNED)
-                t.state = "pruned"
-                t.history = list(t.run.trainer.history)
-                free_rows(t.run.trainer)
-                _tell(study, t.optuna_trial, state=optuna.trial.TrialState.PRUNED)
-                _write_trial_files(t)
-        alive = [t for t in trials if t.run.live]
+                finish(t, pruned=True)
+            elif not t.run.live:  # its patience ran out
+                finish(t)
+        alive = [t for t in trials if t.state == "running"]
         if budget is not None and alive:  # re-split the budget across live trials
             for t in alive:
-                store = t.run.trainer.store
+                store = t.trainer.store
                 if isinstance(store, TieredStore) and store.budget is not None:
                     store.budget = budget // len(alive)
         if on_boundary is not None:
             on_boundary(wave)
 
-    run_passes([t.run for t in wave], train_paths, valid, progress=progress,
-               on_boundary=boundary)
+    run_passes(runs, train_paths, valid, progress=progress, on_boundary=boundary)
     for t in wave:
-        if t.state == "pruned":
-            continue
-        t.history = list(t.run.trainer.history)
-        value = t.selection.best_value
-        if value is None:
-            t.state = "failed"
-            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.FAIL)
-        else:
-            t.state = "complete"
-            _tell(study, t.optuna_trial, value)
-        _write_trial_files(t)
-        free_rows(t.run.trainer)
+        if t.state == "running":
+            finish(t)
 
 
 def _tell(study, trial, value: float | None = None, state=None) -> None:
@@ -514,7 +682,7 @@ def _tell(study, trial, value: float | None = None, state=None) -> None:
 def _write_trial_files(t: SearchTrial) -> None:
     """history.json and metrics.json of a trial, as train writes them."""
     t.model_dir.mkdir(parents=True, exist_ok=True)
-    history = [*t.history[:-1], {**t.history[-1], "stop_reason": t.run.stop_reason}] \
+    history = [*t.history[:-1], {**t.history[-1], "stop_reason": t.stop_reason}] \
         if t.history else []
     atomic_write_text(t.model_dir / "history.json", json.dumps(history, indent=2))
     row = t.row()
@@ -522,8 +690,8 @@ def _write_trial_files(t: SearchTrial) -> None:
                "evaluated_on": "valid", "checkpoint": f"pass-{row['best_pass']:06d}"
                if row["best_pass"] else None, "passes": row["passes"],
                "stop_reason": row["stop_reason"], "model": t.config.model.name,
-               "trial": t.number, "params": t.params,
-               **t.selection.summary()}
+               "trial": t.number, "params": t.params, "state": t.state,
+               "seconds": t.seconds, **t.selection.summary()}
     atomic_write_text(t.model_dir / "metrics.json", json.dumps(metrics, indent=2))
 
 
