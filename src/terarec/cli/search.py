@@ -65,21 +65,26 @@ def run(args: argparse.Namespace) -> int:
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
                                    on_bad_row=config.on_bad_row, stats=stats))
+    from terarec.distributed.context import topology
+
+    ctx = topology(config.device)
     result = run_search(schema, config, args.train, valid, args.out, trials=args.trials,
                         parallel=args.parallel, space=space, sampler=args.sampler,
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,
-                        progress=not args.no_progress, resume=args.resume)
-    write_results(result, args.out)
-    write_search_report(result, args.out)
-    report_skipped(stats)
-    best = result.best
-    print(json.dumps({"trials": len(result.trials),
-                      "pruned": sum(t.state == "pruned" for t in result.trials),
-                      "best_trial": best.number if best else None,
-                      "best_value": best.selection.best_value if best else None,
-                      "best_params": best.params if best else None,
-                      "seconds": round(result.seconds, 2)}))
-    if result.best_dir is not None:
-        print(f"best model written to {result.best_dir}")
+                        progress=not args.no_progress, resume=args.resume, ctx=ctx)
+    if ctx.is_main:
+        write_results(result, args.out)
+        write_search_report(result, args.out)
+        report_skipped(stats)
+        best = result.best
+        print(json.dumps({"trials": len(result.trials),
+                          "pruned": sum(t.state == "pruned" for t in result.trials),
+                          "best_trial": best.number if best else None,
+                          "best_value": best.selection.best_value if best else None,
+                          "best_params": best.params if best else None,
+                          "seconds": round(result.seconds, 2), "world_size": ctx.world}))
+        if result.best_dir is not None:
+            print(f"best model written to {result.best_dir}")
+    ctx.close()
     return 0

@@ -92,6 +92,10 @@ class _PlanCache:
         if batch_size == self.batch_size:
             return self.plan
         if batch_size not in self._by_size:
+            if not isinstance(self.plan, (PassPlan, list)):
+                raise ValueError(f"batch size {batch_size}: a rank's share of a pass "
+                                 f"(planned for batch size {self.batch_size}) cannot be "
+                                 "re-batched; under torchrun every model trains with one")
             if isinstance(self.plan, PassPlan):
                 self._by_size[batch_size] = plan_pass(rebatch(self.plan.batches, batch_size))
             else:

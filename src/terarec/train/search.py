@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.distributed.context import DistContext
 from terarec.embedding.shared import (
     SharedKeys,
     SharedRowsStore,
@@ -51,7 +52,7 @@ from terarec.train.checkpoint import mark_best, save_checkpoint
 from terarec.train.loop import TrialRun, run_passes
 from terarec.train.passes import group_passes
 from terarec.train.selection import STOP_PRUNED, SelectionTracker, higher_is_better
-from terarec.train.trainer import Trainer, make_store
+from terarec.train.trainer import Trainer, make_store, resolve_device
 from terarec.types import Batch, FeatureSchema
 
 SAMPLERS = ("random", "tpe", "grid")
@@ -301,7 +302,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
                patience: int | None = 2, seed: int = 0, progress: bool = False,
                fixed: list[dict[str, Any]] | None = None,
                on_boundary: Callable[[list[SearchTrial]], None] | None = None,
-               resume: bool = False) -> SearchResult:
+               resume: bool = False, ctx: DistContext | None = None) -> SearchResult:
     """Run ``trials`` trials, ``parallel`` at a time (default: all) in one pass loop,
     and write the best one to ``out_dir/best`` as a model directory.
 
@@ -309,6 +310,10 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     ``on_boundary`` sees the wave's trials after each pass's pruning. ``resume``:
     continue the search in ``out_dir`` (``open_study``, ``_resumed_trials``): finished
     trials are kept, interrupted ones run again from the start with their values.
+
+    ``ctx``: a torchrun rank's topology (every rank calls this): each trial trains on
+    all ranks, each rank keeping its key shard's rows; rank 0 alone holds the optuna
+    study, asks, reports and prunes, and sends its decisions to the others.
     """
     if not valid_batches:
         raise ValueError("search needs a validation set (--valid)")
@@ -323,37 +328,50 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     settings = {"space": space, "sampler": sampler, "pruner": pruner,
                 "select_by": select_by, "patience": patience, "seed": seed,
                 "config": to_dict(base)}
-    study = open_study(out_dir, settings, resume)
+    ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
+    if ctx.world > 1 and "batch_size" in space:
+        raise ValueError("under torchrun the trials train on one shared pass plan: "
+                         "batch_size cannot be searched (remove it from the space)")
+    study = open_study(out_dir, settings, resume) if ctx.is_main else None
     overall = _BestSoFar(SelectionTracker(select_by, patience=None))
     done = _resumed_trials(study, out_dir, base, select_by, patience, overall) \
-        if resume else []
-    if not resume:
+        if resume and ctx.is_main else []
+    if study is not None and not resume:
         for params in fixed or []:
             study.enqueue_trial(params)
+    # Every rank takes the same checkpoint decisions: from the same best so far.
+    tracker = overall.tracker
+    tracker.best_value, tracker.best_pass, overall.trial, finished = ctx.broadcast_object(
+        (tracker.best_value, tracker.best_pass, overall.trial, len(done)))
     budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
     # The validation set's keys are planned once for every trial and evaluation.
     valid = [plan_pass(group, counts=False)
              for group in group_passes(valid_batches, base.pass_rows)]
     start = time.perf_counter()
-    while len(done) < trials:
-        k = min(parallel, trials - len(done))
+    while finished < trials:
+        k = min(parallel, trials - finished)
         # Built one after another, each trainer seeds torch itself: the weights of a
         # trial are those of the same configuration trained alone.
         keys = _KeySides()  # one key index per admission/eviction setting of the wave
         wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
-                     overall, keys) for _ in range(k)]
-        _train_wave(wave, study, train_paths, valid, select_by, budget, progress,
-                    on_boundary, overall)
+                     overall, keys, ctx) for _ in range(k)]
+        _train_wave(wave, study, train_paths, valid, select_by, budget,
+                    progress and ctx.is_main, on_boundary, overall, ctx)
         overall.flush()
         done.extend(wave)
+        finished += k
     # The trial with the best validation value of all, pruned ones included (a pruned
     # trial's best pass is a whole model): the one whose checkpoint ``overall`` took last.
     best = next((t for t in done if t.number == overall.trial), None)
-    best_dir = _write_best(best, out_dir) if best is not None else None
-    for t in done:  # only the best trial keeps its checkpoints (in out/best)
-        shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
-        for pointer in ("BEST", "LATEST"):
-            (t.model_dir / pointer).unlink(missing_ok=True)
+    best_dir = out_dir / "best" if best is not None else None
+    if ctx.is_main:
+        if best is not None:
+            _write_best(best, out_dir)
+        for t in done:  # only the best trial keeps its checkpoints (in out/best)
+            shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
+            for pointer in ("BEST", "LATEST"):
+                (t.model_dir / pointer).unlink(missing_ok=True)
+    ctx.barrier()
     return SearchResult(done, best, best_dir, study, time.perf_counter() - start)
 
 
@@ -502,21 +520,23 @@ class _FileLock:
 
 def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
          budget: int | None, live: int, select_by: str, patience: int | None,
-         overall: _BestSoFar, keys: _KeySides) -> SearchTrial:
-    trial = study.ask()
-    params = suggest(trial, space)
+         overall: _BestSoFar, keys: _KeySides, ctx: DistContext) -> SearchTrial:
+    trial = study.ask() if ctx.is_main else None
+    number, params = ctx.broadcast_object(
+        (trial.number, suggest(trial, space)) if trial is not None else None)
     config = apply_params(base, params)
-    model_dir = out_dir / "trials" / f"trial-{trial.number:03d}"
-    shutil.rmtree(model_dir, ignore_errors=True)
+    model_dir = out_dir / "trials" / f"trial-{number:03d}"
+    if ctx.is_main:
+        shutil.rmtree(model_dir, ignore_errors=True)
     if budget is not None:
         config.store.memory_budget = budget // live
     if config.store.tiered:
         config.store.disk_path = str(model_dir / "store")
-    trainer = Trainer(schema, config)
+    trainer = Trainer(schema, config, ctx=ctx)
     keys.attach(trainer)
     run = TrialRun(trainer, SelectionTracker(select_by, patience),
-                   _checkpoint_best(model_dir, trial.number, overall))
-    return SearchTrial(trial.number, params, config, model_dir, trial, run)
+                   _checkpoint_best(model_dir, number, overall))
+    return SearchTrial(number, params, config, model_dir, trial, run)
 
 
 class _KeySides:
@@ -570,7 +590,9 @@ class _Snapshot:
         t.store.load_arrays(self.rows)
         t.pass_id, t.history = self.pass_id, self.history
         torch.set_rng_state(self.rng)
-        mark_best(self.model_dir, save_checkpoint(self.model_dir, t).name)
+        name = save_checkpoint(self.model_dir, t).name  # collective on N ranks
+        if t.ctx.is_main:
+            mark_best(self.model_dir, name)
 
 
 @dataclass
@@ -607,7 +629,9 @@ def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
                 overall.pending = _Snapshot.take(model_dir, trainer)
             else:
                 overall.pending = None
-                mark_best(model_dir, save_checkpoint(model_dir, trainer).name)
+                name = save_checkpoint(model_dir, trainer).name  # collective on N ranks
+                if trainer.ctx.is_main:
+                    mark_best(model_dir, name)
 
     return hook
 
@@ -615,7 +639,7 @@ def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
 def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPlan],
                 select_by: str, budget: int | None, progress: bool,
                 on_boundary: Callable[[list[SearchTrial]], None] | None,
-                overall: _BestSoFar) -> None:
+                overall: _BestSoFar, ctx: DistContext) -> None:
     import optuna
 
     by_run = {id(t.run): t for t in wave}
@@ -629,13 +653,11 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
             overall.flush()  # sets the trainer back to its best pass
         value = t.selection.best_value
         t.state = "pruned" if pruned else "complete" if value is not None else "failed"
-        _write_trial_files(t)
-        if pruned:
-            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.PRUNED)
-        elif value is None:
-            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.FAIL)
-        else:
-            _tell(study, t.optuna_trial, value)
+        if ctx.is_main:  # rank 0 writes the files and tells optuna
+            _write_trial_files(t)
+            state = optuna.trial.TrialState
+            _tell(study, t.optuna_trial, value if value is not None and not pruned else None,
+                  state=state.PRUNED if pruned else state.FAIL if value is None else None)
         free_rows(t.trainer)
 
     def boundary(live: list[TrialRun]) -> None:
@@ -644,11 +666,15 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
             record = t.trainer.history[-1]
             t.seconds += record["staging_s"] + record["train_s"] + record["write_back_s"]
             value = record.get(f"valid_{select_by}")
-            if value is not None and math.isfinite(value):
+            if ctx.is_main and value is not None and math.isfinite(value):
                 t.optuna_trial.report(value, step=len(t.trainer.history))
+        # rank 0 asks the pruner; every rank stops the same trials
+        prune = ctx.broadcast_object(
+            {t.number for t in trials if t.run is not None and t.run.live
+             and t.optuna_trial.should_prune()} if ctx.is_main else None)
         for t in trials:
             assert t.run is not None
-            if t.run.live and t.optuna_trial.should_prune():
+            if t.run.live and t.number in prune:
                 t.run.stop(STOP_PRUNED)
                 finish(t, pruned=True)
             elif not t.run.live:  # its patience ran out
