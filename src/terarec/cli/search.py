@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from terarec.cli.common import (
@@ -66,8 +67,12 @@ def run(args: argparse.Namespace) -> int:
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
                                    on_bad_row=config.on_bad_row, stats=stats))
     from terarec.distributed.context import topology
+    from terarec.embedding.shared import sharing_refusal
 
     ctx = topology(config.device)
+    why = sharing_refusal(config.store, config.sparse_optimizer)
+    if why is not None and ctx.is_main:
+        print(f"search: each trial keeps its own key index ({why})", file=sys.stderr)
     result = run_search(schema, config, args.train, valid, args.out, trials=args.trials,
                         parallel=args.parallel, space=space, sampler=args.sampler,
                         pruner=args.pruner, select_by=args.select_by,
