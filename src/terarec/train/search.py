@@ -20,12 +20,12 @@ split across the live trials and re-split when trials are pruned.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import io
 import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -47,7 +47,7 @@ from terarec.embedding.shared import (
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
-from terarec.io import atomic_write_text
+from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import mark_best, save_checkpoint
 from terarec.train.loop import TrialRun, run_passes
 from terarec.train.passes import group_passes
@@ -325,13 +325,38 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     parallel = min(parallel or trials, trials)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"space": space, "sampler": sampler, "pruner": pruner,
-                "select_by": select_by, "patience": patience, "seed": seed,
-                "config": to_dict(base)}
     ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
+    with contextlib.ExitStack() as held:
+        failure = None
+        if ctx.is_main:  # one search per directory: the journal has one writer
+            try:
+                held.enter_context(exclusive_lock(out_dir / LOCK_FILE,
+                                                  f"search directory {out_dir}"))
+                remove_atomic_leftovers(out_dir)  # of a search killed mid-write
+            except LockedError as exc:
+                failure = str(exc)
+        failure = ctx.broadcast_object(failure)
+        if failure is not None:
+            raise ValueError(failure)
+        return _search(schema, base, train_paths, valid_batches, out_dir, trials, parallel,
+                       space, sampler, pruner, select_by, patience, seed, progress, fixed,
+                       on_boundary, resume, ctx)
+
+
+def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Path],
+            valid_batches: list[Batch], out_dir: Path, trials: int, parallel: int,
+            space: dict[str, Any], sampler: str, pruner: str, select_by: str,
+            patience: int | None, seed: int, progress: bool,
+            fixed: list[dict[str, Any]] | None,
+            on_boundary: Callable[[list[SearchTrial]], None] | None, resume: bool,
+            ctx: DistContext) -> SearchResult:
+    """``run_search`` with the directory's lock held."""
     if ctx.world > 1 and "batch_size" in space:
         raise ValueError("under torchrun the trials train on one shared pass plan: "
                          "batch_size cannot be searched (remove it from the space)")
+    settings = {"space": space, "sampler": sampler, "pruner": pruner,
+                "select_by": select_by, "patience": patience, "seed": seed,
+                "config": to_dict(base)}
     study = open_study(out_dir, settings, resume) if ctx.is_main else None
     overall = _BestSoFar(SelectionTracker(select_by, patience=None))
     done = _resumed_trials(study, out_dir, base, select_by, patience, overall) \
@@ -375,6 +400,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     return SearchResult(done, best, best_dir, study, time.perf_counter() - start)
 
 
+LOCK_FILE = ".lock"  # in the search directory: held by the one search using it
 STUDY_FILE = "study.journal"  # optuna's journal: every trial asked, reported and told
 SETTINGS_FILE = "search.json"  # what the search was started with
 _INTERRUPTED = "interrupted"  # user attribute of a trial a stopped search left running
@@ -406,8 +432,7 @@ def open_study(out_dir: Path, settings: dict[str, Any], resume: bool):
                          "continue it, or choose another --out")
     else:
         atomic_write_text(saved, json.dumps(settings, indent=2))
-    storage = JournalStorage(JournalFileBackend(
-        str(journal), lock_obj=_FileLock(out_dir / f"{STUDY_FILE}.flock")))  # type: ignore[arg-type]
+    storage = JournalStorage(JournalFileBackend(str(journal), lock_obj=_OnlyWriter()))  # type: ignore[arg-type]
     direction: Literal["maximize", "minimize"] = \
         "maximize" if higher_is_better(settings["select_by"]) else "minimize"
     study = optuna.create_study(storage=storage, study_name="search",
@@ -493,29 +518,16 @@ def _ask_again(study, frozen) -> None:
                                                  frozen.system_attrs[key])
 
 
-class _FileLock:
-    """The journal's lock: ``flock`` on a file, released by the kernel when the process
-    dies (optuna's lock files outlive a kill -9 and stall a resume until their grace
-    period)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._fd: int | None = None
+class _OnlyWriter:
+    """The journal's lock when the search directory's lock (``LOCK_FILE``, held by rank 0
+    for the whole search) already makes this process the journal's only writer. (The
+    lock files optuna makes would outlive a kill -9 and stall a resume.)"""
 
     def acquire(self) -> bool:
-        import fcntl
-
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
         return True
 
     def release(self) -> None:
-        import fcntl
-
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        pass
 
 
 def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
