@@ -26,6 +26,7 @@ import csv
 import io
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -381,7 +382,7 @@ def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Pa
         wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
                      overall, keys, ctx) for _ in range(k)]
         _train_wave(wave, study, train_paths, valid, select_by, budget,
-                    progress and ctx.is_main, on_boundary, overall, ctx)
+                    progress and ctx.is_main, on_boundary, overall, ctx, out_dir)
         overall.flush()
         done.extend(wave)
         finished += k
@@ -412,7 +413,6 @@ def open_study(out_dir: Path, settings: dict[str, Any], resume: bool):
     holds one; a resumed one must have the settings it was started with."""
     import optuna
     from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     journal, saved = out_dir / STUDY_FILE, out_dir / SETTINGS_FILE
@@ -432,7 +432,7 @@ def open_study(out_dir: Path, settings: dict[str, Any], resume: bool):
                          "continue it, or choose another --out")
     else:
         atomic_write_text(saved, json.dumps(settings, indent=2))
-    storage = JournalStorage(JournalFileBackend(str(journal), lock_obj=_OnlyWriter()))  # type: ignore[arg-type]
+    storage = JournalStorage(_journal_backend(journal))
     direction: Literal["maximize", "minimize"] = \
         "maximize" if higher_is_better(settings["select_by"]) else "minimize"
     study = optuna.create_study(storage=storage, study_name="search",
@@ -518,16 +518,36 @@ def _ask_again(study, frozen) -> None:
                                                  frozen.system_attrs[key])
 
 
-class _OnlyWriter:
-    """The journal's lock when the search directory's lock (``LOCK_FILE``, held by rank 0
-    for the whole search) already makes this process the journal's only writer. (The
-    lock files optuna makes would outlive a kill -9 and stall a resume.)"""
+def _journal_backend(path: Path):
+    """optuna's journal file, written at every call but fsynced only by ``sync_journal``
+    (at pass boundaries): a search appends a few records per trial and pass, and an
+    fsync each costs more than a small trial's pass. A kill -9 loses nothing written
+    (the kernel has it); a power loss at most what followed the last boundary. No lock
+    file: the search directory's lock (``LOCK_FILE``, held by rank 0 for the whole
+    search) makes this process the only writer, and optuna's lock files would outlive a
+    kill -9 and stall the resume."""
+    from optuna.storages.journal import JournalFileBackend
 
-    def acquire(self) -> bool:
-        return True
+    class _OnlyWriter:
+        def acquire(self) -> bool:
+            return True
 
-    def release(self) -> None:
-        pass
+        def release(self) -> None:
+            pass
+
+    class _Journal(JournalFileBackend):
+        def append_logs(self, logs: list[dict[str, Any]]) -> None:
+            text = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs)
+            with open(path, "ab") as fh:
+                fh.write(text.encode("utf-8"))
+
+    return _Journal(str(path), lock_obj=_OnlyWriter())  # type: ignore[arg-type]
+
+
+def sync_journal(out_dir: Path) -> None:
+    """Make the study's journal durable (``_journal_backend``)."""
+    with open(out_dir / STUDY_FILE, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
@@ -651,7 +671,7 @@ def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
 def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPlan],
                 select_by: str, budget: int | None, progress: bool,
                 on_boundary: Callable[[list[SearchTrial]], None] | None,
-                overall: _BestSoFar, ctx: DistContext) -> None:
+                overall: _BestSoFar, ctx: DistContext, out_dir: Path) -> None:
     import optuna
 
     by_run = {id(t.run): t for t in wave}
@@ -697,6 +717,8 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
                 store = t.trainer.store
                 if isinstance(store, TieredStore) and store.budget is not None:
                     store.budget = budget // len(alive)
+        if ctx.is_main:
+            sync_journal(out_dir)
         if on_boundary is not None:
             on_boundary(wave)
 
@@ -704,6 +726,8 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
     for t in wave:
         if t.state == "running":
             finish(t)
+    if ctx.is_main:
+        sync_journal(out_dir)
 
 
 def _tell(study, trial, value: float | None = None, state=None) -> None:
