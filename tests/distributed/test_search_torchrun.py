@@ -1,14 +1,16 @@
 """``terarec search`` under torchrun (2 gloo ranks): the same trials, pruning decisions
-and values as one process, the best trial a model directory with one shard per rank;
-a searched batch size is refused with a reason."""
+and values as one process, the best trial a model directory with one shard per rank; a
+searched batch size is refused with a reason; a rank killed mid-search resumes."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,54 @@ def test_a_searched_batch_size_is_refused_under_torchrun(args, tmp_path):
                  str(space), "--out", str(tmp_path / "o")])
     assert done.returncode != 0
     assert "batch_size cannot be searched" in done.stderr
+
+
+def _workers(agent: int) -> list[int]:
+    """The worker processes torchrun's agent ``agent`` started (rank 0 first)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == agent:
+            found.append(int(entry))
+    return sorted(found)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_one(
+        args, tmp_path):
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"model.embedding_dim": [2, 4, 8]}))
+    grid = [*args, "--sampler", "grid", "--space", str(space), "--parallel", "1",
+            "--pruner", "none", "--epochs", "6", "--patience", "10"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    done = _run([*launch, "--master_port", str(_free_port()), "-m", "terarec", *grid,
+                 "--out", str(whole)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([*launch, "--master_port", str(_free_port()), "-m", "terarec",
+                              *grid, "--out", str(killed)], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = killed / "trials" / "trial-000" / "metrics.json"
+    deadline = time.monotonic() + TIMEOUT_S
+    while not first.exists() and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # optuna is told just after the trial's files are written
+    os.kill(_workers(agent.pid)[0], signal.SIGKILL)  # rank 0, while trial 1 trains
+    assert agent.wait(timeout=TIMEOUT_S) != 0  # torchrun stops the other rank
+    assert not (killed / "results.json").exists()
+    done = _run([*launch, "--master_port", str(_free_port()), "-m", "terarec", *grid,
+                 "--out", str(killed), "--resume"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = {r["params.model.embedding_dim"]: r["value"] for r in _rows(whole).values()}
+    rows = _rows(killed)
+    assert 1 not in rows and len(rows) == 3  # trial 1 was interrupted and asked again
+    got = {r["params.model.embedding_dim"]: r["value"] for r in rows.values()}
+    assert got.keys() == want.keys() == {2, 4, 8}
+    for dim, value in want.items():
+        assert got[dim] == pytest.approx(value, abs=1e-12), dim

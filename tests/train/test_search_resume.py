@@ -85,7 +85,13 @@ def test_resume_after_kill_keeps_finished_trials_and_reruns_the_interrupted(file
 def test_resume_needs_the_settings_it_was_started_with(files, tmp_path):
     out = tmp_path / "s"
     assert main(_args(files, out, epochs=1)) == 0
+    before = json.loads((out / "results.json").read_text())
+    model = (out / "best" / "checkpoints").glob("pass-*/dense.safetensors")
+    weights = next(model).read_bytes()
     assert main([*_args(files, out, epochs=1), "--resume"]) == 0  # nothing left: no-op
-    assert len(json.loads((out / "results.json").read_text())["trials"]) == 3
+    after = json.loads((out / "results.json").read_text())
+    assert len(after["trials"]) == 3 and after["best_trial"] == before["best_trial"]
+    assert next((out / "best" / "checkpoints").glob("pass-*/dense.safetensors")
+                ).read_bytes() == weights
     assert main([*_args(files, out, epochs=2), "--resume"]) == 2
     assert main([*_args(files, tmp_path / "none"), "--resume"]) == 2

@@ -391,8 +391,8 @@ def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Pa
     best = next((t for t in done if t.number == overall.trial), None)
     best_dir = out_dir / "best" if best is not None else None
     if ctx.is_main:
-        if best is not None:
-            _write_best(best, out_dir)
+        if best is not None and (best.model_dir / "checkpoints").exists():
+            _write_best(best, out_dir)  # else out/best holds it already (resumed)
         for t in done:  # only the best trial keeps its checkpoints (in out/best)
             shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
             for pointer in ("BEST", "LATEST"):
@@ -489,11 +489,20 @@ def _resumed_trials(study, out_dir: Path, base: TrainConfig, select_by: str,
                         history=history, kept=(selection, stop))
         done.append(t)
         value = selection.best_value
-        if (model_dir / "BEST").exists() and value is not None \
-                and overall.tracker.is_better(value):
+        # the best so far holds a BEST checkpoint, or, once a search ended, is out/best
+        held = (model_dir / "BEST").exists() or _best_dir_trial(out_dir) == t.number
+        if held and value is not None and overall.tracker.is_better(value):
             overall.tracker.update(value, selection.best_pass or 0)
             overall.trial = t.number
     return done
+
+
+def _best_dir_trial(out_dir: Path) -> int | None:
+    """The trial ``out/best`` was written from (by a search that ended), or None."""
+    metrics = out_dir / "best" / "metrics.json"
+    if not metrics.exists():
+        return None
+    return json.loads(metrics.read_text()).get("trial")
 
 
 def _ask_again(study, frozen) -> None:
