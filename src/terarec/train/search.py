@@ -13,9 +13,14 @@
     out/results.json     one row per trial (also results.csv), out/report.html
 
 A trial is exactly ``terarec train`` with its values as flags and the base seed: same
-initial weights, same batches, same random stream (``train.loop``). What trials share
-and what each keeps is described there. With a memory budget (tiered store) the budget is
-split across the live trials and re-split when trials are pruned.
+initial weights, same batches, same random stream (``train.loop``). The trials of a wave
+share one key index (``embedding.shared``), each keeping only its rows and optimizer
+state. With a memory budget (tiered store) each trial keeps its own store and the
+budget is split across the live trials and re-split when trials are pruned.
+
+The study is journaled in ``out/study.journal``: a search stopped or killed is resumed
+(``resume``), finished trials kept, interrupted ones asked again. Under torchrun every
+rank runs this with its ``DistContext``; rank 0 alone talks to optuna.
 """
 
 from __future__ import annotations
