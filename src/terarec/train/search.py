@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
-from terarec.distributed.context import DistContext
+from terarec.distributed.context import DistContext, resolve_device
 from terarec.embedding.shared import (
     SharedKeys,
     SharedRowsStore,
@@ -58,7 +58,7 @@ from terarec.train.checkpoint import mark_best, save_checkpoint
 from terarec.train.loop import TrialRun, run_passes
 from terarec.train.passes import group_passes
 from terarec.train.selection import STOP_PRUNED, SelectionTracker, higher_is_better
-from terarec.train.trainer import Trainer, make_store, resolve_device
+from terarec.train.trainer import Trainer, make_store
 from terarec.types import Batch, FeatureSchema
 
 SAMPLERS = ("random", "tpe", "grid")
