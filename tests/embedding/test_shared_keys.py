@@ -118,6 +118,10 @@ def test_what_cannot_share_is_named():
     assert "tiered" in sharing_refusal(StoreConfig(memory_budget="1MB"),
                                        SparseOptimizerConfig())
     assert "group lasso" in sharing_refusal(StoreConfig(), lasso)
+    assert "row norm" in sharing_refusal(StoreConfig(evict_l2_below=0.01),
+                                         SparseOptimizerConfig())
+    assert "only count admission" in sharing_refusal(StoreConfig(max_keys=100),
+                                                     SparseOptimizerConfig())
     assert "variable-width" in sharing_refusal(
         StoreConfig(variable_dims=(2,), promote_at=(3.0,)), SparseOptimizerConfig())
     with pytest.raises(ValueError, match="cannot share a key index: group lasso"):

@@ -21,8 +21,9 @@ bit as it would alone. The key side is a ``MemoryStore`` with zero-width rows, s
 admission and eviction are the store's own.
 
 What cannot share a key side: rows of variable width (their class follows per-model
-counts), group lasso (it evicts per model, when that model's row reaches zero) and the
-tiered store (its disk tier keeps its own index); ``sharing_refusal`` says why.
+counts), group lasso (it evicts per model, when that model's row reaches zero), eviction
+by row norm or store bytes (they depend on each model's rows) and the tiered store (its
+disk tier keeps its own index); ``sharing_refusal`` says why.
 """
 
 from __future__ import annotations
@@ -47,13 +48,23 @@ def sharing_refusal(store: StoreConfig, optimizer: SparseOptimizerConfig) -> str
         return "variable-width rows (--variable-dims) pick widths from per-model counts"
     if optimizer.group_lasso:
         return "group lasso evicts a model's rows when they reach zero"
+    if store.evict_l2_below is not None or store.max_store_bytes is not None or (
+            store.max_keys is not None and store.evict_score == "l2"):
+        return "eviction by row norm or by store bytes depends on each model's rows"
+    if (store.admit_min_clicks or store.admit_sketch_bytes is not None
+            or store.admit_probability is not None or store.evict_show_below is not None
+            or store.max_keys is not None):
+        return ("only count admission (--admit-min-count) and TTL eviction "
+                "(--evict-after-passes) are shared across models so far")
     return None
 
 
 def key_side_config(store: StoreConfig) -> tuple:
     """The store settings the key side depends on: stores share a key side only when
-    these are equal (admission, eviction)."""
-    return (store.admit_min_count, store.evict_after_passes)
+    these are equal (admission and eviction by counts, age and key count)."""
+    return (store.admit_min_count, store.admit_min_clicks, store.admit_sketch_bytes,
+            store.admit_probability, store.evict_after_passes, store.evict_show_below,
+            store.max_keys, store.evict_score)
 
 
 @dataclass
@@ -167,13 +178,12 @@ class SharedRowsStore(MemoryStore):
     show = _shared_attr("show")
     click = _shared_attr("click")
     last_seen = _shared_attr("last_seen")
-    _cand_index = _shared_attr("_cand_index")
-    _cand_show = _shared_attr("_cand_show")
-    _cand_click = _shared_attr("_cand_click")
-    _cand_seen = _shared_attr("_cand_seen")
+    admission = _shared_attr("admission")
+    eviction = _shared_attr("eviction")
     admitted_total = _shared_attr("admitted_total")
     evicted_total = _shared_attr("evicted_total")
     pruned_total = _shared_attr("pruned_total")
+    rejected_total = _shared_attr("rejected_total")
 
     def __init__(self, shared: SharedKeys, row_dim: int, optimizer: SparseOptimizer,
                  config: StoreConfig | None = None, seed: int = 0) -> None:

@@ -597,7 +597,7 @@ class _KeySides:
         config = trainer.config
         if sharing_refusal(config.store, config.sparse_optimizer) is not None:
             return
-        setting = key_side_config(config.store)
+        setting = (key_side_config(config.store), config.seed)
         shared = self.by_setting.setdefault(setting, SharedKeys(config.store, config.seed))
         trainer.store = SharedRowsStore(shared, trainer.model.row_dim,
                                         trainer.sparse_optimizer, config.store,
