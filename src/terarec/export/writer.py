@@ -416,7 +416,10 @@ class IncrementalExporter:
                  storage_options: dict[str, Any] | None = None,
                  shard_rows: int = DEFAULT_SHARD_ROWS,
                  clock: Callable[[], float] = time.monotonic,
-                 features_dir: str | Path | None = None) -> None:
+                 features_dir: str | Path | None = None,
+                 full_every_hours: float | None = None) -> None:
+        if full_every_hours is not None and full_every_hours <= 0:
+            raise ValueError(f"a full version every {full_every_hours} hours: must be > 0")
         if every_passes is not None and every_passes < 1:
             raise ValueError(f"delta every {every_passes} passes: must be >= 1")
         if every_minutes is not None and every_minutes <= 0:
@@ -431,6 +434,9 @@ class IncrementalExporter:
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
         self._clock = clock
         self._last_time = clock()
+        # A full version on a schedule (the off-peak rebuild); deltas between them.
+        self.full_every_hours = full_every_hours
+        self._last_full_time = clock()
         resumes = False
         if self.ctx.is_main:  # rank 0 reads the target; every rank follows its reading
             latest = self.exporter.latest()
@@ -451,9 +457,21 @@ class IncrementalExporter:
         minutes = (self._clock() - self._last_time) / 60.0
         return self.every_minutes is not None and minutes >= self.every_minutes
 
+    def full_due(self, trainer) -> bool:
+        """A scheduled full version is due (and something was trained since the last)."""
+        if self.full_every_hours is None or self._last_pass is None:
+            return False
+        hours = (self._clock() - self._last_full_time) / 3600.0
+        return trainer.pass_id > self._last_pass and hours >= self.full_every_hours
+
     def on_pass_end(self, trainer, record: dict | None = None) -> ExportedVersion | None:
+        """Export if a delta (or a scheduled full version) is due; also called while a
+        followed source has no new file, so deltas keep to the clock."""
         # Rank 0's clock decides, so that every rank joins the same exports.
-        return self.export(trainer) if self.ctx.broadcast_object(self.due(trainer)) else None
+        due = self.ctx.broadcast_object((self.due(trainer), self.full_due(trainer)))
+        if due[1]:
+            return self.export(trainer, full=True)
+        return self.export(trainer) if due[0] else None
 
     def finish(self, trainer) -> ExportedVersion | None:
         """Export whatever the last passes changed, if anything was trained since."""
@@ -466,6 +484,7 @@ class IncrementalExporter:
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:
+            self._last_full_time = self._clock()
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
