@@ -59,3 +59,23 @@ def test_rank_dies_then_resume_with_other_pass_and_batch_size(files, tmp_path):
     torchrun(["--resume", *train, "--pass-rows", "2000", "--batch-size", "400"])
     rows = _rows(out)
     assert rows[:4] == [1000] * 4 and sum(rows) == 10_000
+
+
+def test_ranks_follow_a_folder(files, tmp_path):
+    """``train --follow`` on 2 ranks: each landed file split between them, trained once;
+    the same folder followed by one process after the ranks stopped."""
+    folder, out = tmp_path / "logs", tmp_path / "m"
+    folder.mkdir()
+    for p in files:
+        (folder / p.name).write_bytes(p.read_bytes())
+    follow = ["--follow", str(folder), "--out", str(out), "--resume", "--batch-size", "256",
+              "--pass-rows", "4096", "--poll-seconds", "0.2", *ARGS]
+    torchrun([*follow, "--stop-after", "2"])
+    history = json.loads((out / "history.json").read_text())
+    assert [h["rows"] for h in history] == [4096, 904, 4096, 904]
+    assert [h["files"] for h in history] == [["f1.tsv"]] * 2 + [["f2.tsv"]] * 2
+    assert history[1]["file_done"] == "f1.tsv" and history[1]["file_rows"] == 5000
+    assert all(h["world_size"] == 2 for h in history)
+    generate(folder / "f3.tsv", 1000, model_seed=1, sample_seed=40)
+    single([*follow, "--stop-after", "3"])
+    assert sum(h["rows"] for h in load_checkpoint(out).meta["history"]) == 11_000
