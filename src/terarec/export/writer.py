@@ -407,8 +407,9 @@ class IncrementalExporter:
     and the keys evicted since then.
 
     When the target's newest version was exported at exactly the trainer's pass (a
-    resumed run), deltas continue from it; otherwise the first export is a full version,
-    since evictions between that version and this trainer's state are unknown.
+    resumed run), deltas continue from it, the first one due at the first pass end (the
+    server has waited while the run was down); otherwise the first export is a full
+    version, since evictions between that version and this trainer's state are unknown.
     """
 
     def __init__(self, uri: str | Path, trainer, *, every_passes: int | None = None,
@@ -445,6 +446,8 @@ class IncrementalExporter:
                        and latest.data["model"] == _as_json(to_dict(trainer.config.model)))
         if self.ctx.broadcast_object(resumes):
             self._last_pass = trainer.pass_id
+            if every_minutes is not None:  # restarted: the server waited; export at once
+                self._last_time = clock() - every_minutes * 60.0
 
     def due(self, trainer) -> bool:
         if self._last_pass is None:
