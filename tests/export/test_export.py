@@ -139,6 +139,33 @@ def test_delta_every_minutes_waits_for_the_clock(data, tmp_path):
     assert exporter.finish(trainer) is None
 
 
+def test_full_versions_on_a_schedule_deltas_between(data, tmp_path):
+    clock = [1000.0]
+    trainer = _trainer()
+    exporter = IncrementalExporter(tmp_path / "export", trainer, every_passes=1,
+                                   full_every_hours=0.5, clock=lambda: clock[0])
+
+    def on_pass_end(t, record):
+        clock[0] += 15 * 60  # each pass takes 15 minutes
+        exporter.on_pass_end(t, record)
+
+    trainer.fit([data], progress=False, on_pass_end=on_pass_end)
+    # full at pass 1, deltas, and a full version again once 30 min passed since the last
+    assert [r.kind for r in exporter.exported] == ["full", "delta", "full", "delta"]
+    assert exporter.on_pass_end(trainer) is None  # nothing trained since the last export
+
+
+def test_a_restarted_runs_first_delta_is_due_at_once(data, tmp_path):
+    clock = [1000.0]
+    trainer = _trainer()
+    uri = tmp_path / "export"
+    IncrementalExporter(uri, trainer, every_passes=1).export(trainer)
+    again = IncrementalExporter(uri, trainer, every_minutes=20, clock=lambda: clock[0])
+    assert not again.due(trainer)  # nothing trained since
+    trainer.pass_id += 1
+    assert again.due(trainer)
+
+
 def test_a_failed_write_leaves_the_previous_version_current(data, tmp_path, monkeypatch):
     uri = tmp_path / "export"
     trainer = _trainer()
