@@ -152,3 +152,18 @@ def test_positions_round_trip_and_refuse_a_changed_file(tmp_path):
     path.write_text("1\n3\n")  # same size, other bytes
     with pytest.raises(DataError, match="a.tsv: input file changed .*checksum"):
         Positions.from_dict(positions.to_dict()).start(as_input(path))
+
+
+def test_bad_input_positions_in_meta_are_refused(files, tmp_path):
+    from terarec.train.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+
+    out = tmp_path / "m"
+    assert main(["train", "--train", str(files[0]), "--out", str(out), "--pass-rows",
+                 "4096", *COMMON]) == 0
+    newest = list_checkpoints(out)[0]
+    meta = json.loads((newest / "meta.json").read_text())
+    assert meta["inputs"]["files"][str(files[0])]["rows"] == 5000
+    meta["inputs"]["files"][str(files[0])]["rows"] = -1
+    (newest / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"inputs.*rows"):
+        verify_checkpoint(newest)
