@@ -167,3 +167,24 @@ def test_bad_input_positions_in_meta_are_refused(files, tmp_path):
     (newest / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"inputs.*rows"):
         verify_checkpoint(newest)
+
+
+def test_rank_share_after_skipped_rows_reads_on_from_the_kept_row(tmp_path):
+    """A single process's position after skipped bad rows counts kept rows: ranks find it
+    by reading the file from its start (``seek=False``)."""
+    from terarec.data.split import iter_rank_tables
+
+    lines = [f"{i % 2},{i}.5,k{i}" for i in range(300)]
+    lines[7] = "1,bad,k7"
+    path = tmp_path / "d.csv"
+    path.write_text("label,x,c\n" + "\n".join(lines) + "\n")
+    schema = csv_schema("label", ["x"], ["c"])
+    kept = _all_rows(iter_tables(path, schema, 50, on_bad_row="skip"))
+    assert kept.num_rows == 299
+    for world in (1, 2):
+        steps = [list(iter_rank_tables(path, schema, 25, r, world, on_bad_row="skip",
+                                       start=100, seek=False)) for r in range(world)]
+        assert sum(n for _, n in steps[0]) == 199
+        tables = [t for s in range(len(steps[0])) for r in range(world)
+                  if (t := steps[r][s][0]) is not None]
+        assert _all_rows(tables).equals(kept.slice(100))

@@ -9,7 +9,9 @@ last MiB, so that a file that changed since it was consumed is refused by name.
 
 Rows are data rows in file order (lines after the header of a text file, rows of a
 Parquet file). With ``--on-bad-row skip`` a single process counts the rows it kept and
-torchrun ranks count lines; the two agree whenever no row was skipped.
+torchrun ranks count lines (the two agree whenever no row was skipped); a mark records
+how many bad rows a single process skipped, and a position after skipped rows is found
+by reading the file from its start.
 """
 
 from __future__ import annotations

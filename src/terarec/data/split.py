@@ -117,10 +117,12 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
 
 def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, rank: int,
                      world: int, *, on_bad_row: OnBadRow = "error",
-                     stats: ReadStats | None = None, start: int = 0) -> Iterator[Step]:
+                     stats: ReadStats | None = None, start: int = 0,
+                     seek: bool = True) -> Iterator[Step]:
     """Every global step of ``path`` from data row ``start`` on (a resumed run): this
     rank's clean local batch (None where the step has fewer local batches than ranks) and
-    the step's rows over all ranks.
+    the step's rows over all ranks. ``seek=False``: ``start`` counts rows kept after bad
+    ones were skipped, not lines, so the file is read from its start on every rank.
 
     Every rank yields the same steps with the same row counts; ``stats`` counts the rows
     this rank read and skipped (for a file read whole on every rank, rank 0 counts them,
@@ -131,6 +133,10 @@ def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, r
         raise ValueError(f"local batch size must be positive, got {local_size}")
     path = check_file(path)
     stats = stats if stats is not None else ReadStats()
+    if not seek:
+        yield from _whole_file_steps(path, schema, local_size, rank, world, on_bad_row,
+                                     stats, start)
+        return
     if schema.format == "parquet":
         yield from _parquet_steps(path, schema, local_size, rank, world, on_bad_row, stats,
                                   start)

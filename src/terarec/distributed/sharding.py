@@ -109,13 +109,13 @@ def iter_rank_pass_inputs(items: Iterable[Any], schema: FeatureSchema, batch_siz
                 if isinstance(step, Idle):
                     pending_idle = True
                     break
-                item, table, step_rows, file_rows, last = step
+                item, table, step_rows, file_rows, last, skipped = step
                 current.append(table_to_batch(empty_table(schema) if table is None
                                               else table, schema))
                 rows += step_rows
                 if item.key not in files:
                     files.append(item.key)
-                pos.advance(item, file_rows, last)
+                pos.advance(item, file_rows, last, skipped)
                 if last:
                     finished.append(item.key)
                     if per_file:
@@ -136,9 +136,11 @@ def _rank_steps(items: Iterable[Any], schema: FeatureSchema, local_size: int,
                 rank: int, world: int, on_bad_row: OnBadRow, stats: ReadStats,
                 positions: Positions) -> Iterator[tuple | Idle]:
     """This rank's local batch of every global step (None where it has none), as
-    (file, table, step rows, file rows consumed after it, last step of the file), from
-    each file's position in ``positions`` on; steps never cross a file end, as a single
-    process's batches never do."""
+    (file, table, step rows, file rows consumed after it, last step of the file, bad rows
+    a single process skipped before its position), from each file's position in
+    ``positions`` on; steps never cross a file end, as a single process's batches never
+    do. Ranks count a file's rows in lines; a position a single process left after
+    skipping bad rows counts kept rows, so that file is read from its start."""
     for entry in keyed_inputs(items):
         if isinstance(entry, Idle):
             yield entry
@@ -148,11 +150,13 @@ def _rank_steps(items: Iterable[Any], schema: FeatureSchema, local_size: int,
         if mark is not None and mark.done:
             continue
         file_rows = mark.rows if mark is not None else 0
+        skipped = mark.skipped if mark is not None else 0
         steps = iter_rank_tables(item.path, schema, local_size, rank, world,
-                                 on_bad_row=on_bad_row, stats=stats, start=file_rows)
+                                 on_bad_row=on_bad_row, stats=stats, start=file_rows,
+                                 seek=skipped == 0)
         for (table, step_rows), last in with_last(steps):
             file_rows += step_rows
-            yield item, table, step_rows, file_rows, last
+            yield item, table, step_rows, file_rows, last, skipped
 
 
 def _agree(read: ReadStats, error: DataError | None, stats: ReadStats,
