@@ -161,3 +161,23 @@ def test_follow_an_s3_prefix(hourly, tmp_path, s3_server, capsys):
                                                for p in hourly[:3]]
     assert sum(h["rows"] for h in meta["history"]) == 3 * ROWS
     assert not list((out / "follow-cache").rglob("*.tsv"))  # copies removed once read
+
+
+def test_stop_idle_ends_a_run_with_nothing_new(hourly, tmp_path, capsys):
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    started = time.monotonic()
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-idle", "1.5",
+                 *ARGS]) == 0
+    assert time.monotonic() - started >= 1.5
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["stop_reason"] == "stop_idle" and summary["files_trained"] == 1
+
+
+def test_follow_flag_errors(tmp_path, capsys):
+    base = ["train", "--out", str(tmp_path / "m")]
+    assert main([*base, "--follow", str(tmp_path), "--train", str(tmp_path / "x")]) == 2
+    assert "either --train FILE... or --follow SOURCE" in capsys.readouterr().err
+    assert main([*base, "--train", str(tmp_path / "x"), "--stop-after", "2"]) == 2
+    assert "--stop-after needs --follow" in capsys.readouterr().err
