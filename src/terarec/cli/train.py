@@ -83,15 +83,18 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--full-every-hours", type=float, metavar="H",
                    help="a full version (instead of a delta) once H hours have passed since "
                    "the previous full one")
+    g.add_argument("--full-at", metavar="HH:MM",
+                   help="a full version (instead of a delta) at the first pass end after "
+                   "this local time each day (off-peak)")
     add_storage_args(g)
 
 
 def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExporter | None:
     if args.export_to is None:
         if args.delta_every is not None or args.delta_minutes is not None \
-                or args.full_every_hours is not None:
-            raise ValueError("--delta-every / --delta-minutes / --full-every-hours need "
-                             "--export-to")
+                or args.full_every_hours is not None or args.full_at is not None:
+            raise ValueError("--delta-every / --delta-minutes / --full-every-hours / "
+                             "--full-at need --export-to")
         return None
     every_passes = args.delta_every
     if every_passes is None and args.delta_minutes is None:
@@ -100,7 +103,8 @@ def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExpo
                                every_minutes=args.delta_minutes,
                                storage_options=storage_options_from_args(args),
                                features_dir=model_features_dir(args.out),
-                               full_every_hours=args.full_every_hours)
+                               full_every_hours=args.full_every_hours,
+                               full_at=args.full_at)
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
