@@ -141,7 +141,8 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                desc="train" if len(runs) == 1 else f"train x{len(runs)}")
     seen = 0
     try:
-        for epoch in range(start.epoch if start is not None else 0, epochs):
+        first_epoch = start.epoch if start is not None else 0
+        for epoch in range(first_epoch, epochs):
             for run in runs:
                 if run.live and epoch >= run.trainer.config.epochs:
                     run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
@@ -149,8 +150,10 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                 break
             positions = start if start is not None and start.epoch == epoch \
                 else Positions(epoch=epoch)
-            passes = prefetch(reader.iter_passes(train_paths, stats, seen, skip, positions,
-                                                 per_file=stream.per_file))
+            # Bad rows are counted (and reported) once, in this run's first epoch's read.
+            passes = prefetch(reader.iter_passes(
+                train_paths, stats if epoch == first_epoch else None, seen, skip, positions,
+                per_file=stream.per_file))
             pairs = _with_next(passes) if stream.lookahead else ((p, None) for p in passes)
             for item, upcoming in pairs:
                 if isinstance(item, Idle):

@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 from terarec.config import TrainConfig
 from terarec.data.positions import Idle, PassInput, Positions
 from terarec.data.readers import ReadStats
-from terarec.distributed.context import DistContext
+from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
 from terarec.distributed.lookup import (
     ShardedPassPlan,
@@ -73,12 +73,6 @@ from terarec.types import Batch, FeatureSchema
 
 if TYPE_CHECKING:
     from terarec.train.loop import StreamOptions
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclass
