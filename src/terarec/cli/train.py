@@ -223,7 +223,14 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
             "auc", "logloss", "rows", "files_trained", "passes", "stop_reason")}))
         _write_report(args, metrics, {}, f"terarec train: {config.model.name} following "
                       f"{args.follow}")
-    ctx.close()
+    if ctx.world > 1:
+        # A rank's read-ahead thread may still wait in a collective of its own group for
+        # a listing or pass its peers stopped before reading; once every rank is done,
+        # leave without unwinding it (the locks are released with the process).
+        ctx.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
