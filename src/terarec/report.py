@@ -40,6 +40,9 @@ _DPI = 110
 _LOSS_SERIES = (("train_loss", "train loss"), ("valid_logloss", "validation log loss"))
 _AUC_SERIES = (("valid_auc", "validation AUC"),)
 _THROUGHPUT_SERIES = (("samples_per_s", "training samples/s"),)
+# train --follow: each pass scored before it trained (train/progressive.py)
+_PROGRESSIVE_SERIES = (("progressive_auc", "progressive AUC"),
+                       ("progressive_logloss", "progressive log loss"))
 # Admission and eviction (docs/admission.md): the store's size and what each pass changed.
 _KEY_SERIES = (("store_keys", "keys in the store"), ("new_keys", "admitted"),
                ("rejected_keys", "rejected"), ("evicted_keys", "evicted"))
@@ -369,6 +372,12 @@ def write_report(
         plot_xy(out_dir / "auc.png", auc_series, "Validation AUC per pass", "pass", "AUC",
                 hlines=hlines)
         figures.append(("auc.png", "Validation AUC per pass"))
+    progressive = _series(history, xs, _PROGRESSIVE_SERIES)
+    if progressive:
+        plot_xy(out_dir / "progressive.png", progressive,
+                "Progressive validation per pass (scored before training)", "pass", "value")
+        figures.append(("progressive.png", "Progressive AUC and log loss: each pass scored "
+                        "by the model before it trained on it"))
     throughput = _series(history, xs, _THROUGHPUT_SERIES)
     if throughput:
         plot_xy(out_dir / "throughput.png", throughput, "Training throughput per pass",
@@ -390,12 +399,18 @@ def write_report(
         plots = '<p class="empty">No per-pass values were recorded.</p>'
     history_html = _history_table(history, xs) if history else ""
     passes = f"{len(history)} pass{'es' if len(history) != 1 else ''}"
+    files = [{"file": h["file_done"], "rows": h.get("file_rows"),
+              "progressive AUC": h.get("file_auc"), "progressive log loss": h.get("file_logloss")}
+             for h in history if h.get("file_done")]
+    files_html = (f"<h2>Progressive validation per file</h2>{_rows_table(files)}"
+                  if files else "")
 
     body = f"""{_headline(auc, ceiling)}
 <h2>Summary</h2>
 {_summary_table(summary)}
 <h2>Per pass</h2>
 {plots}
+{files_html}
 {f"<h2>History</h2>{history_html}" if history_html else ""}"""
     page = _page(title, f"Training report · {passes}", body)
     html_path = out_dir / "report.html"

@@ -193,3 +193,32 @@ def test_arrays_have_documented_shapes_and_types():
     vocab = np.asarray(synth.vocab_sizes(SMALL))
     assert (arrays.categorical < vocab).all() and (arrays.categorical >= -1).all()
     assert isinstance(synth.categorical_strings(0, arrays.categorical[:, 0]), pa.StringArray)
+
+
+def test_hourly_truth_drifts_by_the_planted_amount(tmp_path):
+    """Consecutive hours' planted logits correlate 1 - drift, hours k apart cos(k step)."""
+    from terarec.data.synth import (
+        DriftingTruth,
+        _draw_features,
+        generate_hourly,
+        hourly_name,
+    )
+
+    rng = np.random.default_rng(5)
+    truths = [DriftingTruth(2, h, 0.1, vocab_scale=0.01) for h in range(4)]
+    dense, cats = _draw_features(50_000, rng, truths[0].vocab, 1.1)
+    logits = [t.logits(dense, cats) for t in truths]
+    step = np.arccos(0.9)
+    for k in (1, 3):
+        corr = np.corrcoef(logits[0], logits[k])[0, 1]
+        assert abs(corr - np.cos(k * step)) < 0.03, (k, corr)
+    assert np.std(logits[3]) == pytest.approx(np.std(logits[0]), rel=0.2)
+    same = DriftingTruth(2, 5, 0.0, vocab_scale=0.01)  # no drift: hour 0's truth
+    np.testing.assert_allclose(same.logits(dense, cats), logits[0], atol=1e-6)
+    infos = generate_hourly(tmp_path, 2, 300, drift=0.1, model_seed=2, vocab_scale=0.01,
+                            start="2026-12-01T23:00")
+    assert [Path(i.path).name for i in infos] == ["2026-12-01T23-00.tsv",
+                                                  "2026-12-02T00-00.tsv"]
+    assert hourly_name(1, "2026-12-01T23:00") == "2026-12-02T00-00.tsv"
+    assert [i.drift_angle for i in infos] == pytest.approx([0.0, step])
+    assert all(0.1 < i.ctr < 0.4 for i in infos)

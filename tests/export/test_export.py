@@ -139,6 +139,52 @@ def test_delta_every_minutes_waits_for_the_clock(data, tmp_path):
     assert exporter.finish(trainer) is None
 
 
+def test_full_versions_on_a_schedule_deltas_between(data, tmp_path):
+    clock = [1000.0]
+    trainer = _trainer()
+    exporter = IncrementalExporter(tmp_path / "export", trainer, every_passes=1,
+                                   full_every_hours=0.5, clock=lambda: clock[0])
+
+    def on_pass_end(t, record):
+        clock[0] += 15 * 60  # each pass takes 15 minutes
+        exporter.on_pass_end(t, record)
+
+    trainer.fit([data], progress=False, on_pass_end=on_pass_end)
+    # full at pass 1, deltas, and a full version again once 30 min passed since the last
+    assert [r.kind for r in exporter.exported] == ["full", "delta", "full", "delta"]
+    assert exporter.on_pass_end(trainer) is None  # nothing trained since the last export
+
+
+def test_full_version_at_a_daily_time(data, tmp_path):
+    from datetime import datetime
+
+    wall = [datetime(2026, 12, 1, 1, 0).timestamp()]  # 01:00, before the 02:30 full
+    trainer = _trainer()
+    exporter = IncrementalExporter(tmp_path / "export", trainer, every_passes=1,
+                                   full_at="02:30", wall_clock=lambda: wall[0])
+
+    def on_pass_end(t, record):
+        wall[0] += 45 * 60  # each pass takes 45 minutes: 01:45, 02:30, 03:15, 04:00
+        exporter.on_pass_end(t, record)
+
+    trainer.fit([data], progress=False, on_pass_end=on_pass_end)
+    # the first export is full; 02:30 passed at the second pass end; not again that day
+    assert [r.kind for r in exporter.exported] == ["full", "full", "delta", "delta"]
+    with pytest.raises(ValueError, match="expected HH:MM"):
+        IncrementalExporter(tmp_path / "other", trainer, full_at="25:00")
+
+
+def test_a_restarted_runs_first_delta_is_due_at_once(data, tmp_path):
+    clock = [1000.0]
+    trainer = _trainer()
+    uri = tmp_path / "export"
+    IncrementalExporter(uri, trainer, every_passes=1).export(trainer)
+    again = IncrementalExporter(uri, trainer, every_minutes=20, clock=lambda: clock[0])
+    assert not again.due(trainer)  # nothing trained since
+    trainer.pass_id += 1
+    assert again.due(trainer)
+
+
 def test_a_failed_write_leaves_the_previous_version_current(data, tmp_path, monkeypatch):
     uri = tmp_path / "export"
     trainer = _trainer()

@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import argparse
 import time
+from datetime import datetime
 from pathlib import Path
 
-from terarec.data.synth import SynthInfo, generate
+from terarec.data.synth import SynthInfo, generate, generate_hourly
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="write synthetic Criteo-format click logs",
                        description=__doc__)
-    p.add_argument("--rows", type=int, required=True, help="training rows")
-    p.add_argument("--out", type=Path, required=True, help="training file (TSV)")
+    p.add_argument("--rows", type=int, required=True,
+                   help="training rows (with --hourly: rows per file)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="training file (TSV); with --hourly a folder")
+    p.add_argument("--hourly", type=int, metavar="N",
+                   help="write N time-partitioned files (2026-12-01T00-00.tsv, ...) into "
+                   "--out whose ground truth drifts by --drift per hour")
+    p.add_argument("--drift", type=float, default=0.0,
+                   help="--hourly: 1 - the correlation of consecutive hours' planted "
+                   "logits, in [0, 1] (default 0: no drift)")
+    p.add_argument("--start", default="2026-12-01T00:00",
+                   help="--hourly: the first file's hour (ISO date and time)")
     p.add_argument("--valid-rows", type=int, default=0, help="validation rows (default none)")
     p.add_argument("--valid-out", type=Path, help="validation file (TSV)")
     p.add_argument("--seed", type=int, default=0,
@@ -39,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--valid-rows and --valid-out go together")
     if args.seed < 0:
         raise ValueError(f"--seed must not be negative, got {args.seed}")
+    if args.hourly is not None:
+        return _hourly(args)
+    if args.drift:
+        raise ValueError("--drift needs --hourly")
     common = dict(model_seed=args.seed, exponent=args.exponent, vocab_scale=args.vocab_scale)
     jobs = [("train", args.out, args.rows, 2 * args.seed)]
     if args.valid_rows:
@@ -47,6 +62,30 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         info = generate(path, rows, sample_seed=sample_seed, **common)
         _print(name, info, time.perf_counter() - start)
+    return 0
+
+
+def _hourly(args: argparse.Namespace) -> int:
+    if args.hourly <= 0:
+        raise ValueError(f"--hourly must be positive, got {args.hourly}")
+    if not 0.0 <= args.drift <= 1.0:
+        raise ValueError(f"--drift must be in [0, 1], got {args.drift}")
+    if args.valid_rows:
+        raise ValueError("--valid-rows does not go with --hourly: score each hour's file "
+                         "with the model of the hours before it (train --follow)")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; --hourly writes files into a folder")
+    try:
+        datetime.fromisoformat(args.start)
+    except ValueError:
+        raise ValueError(f"--start {args.start!r} is not an ISO date and time") from None
+    start = time.perf_counter()
+    infos = generate_hourly(args.out, args.hourly, args.rows, drift=args.drift,
+                            model_seed=args.seed, exponent=args.exponent,
+                            vocab_scale=args.vocab_scale, start=args.start)
+    seconds = (time.perf_counter() - start) / len(infos)
+    for info in infos:
+        _print(f"hour {info.hour}", info, seconds)
     return 0
 
 

@@ -46,13 +46,26 @@ from terarec.io import (
 )
 from terarec.train.checkpoint import list_checkpoints, read_model_meta
 from terarec.train.defaults import apply_sized_defaults
+from terarec.train.follow import CACHE_DIR, FollowOptions, first_landed
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model", description=__doc__)
-    p.add_argument("--train", nargs="+", required=True, type=Path, help="training file(s)")
+    p.add_argument("--train", nargs="+", type=Path, help="training file(s)")
+    p.add_argument("--follow", metavar="SOURCE",
+                   help="instead of --train: a folder or fsspec URI (s3://bucket/logs/) "
+                   "whose files are trained in name order as they land, each scored before "
+                   "it is trained (docs/continuous.md); runs until SIGTERM, --stop-after or "
+                   "--stop-idle")
+    p.add_argument("--poll-seconds", type=float, default=1.0,
+                   help="--follow: how often SOURCE is listed (default 1)")
+    p.add_argument("--stop-after", type=int, metavar="FILES",
+                   help="--follow: stop once this many files are trained (earlier runs "
+                   "into --out included)")
+    p.add_argument("--stop-idle", type=float, metavar="SECONDS",
+                   help="--follow: stop once no new file has landed for this long")
     p.add_argument("--valid", nargs="*", default=[], type=Path, help="validation file(s)")
     p.add_argument("--out", required=True, type=Path, help="model directory")
     p.add_argument("--resume", action="store_true",
@@ -77,7 +90,14 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
                    "(every pass unless --delta-every / --delta-minutes say otherwise)")
     g.add_argument("--delta-every", type=int, metavar="N", help="a delta every N passes")
     g.add_argument("--delta-minutes", type=float, metavar="M",
-                   help="a delta at the first pass end M minutes after the previous export")
+                   help="a delta at the first pass end M minutes after the previous export "
+                   "(with --follow also while waiting for files)")
+    g.add_argument("--full-every-hours", type=float, metavar="H",
+                   help="a full version (instead of a delta) once H hours have passed since "
+                   "the previous full one")
+    g.add_argument("--full-at", metavar="HH:MM",
+                   help="a full version (instead of a delta) at the first pass end after "
+                   "this local time each day (off-peak)")
     g.add_argument("--publish-to", metavar="redis://HOST:PORT",
                    help="also publish each exported version to this Redis Cluster "
                         "(`terarec publish`; docs/serving-cluster.md)")
@@ -89,15 +109,18 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExporter | None:
     if args.export_to is None:
         if (args.delta_every is not None or args.delta_minutes is not None
+                or args.full_every_hours is not None or args.full_at is not None
                 or getattr(args, "publish_to", None)):
-            raise ValueError("--delta-every / --delta-minutes / --publish-to need --export-to")
+            raise ValueError("--delta-every / --delta-minutes / --full-every-hours / "
+                             "--full-at / --publish-to need --export-to")
         return None
     every_passes = args.delta_every
     if every_passes is None and args.delta_minutes is None:
         every_passes = 1  # a delta at every pass boundary
     options = dict(every_passes=every_passes, every_minutes=args.delta_minutes,
                    storage_options=storage_options_from_args(args),
-                   features_dir=model_features_dir(args.out))
+                   features_dir=model_features_dir(args.out),
+                   full_every_hours=args.full_every_hours, full_at=args.full_at)
     if getattr(args, "publish_to", None):
         from terarec.sparsetier.publish import PublishingExporter
 
@@ -140,6 +163,7 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
                          "torchrun --nproc_per_node N -m terarec train ...")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
+    _check_follow_args(args)
     for flag, value in (("--checkpoint-every", args.checkpoint_every),
                         ("--delta-every", args.delta_every)):
         if value is not None and value < 1:
@@ -160,6 +184,73 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     with contextlib.ExitStack() as held:
         _lock_model_dir(args.out, ctx, held)
         return _locked_run(args, config, ctx, on_commit)
+
+
+def _check_follow_args(args: argparse.Namespace) -> None:
+    if (args.train is None) == (args.follow is None):
+        raise UserError("give either --train FILE... or --follow SOURCE")
+    if args.follow is None:
+        for flag in ("stop_after", "stop_idle"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag.replace('_', '-')} needs --follow")
+        return
+    if args.features:
+        raise UserError("--features is not supported with --follow yet")
+    if args.poll_seconds <= 0:
+        raise UserError(f"--poll-seconds must be > 0, got {args.poll_seconds}")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise UserError(f"--stop-after must be >= 1, got {args.stop_after}")
+    if args.stop_idle is not None and args.stop_idle <= 0:
+        raise UserError(f"--stop-idle must be > 0, got {args.stop_idle}")
+
+
+def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
+                on_commit: Callable[[Trainer], None] | None) -> int:
+    """``--follow``: the files of SOURCE as they land; a fresh model takes its numeric
+    statistics from the first file to land."""
+    options = FollowOptions(args.follow, storage_options_from_args(args),
+                            poll_s=args.poll_seconds, stop_after=args.stop_after,
+                            stop_idle_s=args.stop_idle)
+    if _resuming(args):  # the model's own shape, seed and optimizers, or an error
+        config = resumed_config(read_model_meta(args.out)[1], config,
+                                explicit_config_keys(args), str(args.out))
+
+    def schema():
+        first = first_landed(options, args.out / CACHE_DIR)
+        return train_schema_from_args(argparse.Namespace(**{**vars(args),
+                                                            "train": [first.path]}))
+
+    metrics, stats = train_model(
+        TrainRun(train=[], valid=args.valid, out=args.out, resume=args.resume,
+                 checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
+                 follow=options),
+        config, schema, ctx, dense_comm=dense_comm_from_args(args),
+        exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit,
+        selection=selection_from_args(args, config))
+    if ctx.is_main:
+        report_skipped(stats)
+        print(json.dumps({k: metrics.get(k) for k in (
+            "auc", "logloss", "rows", "files_trained", "passes", "stop_reason")}))
+        _write_report(args, metrics, {}, f"terarec train: {config.model.name} following "
+                      f"{args.follow}")
+    if ctx.world > 1:
+        # A rank's read-ahead thread may still wait in a collective of its own group for
+        # a listing or pass its peers stopped before reading; once every rank is done,
+        # leave without unwinding it (the locks are released with the process).
+        ctx.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _write_report(args: argparse.Namespace, metrics: dict, sized: dict, title: str) -> None:
+    history = json.loads((args.out / "history.json").read_text())
+    from terarec.report import write_report  # matplotlib: only commands that plot load it
+
+    write_report(args.out / "report", history, {**metrics, **sized},
+                 title=title)
+    print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
 
 
 def _lock_model_dir(out: Path, ctx: DistContext, held: contextlib.ExitStack) -> None:
@@ -193,6 +284,8 @@ def _lock_model_dir(out: Path, ctx: DistContext, held: contextlib.ExitStack) -> 
 
 def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                 on_commit: Callable[[Trainer], None] | None) -> int:
+    if args.follow is not None:
+        return _follow_run(args, config, ctx, on_commit)
     features = _features(args, ctx)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
@@ -220,13 +313,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         shown = ("auc", "logloss", "rows", "samples_per_s") + (
             ("world_size",) if ctx.world > 1 else ())
         print(json.dumps({k: metrics[k] for k in shown}))
-        history = json.loads((args.out / "history.json").read_text())
-        from terarec.report import write_report  # matplotlib: only commands that plot load it
-
-        write_report(args.out / "report", history, {**metrics, **sized},
-                     title=f"terarec train: {config.model.name} on "
-                     f"{', '.join(Path(p).name for p in args.train)}")
-        print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
+        _write_report(args, metrics, sized, f"terarec train: {config.model.name} on "
+                      f"{', '.join(Path(p).name for p in args.train)}")
     ctx.close()
     return 0
 

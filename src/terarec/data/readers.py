@@ -178,7 +178,7 @@ def iter_tables(path: str | Path, schema: FeatureSchema, batch_size: int, *,
     else:
         raise ValueError(f"schema format {schema.format!r} is not one of {FORMATS}")
     produced = 0
-    for table in _rebatch(blocks, batch_size):
+    for table in rebatch_blocks(blocks, batch_size):
         produced += table.num_rows
         stats.rows += table.num_rows
         yield table
@@ -688,7 +688,7 @@ def parquet_cleaner(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
     return _Cleaner(schema, lambda i: f"{path}: row {i + 1}", on_bad_row, stats)
 
 
-def _rebatch(blocks: Iterator[pa.RecordBatch], batch_size: int) -> Iterator[pa.Table]:
+def rebatch_blocks(blocks: Iterator[pa.RecordBatch], batch_size: int) -> Iterator[pa.Table]:
     """Re-cut blocks of any size into tables of exactly ``batch_size`` rows (zero-copy)."""
     pending: list[pa.RecordBatch] = []
     rows = 0

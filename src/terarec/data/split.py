@@ -40,6 +40,7 @@ from terarec.data.readers import (
     open_parquet,
     parquet_cleaner,
     parse_text,
+    rebatch_blocks,
     text_columns,
 )
 from terarec.types import FeatureSchema
@@ -65,8 +66,9 @@ class LineIndex:
 
 
 def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
-               quoted: bool = False) -> LineIndex | None:
-    """Scan ``path`` for newlines and keep the offset of every ``stride``-th data line.
+               quoted: bool = False, first_line: int = 0) -> LineIndex | None:
+    """Scan ``path`` for newlines and keep the offset of every ``stride``-th data line
+    from data line ``first_line`` on (``lines``: the data lines from there).
 
     None when the file cannot be cut by newlines (see the module docstring): a carriage
     return not followed by a newline, or (``quoted``: CSV) a line with an odd number of
@@ -76,12 +78,15 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
     path = Path(path)
     size = path.stat().st_size
     data = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    if first_line < 0:
+        raise ValueError(f"first_line must be >= 0, got {first_line}")
     # Data line j starts after newline number header_lines + j - 1 (0-based), or at byte
     # 0 for the first line of a file without a header.
-    wanted: list[np.ndarray] = [np.zeros(1 if header_lines == 0 else 0, np.int64)]
+    before = header_lines + first_line  # lines before the first one wanted
+    wanted: list[np.ndarray] = [np.zeros(1 if before == 0 else 0, np.int64)]
     newlines = 0  # newlines seen before the current chunk
     quotes = 0  # quotes seen before the current chunk
-    next_start = header_lines - 1 if header_lines else stride - 1  # the next wanted newline
+    next_start = before - 1 if before else stride - 1  # the next wanted newline
     for lo in range(0, size, _SCAN_BYTES):
         chunk = data[lo:lo + _SCAN_BYTES]
         nl = np.flatnonzero(chunk == _NL)
@@ -103,7 +108,7 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
         newlines += nl.size
     ends_open = size > 0 and data[size - 1] != _NL
     total = newlines + int(ends_open)
-    lines = max(total - header_lines, 0)
+    lines = max(total - before, 0)
     starts = np.concatenate(wanted)
     starts = starts[:-(-lines // stride)] if lines else starts[:0]
     del data
@@ -112,9 +117,12 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
 
 def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, rank: int,
                      world: int, *, on_bad_row: OnBadRow = "error",
-                     stats: ReadStats | None = None) -> Iterator[Step]:
-    """Every global step of ``path``: this rank's clean local batch (None where the step
-    has fewer local batches than ranks) and the step's rows over all ranks.
+                     stats: ReadStats | None = None, start: int = 0,
+                     seek: bool = True) -> Iterator[Step]:
+    """Every global step of ``path`` from data row ``start`` on (a resumed run): this
+    rank's clean local batch (None where the step has fewer local batches than ranks) and
+    the step's rows over all ranks. ``seek=False``: ``start`` counts rows kept after bad
+    ones were skipped, not lines, so the file is read from its start on every rank.
 
     Every rank yields the same steps with the same row counts; ``stats`` counts the rows
     this rank read and skipped (for a file read whole on every rank, rank 0 counts them,
@@ -125,18 +133,26 @@ def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, r
         raise ValueError(f"local batch size must be positive, got {local_size}")
     path = check_file(path)
     stats = stats if stats is not None else ReadStats()
+    if not seek:
+        yield from _whole_file_steps(path, schema, local_size, rank, world, on_bad_row,
+                                     stats, start)
+        return
     if schema.format == "parquet":
-        yield from _parquet_steps(path, schema, local_size, rank, world, on_bad_row, stats)
+        yield from _parquet_steps(path, schema, local_size, rank, world, on_bad_row, stats,
+                                  start)
         return
     names, header_lines = text_columns(path, schema)
     index = None if _compressed(path) else line_index(
-        path, local_size, header_lines=header_lines, quoted=schema.format == "csv")
+        path, local_size, header_lines=header_lines, quoted=schema.format == "csv",
+        first_line=start)
     if index is None:
         yield from _whole_file_steps(path, schema, local_size, rank, world, on_bad_row,
-                                     stats)
+                                     stats, start)
         return
     if index.lines == 0:
-        raise DataError(f"{path}: no data rows")
+        if start == 0:
+            raise DataError(f"{path}: no data rows")
+        return
     batches = len(index.starts) - 1
     with pa.memory_map(str(path)) as source:
         for first in range(0, batches, world):
@@ -148,7 +164,7 @@ def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, r
             lo, hi = int(index.starts[k]), int(index.starts[k + 1])
             blocks = list(parse_text(path, schema, names, pa.BufferReader(
                 source.read_at(hi - lo, lo)), on_bad_row, stats,
-                lines_before=header_lines + k * local_size))
+                lines_before=header_lines + start + k * local_size))
             table = pa.Table.from_batches(blocks) if blocks else empty_table(schema)
             stats.rows += table.num_rows
             yield table, step_rows
@@ -172,7 +188,8 @@ def _compressed(path: Path) -> bool:
 
 
 def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int,
-                   world: int, on_bad_row: OnBadRow, stats: ReadStats) -> Iterator[Step]:
+                   world: int, on_bad_row: OnBadRow, stats: ReadStats,
+                   start: int = 0) -> Iterator[Step]:
     pf, needed = open_parquet(path, schema)
     cleaner = parquet_cleaner(path, schema, on_bad_row, stats)
     meta = pf.metadata
@@ -180,23 +197,23 @@ def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int
     n = int(bounds[-1])
     if n == 0:
         raise DataError(f"{path}: no data rows")
-    batches = -(-n // local_size)
+    batches = -(-max(n - start, 0) // local_size)
     cached: tuple[int, pa.Table] | None = None  # the last row group decoded
     for first in range(0, batches, world):
         k = first + rank
-        step_rows = min((first + world) * local_size, n) - first * local_size
+        step_rows = min(start + (first + world) * local_size, n) - start - first * local_size
         if k >= batches:
             yield None, step_rows
             continue
-        lo, hi = k * local_size, min((k + 1) * local_size, n)
+        lo, hi = start + k * local_size, min(start + (k + 1) * local_size, n)
         pieces = []
         for g in range(int(np.searchsorted(bounds, lo, "right")) - 1,
                        int(np.searchsorted(bounds, hi, "left"))):
             if cached is None or cached[0] != g:
                 cached = (g, pf.read_row_group(g, columns=needed))
-            start = max(lo, int(bounds[g]))
-            pieces.append(cached[1].slice(start - int(bounds[g]),
-                                          min(hi, int(bounds[g + 1])) - start))
+            begin = max(lo, int(bounds[g]))
+            pieces.append(cached[1].slice(begin - int(bounds[g]),
+                                          min(hi, int(bounds[g + 1])) - begin))
         raw = pa.concat_tables(pieces).combine_chunks().to_batches()[0]
         table = pa.Table.from_batches([cleaner.clean(raw, lo)])
         stats.rows += table.num_rows
@@ -204,15 +221,106 @@ def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int
 
 
 def _whole_file_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int,
-                      world: int, on_bad_row: OnBadRow, stats: ReadStats) -> Iterator[Step]:
+                      world: int, on_bad_row: OnBadRow, stats: ReadStats,
+                      start: int = 0) -> Iterator[Step]:
     """Every rank parses the whole file, cuts the same local batches and keeps its own:
     the path for files that cannot be cut by newlines."""
     seen = stats if rank == 0 else ReadStats()
     step: list[pa.Table] = []
-    for table in iter_tables(path, schema, local_size, on_bad_row=on_bad_row, stats=seen):
+    tables = iter_tables(path, schema, local_size, on_bad_row=on_bad_row, stats=seen)
+    for table in drop_rows(tables, start, local_size):
         step.append(table)
         if len(step) == world:
             yield step[rank], sum(t.num_rows for t in step)
             step = []
     if step:
         yield (step[rank] if rank < len(step) else None), sum(t.num_rows for t in step)
+
+
+def drop_rows(tables: Iterator[pa.Table], rows: int, size: int) -> Iterator[pa.Table]:
+    """``tables`` without their first ``rows`` rows, re-cut into tables of ``size`` rows:
+    resuming inside a file that can only be read from its start."""
+    if rows == 0:
+        yield from tables
+        return
+    pending: list[pa.Table] = []
+    held = 0
+    for table in tables:
+        if rows >= table.num_rows:
+            rows -= table.num_rows
+            continue
+        pending.append(table.slice(rows))
+        held += table.num_rows - rows
+        rows = 0
+        while held >= size:
+            whole = pa.concat_tables(pending)
+            yield whole.slice(0, size)
+            rest = whole.slice(size)
+            pending, held = [rest], rest.num_rows
+    if held:
+        yield pa.concat_tables(pending)
+
+
+def iter_tables_from(path: str | Path, schema: FeatureSchema, batch_size: int,
+                     start: int = 0, *, seek: bool = True, on_bad_row: OnBadRow = "error",
+                     stats: ReadStats | None = None) -> Iterator[pa.Table]:
+    """``iter_tables`` from data row ``start`` on, cut into ``batch_size`` rows from
+    there (a resumed single process). ``seek``: ``start`` counts lines too (no bad row
+    was skipped before it), so a text file is read from the byte offset of that line and
+    a Parquet file from its row group; otherwise, and for compressed or unsplittable
+    text, the rows before ``start`` are read and dropped."""
+    if start == 0:
+        yield from iter_tables(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats)
+        return
+    path = check_file(path)
+    stats = stats if stats is not None else ReadStats()
+    if seek and schema.format == "parquet":
+        yield from _rebatch(_parquet_blocks_from(path, schema, start, on_bad_row, stats),
+                            batch_size, stats)
+        return
+    if seek and not _compressed(path):
+        names, header_lines = text_columns(path, schema)
+        index = line_index(path, 1 << 62, header_lines=header_lines,
+                           quoted=schema.format == "csv", first_line=start)
+        if index is not None:
+            if index.lines == 0:
+                return
+            lo, hi = int(index.starts[0]), int(index.starts[-1])
+            with pa.memory_map(str(path)) as source:
+                blocks = parse_text(path, schema, names,
+                                    pa.BufferReader(source.read_at(hi - lo, lo)),
+                                    on_bad_row, stats, lines_before=header_lines + start)
+                yield from _rebatch(blocks, batch_size, stats)
+            return
+    scratch = ReadStats()  # the dropped rows were counted when they were trained
+    for table in drop_rows(iter_tables(path, schema, batch_size, on_bad_row=on_bad_row,
+                                       stats=scratch), start, batch_size):
+        stats.rows += table.num_rows
+        yield table
+
+
+def _rebatch(blocks: Iterator[pa.RecordBatch], batch_size: int,
+             stats: ReadStats) -> Iterator[pa.Table]:
+    for table in rebatch_blocks(blocks, batch_size):
+        stats.rows += table.num_rows
+        yield table
+
+
+def _parquet_blocks_from(path: Path, schema: FeatureSchema, start: int,
+                         on_bad_row: OnBadRow, stats: ReadStats) -> Iterator[pa.RecordBatch]:
+    """Clean blocks of a Parquet file from row ``start`` on (rows named from the file's
+    first)."""
+    pf, needed = open_parquet(path, schema)
+    cleaner = parquet_cleaner(path, schema, on_bad_row, stats)
+    meta = pf.metadata
+    bounds = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+    if start >= int(bounds[-1]):
+        return
+    group = int(np.searchsorted(bounds, start, "right")) - 1
+    row = int(bounds[group])
+    for block in pf.iter_batches(batch_size=65536, columns=needed,
+                                 row_groups=list(range(group, meta.num_row_groups))):
+        if row + block.num_rows > start:
+            skip = max(start - row, 0)
+            yield cleaner.clean(block.slice(skip), row + skip)
+        row += block.num_rows

@@ -81,6 +81,8 @@ class SynthInfo:
     sample_seed: int = 0
     exponent: float = 1.1
     vocab_scale: float = 1.0
+    hour: int | None = None  # ``generate_hourly``: the file's hour and the drift angle
+    drift_angle: float | None = None
 
 
 @dataclass
@@ -220,6 +222,67 @@ class GroundTruth:
         return 1.0 / (1.0 + np.exp(-self.logits(dense, categorical)))
 
 
+class DriftingTruth:
+    """A ground truth that drifts: the logit of hour ``h`` rotates from truth A
+    (``model_seed``) toward an independent truth B by the angle ``h * step``, with
+    ``step = arccos(1 - drift)``::
+
+        logit_h = bias_h + cos(h step) (logit_A - bias_A) + sin(h step) (logit_B - bias_B)
+
+    so the planted logits of consecutive hours correlate ``1 - drift`` (hours ``h`` and
+    ``h + k``: ``cos(k step)``), the logit's spread (and the ceiling AUC) stays that of one
+    truth, and ``bias_h`` keeps the click rate at the target."""
+
+    def __init__(self, model_seed: int, hour: int, drift: float, exponent: float = 1.1,
+                 vocab_scale: float = 1.0) -> None:
+        if not 0.0 <= drift <= 1.0:
+            raise ValueError(f"drift must be in [0, 1], got {drift}")
+        self.a = ground_truth(model_seed, exponent, vocab_scale)
+        self.b = ground_truth(model_seed + 7919, exponent, vocab_scale)
+        self.vocab = self.a.vocab
+        self.angle = hour * float(np.arccos(1.0 - drift))
+        self.bias = 0.0
+        dense, cats = _draw_features(_CALIBRATION_ROWS // 4, np.random.default_rng(0xCA11B),
+                                     self.vocab, exponent)
+        self.bias = _bias_for_ctr(self.logits(dense, cats), TARGET_CTR)
+
+    def logits(self, dense: np.ndarray, categorical: np.ndarray) -> np.ndarray:
+        la = self.a.logits(dense, categorical) - self.a.bias
+        lb = self.b.logits(dense, categorical) - self.b.bias
+        return self.bias + np.cos(self.angle) * la + np.sin(self.angle) * lb
+
+    def probabilities(self, dense: np.ndarray, categorical: np.ndarray) -> np.ndarray:
+        return 1.0 / (1.0 + np.exp(-self.logits(dense, categorical)))
+
+
+def hourly_name(hour: int, start: str = "2026-12-01T00:00") -> str:
+    """The time-partitioned file name of ``hour`` hours after ``start``."""
+    from datetime import datetime, timedelta
+
+    when = datetime.fromisoformat(start) + timedelta(hours=hour)
+    return when.strftime("%Y-%m-%dT%H-%M") + ".tsv"
+
+
+def generate_hourly(folder: str | Path, hours: int, rows: int, *, drift: float,
+                    model_seed: int = 0, exponent: float = 1.1, vocab_scale: float = 1.0,
+                    start: str = "2026-12-01T00:00", first_hour: int = 0) -> list[SynthInfo]:
+    """``hours`` files of ``rows`` rows each, named by their hour (``hourly_name``), whose
+    ground truth drifts by ``drift`` per hour (``DriftingTruth``); each with its
+    ``.truth.json`` (hour, drift angle, ceiling AUC under that hour's truth)."""
+    if hours <= 0:
+        raise ValueError(f"hours must be positive, got {hours}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    infos = []
+    for hour in range(first_hour, first_hour + hours):
+        truth = DriftingTruth(model_seed, hour, drift, exponent, vocab_scale)
+        info = generate(folder / hourly_name(hour, start), rows, model_seed=model_seed,
+                        sample_seed=model_seed * 100_003 + hour, exponent=exponent,
+                        vocab_scale=vocab_scale, truth=truth, hour=hour)
+        infos.append(info)
+    return infos
+
+
 def _bias_for_ctr(logits: np.ndarray, ctr: float) -> float:
     """The shift of ``logits`` whose mean sigmoid is ``ctr`` (bisection; it is monotone)."""
     lo, hi = -20.0, 20.0
@@ -268,7 +331,7 @@ def _blocks(rows: int, sample_seed: int, start_block: int = 0):
         block += 1
 
 
-def _draw_block(n: int, rng: np.random.Generator, truth: GroundTruth,
+def _draw_block(n: int, rng: np.random.Generator, truth: GroundTruth | DriftingTruth,
                 exponent: float) -> SynthArrays:
     dense, cats = _draw_features(n, rng, truth.vocab, exponent)
     probs = truth.probabilities(dense, cats)
@@ -364,11 +427,13 @@ class _AUCHistogram:
 
 def generate(path: str | Path, rows: int, *, model_seed: int = 0, sample_seed: int = 0,
              exponent: float = 1.1, vocab_scale: float = 1.0,
-             chunk_rows: int = 4 * BLOCK_ROWS) -> SynthInfo:
+             chunk_rows: int = 4 * BLOCK_ROWS, truth: DriftingTruth | None = None,
+             hour: int | None = None) -> SynthInfo:
     """Write ``rows`` Criteo-format rows to ``path`` (atomically), plus ``<path>.truth.json``.
 
     Memory stays at one chunk; ``chunk_rows`` is rounded up to whole blocks and does not
-    change the output.
+    change the output. ``truth``: a drifting ground truth instead of ``model_seed``'s
+    (``generate_hourly``).
     """
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
@@ -376,7 +441,8 @@ def generate(path: str | Path, rows: int, *, model_seed: int = 0, sample_seed: i
         raise ValueError(f"exponent and vocab_scale must be positive, got "
                          f"{exponent} / {vocab_scale}")
     path = Path(path)
-    truth = ground_truth(model_seed, exponent, vocab_scale)
+    model: GroundTruth | DriftingTruth = truth or ground_truth(model_seed, exponent,
+                                                               vocab_scale)
     blocks_per_chunk = max(1, -(-chunk_rows // BLOCK_ROWS))
     score = _AUCHistogram()
     clicks = 0.0
@@ -384,7 +450,7 @@ def generate(path: str | Path, rows: int, *, model_seed: int = 0, sample_seed: i
     with atomic_open(path, "wb") as fh:
         pending: list[SynthArrays] = []
         for n, rng in _blocks(rows, sample_seed):
-            part = _draw_block(n, rng, truth, exponent)
+            part = _draw_block(n, rng, model, exponent)
             score.add(part.probs, part.labels)
             clicks += float(part.labels.sum())
             pending.append(part)
@@ -395,7 +461,8 @@ def generate(path: str | Path, rows: int, *, model_seed: int = 0, sample_seed: i
             pa_csv.write_csv(pa.concat_tables([_to_table(p) for p in pending]), fh, options)
     info = SynthInfo(rows=rows, ctr=clicks / rows, ceiling_auc=score.auc(),
                      ceiling_logloss=float(score.logloss()), path=str(path), model_seed=model_seed,
-                     sample_seed=sample_seed, exponent=exponent, vocab_scale=vocab_scale)
+                     sample_seed=sample_seed, exponent=exponent, vocab_scale=vocab_scale,
+                     hour=hour, drift_angle=truth.angle if truth else None)
     atomic_write_text(truth_path(path), json.dumps(asdict(info), indent=2))
     return info
 

@@ -433,8 +433,9 @@ class IncrementalExporter:
     and the keys evicted since then.
 
     When the target's newest version was exported at exactly the trainer's pass (a
-    resumed run), deltas continue from it; otherwise the first export is a full version,
-    since evictions between that version and this trainer's state are unknown.
+    resumed run), deltas continue from it, the first one due at the first pass end (the
+    server has waited while the run was down); otherwise the first export is a full
+    version, since evictions between that version and this trainer's state are unknown.
     """
 
     def __init__(self, uri: str | Path, trainer, *, every_passes: int | None = None,
@@ -442,7 +443,12 @@ class IncrementalExporter:
                  storage_options: dict[str, Any] | None = None,
                  shard_rows: int = DEFAULT_SHARD_ROWS,
                  clock: Callable[[], float] = time.monotonic,
-                 features_dir: str | Path | None = None) -> None:
+                 features_dir: str | Path | None = None,
+                 full_every_hours: float | None = None, full_at: str | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        if full_every_hours is not None and full_every_hours <= 0:
+            raise ValueError(f"a full version every {full_every_hours} hours: must be > 0")
+        self.full_at = _parse_hhmm(full_at) if full_at is not None else None
         if every_passes is not None and every_passes < 1:
             raise ValueError(f"delta every {every_passes} passes: must be >= 1")
         if every_minutes is not None and every_minutes <= 0:
@@ -457,6 +463,11 @@ class IncrementalExporter:
         self._last_pass: int | None = None  # trainer.pass_id at the previous export
         self._clock = clock
         self._last_time = clock()
+        # A full version on a schedule (the off-peak rebuild); deltas between them.
+        self.full_every_hours = full_every_hours
+        self._last_full_time = clock()
+        self._wall_clock = wall_clock
+        self._last_full_wall = wall_clock()
         resumes = False
         if self.ctx.is_main:  # rank 0 reads the target; every rank follows its reading
             latest = self.exporter.latest()
@@ -465,6 +476,8 @@ class IncrementalExporter:
                        and latest.data["model"] == _as_json(to_dict(trainer.config.model)))
         if self.ctx.broadcast_object(resumes):
             self._last_pass = trainer.pass_id
+            if every_minutes is not None:  # restarted: the server waited; export at once
+                self._last_time = clock() - every_minutes * 60.0
 
     def due(self, trainer) -> bool:
         if self._last_pass is None:
@@ -477,9 +490,27 @@ class IncrementalExporter:
         minutes = (self._clock() - self._last_time) / 60.0
         return self.every_minutes is not None and minutes >= self.every_minutes
 
+    def full_due(self, trainer) -> bool:
+        """A scheduled full version is due (and something was trained since the last)."""
+        if self._last_pass is None or trainer.pass_id <= self._last_pass:
+            return False
+        if self.full_at is not None:  # the latest daily time passed since the last full
+            now = self._wall_clock()
+            if self._last_full_wall < _latest_daily(now, *self.full_at) <= now:
+                return True
+        if self.full_every_hours is None:
+            return False
+        hours = (self._clock() - self._last_full_time) / 3600.0
+        return hours >= self.full_every_hours
+
     def on_pass_end(self, trainer, record: dict | None = None) -> ExportedVersion | None:
+        """Export if a delta (or a scheduled full version) is due; also called while a
+        followed source has no new file, so deltas keep to the clock."""
         # Rank 0's clock decides, so that every rank joins the same exports.
-        return self.export(trainer) if self.ctx.broadcast_object(self.due(trainer)) else None
+        due = self.ctx.broadcast_object((self.due(trainer), self.full_due(trainer)))
+        if due[1]:
+            return self.export(trainer, full=True)
+        return self.export(trainer) if due[0] else None
 
     def finish(self, trainer) -> ExportedVersion | None:
         """Export whatever the last passes changed, if anything was trained since."""
@@ -492,6 +523,8 @@ class IncrementalExporter:
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:
+            self._last_full_time = self._clock()
+            self._last_full_wall = self._wall_clock()
             store.take_evicted()  # a full version supersedes every earlier deletion
             result = self.exporter.write_full(
                 schema=trainer.schema, model_config=trainer.config.model, dense=dense,
@@ -509,3 +542,23 @@ class IncrementalExporter:
         self._last_time = self._clock()
         self.exported.append(result)
         return result
+
+
+def _parse_hhmm(text: str) -> tuple[int, int]:
+    """``HH:MM`` (local time) as (hour, minute)."""
+    try:
+        hour, minute = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"full version time {text!r}: expected HH:MM") from None
+    if not (0 <= hour < 24 and 0 <= minute < 60):
+        raise ValueError(f"full version time {text!r}: expected HH:MM, 00:00 to 23:59")
+    return hour, minute
+
+
+def _latest_daily(now: float, hour: int, minute: int) -> float:
+    """The most recent local ``hour:minute`` at or before ``now`` (a Unix time)."""
+    from datetime import datetime, timedelta
+
+    moment = datetime.fromtimestamp(now)
+    today = moment.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    return (today if today <= moment else today - timedelta(days=1)).timestamp()

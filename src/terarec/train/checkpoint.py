@@ -213,6 +213,8 @@ def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict |
         "rng": {"torch": torch.get_rng_state().tolist()},
         "sha256": {k: v for part, _ in every_rank for k, v in part.items()},
         "store": sum_store_summaries(summaries),  # the whole model's figures
+        # every input file's row position after this pass (data.positions)
+        **({"inputs": trainer.inputs} if getattr(trainer, "inputs", None) else {}),
         **({"sparse_shards": [shard_name(r, world) for r in range(world)],
             "stores": summaries,  # per rank: keys, tiers
             "dense_comm": trainer.dense_comm_config.as_dict()} if world > 1 else {}),
@@ -308,6 +310,23 @@ class _RngState(TypedDict):
     torch: list[Annotated[int, Field(ge=0, le=255)]]
 
 
+@with_config(ConfigDict(extra="forbid", strict=True, allow_inf_nan=False))
+class _FileMark(TypedDict):
+    rows: Annotated[int, Field(ge=0)]
+    done: bool
+    size: Annotated[int, Field(ge=0)]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    skipped: NotRequired[Annotated[int, Field(ge=0)]]
+
+
+@with_config(ConfigDict(extra="forbid", strict=True, allow_inf_nan=False))
+class _Inputs(TypedDict):
+    """Row positions per input file (``data.positions.Positions``)."""
+
+    epoch: Annotated[int, Field(ge=0)]
+    files: dict[str, _FileMark]
+
+
 @with_config(ConfigDict(extra="allow", strict=True, allow_inf_nan=False))
 class CheckpointMeta(TypedDict):
     """The keys of ``meta.json`` that restoring relies on (writers may add others)."""
@@ -319,6 +338,7 @@ class CheckpointMeta(TypedDict):
     sparse_format: NotRequired[Literal["arrays", "tiered"]]
     sparse_shards: NotRequired[list[str]]
     world_size: NotRequired[Annotated[int, Field(ge=1)]]
+    inputs: NotRequired[_Inputs]
 
 
 def verify_checkpoint(path: Path) -> dict:
@@ -570,5 +590,6 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
         trainer.dense_comm.load_state_dict(torch.load(comm, weights_only=True))
     trainer.pass_id = int(ckpt.meta["pass_id"])
     trainer.history = list(ckpt.meta.get("history", []))
+    trainer.inputs = ckpt.meta.get("inputs")
     torch.set_rng_state(torch.tensor(ckpt.meta["rng"]["torch"], dtype=torch.uint8))
     return trainer

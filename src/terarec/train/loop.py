@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from terarec.data.positions import Idle, PassInput, Positions
 from terarec.embedding.working_set import PassPlan, plan_pass
-from terarec.train.passes import prefetch
+from terarec.train.passes import Inputs, prefetch
+from terarec.train.progressive import ProgressiveScorer
 from terarec.train.selection import (
     STOP_END_OF_DATA,
     STOP_EPOCHS,
@@ -60,6 +62,7 @@ class TrialRun:
     stop_reason: str | None = None
     rng: torch.Tensor = field(default_factory=torch.get_rng_state)
     steps: int = 0  # optimizer steps so far
+    scorer: ProgressiveScorer = field(default_factory=ProgressiveScorer)
 
     def __post_init__(self) -> None:
         if self.trainer.history:
@@ -104,45 +107,85 @@ class _PlanCache:
         return self._by_size[batch_size]
 
 
-def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
+@dataclass
+class StreamOptions:
+    """How the pass loop reads a stream of files (``train --follow``) rather than a fixed
+    list: passes end at file ends, each pass is scored before it is trained
+    (progressive validation), the next pass is not waited for, and the loop calls
+    ``on_idle`` while no new file has landed and stops once ``should_stop`` says so
+    (both called on every rank at the same points: they may be collective)."""
+
+    per_file: bool = False
+    progressive: bool = False
+    lookahead: bool = True
+    on_idle: Callable[[list[TrialRun]], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+
+
+def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                valid_batches: list[Batch] | list[PassPlan] | None = None, *,
                progress: bool = True,
                stats=None, skip_passes: int = 0,
-               on_boundary: Callable[[list[TrialRun]], None] | None = None) -> None:
+               on_boundary: Callable[[list[TrialRun]], None] | None = None,
+               stream: StreamOptions | None = None) -> None:
     """Train every run pass by pass until each has stopped (patience, its epochs, a
     pruning ``on_boundary``). The first run's trainer reads the data (its batch size and
-    pass size cut the stream); ``skip_passes`` passes are read, not trained (resuming)."""
+    pass size cut the stream) from the input positions its checkpoint recorded
+    (``trainer.inputs``); with none, ``skip_passes`` passes are read, not trained (a
+    checkpoint from before positions were recorded)."""
     if not runs:
         raise ValueError("run_passes needs at least one trial")
     from terarec.train.trainer import _with_next
 
     reader = runs[0].trainer
+    stream = stream or StreamOptions()
+    start = Positions.from_dict(reader.inputs) if reader.inputs else None
+    skip = 0 if start is not None else skip_passes
     epochs = max(r.trainer.config.epochs for r in runs)
     bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc="train" if len(runs) == 1 else f"train x{len(runs)}")
     seen = 0
     try:
-        for epoch in range(epochs):
+        first_epoch = start.epoch if start is not None else 0
+        for epoch in range(first_epoch, epochs):
             for run in runs:
                 if run.live and epoch >= run.trainer.config.epochs:
                     run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
             if not any(r.live for r in runs):
                 break
-            # Bad rows are counted (and reported) once, in the first epoch's read.
-            passes = reader.iter_passes(train_paths, stats if epoch == 0 else None, seen,
-                                        skip_passes)
-            for plan, upcoming in _with_next(prefetch(passes)):
+            positions = start if start is not None and start.epoch == epoch \
+                else Positions(epoch=epoch)
+            # Bad rows are counted (and reported) once, in this run's first epoch's read.
+            passes = prefetch(reader.iter_passes(
+                train_paths, stats if epoch == first_epoch else None, seen, skip, positions,
+                per_file=stream.per_file))
+            pairs = _with_next(passes) if stream.lookahead else ((p, None) for p in passes)
+            for item, upcoming in pairs:
+                if isinstance(item, Idle):
+                    if stream.on_idle is not None:
+                        stream.on_idle([r for r in runs if r.live])
+                    if stream.should_stop is not None and stream.should_stop():
+                        break
+                    continue
+                plan, info = item
                 seen += 1
-                if seen <= skip_passes:
+                if seen <= skip:
                     continue
                 plans = _PlanCache(plan, reader.config.batch_size)
                 live = [r for r in runs if r.live]
+                ahead = upcoming[0] if isinstance(upcoming, tuple) else None
                 for run in live:
-                    _train_one(run, plans, upcoming, valid_batches, epoch, bar)
+                    _train_one(run, plans, ahead, valid_batches, epoch, bar, info,
+                               stream.progressive)
                 if on_boundary is not None:
                     on_boundary(live)
                 if not any(r.live for r in runs):
                     break
+                if stream.should_stop is not None and stream.should_stop():
+                    break
+            else:
+                continue
+            break  # stopped inside the epoch
     finally:
         bar.close()
     for run in runs:
@@ -151,15 +194,19 @@ def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
 
 def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
                valid: list[Batch] | list[PassPlan] | None,
-               epoch: int, bar: tqdm) -> None:
-    """One pass of one trial: train (in its own RNG stream), evaluate, select, hook."""
+               epoch: int, bar: tqdm, info: PassInput, progressive: bool = False) -> None:
+    """One pass of one trial: score it first (``progressive``), train (in its own RNG
+    stream), evaluate, select, hook."""
     trainer = run.trainer
     plan = plans.for_batch_size(trainer.config.batch_size)
+    scored = run.scorer.score(trainer, plan, info) if progressive else {}
     torch.set_rng_state(run.rng)
     result = trainer.train_pass(plan, bar, upcoming)
     run.rng = torch.get_rng_state()
     run.steps += _steps(plan)
-    record = {"epoch": epoch, "steps": run.steps, **result.as_dict()}
+    trainer.inputs = info.positions.to_dict()
+    record = {"epoch": epoch, "steps": run.steps, **result.as_dict(),
+              "files": [Path(f).name for f in info.files], **scored}
     if valid:
         metrics = trainer.evaluate(valid)
         record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"])

@@ -3,6 +3,10 @@
 A pass is ``pass_rows`` rows (a whole number of batches); its boundary is where rows are
 written back to the store, checkpoints are committed and deltas exported. Reading and
 hashing the next pass (pyarrow and numba release the GIL) overlaps training this one.
+
+Each training pass comes with a ``PassInput``: the row position in every input file after
+it (``data.positions``), which the pass's checkpoint records, so that a resumed run reads
+on from exactly there whatever its files, pass size or batch size.
 """
 
 from __future__ import annotations
@@ -12,8 +16,20 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from terarec.data.readers import OnBadRow, ReadStats, iter_batches
+from terarec.data.positions import (
+    IDLE,
+    Idle,
+    InputFile,
+    PassInput,
+    Positions,
+    keyed_inputs,
+    with_last,
+)
+from terarec.data.readers import OnBadRow, ReadStats, iter_batches, table_to_batch
+from terarec.data.split import iter_tables_from
 from terarec.types import Batch, FeatureSchema
+
+Inputs = Iterable[str | Path | InputFile | Idle]  # files, or IDLE while none is new
 
 
 def iter_file_batches(paths: Iterable[str | Path], schema: FeatureSchema, batch_size: int,
@@ -35,6 +51,61 @@ def group_passes(batches: Iterable[Batch], pass_rows: int) -> Iterator[list[Batc
             current, rows = [], 0
     if current:
         yield current
+
+
+def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
+                      pass_rows: int, positions: Positions, *, per_file: bool = False,
+                      on_bad_row: OnBadRow = "error", stats: ReadStats | None = None
+                      ) -> Iterator[tuple[list[Batch], PassInput] | Idle]:
+    """Passes of at least ``pass_rows`` rows (``per_file``: also ending at every file's
+    end) of the rows ``positions`` does not mark consumed, each with its ``PassInput``.
+    Batches never span two files; IDLE in ``items`` is passed through between passes."""
+    pos = positions.copy()
+    stats = stats if stats is not None else ReadStats()
+    current: list[Batch] = []
+    rows = 0
+    info = PassInput(pos)
+
+    def cut() -> tuple[list[Batch], PassInput]:
+        nonlocal current, rows, info
+        done = (current, PassInput(pos.copy(), info.files, info.finished))
+        current, rows, info = [], 0, PassInput(pos)
+        return done
+
+    for entry in keyed_inputs(items):
+        if isinstance(entry, Idle):
+            if current:
+                yield cut()
+            yield IDLE
+            continue
+        item = entry
+        mark = pos.start(item)
+        if mark is not None and mark.done:
+            continue
+        file_rows = mark.rows if mark is not None else 0
+        skipped_before = mark.skipped if mark is not None else 0
+        skipped_at_start = stats.skipped
+        tables = iter_tables_from(item.path, schema, batch_size, file_rows,
+                                  seek=skipped_before == 0, on_bad_row=on_bad_row,
+                                  stats=stats)
+        read_any = False
+        for table, last in with_last(tables):
+            read_any = True
+            current.append(table_to_batch(table, schema))
+            rows += table.num_rows
+            file_rows += table.num_rows
+            if item.key not in info.files:
+                info.files.append(item.key)
+            pos.advance(item, file_rows, last,
+                        skipped_before + stats.skipped - skipped_at_start)
+            if last:
+                info.finished.append(item.key)
+            if rows >= pass_rows or (last and per_file):
+                yield cut()
+        if not read_any:  # resumed at its end
+            pos.advance(item, file_rows, True, skipped_before)
+    if current:
+        yield cut()
 
 
 def prefetch(items: Iterator, depth: int = 1) -> Iterator:

@@ -11,6 +11,7 @@ own.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from terarec.config import TrainConfig, parse_bytes
+from terarec.data.positions import Positions
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext, restart_count
 from terarec.distributed.dense_comm import DenseCommConfig
@@ -32,7 +34,19 @@ from terarec.train.checkpoint import (
     restore_trainer,
     save_checkpoint,
 )
+from terarec.train.follow import (
+    CACHE_DIR,
+    METRICS_FILE,
+    FollowOptions,
+    FollowSource,
+    FollowStop,
+    StopSignal,
+    follow_inputs,
+    write_prometheus,
+)
+from terarec.train.loop import StreamOptions
 from terarec.train.passes import iter_file_batches
+from terarec.train.progressive import progressive_summary
 from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
@@ -48,6 +62,7 @@ class TrainRun:
     resume: bool = False
     checkpoint_every: int = 1  # commit a checkpoint every N passes
     progress: bool = True
+    follow: FollowOptions | None = None  # train a folder's files as they land
 
 
 def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], FeatureSchema],
@@ -106,13 +121,24 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
                 mark_best(run.out, f"pass-{t.pass_id:06d}")
         if versions is not None:
             versions.on_pass_end(t, record)
+        if following is not None and ctx.is_main:
+            following.on_pass_end(t)
 
+    following = _Following(run, trainer, versions) if run.follow is not None else None
     start = time.perf_counter()
-    history = trainer.fit(run.train, valid, progress=run.progress, stats=stats,
-                          on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
-                          selection=selection)
+    try:
+        history = trainer.fit(following.inputs if following else run.train, valid,
+                              progress=run.progress, stats=stats, on_pass_end=on_pass_end,
+                              skip_passes=trainer.pass_id, selection=selection,
+                              stream=following.stream if following else None)
+    finally:
+        if following is not None:
+            following.close()
     seconds = time.perf_counter() - start
     if trainer.pass_id == 0:  # nothing trained: no checkpoint of an untrained model
+        if following is not None:
+            raise ValueError(f"--follow {following.source}: stopped "
+                             f"({following.stop.reason}) before any file was trained")
         raise ValueError(_no_rows("training", run.train, stats))
     stats.skipped += valid_stats.skipped  # the run's count: training and validation rows
     stats.examples = (valid_stats.examples + stats.examples)[:stats.max_examples]
@@ -128,6 +154,10 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         run.out, name=evaluated, ctx=ctx, dense_comm=dense_comm)
     metrics = _run_metrics(scorer, trainer, valid, run, history, seconds, stats)
     metrics.update(checkpoint=evaluated, stop_reason=trainer.stop_reason)
+    if following is not None:
+        metrics.update(stop_reason=following.stop.reason or trainer.stop_reason,
+                       **progressive_summary(trainer.history),
+                       files_trained=Positions.from_dict(trainer.inputs).done_files)
     if selection is not None:
         metrics.update(selection.summary())
     if ctx.is_main:
@@ -154,11 +184,17 @@ def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,
     trained over the passes' time (each pass's own
     figure already takes the ranks' mean), reading and scoring not included."""
     config = trainer.config
-    source = valid or iter_file_batches(run.train, trainer.schema, config.batch_size,
-                                        on_bad_row=config.on_bad_row)
-    metrics: dict[str, Any] = dict(scorer.evaluate(source))
-    metrics["evaluated_on"] = "valid" if valid else "train"
-    metrics.pop("samples_per_s")  # scoring throughput; training throughput below
+    if valid or run.follow is None:
+        source = valid or iter_file_batches(run.train, trainer.schema, config.batch_size,
+                                            on_bad_row=config.on_bad_row)
+        metrics: dict[str, Any] = dict(scorer.evaluate(source))
+        metrics["evaluated_on"] = "valid" if valid else "train"
+        metrics.pop("samples_per_s")  # scoring throughput; training throughput below
+    else:  # a followed stream: each file was scored before it was trained
+        summary = progressive_summary(trainer.history)
+        metrics = {"auc": summary["progressive_auc"], "logloss": summary["progressive_logloss"],
+                   "rows": sum(h.get("file_rows", 0) for h in trainer.history),
+                   "evaluated_on": "progressive"}
     rows = sum(h["rows"] for h in history)
     busy = sum(h["rows"] / h["samples_per_s"] for h in history if h["samples_per_s"])
     steps = [h for h in history if h.get("dense_bytes_per_step") is not None]
@@ -178,3 +214,37 @@ def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,
         sparse_bytes_per_step=(sum(h["sparse_bytes_per_step"] for h in steps) / len(steps)
                                if steps else 0.0))
     return metrics
+
+
+class _Following:
+    """A ``--follow`` run's parts: the stream of landed files, the stop rule (SIGTERM,
+    ``--stop-after``, ``--stop-idle``), exports on the clock while idle, and history and
+    Prometheus figures rewritten after every pass."""
+
+    def __init__(self, run: TrainRun, trainer: Trainer,
+                 versions: IncrementalExporter | None) -> None:
+        assert run.follow is not None
+        self.run, self.trainer = run, trainer
+        self.source = run.follow.source
+        self.stop_event = threading.Event()
+        self.signal = StopSignal()
+        self.stop = FollowStop(run.follow, trainer, self.signal)
+        source = FollowSource(run.follow, run.out / CACHE_DIR)
+        self.inputs = follow_inputs(source, trainer.ctx, Positions.from_dict(trainer.inputs),
+                                    run.follow.poll_s, self.stop_event)
+
+        def on_idle(runs: list) -> None:
+            if versions is not None:  # a delta due on the clock goes out while idle
+                versions.on_pass_end(trainer)
+
+        self.stream = StreamOptions(per_file=True, progressive=True, lookahead=False,
+                                    on_idle=on_idle, should_stop=self.stop)
+
+    def on_pass_end(self, trainer: Trainer) -> None:
+        """Rank 0, after the pass's checkpoint: history and metrics for watchers."""
+        atomic_write_text(self.run.out / "history.json", json.dumps(trainer.history, indent=2))
+        write_prometheus(self.run.out / METRICS_FILE, trainer)
+
+    def close(self) -> None:
+        self.stop_event.set()
+        self.signal.close()

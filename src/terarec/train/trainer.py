@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from terarec.config import TrainConfig, parse_bytes
+from terarec.data.positions import Idle, PassInput, Positions
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
@@ -57,7 +58,7 @@ from terarec.distributed.lookup import (
     exchange_plan,
     plan_rank_pass,
 )
-from terarec.distributed.sharding import deal_batches, iter_rank_passes
+from terarec.distributed.sharding import deal_batches, iter_rank_pass_inputs
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
@@ -66,9 +67,12 @@ from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
 from terarec.models import build_model
 from terarec.train.metrics import evaluate_scores
-from terarec.train.passes import group_passes, iter_file_batches
+from terarec.train.passes import Inputs, group_passes, iter_input_passes
 from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
+
+if TYPE_CHECKING:
+    from terarec.train.loop import StreamOptions
 
 
 @dataclass
@@ -130,6 +134,9 @@ class Trainer:
         mean = [f.pooling == "mean" for f in schema.categorical]
         self.mean_fields = torch.tensor(mean, device=self.device) if any(mean) else None
         self.pass_id = 0
+        # Every input file's row position after the last pass (checkpoint meta
+        # ``inputs``: ``data.positions.Positions.to_dict``); None before any pass.
+        self.inputs: dict | None = None
         self._admitted_before = 0  # the store's admitted total when the pass began
         self.history: list[dict] = []
         self.stop_reason: str | None = None  # why the last ``fit`` ended
@@ -357,23 +364,27 @@ class Trainer:
         return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
     # -- whole runs ---------------------------------------------------------------------
-    def iter_passes(self, train_paths: list[str | Path], stats: ReadStats | None = None,
-                    first: int = 0, skip: int = 0
-                    ) -> Iterator[list[Batch] | PassPlan | ShardedPassPlan]:
+    def iter_passes(self, train_paths: Inputs, stats: ReadStats | None = None,
+                    first: int = 0, skip: int = 0, positions: Positions | None = None,
+                    per_file: bool = False) -> Iterator[tuple[Any, PassInput] | Idle]:
         """The passes ``fit`` trains, numbered from ``first``, planned in the read-ahead
-        thread; passes below ``skip`` (already trained, when resuming) are not planned. On
-        N ranks: this rank's share of every pass, its requests exchanged with the owners
-        (``plan``)."""
+        thread, each with what it consumed (``PassInput``), from each file's row in
+        ``positions`` on (a resumed run); passes below ``skip`` (resuming a checkpoint
+        that has no positions) are not planned. On N ranks: this rank's share of every
+        pass, its requests exchanged with the owners (``plan``). ``per_file``: a pass
+        also ends at each file's end; IDLE markers in ``train_paths`` pass through."""
         cfg = self.config
+        positions = positions if positions is not None else Positions()
         if self.ctx.world > 1:
-            groups = iter_rank_passes(train_paths, self.schema, cfg.batch_size,
-                                      cfg.pass_rows, self.ctx.rank, self.ctx.world,
-                                      on_bad_row=cfg.on_bad_row, stats=stats, ctx=self.ctx)
-            return (self.plan(g) if number >= skip else g
-                    for number, g in enumerate(groups, first))
-        batches = iter_file_batches(train_paths, self.schema, cfg.batch_size,
-                                    on_bad_row=cfg.on_bad_row, stats=stats)
-        return _plans(group_passes(batches, cfg.pass_rows), first, skip)
+            groups = iter_rank_pass_inputs(
+                train_paths, self.schema, cfg.batch_size, cfg.pass_rows, self.ctx.rank,
+                self.ctx.world, positions, per_file=per_file, on_bad_row=cfg.on_bad_row,
+                stats=stats, ctx=self.ctx)
+            return _plans(groups, first, skip, self.plan)
+        passes = iter_input_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
+                                   positions, per_file=per_file, on_bad_row=cfg.on_bad_row,
+                                   stats=stats)
+        return _plans(passes, first, skip, plan_pass)
 
     def plan(self, batches: list[Batch]) -> ShardedPassPlan:
         """Collective in the planning group: this rank's share of a training pass, planned
@@ -382,33 +393,42 @@ class Trainer:
         ctx = self.ctx
         return exchange_plan(ctx, plan_rank_pass(batches, ctx.world), group=ctx.plan_group)
 
-    def fit(self, train_paths: list[str | Path], valid_batches: list[Batch] | None = None,
+    def fit(self, train_paths: Inputs, valid_batches: list[Batch] | None = None,
             *, progress: bool = True, stats=None, on_pass_end=None,
-            skip_passes: int = 0, selection: SelectionTracker | None = None) -> list[dict]:
+            skip_passes: int = 0, selection: SelectionTracker | None = None,
+            stream: StreamOptions | None = None) -> list[dict]:
         """Train up to ``config.epochs`` epochs over ``train_paths`` pass by pass; after
         each pass, score ``valid_batches`` (if any) and append a history record. With a
         ``selection`` tracker, records say which pass was ``best`` and training stops when
         its patience runs out; ``stop_reason`` says why training ended.
 
-        ``skip_passes``: passes already trained (a resumed run): they are read, not trained,
-        so the run continues with exactly the batches an uninterrupted run would see.
-        This is the K = 1 case of ``train.loop.run_passes``.
+        A resumed trainer reads on from each file's row position its checkpoint recorded
+        (``inputs``); ``skip_passes`` (passes already trained) is for checkpoints without
+        positions: those passes are read, not trained. ``stream``: reading a stream of
+        files (``train --follow``). This is the K = 1 case of ``train.loop.run_passes``.
         """
         from terarec.train.loop import TrialRun, run_passes
 
         run = TrialRun(self, selection, on_pass_end)
         run_passes([run], train_paths, valid_batches,
                    progress=progress and self.ctx.is_main, stats=stats,
-                   skip_passes=skip_passes)
+                   skip_passes=skip_passes, stream=stream)
         self.stop_reason = run.stop_reason
         return self.history
 
 
-def _plans(groups: Iterator[list[Batch]], first: int, skip: int) -> Iterator:
-    """Plan each pass numbered ``first``, ``first + 1``, ...; passes below ``skip`` (already
-    trained, when resuming) pass through unplanned."""
-    for number, group in enumerate(groups, first):
-        yield plan_pass(group) if number >= skip else group
+def _plans(passes: Iterator, first: int, skip: int, plan: Callable) -> Iterator:
+    """Plan each pass numbered ``first``, ``first + 1``, ... (IDLE markers are not
+    passes); passes below ``skip`` (already trained, when resuming) pass through
+    unplanned."""
+    number = first
+    for item in passes:
+        if isinstance(item, Idle):
+            yield item
+            continue
+        group, info = item
+        yield (plan(group) if number >= skip else group), info
+        number += 1
 
 
 def make_store(row_dim: int, optimizer: SparseOptimizer,

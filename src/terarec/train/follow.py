@@ -1,0 +1,248 @@
+"""``terarec train --follow SOURCE``: train the files of a folder or fsspec URI in name
+order as they land, pass by pass, until stopped.
+
+When a file counts as landed (docs/continuous.md):
+
+* a file directly under SOURCE is landed once it is visible under its final name: a
+  writer writes it under a name the follower ignores (starting with ``.`` or ``_``, or
+  ending in ``.tmp``, ``.part``, ``.partial`` or ``.inprogress``) and renames it into
+  place (atomic on a local filesystem; an object store's PUT is atomic by itself);
+* a folder under SOURCE (a partition of several files) is landed once it holds a
+  ``_SUCCESS`` marker; its files are then trained in name order.
+
+Names ending in ``.json`` (metadata such as ``terarec synth``'s ground truth) are never
+data. Files of an object store are copied into ``OUT/follow-cache`` to be read and the
+copy removed once every rank has read it; checkpoints name them by their URI.
+
+Under torchrun, rank 0 lists SOURCE (and copies new files) and broadcasts the list in
+the read-ahead thread's process group, so every rank reads the same files in the same
+order and splits each one (``data.split``); ``OUT`` must then be on a filesystem every
+rank sees, as for checkpoints.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from terarec.data.positions import IDLE, Idle, InputFile, Positions, input_key
+from terarec.distributed.context import DistContext
+from terarec.export.storage import Storage
+from terarec.io import atomic_write_text
+
+SUCCESS = "_SUCCESS"
+_IN_PROGRESS = (".tmp", ".part", ".partial", ".inprogress")
+CACHE_DIR = "follow-cache"
+METRICS_FILE = "metrics.prom"
+
+
+@dataclass
+class FollowOptions:
+    """Where to follow and when to stop (``stop_after``: once that many files of the
+    model directory are trained, earlier runs included; ``stop_idle_s``: once no new file
+    has landed for that long); both None: run until SIGTERM."""
+
+    source: str
+    storage_options: dict[str, Any] | None = None
+    poll_s: float = 1.0
+    stop_after: int | None = None
+    stop_idle_s: float | None = None
+
+
+def is_data_name(name: str) -> bool:
+    """Whether a name under SOURCE can be a landed data file (see the module docstring)."""
+    return not (name.startswith((".", "_")) or name.endswith(_IN_PROGRESS)
+                or name.endswith(".json"))
+
+
+class FollowSource:
+    """The landed files under one folder or URI, in name order."""
+
+    def __init__(self, options: FollowOptions, cache: Path) -> None:
+        self.storage = Storage(options.source, options.storage_options)
+        self.cache = cache
+
+    def landed(self) -> list[str]:
+        """Landed files, relative to SOURCE, in name order (partition folders expanded)."""
+        out: list[str] = []
+        for name, is_dir in self._entries(""):
+            if not is_data_name(name):
+                continue
+            if not is_dir:
+                out.append(name)
+                continue
+            inner = self._entries(name)
+            if any(n == SUCCESS for n, _ in inner):
+                out.extend(f"{name}/{n}" for n, d in inner if not d and is_data_name(n))
+        return out
+
+    def _entries(self, rel: str) -> list[tuple[str, bool]]:
+        fs = self.storage.fs
+        try:
+            entries = fs.ls(self.storage.path(rel), detail=True, refresh=True) \
+                if not self.storage.is_local else fs.ls(self.storage.path(rel), detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted((posixpath.basename(str(e["name"]).rstrip("/")),
+                       e.get("type") == "directory") for e in entries)
+
+    def key(self, rel: str) -> str:
+        """How checkpoints name the file: its absolute path, or its URI."""
+        local = self.storage.local_path(rel)
+        if local is not None:
+            return input_key(local)
+        return f"{self.storage.uri.rstrip('/')}/{rel}"
+
+    def fetch(self, rel: str) -> InputFile:
+        """The file as a local input (an object store's file copied into the cache)."""
+        local = self.storage.local_path(rel)
+        if local is not None:
+            return InputFile(input_key(local), local)
+        dest = self.cache / rel
+        if not dest.exists():
+            self.storage.download(rel, dest)
+        return InputFile(self.key(rel), dest)
+
+    def cached(self, item: InputFile) -> bool:
+        return self.cache in item.path.parents
+
+
+def first_landed(options: FollowOptions, cache: Path) -> InputFile:
+    """The first file to land under the source (waits for one): a fresh model's numeric
+    statistics come from it."""
+    source = FollowSource(options, cache)
+    while True:
+        landed = source.landed()
+        if landed:
+            return source.fetch(landed[0])
+        time.sleep(options.poll_s)
+
+
+def _broadcast(ctx: DistContext, obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank, in the read-ahead thread's process group."""
+    if ctx.world == 1:
+        return obj
+    box = [obj]
+    with torch.cuda.device(ctx.device) if ctx.backend == "nccl" else nullcontext():
+        dist.broadcast_object_list(box, src=0, group=ctx.plan_group)
+    return box[0]
+
+
+def follow_inputs(source: FollowSource, ctx: DistContext, start: Positions,
+                  poll_s: float, stop: threading.Event) -> Iterator[InputFile | Idle]:
+    """The landed files not yet trained (``start``: the checkpoint's positions), as they
+    land, and IDLE after every listing that found nothing new; ends once ``stop`` is set.
+    Runs in the read-ahead thread: on N ranks rank 0 lists and every rank follows."""
+    sent: set[str] = {k for k, m in start.files.items() if m.done}
+    read: list[InputFile] = []  # yielded before the last listing: read by every rank now
+    while True:
+        found: list[InputFile] | None = None
+        if ctx.is_main:
+            found = [] if stop.is_set() else [
+                source.fetch(rel) for rel in source.landed() if source.key(rel) not in sent]
+        found = _broadcast(ctx, None if stop.is_set() and ctx.is_main else found)
+        if ctx.is_main:  # the copies every rank has read by now
+            for item in read:
+                if source.cached(item):
+                    item.path.unlink(missing_ok=True)
+        read = []
+        if found is None:
+            return
+        for item in found:
+            sent.add(item.key)
+            read.append(item)
+            yield item
+        if not found:
+            yield IDLE
+            stop.wait(poll_s)
+
+
+class StopSignal:
+    """SIGTERM (and SIGINT) ask the run to stop at the next pass boundary; installed in
+    the main thread only, the previous handlers restored on ``close``."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class FollowStop:
+    """Whether the run stops now: SIGTERM, ``stop_after`` files trained or ``stop_idle_s``
+    without a new file, on any rank (collective: every rank calls it at the same
+    points and gets the same answer)."""
+
+    def __init__(self, options: FollowOptions, trainer: Any, signal_: StopSignal) -> None:
+        self.options, self.trainer, self.signal = options, trainer, signal_
+        self._last_new = time.monotonic()
+        self._rows = -1
+        self.reason: str | None = None
+
+    def __call__(self) -> bool:
+        positions = Positions.from_dict(self.trainer.inputs)
+        if positions.rows != self._rows:
+            self._rows, self._last_new = positions.rows, time.monotonic()
+        o = self.options
+        reasons = [self.signal.requested,
+                   o.stop_after is not None and positions.done_files >= o.stop_after,
+                   o.stop_idle_s is not None
+                   and time.monotonic() - self._last_new >= o.stop_idle_s]
+        agreed = self.trainer.ctx.all_sum([float(r) for r in reasons])
+        for name, value in zip(("signal", "stop_after", "stop_idle"), agreed, strict=True):
+            if value > 0:
+                self.reason = name
+                return True
+        return False
+
+
+def write_prometheus(path: Path, trainer: Any, landed_s: float | None = None) -> None:
+    """The run's figures in the Prometheus text format (a node-exporter textfile),
+    rewritten atomically after every pass."""
+    from terarec.train.progressive import progressive_summary
+
+    history = trainer.history
+    positions = Positions.from_dict(trainer.inputs)
+    last = history[-1] if history else {}
+    summary = progressive_summary(history)
+    gauges: list[tuple[str, str, float | int | None]] = [
+        ("terarec_passes_total", "passes trained", trainer.pass_id),
+        ("terarec_rows_trained_total", "rows trained (input positions)", positions.rows),
+        ("terarec_files_trained_total", "input files trained to their end",
+         positions.done_files),
+        ("terarec_last_pass_timestamp_seconds", "when the last pass ended", time.time()),
+        ("terarec_pass_train_loss", "training loss of the last pass", last.get("train_loss")),
+        ("terarec_progressive_auc", "AUC of the last pass, scored before training it",
+         last.get("progressive_auc")),
+        ("terarec_progressive_logloss", "logloss of the last pass, scored before training",
+         last.get("progressive_logloss")),
+        ("terarec_progressive_auc_mean", "row-weighted mean of the per-file progressive AUC",
+         summary["progressive_auc"]),
+        ("terarec_progressive_logloss_mean", "row-weighted mean of the per-file logloss",
+         summary["progressive_logloss"]),
+    ]
+    lines = []
+    for name, help_, value in gauges:
+        if value is None:
+            continue
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {value:.10g}"]
+    atomic_write_text(path, "\n".join(lines) + "\n")

@@ -1,0 +1,81 @@
+"""Progressive validation: every pass is scored by the model as it stands before the pass
+trains it, the standard online metric of a model trained on a stream (each row is
+predicted before the model has seen it, as serving would have predicted it).
+
+Figures go into the pass's history record: ``progressive_rows`` / ``_auc`` /
+``_logloss`` for the pass, and ``file_done`` / ``file_rows`` / ``file_auc`` /
+``file_logloss`` on the pass that finishes a file (over that file's passes scored by this
+process). An undefined figure (one class only) is recorded as None, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from terarec.data.positions import PassInput
+from terarec.distributed.lookup import ShardedPassPlan
+from terarec.embedding.working_set import PassPlan
+from terarec.train.metrics import evaluate_scores
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+class ProgressiveScorer:
+    """Scores passes before they train and keeps the current file's scores."""
+
+    def __init__(self) -> None:
+        self._file: str | None = None
+        self._labels: list[np.ndarray] = []
+        self._probs: list[np.ndarray] = []
+
+    def score(self, trainer: Any, plan: Any, info: PassInput) -> dict[str, Any]:
+        """Score ``plan`` with ``trainer``'s current model (collective on N ranks: every
+        rank gets the figures over all ranks' rows); the history fields it adds."""
+        batches = plan.rank.batches if isinstance(plan, ShardedPassPlan) else plan
+        rows = batches.batches if isinstance(batches, PassPlan) else batches
+        probs = trainer.predict_batches(batches)
+        labels = (np.concatenate([b.labels.numpy() for b in rows]) if rows
+                  else np.empty(0, np.float32))
+        labels, probs = trainer._all_scores(labels, probs)
+        record: dict[str, Any] = {"progressive_rows": int(len(labels))}
+        if len(labels):
+            m = evaluate_scores(labels, probs)
+            record.update(progressive_auc=finite_or_none(m["auc"]),
+                          progressive_logloss=finite_or_none(m["logloss"]))
+        if len(info.files) != 1:  # a pass over several files: no per-file figure
+            self._reset(None)
+            return record
+        key = info.files[0]
+        if key != self._file:
+            self._reset(key)
+        self._labels.append(labels)
+        self._probs.append(probs)
+        if key in info.finished:
+            all_labels, all_probs = np.concatenate(self._labels), np.concatenate(self._probs)
+            m = evaluate_scores(all_labels, all_probs) if len(all_labels) else {}
+            record.update(file_done=Path(key).name, file_rows=int(len(all_labels)),
+                          file_auc=finite_or_none(m.get("auc", math.nan)),
+                          file_logloss=finite_or_none(m.get("logloss", math.nan)))
+            self._reset(None)
+        return record
+
+    def _reset(self, key: str | None) -> None:
+        self._file, self._labels, self._probs = key, [], []
+
+
+def progressive_summary(history: list[dict]) -> dict[str, float | int | None]:
+    """Row-weighted means of the per-file progressive figures in ``history``."""
+    files = [h for h in history if h.get("file_auc") is not None and h.get("file_rows")]
+    rows = sum(h["file_rows"] for h in files)
+    if not rows:
+        return {"progressive_files": 0, "progressive_auc": None, "progressive_logloss": None}
+    mean = {k: sum(h[f"file_{k}"] * h["file_rows"] for h in files
+                   if h.get(f"file_{k}") is not None) / rows for k in ("auc", "logloss")}
+    return {"progressive_files": len(files), "progressive_auc": mean["auc"],
+            "progressive_logloss": mean["logloss"]}

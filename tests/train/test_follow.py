@@ -1,0 +1,183 @@
+"""``terarec train --follow``: files trained in name order as they land (atomic rename or
+a partition's ``_SUCCESS``), each scored before it is trained; SIGTERM finishes the pass
+and exits 0; SIGKILL and the same command again trains every landed row exactly once;
+an S3 source (moto)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from terarec.cli.main import main
+from terarec.data.synth import generate
+from terarec.export.storage import Storage
+from terarec.train.checkpoint import load_checkpoint
+from terarec.train.follow import FollowOptions, FollowSource, is_data_name
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+ARGS = ["--threads", "1", "--no-progress", "--embedding-dim", "4", "--seed", "3",
+        "--batch-size", "250", "--pass-rows", "100000", "--poll-seconds", "0.2",
+        "--epochs", "1"]
+ROWS = 1500
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+@pytest.fixture(scope="module")
+def hourly(tmp_path_factory) -> list[Path]:
+    """Six hourly files in a staging folder, to be moved into the followed one."""
+    folder = tmp_path_factory.mktemp("staging")
+    paths = [folder / f"2026-12-01T{h:02d}-00.tsv" for h in range(6)]
+    for h, p in enumerate(paths):
+        generate(p, ROWS, model_seed=1, sample_seed=h)
+    return paths
+
+
+def _land(src: Path, folder: Path, name: str | None = None) -> None:
+    """Land a file the way a writer should: under a temporary name, then renamed."""
+    tmp = folder / f".{src.name}.tmp"
+    shutil.copy(src, tmp)
+    tmp.rename(folder / (name or src.name))
+
+
+def _history(out: Path) -> list[dict]:
+    return json.loads((out / "history.json").read_text())
+
+
+def _wait_for(condition, proc: subprocess.Popen | None = None, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc is None or proc.poll() is None, "the trainer exited early"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _follow_cmd(folder: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "terarec", "train", "--follow", str(folder), "--out",
+            str(out), "--resume", *ARGS, *extra]
+
+
+def test_landed_names():
+    assert is_data_name("2026-12-01T10-20.tsv")
+    for name in (".x.tsv", "_SUCCESS", "x.tsv.tmp", "x.part", "x.inprogress",
+                 "x.tsv.truth.json"):
+        assert not is_data_name(name), name
+
+
+def test_follow_trains_files_as_they_land_in_name_order(hourly, tmp_path):
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    for p in hourly[:2]:
+        _land(p, folder)
+    (folder / "2026-12-01T05-00.tsv.tmp").write_text("half-written\t")  # never read
+    proc = subprocess.Popen(_follow_cmd(folder, out, "--stop-after", "5"), env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (out / "history.json").exists()
+                  and len(_history(out)) >= 2, proc)
+        _land(hourly[2], folder)
+        partition = folder / "2026-12-01T03"  # a partition: landed once _SUCCESS is there
+        partition.mkdir()
+        _land(hourly[3], partition, "part-0.tsv")
+        _land(hourly[4], partition, "part-1.tsv")
+        time.sleep(1.0)
+        assert len(_history(out)) == 3  # the partition is not landed yet
+        (partition / "_SUCCESS").write_text("")
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    history = _history(out)
+    assert [h["files"] for h in history] == [
+        ["2026-12-01T00-00.tsv"], ["2026-12-01T01-00.tsv"], ["2026-12-01T02-00.tsv"],
+        ["part-0.tsv"], ["part-1.tsv"]]
+    assert [h["rows"] for h in history] == [ROWS] * 5
+    # every file scored before it was trained: the first one by an untrained model
+    assert all(h["file_rows"] == ROWS and 0 < h["file_auc"] < 1 for h in history)
+    assert history[0]["file_auc"] < history[-1]["file_auc"]
+    assert json.loads(stdout.splitlines()[0])["stop_reason"] == "stop_after"
+    prom = (out / "metrics.prom").read_text()
+    assert "terarec_files_trained_total 5\n" in prom
+    assert f"terarec_rows_trained_total {5 * ROWS}\n" in prom
+    assert "Progressive" in (out / "report" / "report.html").read_text()
+
+
+def test_sigterm_finishes_the_pass_then_sigkill_and_the_same_command_resumes(
+        hourly, tmp_path):
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    cmd = _follow_cmd(folder, out)
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: (out / "checkpoints" / "pass-000001").exists(), proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert json.loads(stdout.splitlines()[0])["stop_reason"] == "signal"
+    for p in hourly[1:4]:
+        _land(p, folder)
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:  # killed at once after its next committed pass
+        _wait_for(lambda: (out / "checkpoints" / "pass-000002").exists(), proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    _land(hourly[4], folder)
+    done = subprocess.run([*cmd, "--stop-after", "5"], env=_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    history = load_checkpoint(out).meta["history"]
+    assert sum(h["rows"] for h in history) == 5 * ROWS
+    assert [h["files"][0] for h in history] == [p.name for p in hourly[:5]]
+
+
+def test_follow_an_s3_prefix(hourly, tmp_path, s3_server, capsys):
+    options = json.dumps(s3_server)
+    storage = Storage("s3://logs/hourly", s3_server)
+    storage.fs.mkdir("logs")
+    for p in hourly[:3]:
+        storage.write_bytes(p.name, p.read_bytes())
+    storage.write_bytes(hourly[3].name + ".tmp", b"not landed")
+    out = tmp_path / "model"
+    source = FollowSource(FollowOptions("s3://logs/hourly", s3_server), out / "cache")
+    assert source.landed() == [p.name for p in hourly[:3]]
+    assert main(["train", "--follow", "s3://logs/hourly", "--storage-options", options,
+                 "--out", str(out), "--stop-after", "3", *ARGS]) == 0
+    meta = load_checkpoint(out).meta
+    assert sorted(meta["inputs"]["files"]) == [f"s3://logs/hourly/{p.name}"
+                                               for p in hourly[:3]]
+    assert sum(h["rows"] for h in meta["history"]) == 3 * ROWS
+    assert not list((out / "follow-cache").rglob("*.tsv"))  # copies removed once read
+
+
+def test_stop_idle_ends_a_run_with_nothing_new(hourly, tmp_path, capsys):
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    started = time.monotonic()
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-idle", "1.5",
+                 *ARGS]) == 0
+    assert time.monotonic() - started >= 1.5
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["stop_reason"] == "stop_idle" and summary["files_trained"] == 1
+
+
+def test_follow_flag_errors(tmp_path, capsys):
+    base = ["train", "--out", str(tmp_path / "m")]
+    assert main([*base, "--follow", str(tmp_path), "--train", str(tmp_path / "x")]) == 2
+    assert "either --train FILE... or --follow SOURCE" in capsys.readouterr().err
+    assert main([*base, "--train", str(tmp_path / "x"), "--stop-after", "2"]) == 2
+    assert "--stop-after needs --follow" in capsys.readouterr().err
