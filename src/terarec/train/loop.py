@@ -23,6 +23,7 @@ of K separate runs end with the same weights.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,8 +155,10 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     run.steps += _steps(plan)
     record = {"epoch": epoch, "steps": run.steps, **result.as_dict()}
     if valid:
+        start = time.perf_counter()
         metrics = trainer.evaluate(valid)
-        record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"])
+        record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"],
+                      eval_s=time.perf_counter() - start)
     if run.selection is not None and run.selection.observe(record).stop:
         run.stop(STOP_PATIENCE)
     trainer.history.append(record)

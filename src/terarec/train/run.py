@@ -10,9 +10,11 @@ own.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,45 @@ from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
 
+def process_seconds() -> float | None:
+    """Wall seconds since this process started (interpreter start-up and imports
+    included), from ``/proc``; None where there is none."""
+    try:
+        with open("/proc/self/stat") as fh:
+            started = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: start time
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+class PhaseClock:
+    """Wall seconds per phase of a run (``metrics.json``'s ``phase_seconds``): where the
+    time goes besides the passes themselves (start-up, statistics, validation,
+    checkpoints, final scoring), which decides how well a whole run scales with ranks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        started = process_seconds()
+        if started is not None:
+            self.seconds["start"] = started
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.seconds.items()}
+
+
 @dataclass
 class TrainRun:
     """What to train on and where the model directory is."""
@@ -60,6 +101,8 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     afresh; ``exporter`` makes the run's version writer; ``on_commit`` is called on every
     rank after each committed checkpoint; ``selection`` marks the best pass (``BEST``,
     which is what metrics score) and stops training when its patience runs out."""
+    clock = PhaseClock()
+    setup = time.perf_counter()
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
         if config.store.disk_path is None:
@@ -84,14 +127,17 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if ctx.is_main:
             clear_best(run.out)
         trainer = Trainer(schema(), config, ctx=ctx, dense_comm=dense_comm)
+    clock.add("setup", time.perf_counter() - setup)
     stats = ReadStats()
-    valid = list(iter_file_batches(run.valid, trainer.schema, config.batch_size,
-                                   on_bad_row=config.on_bad_row, stats=stats))
+    with clock.phase("read_valid"):
+        valid = list(iter_file_batches(run.valid, trainer.schema, config.batch_size,
+                                       on_bad_row=config.on_bad_row, stats=stats))
     versions = exporter(trainer) if exporter is not None else None
     every = max(1, run.checkpoint_every)
 
     def commit(t: Trainer) -> None:
-        save_checkpoint(run.out, t)
+        with clock.phase("checkpoint"):
+            save_checkpoint(run.out, t)
         if on_commit is not None:
             on_commit(t)
 
@@ -103,17 +149,24 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             if record.get("best") and ctx.is_main:
                 mark_best(run.out, f"pass-{t.pass_id:06d}")
         if versions is not None:
-            versions.on_pass_end(t, record)
+            with clock.phase("export"):
+                versions.on_pass_end(t, record)
 
+    trained_before = len(trainer.history)
     start = time.perf_counter()
     history = trainer.fit(run.train, valid, progress=run.progress, stats=stats,
                           on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
                           selection=selection)
     seconds = time.perf_counter() - start
+    clock.add("evaluate", sum(h.get("eval_s", 0.0) for h in history[trained_before:]))
+    clock.add("train", seconds - sum(clock.seconds.get(k, 0.0)
+                                     for k in ("evaluate", "checkpoint", "export")))
+    final = time.perf_counter()
     if not history or trainer.pass_id % every:
         commit(trainer)
     if versions is not None:
-        versions.finish(trainer)
+        with clock.phase("export"):
+            versions.finish(trainer)
     latest = f"pass-{trainer.pass_id:06d}"
     evaluated = ctx.broadcast_object(best_checkpoint(run.out) or latest)
     # The best pass is scored from its checkpoint, in a store of its own (a tiered one in
@@ -121,7 +174,9 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     scorer = trainer if evaluated == latest or not valid else restore_trainer(
         run.out, name=evaluated, ctx=ctx, dense_comm=dense_comm)
     metrics = _run_metrics(scorer, trainer, valid, run, history, seconds, stats)
-    metrics.update(checkpoint=evaluated, stop_reason=trainer.stop_reason)
+    clock.add("final_score", time.perf_counter() - final)
+    metrics.update(checkpoint=evaluated, stop_reason=trainer.stop_reason,
+                   phase_seconds=clock.rounded())
     if selection is not None:
         metrics.update(selection.summary())
     if ctx.is_main:
