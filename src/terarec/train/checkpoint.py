@@ -73,7 +73,7 @@ from terarec.distributed.sharding import shard_of
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import CHUNK_ROWS, RowChunk, arrays_file, merge_sorted
-from terarec.embedding.tiered import iter_saved, snapshot_arrays
+from terarec.embedding.tiered import iter_saved, saved_extras, snapshot_arrays
 from terarec.finite import check_trainer_finite
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.models import row_dim_for
@@ -421,23 +421,45 @@ class LoadedCheckpoint:
         return merge_shards([self.shard_arrays(s) for s in self.shards])
 
     def rank_arrays(self, rank: int, world: int) -> dict[str, np.ndarray]:
-        """The rows ``rank`` owns out of ``world``, shard by shard (only the kept keys of
-        each stay in RAM); store-wide totals go to rank 0."""
+        """The rows ``rank`` owns out of ``world`` as sorted-key arrays (tests, small
+        tables; restoring streams ``rank_rows``)."""
         if world == self.world_size:
             return self.shard_arrays(self.shards[rank])
+        chunks, extras = self.rank_rows(rank, world)
+        taken = list(chunks)
+        row_dim, state_dim = self._dims()
+        empty = RowChunk(np.empty(0, np.int64), np.empty((0, row_dim), np.float32),
+                         np.empty((0, state_dim), np.float32), np.empty(0, np.float32),
+                         np.empty(0, np.float32), np.empty(0, np.int32))
+        columns = [c.columns() for c in taken or [empty]]
+        return {**{name: np.concatenate([c[name] for c in columns]) for name in columns[0]},
+                **extras}
+
+    def rank_rows(self, rank: int, world: int, chunk_rows: int = CHUNK_ROWS
+                  ) -> tuple[Iterator[RowChunk], dict[str, np.ndarray]]:
+        """The rows ``rank`` owns out of ``world`` as a key-ordered stream of chunks,
+        each shard read ``chunk_rows`` at a time and filtered by ``shard_of`` (never a
+        whole shard in RAM), and the store-wide arrays it keeps: its admission
+        candidates, and the totals (``counters``, ``pruned``) on rank 0."""
+        row_dim, state_dim = self._dims()
+
+        def owned(shard: str) -> Iterator[RowChunk]:
+            for chunk in iter_saved(self.path / shard, chunk_rows, row_dim, state_dim):
+                keep = shard_of(chunk.keys, world) == rank
+                yield RowChunk(*(column[keep] for column in chunk.columns().values()))
+
         parts = []
         for shard in self.shards:
-            arrays = self.shard_arrays(shard)
+            extras = saved_extras(self.path / shard)
             part = {}
-            for name, values in arrays.items():
+            for name, values in extras.items():
                 column = sparse_key_column(name)
                 if column is None:
                     part[name] = values if rank == 0 else np.zeros_like(values)
                 else:
-                    part[name] = values[shard_of(arrays[column], world) == rank]
+                    part[name] = values[shard_of(extras[column], world) == rank]
             parts.append(part)
-            del arrays
-        return merge_shards(parts)
+        return merge_sorted([owned(s) for s in self.shards], chunk_rows), merge_shards(parts)
 
 
 def sparse_key_column(name: str) -> str | None:
@@ -553,8 +575,8 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     if same_world:  # this rank's own shard, whatever store saved it
         shard = ckpt.shards[ctx.rank]
         trainer.store.load(ckpt.path / shard, ckpt.shard_digests(shard))
-    else:
-        trainer.store.load_arrays(ckpt.rank_arrays(ctx.rank, ctx.world))
+    else:  # streamed: one chunk of each shard in RAM besides what the store keeps
+        trainer.store.load_rows(*ckpt.rank_rows(ctx.rank, ctx.world))
     comm = ckpt.path / comm_file(ctx.rank, ctx.world)
     if same_world and trainer.dense_comm is not None and comm.exists():
         trainer.dense_comm.load_state_dict(torch.load(comm, weights_only=True))
