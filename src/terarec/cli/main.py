@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib
 import os
 import sys
@@ -60,10 +61,9 @@ def run() -> NoReturn:
     code = main()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        # closed, or a broken pipe: nothing left to save
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
-            pass
     os._exit(code)
 
 
