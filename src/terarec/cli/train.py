@@ -117,10 +117,6 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
     config = config_from_args(args)
-    if launched_by_torchrun() and config.sparse_optimizer.embedding_l2:
-        # the sharded lookup has no batch size to scale by
-        raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
-                         "--sparse-weight-decay")
     ctx = topology(config.device)
     # Rank 0 (alone: the process) holds the model directory's lock for the whole run.
     failure: str | None = None
