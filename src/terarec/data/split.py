@@ -65,8 +65,9 @@ class LineIndex:
 
 
 def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
-               quoted: bool = False) -> LineIndex | None:
-    """Scan ``path`` for newlines and keep the offset of every ``stride``-th data line.
+               quoted: bool = False, max_lines: int | None = None) -> LineIndex | None:
+    """Scan ``path`` for newlines and keep the offset of every ``stride``-th data line;
+    with ``max_lines``, of the first ``max_lines`` data lines only (the scan stops there).
 
     None when the file cannot be cut by newlines (see the module docstring): a carriage
     return not followed by a newline, or (``quoted``: CSV) a line with an odd number of
@@ -82,6 +83,7 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
     newlines = 0  # newlines seen before the current chunk
     quotes = 0  # quotes seen before the current chunk
     next_start = header_lines - 1 if header_lines else stride - 1  # the next wanted newline
+    end = size  # where the indexed data ends
     for lo in range(0, size, _SCAN_BYTES):
         chunk = data[lo:lo + _SCAN_BYTES]
         nl = np.flatnonzero(chunk == _NL)
@@ -100,21 +102,30 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
             picks = np.arange(next_start, newlines + nl.size, stride) - newlines
             wanted.append(nl[picks].astype(np.int64) + lo + 1)
             next_start = int(picks[-1] + newlines + stride)
+        if max_lines is not None and newlines + nl.size >= header_lines + max_lines:
+            # data line max_lines - 1 ends at newline number header_lines + max_lines - 1
+            end = int(nl[header_lines + max_lines - 1 - newlines]) + lo + 1
+            newlines += nl.size
+            break
         newlines += nl.size
     ends_open = size > 0 and data[size - 1] != _NL
     total = newlines + int(ends_open)
     lines = max(total - header_lines, 0)
+    if max_lines is not None:
+        lines = min(lines, max_lines)
     starts = np.concatenate(wanted)
     starts = starts[:-(-lines // stride)] if lines else starts[:0]
     del data
-    return LineIndex(np.append(starts, size), lines, header_lines, stride)
+    return LineIndex(np.append(starts, end), lines, header_lines, stride)
 
 
 def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, rank: int,
                      world: int, *, on_bad_row: OnBadRow = "error",
-                     stats: ReadStats | None = None) -> Iterator[Step]:
-    """Every global step of ``path``: this rank's clean local batch (None where the step
-    has fewer local batches than ranks) and the step's rows over all ranks.
+                     stats: ReadStats | None = None,
+                     max_lines: int | None = None) -> Iterator[Step]:
+    """Every global step of ``path`` (of its first ``max_lines`` data rows, if given):
+    this rank's clean local batch (None where the step has fewer local batches than
+    ranks) and the step's rows over all ranks.
 
     Every rank yields the same steps with the same row counts; ``stats`` counts the rows
     this rank read and skipped (for a file read whole on every rank, rank 0 counts them,
@@ -125,15 +136,19 @@ def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, r
         raise ValueError(f"local batch size must be positive, got {local_size}")
     path = check_file(path)
     stats = stats if stats is not None else ReadStats()
+    if max_lines is not None and max_lines <= 0:
+        return
     if schema.format == "parquet":
-        yield from _parquet_steps(path, schema, local_size, rank, world, on_bad_row, stats)
+        yield from _parquet_steps(path, schema, local_size, rank, world, on_bad_row, stats,
+                                  max_lines)
         return
     names, header_lines = text_columns(path, schema)
     index = None if _compressed(path) else line_index(
-        path, local_size, header_lines=header_lines, quoted=schema.format == "csv")
+        path, local_size, header_lines=header_lines, quoted=schema.format == "csv",
+        max_lines=max_lines)
     if index is None:
         yield from _whole_file_steps(path, schema, local_size, rank, world, on_bad_row,
-                                     stats)
+                                     stats, max_lines)
         return
     if index.lines == 0:
         raise DataError(f"{path}: no data rows")
@@ -172,7 +187,8 @@ def _compressed(path: Path) -> bool:
 
 
 def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int,
-                   world: int, on_bad_row: OnBadRow, stats: ReadStats) -> Iterator[Step]:
+                   world: int, on_bad_row: OnBadRow, stats: ReadStats,
+                   max_lines: int | None = None) -> Iterator[Step]:
     pf, needed = open_parquet(path, schema)
     cleaner = parquet_cleaner(path, schema, on_bad_row, stats)
     meta = pf.metadata
@@ -180,6 +196,8 @@ def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int
     n = int(bounds[-1])
     if n == 0:
         raise DataError(f"{path}: no data rows")
+    if max_lines is not None:
+        n = min(n, max_lines)
     batches = -(-n // local_size)
     cached: tuple[int, pa.Table] | None = None  # the last row group decoded
     for first in range(0, batches, world):
@@ -204,12 +222,19 @@ def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int
 
 
 def _whole_file_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int,
-                      world: int, on_bad_row: OnBadRow, stats: ReadStats) -> Iterator[Step]:
-    """Every rank parses the whole file, cuts the same local batches and keeps its own:
-    the path for files that cannot be cut by newlines."""
+                      world: int, on_bad_row: OnBadRow, stats: ReadStats,
+                      max_lines: int | None = None) -> Iterator[Step]:
+    """Every rank parses the whole file (up to ``max_lines`` rows), cuts the same local
+    batches and keeps its own: the path for files that cannot be cut by newlines."""
     seen = stats if rank == 0 else ReadStats()
     step: list[pa.Table] = []
+    left = max_lines
     for table in iter_tables(path, schema, local_size, on_bad_row=on_bad_row, stats=seen):
+        if left is not None:
+            if left <= 0:
+                break
+            table = table.slice(0, left)
+            left -= table.num_rows
         step.append(table)
         if len(step) == world:
             yield step[rank], sum(t.num_rows for t in step)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from terarec.distributed.lookup import ShardedPassPlan
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.train.passes import prefetch
 from terarec.train.selection import (
@@ -101,7 +102,8 @@ class _PlanCache:
 
 
 def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
-               valid_batches: list[Batch] | list[PassPlan] | None = None, *,
+               valid_batches: list[Batch] | list[PassPlan] | list[ShardedPassPlan] | None = None,
+               *,
                progress: bool = True,
                stats=None, skip_passes: int = 0,
                on_boundary: Callable[[list[TrialRun]], None] | None = None) -> None:
@@ -144,7 +146,7 @@ def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
 
 
 def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
-               valid: list[Batch] | list[PassPlan] | None,
+               valid: list[Batch] | list[PassPlan] | list[ShardedPassPlan] | None,
                epoch: int, bar: tqdm) -> None:
     """One pass of one trial: train (in its own RNG stream), evaluate, select, hook."""
     trainer = run.trainer

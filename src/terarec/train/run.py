@@ -129,9 +129,8 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         trainer = Trainer(schema(), config, ctx=ctx, dense_comm=dense_comm)
     clock.add("setup", time.perf_counter() - setup)
     stats = ReadStats()
-    with clock.phase("read_valid"):
-        valid = list(iter_file_batches(run.valid, trainer.schema, config.batch_size,
-                                       on_bad_row=config.on_bad_row, stats=stats))
+    with clock.phase("read_valid"):  # on N ranks, each reads and plans its share once
+        valid = trainer.scoring_passes(run.valid, stats)
     versions = exporter(trainer) if exporter is not None else None
     every = max(1, run.checkpoint_every)
 
