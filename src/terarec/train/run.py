@@ -160,12 +160,12 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     clock.add("evaluate", sum(h.get("eval_s", 0.0) for h in history[trained_before:]))
     clock.add("train", seconds - sum(clock.seconds.get(k, 0.0)
                                      for k in ("evaluate", "checkpoint", "export")))
-    final = time.perf_counter()
     if not history or trainer.pass_id % every:
         commit(trainer)
     if versions is not None:
         with clock.phase("export"):
             versions.finish(trainer)
+    final = time.perf_counter()
     latest = f"pass-{trainer.pass_id:06d}"
     evaluated = ctx.broadcast_object(best_checkpoint(run.out) or latest)
     # The best pass is scored from its checkpoint, in a store of its own (a tiered one in
