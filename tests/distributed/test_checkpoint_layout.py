@@ -246,3 +246,30 @@ def test_reshard_reads_a_chunk_at_a_time(tmp_path):
     assert whole_peak >= shard_bytes * 0.9  # the measurement sees numpy's allocations
     assert streamed_peak < shard_bytes / 10
     del whole
+
+
+def _two_commits(ctx: DistContext, model: str) -> None:
+    trainer = restore_trainer(model, _config(), ctx=ctx)  # the 1-process checkpoint
+    for seed in (10, 11):
+        local = [b.slice(ctx.rank * 32, (ctx.rank + 1) * 32) for b in _batches(seed)]
+        trainer.train_pass(local)
+        save_checkpoint(model, trainer)
+
+
+def _restored_pass(ctx: DistContext, model: str) -> int:
+    return restore_trainer(model, _config(), ctx=ctx).pass_id
+
+
+def test_ranks_share_the_checksums_and_all_refuse_a_corrupted_shard(tmp_path):
+    model = tmp_path / "model"
+    _trained(model)  # pass 3, one process
+    run_ranks(_two_commits, 2, str(model))  # passes 4 and 5, two ranks
+    newest = list_checkpoints(model)[0]
+    assert newest.name == "pass-000005"
+    assert run_ranks(_restored_pass, 2, str(model)) == [5, 5]
+    # rank 1 hashes the second half of the files: corrupt rank 1's own shard
+    shard = newest / "sparse-00001-of-00002" / "rows.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert run_ranks(_restored_pass, 2, str(model)) == [4, 4]  # both fall back

@@ -317,21 +317,30 @@ class CheckpointMeta(TypedDict):
 def verify_checkpoint(path: Path) -> dict:
     """Return the checkpoint's meta after validating it (``CheckpointMeta``) and checking
     every file's checksum."""
+    meta = checkpoint_meta(path)
+    _verify_files(path, meta, sorted(meta["sha256"]))
+    return meta
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """The checkpoint's ``meta.json``, validated (``CheckpointMeta``); files unchecked."""
     meta_path = path / "meta.json"
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        meta: dict[str, Any] = dict(validate_json(CheckpointMeta, meta_path.read_bytes(),
-                                                  str(meta_path), root="meta"))
+        return dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
+                                  root="meta"))
     except ValueError as exc:
         raise CheckpointError(f"corrupted checkpoint: {exc}") from None
-    for fname, digest in meta["sha256"].items():
+
+
+def _verify_files(path: Path, meta: dict, names: list[str]) -> None:
+    for fname in names:
         fpath = path / fname
         if not fpath.exists():
             raise CheckpointError(f"{fpath}: missing from checkpoint")
-        if sha256_file(fpath) != digest:
+        if sha256_file(fpath) != meta["sha256"][fname]:
             raise CheckpointError(f"{fpath}: checksum mismatch, the file is corrupted")
-    return meta
 
 
 def list_checkpoints(model_dir: str | Path) -> list[Path]:
@@ -521,25 +530,32 @@ def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedChe
 
 
 def _choose(model_dir: Path, name: str | None, ctx: DistContext) -> LoadedCheckpoint:
-    """The checkpoint every rank loads: rank 0 picks ``name`` or the newest one that
-    verifies (``load_checkpoint``), the others follow its choice."""
-    choice: str | Exception = ""
-    ckpt = None
-    if ctx.is_main:
+    """The checkpoint every rank loads: ``name`` or the newest one that verifies
+    (``load_checkpoint``). On N ranks the checksums are split among the ranks (each
+    hashes every N-th file, rather than rank 0 all while the others wait) and a
+    checkpoint any rank finds corrupted is refused by all."""
+    if ctx.world == 1:
+        return load_checkpoint(model_dir, name)
+    candidates = ctx.broadcast_object(
+        [model_dir / "checkpoints" / name] if name is not None else list_checkpoints(model_dir))
+    if not candidates:
+        raise CheckpointError(f"{model_dir}: no committed checkpoint")
+    errors = []
+    for path in candidates:
+        meta: dict | None = None
+        problem: str | None = None
         try:
-            ckpt = load_checkpoint(model_dir, name)
-            choice = ckpt.path.name
+            meta = checkpoint_meta(path)
+            _verify_files(path, meta, sorted(meta["sha256"])[ctx.rank::ctx.world])
         except CheckpointError as exc:
-            choice = exc
-    choice = ctx.broadcast_object(choice)
-    if isinstance(choice, Exception):
-        raise CheckpointError(str(choice))
-    if ckpt is not None:
-        return ckpt
-    path = model_dir / "checkpoints" / choice  # verified by rank 0
-    with open(path / "meta.json") as fh:
-        meta = json.load(fh)
-    return _read(path, meta)
+            problem = str(exc)
+        problems = [p for p in ctx.all_gather_object(problem) if p]
+        if problems or meta is None:
+            log.warning("refusing checkpoint: %s", problems[0])
+            errors.append(problems[0])
+            continue
+        return _read(path, meta)
+    raise CheckpointError("no loadable checkpoint: " + "; ".join(errors))
 
 
 def _read(path: Path, meta: dict) -> LoadedCheckpoint:
