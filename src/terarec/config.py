@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, Field
 
-from terarec.validation import STRICT, validate, validate_json
+from terarec.validation import STRICT, InvalidInput, validate, validate_json
 
 SparseOptimizerName = Literal["adagrad", "adam", "ftrl", "sgd"]
 Precision = Literal["fp32", "fp16", "int8", "int4"]
@@ -101,6 +101,18 @@ def _check_size(size: int | str | None) -> int | str | None:
 
 
 MemorySize = Annotated[int | str, AfterValidator(_check_size)]
+
+
+def _check_device(name: str) -> str:
+    """Only names terarec trains on: whether this machine has the device is checked when
+    the run starts (terarec.distributed.context.resolve_device)."""
+    if re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", name) is None:
+        raise ValueError(f"{name!r} is not a device terarec trains on: auto, cpu, cuda "
+                         "or cuda:N")
+    return name
+
+
+Device = Annotated[str, AfterValidator(_check_device)]
 
 
 @dataclass
@@ -213,6 +225,18 @@ class StoreConfig:
         group=COMPRESSION)
     class_precisions: tuple[Precision, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Thresholds or precisions without the classes they belong to would be ignored.
+        if self.promote_at and len(self.promote_at) != len(self.variable_dims):
+            raise ValueError(
+                f"promote_at {list(self.promote_at)} (--promote-at) needs one width per "
+                f"threshold in variable_dims (--variable-dims), got "
+                f"{list(self.variable_dims) or 'none'}")
+        if self.variable_dims and not self.promote_at:
+            raise ValueError(f"variable_dims {list(self.variable_dims)} (--variable-dims) "
+                             "needs the show counts that move a key up a class: "
+                             "promote_at (--promote-at)")
+
     @property
     def tiered(self) -> bool:
         return self.memory_budget is not None or self.disk_path is not None
@@ -229,7 +253,7 @@ class TrainConfig:
     epochs: Positive = knob(1, "--epochs")
     seed: Annotated[int, Field(ge=0, lt=1 << 32)] = knob(0, "--seed")
     threads: Positive | None = knob(None, "--threads")
-    device: str = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
+    device: Device = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
     on_bad_row: Literal["error", "skip"] = knob(
         "error", "--on-bad-row", "stop at the first bad row or skip and count bad rows",
         group=INPUT_FORMAT)
@@ -251,4 +275,59 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """The TrainConfig in JSON file ``path``; errors start with the file name."""
-    return validate_json(TrainConfig, Path(path).read_bytes(), str(path), root="config")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot read config file: {exc.strerror}") from None
+    return validate_json(TrainConfig, raw, str(path), root="config")
+
+
+# What a checkpoint fixes: the parameters' shapes and meaning (the model, the optimizers'
+# state, how rows are stored) and the seed of the run's random streams. A resumed run
+# keeps them; every other knob (learning rates, epochs, batch size ...) may change.
+RESUME_FIXED = ("model", "seed", "sparse_optimizer.name", "dense_optimizer.name",
+                "store.precision", "store.variable_dims", "store.promote_at",
+                "store.class_precisions")
+RESUME_FREE = ("model.dropout",)  # a model key that changes no parameter
+
+
+def _flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _fixed(key: str) -> bool:
+    return key not in RESUME_FREE and any(
+        key == f or key.startswith(f + ".") for f in RESUME_FIXED)
+
+
+def resumed_config(saved: TrainConfig, new: TrainConfig, given: set[str],
+                   where: str = "") -> TrainConfig:
+    """The config a resumed run trains with: ``new`` with the keys a checkpoint fixes
+    (``RESUME_FIXED``) taken from ``saved``, the run's own config. A fixed key in ``given``
+    (the dotted keys the user set) with another value is a ValueError naming each such
+    key, its flag and both values: the checkpoints cannot take it."""
+    old, now = _flat(to_dict(saved)), _flat(to_dict(new))
+    flags = {".".join(path): flag.name for path, flag, _, _ in flag_fields()}
+    changed = [k for k in old if _fixed(k) and k in given and now[k] != old[k]]
+    if changed:
+        shown = "; ".join(
+            f"{k}{' (' + flags[k] + ')' if k in flags else ''}: was {_value(old[k])}, "
+            f"now {_value(now[k])}" for k in changed)
+        raise ValueError(f"--resume: {where + ' ' if where else ''}was trained with other "
+                         f"settings that its checkpoints fix: {shown}; resume without "
+                         "them or train into another --out")
+    merged = to_dict(new)
+    for key in (k for k in old if _fixed(k)):
+        *parents, last = key.split(".")
+        node = merged
+        for p in parents:
+            node = node[p]
+        node[last] = old[key]
+    return from_dict(TrainConfig, merged)
+
+
+def _value(v: Any) -> str:
+    return repr(list(v) if isinstance(v, tuple) else v)

@@ -198,11 +198,13 @@ class TieredStore(EvictionLog):
             return 1 << 62
         free = self.budget - self._fixed_bytes()
         if free < 64 * self._row_bytes:
+            m = getattr(self, "memory", None)  # none yet while the first tier is sized
             raise MemoryBudgetError(
                 f"memory budget {self.budget:,} B leaves room for no hot rows: the key "
                 f"indexes of {len(self.disk):,} keys on disk and "
-                f"{self.memory.candidate_count:,} admission candidates take "
-                f"{self._fixed_bytes():,} B (about 64-100 B per key); raise --memory-budget")
+                f"{m.candidate_count if m is not None else 0:,} admission candidates take "
+                f"{self._fixed_bytes():,} B (about 64-100 B per key) and 64 hot rows need "
+                f"{64 * self._row_bytes:,} B more; raise --memory-budget")
         return free // self._row_bytes
 
     def _new_memory_tier(self) -> None:

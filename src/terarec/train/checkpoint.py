@@ -66,8 +66,8 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
 from typing_extensions import NotRequired, TypedDict
 
-from terarec.config import TrainConfig, from_dict, to_dict
-from terarec.distributed.context import DistContext
+from terarec.config import TrainConfig, load_train_config, to_dict
+from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.distributed.sharding import shard_of
 from terarec.embedding.optimizers import SparseOptimizer
@@ -109,9 +109,9 @@ def read_model_meta(model_dir: Path) -> tuple[FeatureSchema, TrainConfig]:
     if not (model_dir / "schema.json").exists():
         raise CheckpointError(f"{model_dir}: not a terarec model directory (no schema.json)")
     schema = FeatureSchema.load(model_dir / "schema.json")
-    with open(model_dir / "train_config.json") as fh:
-        config = from_dict(TrainConfig, json.load(fh))
-    return schema, config
+    if not (model_dir / "train_config.json").exists():
+        raise CheckpointError(f"{model_dir}: train_config.json is missing")
+    return schema, load_train_config(model_dir / "train_config.json")
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -573,7 +573,7 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     Without ``config`` (scoring a saved model) a tiered store lives in ``scratch_dir``, a
     folder private to this process (else a temp folder), never in the training run's
     live one."""
-    from terarec.train.trainer import Trainer, resolve_device
+    from terarec.train.trainer import Trainer
 
     model_dir = Path(model_dir)
     schema, saved_config = read_model_meta(model_dir)

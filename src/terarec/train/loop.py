@@ -126,7 +126,9 @@ def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
                     run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
             if not any(r.live for r in runs):
                 break
-            passes = reader.iter_passes(train_paths, stats, seen, skip_passes)
+            # Bad rows are counted (and reported) once, in the first epoch's read.
+            passes = reader.iter_passes(train_paths, stats if epoch == 0 else None, seen,
+                                        skip_passes)
             for plan, upcoming in _with_next(prefetch(passes)):
                 seen += 1
                 if seen <= skip_passes:

@@ -128,9 +128,11 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             clear_best(run.out)
         trainer = Trainer(schema(), config, ctx=ctx, dense_comm=dense_comm)
     clock.add("setup", time.perf_counter() - setup)
-    stats = ReadStats()
+    stats, valid_stats = ReadStats(), ReadStats()
     with clock.phase("read_valid"):  # on N ranks, each reads and plans its share once
-        valid = trainer.scoring_passes(run.valid, stats)
+        valid = trainer.scoring_passes(run.valid, valid_stats)
+    if run.valid and not valid_stats.rows:  # (summed over the ranks)
+        raise ValueError(_no_rows("validation", run.valid, valid_stats))
     versions = exporter(trainer) if exporter is not None else None
     every = max(1, run.checkpoint_every)
 
@@ -160,6 +162,10 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     clock.add("evaluate", sum(h.get("eval_s", 0.0) for h in history[trained_before:]))
     clock.add("train", seconds - sum(clock.seconds.get(k, 0.0)
                                      for k in ("evaluate", "checkpoint", "export")))
+    if trainer.pass_id == 0:  # nothing trained: no checkpoint of an untrained model
+        raise ValueError(_no_rows("training", run.train, stats))
+    stats.skipped += valid_stats.skipped  # the run's count: training and validation rows
+    stats.examples = (valid_stats.examples + stats.examples)[:stats.max_examples]
     if not history or trainer.pass_id % every:
         commit(trainer)
     if versions is not None:
@@ -185,6 +191,14 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             if trainer.history else []
         atomic_write_text(run.out / "history.json", json.dumps(records, indent=2))
     return metrics, stats
+
+
+def _no_rows(what: str, paths: list[Path], stats: ReadStats) -> str:
+    files = ", ".join(str(p) for p in paths)
+    if stats.skipped:
+        return (f"no {what} rows in {files}: all {stats.skipped} rows read were bad and "
+                f"skipped (--on-bad-row skip); first: {stats.examples[0]}")
+    return f"no {what} rows in {files}: the files hold no data rows"
 
 
 def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,

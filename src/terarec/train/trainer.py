@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from terarec.config import TrainConfig
 from terarec.data.readers import ReadStats
-from terarec.distributed.context import DistContext
+from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
 from terarec.distributed.lookup import (
     ShardedPassPlan,
@@ -69,12 +69,6 @@ from terarec.train.metrics import evaluate_scores
 from terarec.train.passes import group_passes, iter_file_batches
 from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclass
