@@ -11,7 +11,11 @@ Same synthetic Criteo-format data, same global batch and passes. Two measurement
   training.
 * end to end (``sps_cli_1rank``, ``sps_cli_2ranks``, ``scaling_cli``): rows / wall time
   of the whole ``terarec train`` command (start-up, reading, training, validation), as
-  a user sees it; each rank reads only its share of the input.
+  a user sees it; each rank reads only its share of the input. ``phases_cli_1rank`` /
+  ``phases_cli_2ranks``: where the best run of each side spent its wall time (the
+  run's ``phase_seconds`` from ``metrics.json``, rank 0's, plus ``wall`` and
+  ``other``: the launcher, the report, exiting); ``load_avg_start`` / ``load_avg``:
+  the machine's load around the measurement (other work skews every ratio).
 
 The scaling pair runs ``--repeats`` times, interleaved; ``scaling`` compares the best
 runs (other processes on a shared machine only ever slow a run down), ``scaling_median``
