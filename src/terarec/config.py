@@ -185,7 +185,7 @@ class DenseOptimizerConfig:
 
 @dataclass
 class StoreConfig:
-    """Embedding store policies: admission by count, eviction by age, row initialisation.
+    """Embedding store policies: admission, eviction, row initialisation.
 
     ``memory_budget`` (bytes, or a size such as "512MB" / "2GB", powers of 1024) or
     ``disk_path`` selects the tiered store: hot rows in RAM under the budget, every row
@@ -197,8 +197,29 @@ class StoreConfig:
 
     admit_min_count: NonNegative = knob(1, "--admit-min-count",
                                         "a key gets a row once seen this often")
+    # Admission and eviction policies: docs/admission.md (terarec.embedding.admission,
+    # terarec.embedding.eviction).
+    admit_min_clicks: NonNegative = knob(0, "--admit-min-clicks",
+                                         "... and once it had this many clicks")
+    admit_sketch_bytes: MemorySize | None = knob(
+        None, "--admit-sketch-bytes", "count waiting keys in a count-min sketch of this "
+        "fixed size (per store) instead of an exact table, e.g. 64MB")
+    admit_probability: Annotated[float, Field(gt=0, le=1)] | None = knob(
+        None, "--admit-probability", "admit a new key with probability P per show")
     evict_after_passes: Positive | None = knob(None, "--evict-after-passes",
                                                "drop keys unseen for N passes")
+    evict_l2_below: NonNegativeFloat | None = knob(
+        None, "--evict-l2-below", "drop rows whose L2 norm is below X at pass end")
+    evict_show_below: NonNegativeFloat | None = knob(
+        None, "--evict-show-below", "drop keys with fewer shows than X not seen this pass")
+    max_keys: Positive | None = knob(None, "--max-keys", "evict at pass end down to N keys "
+                                     "(per rank: N / ranks)")
+    max_store_bytes: MemorySize | None = knob(
+        None, "--max-store-bytes", "evict at pass end until the rows take at most this "
+        "(values, optimizer state, counters, key)")
+    evict_score: Literal["lfu", "lru", "l2"] = knob(
+        "lfu", "--evict-score", "which keys --max-keys / --max-store-bytes evict first: "
+        "fewest shows, longest unseen, smallest L2 norm")
     init_std: NonNegativeFloat = 0.01
     memory_budget: MemorySize | None = knob(
         None, "--memory-budget", "RAM for the embedding store, e.g. 512MB or 2GB: rows "
@@ -236,6 +257,20 @@ class StoreConfig:
             raise ValueError(f"variable_dims {list(self.variable_dims)} (--variable-dims) "
                              "needs the show counts that move a key up a class: "
                              "promote_at (--promote-at)")
+        if self.admit_probability is not None and (
+                self.admit_min_count > 1 or self.admit_min_clicks
+                or self.admit_sketch_bytes is not None):
+            raise ValueError("admit_probability (--admit-probability) admits by a draw "
+                             "per show: it does not combine with admit_min_count > 1, "
+                             "admit_min_clicks or admit_sketch_bytes")
+        if self.admit_sketch_bytes is not None and self.admit_min_count <= 1 \
+                and not self.admit_min_clicks:
+            raise ValueError("admit_sketch_bytes counts keys until they are admitted: give "
+                             "admit_min_count >= 2 or admit_min_clicks >= 1 with it")
+        if self.admit_sketch_bytes is not None and max(self.admit_min_count,
+                                                       self.admit_min_clicks) > 255:
+            raise ValueError("admit_sketch_bytes counts up to 255: admit_min_count and "
+                             "admit_min_clicks must be <= 255 with it")
 
     @property
     def tiered(self) -> bool:

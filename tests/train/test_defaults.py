@@ -75,3 +75,13 @@ def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
 def test_admission_sized_only_on_small_data() -> None:
     assert sized_admission(8_000) == 2
     assert sized_admission(10**9) == TrainConfig().store.admit_min_count == 1
+
+
+def test_admission_by_probability_is_not_given_a_sized_count(tmp_path: Path) -> None:
+    data = tmp_path / "d.csv"
+    data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
+    args = _args(["--admit-probability", "0.5"])
+    config, sized = apply_sized_defaults(config_from_args(args), [data],
+                                         explicit_config_keys(args))
+    assert config.store.admit_min_count == 1 and "store.admit_min_count" not in sized
+    assert config.store.admit_probability == 0.5 and config.batch_size == 256

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
-    "search", "export", "serve",
+    "search", "export", "publish", "serve",
     "autofeature",
     "inspect",
 ]

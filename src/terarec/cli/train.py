@@ -78,21 +78,32 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--delta-every", type=int, metavar="N", help="a delta every N passes")
     g.add_argument("--delta-minutes", type=float, metavar="M",
                    help="a delta at the first pass end M minutes after the previous export")
+    g.add_argument("--publish-to", metavar="redis://HOST:PORT",
+                   help="also publish each exported version to this Redis Cluster "
+                        "(`terarec publish`; docs/serving-cluster.md)")
+    g.add_argument("--publish-namespace", default="terarec",
+                   help="the model's key prefix in that cluster (default terarec)")
     add_storage_args(g)
 
 
 def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExporter | None:
     if args.export_to is None:
-        if args.delta_every is not None or args.delta_minutes is not None:
-            raise ValueError("--delta-every / --delta-minutes need --export-to")
+        if (args.delta_every is not None or args.delta_minutes is not None
+                or getattr(args, "publish_to", None)):
+            raise ValueError("--delta-every / --delta-minutes / --publish-to need --export-to")
         return None
     every_passes = args.delta_every
     if every_passes is None and args.delta_minutes is None:
         every_passes = 1  # a delta at every pass boundary
-    return IncrementalExporter(args.export_to, trainer, every_passes=every_passes,
-                               every_minutes=args.delta_minutes,
-                               storage_options=storage_options_from_args(args),
-                               features_dir=model_features_dir(args.out))
+    options = dict(every_passes=every_passes, every_minutes=args.delta_minutes,
+                   storage_options=storage_options_from_args(args),
+                   features_dir=model_features_dir(args.out))
+    if getattr(args, "publish_to", None):
+        from terarec.sparsetier.publish import PublishingExporter
+
+        return PublishingExporter(args.export_to, trainer, publish_to=args.publish_to,
+                                  namespace=args.publish_namespace, **options)
+    return IncrementalExporter(args.export_to, trainer, **options)
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:

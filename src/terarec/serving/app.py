@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from terarec.data.readers import DataError
 from terarec.finite import NonFiniteError, check_scores
+from terarec.serving.cluster import SparseReadError
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
 from terarec.serving.metrics import ServingMetrics
 from terarec.serving.openapi import openapi_document
@@ -215,6 +216,10 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
 
     @app.exception_handler(NoVersionError)
     async def no_version(request: Request, exc: NoVersionError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=503)
+
+    @app.exception_handler(SparseReadError)
+    async def sparse_unreadable(request: Request, exc: SparseReadError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
 
     @app.exception_handler(StarletteHTTPException)

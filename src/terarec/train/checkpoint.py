@@ -70,9 +70,16 @@ from terarec.config import TrainConfig, load_train_config, to_dict
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.distributed.sharding import shard_of
+from terarec.embedding.admission import SKETCH_ARRAY
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.store import CHUNK_ROWS, RowChunk, arrays_file, merge_sorted
+from terarec.embedding.store import (
+    CHUNK_ROWS,
+    STORE_TOTALS,
+    RowChunk,
+    arrays_file,
+    merge_sorted,
+)
 from terarec.embedding.tiered import iter_saved, saved_extras, snapshot_arrays
 from terarec.finite import check_trainer_finite
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
@@ -463,7 +470,9 @@ class LoadedCheckpoint:
             part = {}
             for name, values in extras.items():
                 column = sparse_key_column(name)
-                if column is None:
+                if name == SKETCH_ARRAY:  # every owner's counts are an upper bound
+                    part[name] = values
+                elif column is None:
                     part[name] = values if rank == 0 else np.zeros_like(values)
                 else:
                     part[name] = values[shard_of(extras[column], world) == rank]
@@ -473,8 +482,9 @@ class LoadedCheckpoint:
 
 def sparse_key_column(name: str) -> str | None:
     """Which key array orders sparse array ``name``: rows by ``keys``, admission
-    candidates by ``cand_keys``; None for store-wide totals (``counters``, ``pruned``)."""
-    if name in ("counters", "pruned"):
+    candidates by ``cand_keys``; None for store-wide totals (``counters``, ``pruned``,
+    ``rejected``) and the admission sketch (summed when shards merge)."""
+    if name in STORE_TOTALS or name == SKETCH_ARRAY:
         return None
     return "cand_keys" if name.startswith("cand_") else "keys"
 
