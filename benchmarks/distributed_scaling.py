@@ -11,7 +11,11 @@ Same synthetic Criteo-format data, same global batch and passes. Two measurement
   training.
 * end to end (``sps_cli_1rank``, ``sps_cli_2ranks``, ``scaling_cli``): rows / wall time
   of the whole ``terarec train`` command (start-up, reading, training, validation), as
-  a user sees it; each rank reads only its share of the input.
+  a user sees it; each rank reads only its share of the input. ``phases_cli_1rank`` /
+  ``phases_cli_2ranks``: where the best run of each side spent its wall time (the
+  run's ``phase_seconds`` from ``metrics.json``, rank 0's, plus ``wall`` and
+  ``other``: the launcher, the report, exiting); ``load_avg_start`` / ``load_avg``:
+  the machine's load around the measurement (other work skews every ratio).
 
 The scaling pair runs ``--repeats`` times, interleaved; ``scaling`` compares the best
 runs (other processes on a shared machine only ever slow a run down), ``scaling_median``
@@ -73,15 +77,19 @@ def train_loop(args: argparse.Namespace, ranks: int, dense_comm: str) -> dict:
     return json.loads(out.read_text())
 
 
-def train_cli(args: argparse.Namespace, ranks: int) -> float:
-    """Rows per second of wall time for the whole ``terarec train`` command."""
+def train_cli(args: argparse.Namespace, ranks: int) -> tuple[float, dict]:
+    """Rows per second of wall time for the whole ``terarec train`` command, and where
+    its wall time went: the run's ``phase_seconds`` (rank 0's), ``wall`` and ``other``
+    (the rest: the launcher, the report, exiting)."""
     out = Path(tempfile.mkdtemp(prefix=f"cli-{ranks}-", dir=args.workdir))  # a fresh run
     seconds = _launch(args, ranks, [
         "-m", "terarec", "train", "--train", str(args.workdir / "train.txt"),
         "--valid", str(args.workdir / "valid.txt"), "--out", str(out),
         "--batch-size", str(args.batch_size), "--pass-rows", str(args.pass_rows),
         "--model", args.model, "--threads", "1", "--no-progress", "--seed", "0"])
-    return args.rows / seconds
+    phases = json.loads((out / "metrics.json").read_text()).get("phase_seconds", {})
+    phases = {**phases, "wall": seconds, "other": seconds - sum(phases.values())}
+    return args.rows / seconds, {k: round(v, 2) for k, v in phases.items()}
 
 
 def cli_pair(args: argparse.Namespace) -> dict:
@@ -91,10 +99,12 @@ def cli_pair(args: argparse.Namespace) -> dict:
     for _ in range(args.cli_repeats):
         ones.append(train_cli(args, 1))
         twos.append(train_cli(args, 2))
-    return {"sps_cli_1rank": round(max(ones), 1), "sps_cli_2ranks": round(max(twos), 1),
-            "scaling_cli": round(max(twos) / max(ones), 3),
-            "sps_cli_1rank_runs": [round(r) for r in ones],
-            "sps_cli_2ranks_runs": [round(r) for r in twos]}
+    one, two = max(ones, key=lambda r: r[0]), max(twos, key=lambda r: r[0])
+    return {"sps_cli_1rank": round(one[0], 1), "sps_cli_2ranks": round(two[0], 1),
+            "scaling_cli": round(two[0] / one[0], 3),
+            "sps_cli_1rank_runs": [round(r[0]) for r in ones],
+            "sps_cli_2ranks_runs": [round(r[0]) for r in twos],
+            "phases_cli_1rank": one[1], "phases_cli_2ranks": two[1]}
 
 
 def _shared_flags(args: argparse.Namespace) -> list[str]:
@@ -209,6 +219,7 @@ def main() -> None:
         return
     from terarec.data.synth import generate
 
+    load_start = round(os.getloadavg()[0], 2)  # other work on a shared machine skews ratios
     with tempfile.TemporaryDirectory(prefix="terarec-dist-bench-") as tmp:
         args.workdir = args.workdir or Path(tmp)
         args.workdir.mkdir(parents=True, exist_ok=True)
@@ -219,6 +230,7 @@ def main() -> None:
         if args.cli_only:
             print(json.dumps({"rows": args.rows, "batch_size": args.batch_size,
                               "model": args.model, **cli,
+                              "load_avg_start": load_start,
                               "load_avg": round(os.getloadavg()[0], 2)}))
             return
         others = sorted({int(b) for b in args.also_batch_sizes.split(",") if b.strip()}
@@ -249,7 +261,7 @@ def main() -> None:
         "auc_fp16": round(two["fp16"]["auc"], 5),
         "auc_dgc": round(two["dgc"]["auc"], 5),
         "delta_auc_dgc": round(two["dgc"]["auc"] - two["none"]["auc"], 5),
-        "load_avg": round(os.getloadavg()[0], 2),
+        "load_avg_start": load_start, "load_avg": round(os.getloadavg()[0], 2),
     }))
 
 

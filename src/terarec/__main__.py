@@ -1,7 +1,5 @@
 """``python -m terarec`` (also what ``torchrun -m terarec`` runs)."""
 
-import sys
+from terarec.cli.main import run
 
-from terarec.cli.main import main
-
-sys.exit(main())
+run()

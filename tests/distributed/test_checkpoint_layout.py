@@ -34,9 +34,10 @@ SCHEMA = FeatureSchema(label="label", fields=(
     missing_flags=False)
 
 
-def _config(store_dir: Path | None = None) -> TrainConfig:
-    store = StoreConfig(memory_budget="600KB", disk_path=str(store_dir)) if store_dir else (
-        StoreConfig())
+def _config(store_dir: Path | None = None, admit: int = 1) -> TrainConfig:
+    store = StoreConfig(memory_budget="600KB", disk_path=str(store_dir),
+                        admit_min_count=admit) if store_dir else (
+        StoreConfig(admit_min_count=admit))
     return TrainConfig(batch_size=64, pass_rows=256, threads=1, seed=3,
                        model=ModelConfig(name="deepfm", embedding_dim=4), store=store)
 
@@ -52,17 +53,19 @@ def _batches(seed: int, n: int = 4) -> list[Batch]:
     return out
 
 
-def _trained(model: Path, store_dir: Path | None = None) -> dict[str, np.ndarray]:
-    trainer = Trainer(SCHEMA, _config(store_dir))
+def _trained(model: Path, store_dir: Path | None = None, admit: int = 1
+             ) -> dict[str, np.ndarray]:
+    trainer = Trainer(SCHEMA, _config(store_dir, admit))
     for seed in range(3):
         trainer.train_pass(_batches(seed))
     save_checkpoint(model, trainer)
     return trainer.store.to_arrays()
 
 
-def _reshard(ctx: DistContext, src: str, dst: str, store_dir: str | None) -> dict:
+def _reshard(ctx: DistContext, src: str, dst: str, store_dir: str | None,
+             admit: int = 1) -> dict:
     """On each rank: restore ``src`` (any layout) and commit it again to ``dst``."""
-    config = _config(Path(store_dir) if store_dir else None)
+    config = _config(Path(store_dir) if store_dir else None, admit)
     trainer = restore_trainer(src, config, ctx=ctx)
     arrays = trainer.store.to_arrays()
     save_checkpoint(dst, trainer)
@@ -165,3 +168,108 @@ def test_two_rank_layout_from_before_still_loads(tmp_path):
     ckpt = load_checkpoint(tmp_path / "two")
     assert ckpt.shards == [f"sparse-0000{r}-of-00002.safetensors" for r in range(2)]
     _assert_same_rows(restore_trainer(tmp_path / "two").store.to_arrays(), want)
+
+
+def _rows(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in arrays.items() if k != "pruned"}
+
+
+def _assert_exact(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(_rows(got)) == sorted(_rows(want))
+    for name, values in _rows(want).items():
+        np.testing.assert_array_equal(got[name], values, err_msg=name)
+
+
+def _restore_once(src: Path, dst: Path, store_dir: Path | None) -> dict[str, np.ndarray]:
+    """One process: restore ``src`` and commit it to ``dst``."""
+    trainer = restore_trainer(src, _config(store_dir, 2))
+    save_checkpoint(dst, trainer)
+    return trainer.store.to_arrays()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["memory", "tiered"])
+def test_restores_across_world_sizes_stay_exact(tmp_path, tiered):
+    """1 -> 2 -> 1 -> 3 ranks: every row, optimizer state, counter and admission
+    candidate comes back bit for bit (each re-shard streams the shards by chunks)."""
+    stores = tmp_path / "stores" if tiered else None
+    want = _trained(tmp_path / "w1", stores / "w1" if stores else None, admit=2)
+    assert len(want["cand_keys"])  # admission candidates travel too
+    run_ranks(_reshard, 2, str(tmp_path / "w1"), str(tmp_path / "w2"),
+              str(stores / "w2") if stores else None, 2)
+    _assert_exact(load_checkpoint(tmp_path / "w2").sparse, want)
+    back = _restore_once(tmp_path / "w2", tmp_path / "w1b", stores / "w1b" if stores else None)
+    _assert_exact(back, want)
+    three = run_ranks(_reshard, 3, str(tmp_path / "w1b"), str(tmp_path / "w3"),
+                      str(stores / "w3") if stores else None, 2)
+    for rank, part in enumerate(three):
+        assert np.all(shard_of(part["keys"], 3) == rank)
+    _assert_exact(load_checkpoint(tmp_path / "w3").sparse, want)
+    _assert_exact(restore_trainer(tmp_path / "w3").store.to_arrays(), want)
+
+
+def test_reshard_reads_a_chunk_at_a_time(tmp_path):
+    """A rank's share of another world size's checkpoint is streamed: the RAM it takes
+    stays a small fraction of a shard, however large the shard."""
+    import tracemalloc
+
+    trainer = Trainer(SCHEMA, _config())
+    n = 200_000
+    rng = np.random.default_rng(0)
+    keys = np.sort(rng.choice(1 << 40, n, replace=False)).astype(np.int64)
+    store = trainer.store
+    trainer.store.load_arrays({
+        "keys": keys, "values": rng.random((n, store.row_dim), np.float32),
+        "state": rng.random((n, store.state_dim), np.float32),
+        "show": np.ones(n, np.float32), "click": np.zeros(n, np.float32),
+        "last_seen": np.zeros(n, np.int32), "counters": np.array([n, 0], np.int64)})
+    save_checkpoint(tmp_path / "model", trainer)
+    ckpt = load_checkpoint(tmp_path / "model")
+    shard_bytes = n * 4 * (store.row_dim + store.state_dim + 3)
+
+    tracemalloc.start()
+    try:
+        chunks, extras = ckpt.rank_rows(1, 2, chunk_rows=4096)
+        seen, last = 0, -1
+        for chunk in chunks:
+            assert len(chunk) <= 4096
+            assert np.all(shard_of(chunk.keys, 2) == 1) and chunk.keys[0] > last
+            last = int(chunk.keys[-1])
+            seen += len(chunk)
+        streamed_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        whole = ckpt.shard_arrays("sparse")  # the whole shard, as restores used to read it
+        whole_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == int(np.sum(shard_of(keys, 2) == 1))
+    assert int(extras["counters"][0]) == 0  # store-wide totals stay with rank 0
+    assert whole_peak >= shard_bytes * 0.9  # the measurement sees numpy's allocations
+    assert streamed_peak < shard_bytes / 10
+    del whole
+
+
+def _two_commits(ctx: DistContext, model: str) -> None:
+    trainer = restore_trainer(model, _config(), ctx=ctx)  # the 1-process checkpoint
+    for seed in (10, 11):
+        local = [b.slice(ctx.rank * 32, (ctx.rank + 1) * 32) for b in _batches(seed)]
+        trainer.train_pass(local)
+        save_checkpoint(model, trainer)
+
+
+def _restored_pass(ctx: DistContext, model: str) -> int:
+    return restore_trainer(model, _config(), ctx=ctx).pass_id
+
+
+def test_ranks_share_the_checksums_and_all_refuse_a_corrupted_shard(tmp_path):
+    model = tmp_path / "model"
+    _trained(model)  # pass 3, one process
+    run_ranks(_two_commits, 2, str(model))  # passes 4 and 5, two ranks
+    newest = list_checkpoints(model)[0]
+    assert newest.name == "pass-000005"
+    assert run_ranks(_restored_pass, 2, str(model)) == [5, 5]
+    # rank 1 hashes the second half of the files: corrupt rank 1's own shard
+    shard = newest / "sparse-00001-of-00002" / "rows.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert run_ranks(_restored_pass, 2, str(model)) == [4, 4]  # both fall back

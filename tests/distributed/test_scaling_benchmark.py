@@ -39,3 +39,9 @@ def test_benchmark_prints_scaling_per_batch_and_dense_bytes_per_hook(tmp_path):
     assert abs(result["auc_none"] - result["auc_1rank"]) < 2e-3
     assert result["delta_auc_dgc"] == pytest.approx(result["auc_dgc"] - result["auc_none"],
                                                     abs=2e-5)
+    # where each end-to-end run's wall time went, and how loaded the machine was
+    for side in ("phases_cli_1rank", "phases_cli_2ranks"):
+        phases = result[side]
+        assert {"start", "setup", "train", "checkpoint", "wall", "other"} <= set(phases)
+        assert phases["train"] > 0 and phases["wall"] >= phases["train"]
+    assert result["load_avg"] >= 0 and result["load_avg_start"] >= 0

@@ -112,3 +112,17 @@ def _dropout_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model": {"dropout": 0.3}}))
     return path
+
+
+def test_metrics_say_where_the_wall_time_went(trained):
+    metrics = json.loads((trained / "metrics.json").read_text())
+    phases = metrics["phase_seconds"]
+    assert {"start", "setup", "read_valid", "train", "evaluate", "checkpoint",
+            "final_score"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
+    history = json.loads((trained / "history.json").read_text())
+    # per-pass scoring is timed in each record and adds up to the phase
+    assert phases["evaluate"] == pytest.approx(sum(h["eval_s"] for h in history), abs=2e-3)
+    assert phases["train"] > 0 and phases["train"] <= metrics["wall_seconds"]
+    assert phases["train"] + phases["evaluate"] + phases["checkpoint"] == pytest.approx(
+        metrics["wall_seconds"], abs=5e-3)

@@ -25,6 +25,7 @@ from terarec.config import (
 )
 from terarec.data.numeric import DEFAULT_STATS_ROWS, with_numeric_stats
 from terarec.data.readers import ReadStats, csv_schema
+from terarec.distributed.context import DistContext
 from terarec.io import ScratchDir
 from terarec.train.selection import (
     DEFAULT_MAX_EPOCHS,
@@ -122,19 +123,24 @@ def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
 
 
 def train_schema_from_args(args: argparse.Namespace,
-                           base: FeatureSchema | None = None) -> FeatureSchema:
+                           base: FeatureSchema | None = None,
+                           ctx: DistContext | None = None) -> FeatureSchema:
     """The schema a new training run uses: ``base`` (default ``schema_from_args``) with
     numeric statistics gathered from the first ``--stats-rows`` rows of ``--train``.
     Bad rows are left out of the statistics here; training reads them again and reports
-    or skips them as ``--on-bad-row`` says (on every rank alike under torchrun)."""
+    or skips them as ``--on-bad-row`` says (on every rank alike under torchrun). With
+    ``ctx`` one of N ranks (collective), each rank reads its share of those rows."""
     schema = base if base is not None else schema_from_args(args)
     if getattr(args, "no_standardize", False):
         return schema
     rows = getattr(args, "stats_rows", DEFAULT_STATS_ROWS)
     if rows <= 0:
         raise ValueError(f"--stats-rows must be positive, got {rows}")
-    return with_numeric_stats(schema, args.train, max_rows=rows,
-                              on_bad_row="skip")
+    if ctx is not None and ctx.world > 1:
+        return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip",
+                                  rank=ctx.rank, world=ctx.world,
+                                  gather=ctx.all_gather_object)
+    return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip")
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:

@@ -8,8 +8,12 @@ Each module in ``terarec.cli`` listed in ``SUBCOMMANDS`` defines
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
@@ -23,18 +27,23 @@ class UserError(Exception):
     """An error in the user's input: printed as one line, exit code 2, no traceback."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with ``only`` (a subcommand's name), just that subcommand:
+    importing every subcommand's modules (serving, search, ...) cost each run, and each
+    torchrun rank, most of a second."""
     parser = argparse.ArgumentParser(
         prog="terarec", description="Train and serve CTR models whose sparse embedding "
         "tables outgrow one machine.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMANDS:
+    for name in [only] if only in SUBCOMMANDS else SUBCOMMANDS:
         importlib.import_module(f"terarec.cli.{name}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    args = build_parser(command).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError) as exc:
@@ -42,5 +51,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> NoReturn:
+    """The ``terarec`` program: ``main``, then exit without tearing the interpreter down.
+
+    Finalising the thousands of modules torch loads (its compiler stack comes with the
+    optimizers) took 1.5-3 s after every command, on every torchrun rank. The exit
+    handlers still run (temporary folders, locks, logging) and output is flushed; only
+    the module-by-module teardown is skipped."""
+    code = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        # closed, or a broken pipe: nothing left to save
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -176,10 +176,6 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         raise UserError(f"--store-dir {store_dir} is a file, not a folder")
     if args.export_to is not None and Path(args.export_to).is_file():
         raise UserError(f"--export-to {args.export_to} is a file, not an export folder")
-    if launched_by_torchrun() and config.sparse_optimizer.embedding_l2:
-        # the sharded lookup has no batch size to scale by
-        raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
-                         "--sparse-weight-decay")
     ctx = topology(config.device)
     with contextlib.ExitStack() as held:
         _lock_model_dir(args.out, ctx, held)
@@ -303,7 +299,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         metrics, stats = train_model(
             TrainRun(train=train, valid=valid, out=args.out, resume=args.resume,
                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress),
-            config, lambda: train_schema_from_args(read, features.schema if features else None),
+            config, lambda: train_schema_from_args(read, features.schema if features else None,
+                                                   ctx),
             ctx,
             dense_comm=dense_comm_from_args(args),
             exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit,

@@ -11,7 +11,7 @@ exactly the transform training used; schemas without them feed ``t(x)`` as befor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,19 +32,57 @@ def transform_values(x: np.ndarray, transform: str) -> np.ndarray:
     return x
 
 
+# Per numeric field: (count, sum, sum of squares) of the values minus ``shift``.
+Moments = dict[str, tuple[float, float, float, float]]  # name -> (n, sum, sum sq, shift)
+
+
 def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
                        max_rows: int = DEFAULT_STATS_ROWS, on_bad_row: str = "error",
+                       rank: int = 0, world: int = 1,
+                       gather: Callable[[Moments], list[Moments]] | None = None,
                        ) -> FeatureSchema:
     """``schema`` with each numeric field's mean and std over the first ``max_rows`` rows
     of ``paths`` (bad rows skipped or raised as the reader does). Fields with no value
-    in the sample keep no statistics (fed untransformed by standardisation)."""
+    in the sample keep no statistics (fed untransformed by standardisation).
+
+    On ``world`` ranks each rank reads its share of those rows (every ``world``-th
+    block, ``data.split``) and ``gather`` (an all-gather over the ranks) brings every
+    rank's sums together, so no rank parses the whole sample; the result agrees with
+    one process's to float rounding (bad rows aside: a rank counts lines, not clean
+    rows, towards ``max_rows``)."""
     if not schema.numeric or not paths:
         return schema
+    if world == 1:
+        return _with_moments(schema, [_moments(schema, paths, max_rows, on_bad_row)])
+    if gather is None:
+        raise ValueError("numeric statistics on several ranks need a gather")
+    return _with_moments(schema, gather(_rank_moments(schema, paths, max_rows, on_bad_row,
+                                                      rank, world)))
+
+
+def _accumulate(schema: FeatureSchema, table, acc: dict[str, np.ndarray],
+                shift: dict[str, float]) -> None:
+    for spec in schema.numeric:
+        x = table.column(spec.name).to_numpy()
+        x = transform_values(x[~np.isnan(x)], spec.transform)
+        if len(x):
+            # Sums are taken about the first value seen: squares of large, nearly equal
+            # numbers (timestamps) would otherwise lose every digit that matters.
+            d = x - shift.setdefault(spec.name, float(x[0]))
+            acc[spec.name] += (len(d), d.sum(), np.square(d).sum())
+
+
+def _result(acc: dict[str, np.ndarray], shift: dict[str, float]) -> Moments:
+    return {name: (float(n), float(s), float(ss), shift.get(name, 0.0))
+            for name, (n, s, ss) in acc.items()}
+
+
+def _moments(schema: FeatureSchema, paths: Sequence[str | Path], max_rows: int,
+             on_bad_row: str) -> Moments:
+    """One process: the first ``max_rows`` clean rows."""
     from terarec.data.readers import ReadStats, iter_tables
 
-    sums = {f.name: np.zeros(3) for f in schema.numeric}  # count, sum, sum of squares
-    # Sums are taken about the first value seen: squares of large, nearly equal numbers
-    # (timestamps) would otherwise lose every digit that matters.
+    acc = {f.name: np.zeros(3) for f in schema.numeric}
     shift: dict[str, float] = {}
     rows = 0
     for path in paths:
@@ -52,29 +90,58 @@ def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
                                  on_bad_row=on_bad_row,  # type: ignore[arg-type]
                                  stats=ReadStats()):
             table = table.slice(0, max_rows - rows)
-            for spec in schema.numeric:
-                x = table.column(spec.name).to_numpy()
-                x = transform_values(x[~np.isnan(x)], spec.transform)
-                acc = sums[spec.name]
-                if len(x):
-                    d = x - shift.setdefault(spec.name, float(x[0]))
-                    acc += (len(d), d.sum(), np.square(d).sum())
+            _accumulate(schema, table, acc, shift)
             rows += table.num_rows
             if rows >= max_rows:
                 break
         if rows >= max_rows:
             break
+    return _result(acc, shift)
+
+
+def _rank_moments(schema: FeatureSchema, paths: Sequence[str | Path], max_rows: int,
+                  on_bad_row: str, rank: int, world: int) -> Moments:
+    """One rank: its local blocks of the first ``max_rows`` rows (lines)."""
+    from terarec.data.readers import ReadStats
+    from terarec.data.split import iter_rank_tables
+
+    acc = {f.name: np.zeros(3) for f in schema.numeric}
+    shift: dict[str, float] = {}
+    local = max(1, min(max_rows, 65_536) // world)
+    lines = 0  # rows of all ranks so far: the same count on every rank
+    for path in paths:
+        for table, step_rows in iter_rank_tables(
+                path, schema, local, rank, world,
+                on_bad_row=on_bad_row,  # type: ignore[arg-type]
+                stats=ReadStats(), max_lines=max_rows - lines):
+            if table is not None:
+                _accumulate(schema, table, acc, shift)
+            lines += step_rows
+        if lines >= max_rows:
+            break
+    return _result(acc, shift)
+
+
+def _with_moments(schema: FeatureSchema, parts: list[Moments]) -> FeatureSchema:
+    """``schema`` with the mean and std the sums of ``parts`` (one per rank) give."""
     fields = []
     for spec in schema.fields:
-        totals = sums.get(spec.name)
-        if totals is None or totals[0] == 0:
+        got = [p[spec.name] for p in parts if spec.name in p and p[spec.name][0] > 0]
+        if not got:
             fields.append(spec)
             continue
-        n, s, ss = totals
-        mean_d = s / n
-        var = max(ss / n - mean_d * mean_d, 0.0)
+        if len(got) == 1:
+            n, s, ss, shift = got[0]
+            mean_d = s / n
+            mean = mean_d + shift
+            var = max(ss / n - mean_d * mean_d, 0.0)
+        else:  # each rank's (n, mean, M2) combined (Chan et al.)
+            n = sum(g[0] for g in got)
+            means = [g[3] + g[1] / g[0] for g in got]
+            mean = sum(g[0] * m for g, m in zip(got, means, strict=True)) / n
+            m2 = sum(g[2] - g[1] * g[1] / g[0] + g[0] * (m - mean) ** 2
+                     for g, m in zip(got, means, strict=True))
+            var = max(m2 / n, 0.0)
         std = float(np.sqrt(var))
-        fields.append(replace(spec, mean=float(mean_d + shift[spec.name]),
-                              std=std if std > _MIN_STD else 1.0))
+        fields.append(replace(spec, mean=float(mean), std=std if std > _MIN_STD else 1.0))
     return replace(schema, fields=tuple(fields))
-

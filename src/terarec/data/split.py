@@ -66,9 +66,11 @@ class LineIndex:
 
 
 def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
-               quoted: bool = False, first_line: int = 0) -> LineIndex | None:
+               quoted: bool = False, first_line: int = 0,
+               max_lines: int | None = None) -> LineIndex | None:
     """Scan ``path`` for newlines and keep the offset of every ``stride``-th data line
-    from data line ``first_line`` on (``lines``: the data lines from there).
+    from data line ``first_line`` on (``lines``: the data lines from there); with
+    ``max_lines``, of the next ``max_lines`` data lines only (the scan stops there).
 
     None when the file cannot be cut by newlines (see the module docstring): a carriage
     return not followed by a newline, or (``quoted``: CSV) a line with an odd number of
@@ -87,6 +89,7 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
     newlines = 0  # newlines seen before the current chunk
     quotes = 0  # quotes seen before the current chunk
     next_start = before - 1 if before else stride - 1  # the next wanted newline
+    end = size  # where the indexed data ends
     for lo in range(0, size, _SCAN_BYTES):
         chunk = data[lo:lo + _SCAN_BYTES]
         nl = np.flatnonzero(chunk == _NL)
@@ -105,24 +108,32 @@ def line_index(path: str | Path, stride: int, *, header_lines: int = 0,
             picks = np.arange(next_start, newlines + nl.size, stride) - newlines
             wanted.append(nl[picks].astype(np.int64) + lo + 1)
             next_start = int(picks[-1] + newlines + stride)
+        if max_lines is not None and newlines + nl.size >= before + max_lines:
+            # the last wanted line ends at newline number before + max_lines - 1
+            end = int(nl[before + max_lines - 1 - newlines]) + lo + 1
+            newlines += nl.size
+            break
         newlines += nl.size
     ends_open = size > 0 and data[size - 1] != _NL
     total = newlines + int(ends_open)
     lines = max(total - before, 0)
+    if max_lines is not None:
+        lines = min(lines, max_lines)
     starts = np.concatenate(wanted)
     starts = starts[:-(-lines // stride)] if lines else starts[:0]
     del data
-    return LineIndex(np.append(starts, size), lines, header_lines, stride)
+    return LineIndex(np.append(starts, end), lines, header_lines, stride)
 
 
 def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, rank: int,
                      world: int, *, on_bad_row: OnBadRow = "error",
                      stats: ReadStats | None = None, start: int = 0,
-                     seek: bool = True) -> Iterator[Step]:
-    """Every global step of ``path`` from data row ``start`` on (a resumed run): this
-    rank's clean local batch (None where the step has fewer local batches than ranks) and
-    the step's rows over all ranks. ``seek=False``: ``start`` counts rows kept after bad
-    ones were skipped, not lines, so the file is read from its start on every rank.
+                     seek: bool = True, max_lines: int | None = None) -> Iterator[Step]:
+    """Every global step of ``path`` from data row ``start`` on (a resumed run; of the
+    next ``max_lines`` data rows only, if given): this rank's clean local batch (None
+    where the step has fewer local batches than ranks) and the step's rows over all
+    ranks. ``seek=False``: ``start`` counts rows kept after bad ones were skipped, not
+    lines, so the file is read from its start on every rank.
 
     Every rank yields the same steps with the same row counts; ``stats`` counts the rows
     this rank read and skipped (for a file read whole on every rank, rank 0 counts them,
@@ -133,21 +144,23 @@ def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, r
         raise ValueError(f"local batch size must be positive, got {local_size}")
     path = check_file(path)
     stats = stats if stats is not None else ReadStats()
+    if max_lines is not None and max_lines <= 0:
+        return
     if not seek:
         yield from _whole_file_steps(path, schema, local_size, rank, world, on_bad_row,
-                                     stats, start)
+                                     stats, start, max_lines)
         return
     if schema.format == "parquet":
         yield from _parquet_steps(path, schema, local_size, rank, world, on_bad_row, stats,
-                                  start)
+                                  start, max_lines)
         return
     names, header_lines = text_columns(path, schema)
     index = None if _compressed(path) else line_index(
         path, local_size, header_lines=header_lines, quoted=schema.format == "csv",
-        first_line=start)
+        first_line=start, max_lines=max_lines)
     if index is None:
         yield from _whole_file_steps(path, schema, local_size, rank, world, on_bad_row,
-                                     stats, start)
+                                     stats, start, max_lines)
         return
     if index.lines == 0:
         if start == 0:
@@ -189,7 +202,7 @@ def _compressed(path: Path) -> bool:
 
 def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int,
                    world: int, on_bad_row: OnBadRow, stats: ReadStats,
-                   start: int = 0) -> Iterator[Step]:
+                   start: int = 0, max_lines: int | None = None) -> Iterator[Step]:
     pf, needed = open_parquet(path, schema)
     cleaner = parquet_cleaner(path, schema, on_bad_row, stats)
     meta = pf.metadata
@@ -197,6 +210,8 @@ def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int
     n = int(bounds[-1])
     if n == 0:
         raise DataError(f"{path}: no data rows")
+    if max_lines is not None:
+        n = min(n, start + max_lines)
     batches = -(-max(n - start, 0) // local_size)
     cached: tuple[int, pa.Table] | None = None  # the last row group decoded
     for first in range(0, batches, world):
@@ -222,13 +237,20 @@ def _parquet_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int
 
 def _whole_file_steps(path: Path, schema: FeatureSchema, local_size: int, rank: int,
                       world: int, on_bad_row: OnBadRow, stats: ReadStats,
-                      start: int = 0) -> Iterator[Step]:
-    """Every rank parses the whole file, cuts the same local batches and keeps its own:
-    the path for files that cannot be cut by newlines."""
+                      start: int = 0, max_lines: int | None = None) -> Iterator[Step]:
+    """Every rank parses the whole file (up to ``max_lines`` rows after ``start``), cuts
+    the same local batches and keeps its own: the path for files that cannot be cut by
+    newlines."""
     seen = stats if rank == 0 else ReadStats()
     step: list[pa.Table] = []
     tables = iter_tables(path, schema, local_size, on_bad_row=on_bad_row, stats=seen)
+    left = max_lines
     for table in drop_rows(tables, start, local_size):
+        if left is not None:
+            if left <= 0:
+                break
+            table = table.slice(0, left)
+            left -= table.num_rows
         step.append(table)
         if len(step) == world:
             yield step[rank], sum(t.num_rows for t in step)

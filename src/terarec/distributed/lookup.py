@@ -100,21 +100,27 @@ class _ShardedLookup(torch.autograd.Function):
                 table: torch.Tensor, sparse: KeyedIds,
                 mean_fields: torch.Tensor | None) -> torch.Tensor:
         ctx.ws, ctx.step, ctx.sparse, ctx.mean_fields = ws, step, sparse, mean_fields
-        ctx.table_shape = table.shape
+        ctx.table = table
         return _pooled(table, sparse, mean_fields)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         rows, occ_grad = occurrence_grads(grad, ctx.sparse, ctx.mean_fields)
-        world = ctx.ws.ctx.world
+        ws: ShardedWorkingSet = ctx.ws
+        table: torch.Tensor = ctx.table
+        world = ws.ctx.world
         if grad.device.type == "cpu":  # torch's CPU index_add_ is several times slower
             table_grad = torch.from_numpy(_sum_rows(
                 rows.numpy(), np.ascontiguousarray(occ_grad.detach().numpy()),
-                ctx.table_shape[0], world))
+                table.shape[0], world))
         else:
-            table_grad = torch.zeros(ctx.table_shape, dtype=grad.dtype, device=grad.device)
+            table_grad = torch.zeros(table.shape, dtype=grad.dtype, device=grad.device)
             table_grad.index_add_(0, rows, occ_grad).div_(world)
-        ctx.ws._send_gradients(ctx.step, table_grad)
+        l2 = ws.l2_per_occurrence(ctx.step)
+        if l2:  # this rank's occurrences of each row; the owner sums over ranks
+            counts = torch.bincount(rows, minlength=table.shape[0]).to(table_grad.dtype)
+            table_grad += (l2 * counts).unsqueeze(1) * table
+        ws._send_gradients(ctx.step, table_grad)
         return torch.zeros((), device=grad.device), None, None, None, None, None
 
 
@@ -417,6 +423,13 @@ class ShardedWorkingSet:
         ``apply_gradients`` completes the step."""
         return _ShardedLookup.apply(anchor, self, step, self.fetch(step), sparse, mean_fields)
 
+    def l2_per_occurrence(self, step: int) -> float:
+        """``embedding_l2``'s coefficient per key occurrence at global step ``step``: a
+        single process's, whose batch is the step's rows on all ranks."""
+        if self.optimizer is None:
+            return 0.0
+        return self.optimizer.l2_per_occurrence(max(int(self.global_sizes[step]), 1))
+
     def _send_gradients(self, step: int, grad: torch.Tensor) -> None:
         """Start the exchange of the step table's gradient (already divided by the world
         size) to the owners; it runs while DDP's all-reduce and the dense step finish."""
@@ -444,7 +457,9 @@ class ShardedWorkingSet:
         step_rows = self._rows(step)
         if self.column_mask is not None:
             received = received * self.column_mask.index_select(0, step_rows)
-        self.optimizer.step(self.weights, self.state, step_rows, received, self._scratch)
+        # the embedding_l2 term is in ``received`` already (added by each requester)
+        self.optimizer.step(self.weights, self.state, step_rows, received, self._scratch,
+                            occurrence_l2=False)
 
     # -- pass end -----------------------------------------------------------------------
     def write_back(self, store: EmbeddingStore) -> None:

@@ -155,7 +155,7 @@ class SparseOptimizer:
             state[:, 0] = self.config.initial_accumulator
         return state
 
-    def _emb_l2(self, batch_rows: int | None) -> float:
+    def l2_per_occurrence(self, batch_rows: int | None) -> float:
         """The embedding L2 coefficient per occurrence of a row in a batch of
         ``batch_rows`` rows (the gradient of ``l2/2 * mean_b ||e_b||^2``)."""
         if not self.config.embedding_l2:
@@ -167,15 +167,18 @@ class SparseOptimizer:
 
     def step(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
              grads: torch.Tensor, scratch: np.ndarray | None = None,
-             batch_rows: int | None = None) -> int:
+             batch_rows: int | None = None, occurrence_l2: bool = True) -> int:
         """Apply one update for gradient ``grads[i]`` of row ``rows[i]`` (rows may repeat).
 
         ``scratch``: int64 array of -1 with one entry per working-set row, reused across
         steps on CPU (returned to all -1). ``batch_rows``: rows of the step's batch, which
-        scales ``embedding_l2``. Returns the number of rows updated.
+        scales ``embedding_l2``. ``occurrence_l2=False``: ``grads`` already hold the
+        ``embedding_l2`` term (the sharded lookup adds it where the occurrences are
+        counted: an owner receives one gradient per requesting rank, not per occurrence).
+        Returns the number of rows updated.
         """
         c = self.config
-        emb_l2 = self._emb_l2(batch_rows)
+        emb_l2 = self.l2_per_occurrence(batch_rows) if occurrence_l2 else 0.0
         if weights.device.type == "cpu":
             if scratch is None:
                 scratch = np.full(weights.shape[0], -1, np.int64)
@@ -184,14 +187,15 @@ class SparseOptimizer:
                 grads.detach().to(torch.float32).contiguous().numpy(), scratch,
                 self.lr, c.eps, c.weight_decay, c.beta1, c.beta2, c.ftrl_alpha,
                 c.ftrl_beta, c.ftrl_l1, c.ftrl_l2, c.group_lasso, emb_l2))
-        return self.step_torch(weights, state, rows, grads, batch_rows)
+        return self.step_torch(weights, state, rows, grads, batch_rows, occurrence_l2)
 
     @torch.no_grad()
     def step_torch(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
-                   grads: torch.Tensor, batch_rows: int | None = None) -> int:
+                   grads: torch.Tensor, batch_rows: int | None = None,
+                   occurrence_l2: bool = True) -> int:
         """The same update in torch ops, for CUDA and as the CPU kernel's reference."""
         c = self.config
-        emb_l2 = self._emb_l2(batch_rows)
+        emb_l2 = self.l2_per_occurrence(batch_rows) if occurrence_l2 else 0.0
         uniq, inverse = torch.unique(rows, return_inverse=True)
         g = torch.zeros(len(uniq), grads.shape[1], dtype=torch.float32, device=grads.device)
         g.index_add_(0, inverse, grads.to(torch.float32))

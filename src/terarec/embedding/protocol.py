@@ -20,11 +20,12 @@ Between passes::
     changed_since / take_evicted   what an incremental export upserts / deletes
     save(dir) -> digests           the store's own files; committed(dir, digests) after
     load(dir | file, digests)      the commit; load reads what either store saved
+    load_rows(chunks, extras)      the same from a stream (a restore at another world size)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -83,6 +84,11 @@ class EmbeddingStore(Protocol):
     def to_arrays(self) -> dict[str, np.ndarray]: ...
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None: ...
+
+    def load_rows(self, chunks: Iterable[RowChunk], extras: dict[str, np.ndarray]) -> None:
+        """Replace the content by row chunks read one at a time (distinct keys) and the
+        store-wide arrays of ``to_arrays`` (counters, admission candidates)."""
+        ...
 
     # -- sizes ------------------------------------------------------------------------------
     def __len__(self) -> int: ...

@@ -17,7 +17,7 @@ Row arrays (one entry per slot of the key index)::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -633,20 +633,39 @@ class MemoryStore(EvictionLog):
         self.rejected_total = int(arrays["rejected"].sum()) if "rejected" in arrays else 0
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        keys = arrays["keys"]
-        n = len(keys)
-        if arrays["values"].shape != (n, self.row_dim):
-            raise ValueError(f"stored rows have shape {arrays['values'].shape}, "
-                             f"expected ({n}, {self.row_dim})")
-        self.index = KeyIndex.from_items(keys, np.arange(n, dtype=np.int64))
-        self._alloc(max(n, 16))
-        if self._classes is not None:
-            self.coded.set_class(np.arange(n), self._classes.classify(arrays["show"]))
-        self.values[:n] = arrays["values"]
-        self.state[:n] = arrays["state"]
-        self.show[:n] = arrays["show"]
-        self.click[:n] = arrays["click"]
-        self.last_seen[:n] = arrays["last_seen"]
+        self.load_rows([RowChunk(*(arrays[name] for name in (
+            "keys", "values", "state", "show", "click", "last_seen")))], arrays)
+
+    def load_rows(self, chunks: Iterable[RowChunk], extras: dict[str, np.ndarray]) -> None:
+        """Replace the content by ``chunks`` (rows of distinct keys) and the store-wide
+        arrays in ``extras`` (counters, admission candidates), a chunk at a time: a
+        restore at another world size streams each rank's share through here."""
+        self._alloc(16)
+        keys: list[np.ndarray] = []
+        n = 0
+        for chunk in chunks:
+            m = len(chunk)
+            if chunk.values.shape != (m, self.row_dim):
+                raise ValueError(f"stored rows have shape {chunk.values.shape}, "
+                                 f"expected ({m}, {self.row_dim})")
+            if not m:
+                continue
+            self.ensure_rows(n + m)
+            if self._classes is not None:
+                self.coded.set_class(np.arange(n, n + m), self._classes.classify(chunk.show))
+            self.values[n:n + m] = chunk.values
+            self.state[n:n + m] = chunk.state
+            self.show[n:n + m] = chunk.show
+            self.click[n:n + m] = chunk.click
+            self.last_seen[n:n + m] = chunk.last_seen
+            keys.append(np.asarray(chunk.keys, np.int64))
+            n += m
+        self.index = KeyIndex.from_items(np.concatenate(keys) if keys else
+                                         np.empty(0, np.int64), np.arange(n, dtype=np.int64))
+        self._load_extras(extras)
+
+    def _load_extras(self, arrays: dict[str, np.ndarray]) -> None:
+        """Counters and admission candidates from ``to_arrays``-style arrays."""
         if "counters" in arrays:
             self.admitted_total, self.evicted_total = (int(x) for x in arrays["counters"])
         self.pruned_total = int(arrays["pruned"].sum()) if "pruned" in arrays else 0

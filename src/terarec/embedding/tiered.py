@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -753,11 +753,18 @@ class TieredStore(EvictionLog):
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace the content by ``MemoryStore.to_arrays``-style arrays (written to disk)."""
+        self.load_rows([RowChunk(*(arrays[name] for name in (
+            "keys", "values", "state", "show", "click", "last_seen")))], arrays)
+
+    def load_rows(self, chunks: Iterable[RowChunk], extras: dict[str, np.ndarray]) -> None:
+        """Replace the content by ``chunks`` (rows of distinct keys, each written to the
+        disk tier as it comes: one chunk in RAM) and the store-wide ``extras``."""
         with self._lock:
             self._reset()
-            self._write_rows(RowChunk(*(arrays[name] for name in (
-                "keys", "values", "state", "show", "click", "last_seen"))))
-            self._load_extras(arrays)
+            for chunk in chunks:
+                if len(chunk):
+                    self._write_rows(chunk)
+            self._load_extras(extras)
 
     def _write_rows(self, chunk: RowChunk) -> None:
         """Write decoded rows to the disk tier, encoded as this store keeps them."""
@@ -905,9 +912,18 @@ def snapshot_arrays(src: Path, row_dim: int, state_dim: int) -> dict[str, np.nda
                 "last_seen": np.empty(0, np.int32)}
     order = np.argsort(keys, kind="stable")
     arrays = {"keys": keys[order], **{name: c[order] for name, c in cols.items()}}
+    arrays.update(saved_extras(src))
+    return arrays
+
+
+def saved_extras(src: Path) -> dict[str, np.ndarray]:
+    """The store-wide arrays (admission candidates, ``counters``, ``pruned``) of what a
+    store saved at ``src``, in ``to_arrays`` form, without reading its rows."""
+    path = arrays_file(src)
+    if path is not None:
+        return store_extras(path)
     extra = load_numpy(str(Path(src) / STORE_FILE))
-    arrays.update({k: v for k, v in extra.items()
-                   if is_admission_array(k) or k == "rejected"})
+    arrays = {k: v for k, v in extra.items() if is_admission_array(k) or k == "rejected"}
     arrays["counters"] = extra["counters"][:2]
     if "pruned" in extra:
         arrays["pruned"] = extra["pruned"].sum(keepdims=True)

@@ -80,7 +80,7 @@ from terarec.embedding.store import (
     arrays_file,
     merge_sorted,
 )
-from terarec.embedding.tiered import iter_saved, snapshot_arrays
+from terarec.embedding.tiered import iter_saved, saved_extras, snapshot_arrays
 from terarec.finite import check_trainer_finite
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
 from terarec.models import row_dim_for
@@ -344,21 +344,30 @@ class CheckpointMeta(TypedDict):
 def verify_checkpoint(path: Path) -> dict:
     """Return the checkpoint's meta after validating it (``CheckpointMeta``) and checking
     every file's checksum."""
+    meta = checkpoint_meta(path)
+    _verify_files(path, meta, sorted(meta["sha256"]))
+    return meta
+
+
+def checkpoint_meta(path: Path) -> dict:
+    """The checkpoint's ``meta.json``, validated (``CheckpointMeta``); files unchecked."""
     meta_path = path / "meta.json"
     if not meta_path.exists():
         raise CheckpointError(f"{path}: half-written checkpoint (no meta.json)")
     try:
-        meta: dict[str, Any] = dict(validate_json(CheckpointMeta, meta_path.read_bytes(),
-                                                  str(meta_path), root="meta"))
+        return dict(validate_json(CheckpointMeta, meta_path.read_bytes(), str(meta_path),
+                                  root="meta"))
     except ValueError as exc:
         raise CheckpointError(f"corrupted checkpoint: {exc}") from None
-    for fname, digest in meta["sha256"].items():
+
+
+def _verify_files(path: Path, meta: dict, names: list[str]) -> None:
+    for fname in names:
         fpath = path / fname
         if not fpath.exists():
             raise CheckpointError(f"{fpath}: missing from checkpoint")
-        if sha256_file(fpath) != digest:
+        if sha256_file(fpath) != meta["sha256"][fname]:
             raise CheckpointError(f"{fpath}: checksum mismatch, the file is corrupted")
-    return meta
 
 
 def list_checkpoints(model_dir: str | Path) -> list[Path]:
@@ -448,25 +457,47 @@ class LoadedCheckpoint:
         return merge_shards([self.shard_arrays(s) for s in self.shards])
 
     def rank_arrays(self, rank: int, world: int) -> dict[str, np.ndarray]:
-        """The rows ``rank`` owns out of ``world``, shard by shard (only the kept keys of
-        each stay in RAM); store-wide totals go to rank 0."""
+        """The rows ``rank`` owns out of ``world`` as sorted-key arrays (tests, small
+        tables; restoring streams ``rank_rows``)."""
         if world == self.world_size:
             return self.shard_arrays(self.shards[rank])
+        chunks, extras = self.rank_rows(rank, world)
+        taken = list(chunks)
+        row_dim, state_dim = self._dims()
+        empty = RowChunk(np.empty(0, np.int64), np.empty((0, row_dim), np.float32),
+                         np.empty((0, state_dim), np.float32), np.empty(0, np.float32),
+                         np.empty(0, np.float32), np.empty(0, np.int32))
+        columns = [c.columns() for c in taken or [empty]]
+        return {**{name: np.concatenate([c[name] for c in columns]) for name in columns[0]},
+                **extras}
+
+    def rank_rows(self, rank: int, world: int, chunk_rows: int = CHUNK_ROWS
+                  ) -> tuple[Iterator[RowChunk], dict[str, np.ndarray]]:
+        """The rows ``rank`` owns out of ``world`` as a key-ordered stream of chunks,
+        each shard read ``chunk_rows`` at a time and filtered by ``shard_of`` (never a
+        whole shard in RAM), and the store-wide arrays it keeps: its admission
+        candidates, and the totals (``counters``, ``pruned``) on rank 0."""
+        row_dim, state_dim = self._dims()
+
+        def owned(shard: str) -> Iterator[RowChunk]:
+            for chunk in iter_saved(self.path / shard, chunk_rows, row_dim, state_dim):
+                keep = shard_of(chunk.keys, world) == rank
+                yield RowChunk(*(column[keep] for column in chunk.columns().values()))
+
         parts = []
         for shard in self.shards:
-            arrays = self.shard_arrays(shard)
+            extras = saved_extras(self.path / shard)
             part = {}
-            for name, values in arrays.items():
+            for name, values in extras.items():
                 column = sparse_key_column(name)
                 if name == SKETCH_ARRAY:  # every owner's counts are an upper bound
                     part[name] = values
                 elif column is None:
                     part[name] = values if rank == 0 else np.zeros_like(values)
                 else:
-                    part[name] = values[shard_of(arrays[column], world) == rank]
+                    part[name] = values[shard_of(extras[column], world) == rank]
             parts.append(part)
-            del arrays
-        return merge_shards(parts)
+        return merge_sorted([owned(s) for s in self.shards], chunk_rows), merge_shards(parts)
 
 
 def sparse_key_column(name: str) -> str | None:
@@ -529,25 +560,32 @@ def load_checkpoint(model_dir: str | Path, name: str | None = None) -> LoadedChe
 
 
 def _choose(model_dir: Path, name: str | None, ctx: DistContext) -> LoadedCheckpoint:
-    """The checkpoint every rank loads: rank 0 picks ``name`` or the newest one that
-    verifies (``load_checkpoint``), the others follow its choice."""
-    choice: str | Exception = ""
-    ckpt = None
-    if ctx.is_main:
+    """The checkpoint every rank loads: ``name`` or the newest one that verifies
+    (``load_checkpoint``). On N ranks the checksums are split among the ranks (each
+    hashes every N-th file, rather than rank 0 all while the others wait) and a
+    checkpoint any rank finds corrupted is refused by all."""
+    if ctx.world == 1:
+        return load_checkpoint(model_dir, name)
+    candidates = ctx.broadcast_object(
+        [model_dir / "checkpoints" / name] if name is not None else list_checkpoints(model_dir))
+    if not candidates:
+        raise CheckpointError(f"{model_dir}: no committed checkpoint")
+    errors = []
+    for path in candidates:
+        meta: dict | None = None
+        problem: str | None = None
         try:
-            ckpt = load_checkpoint(model_dir, name)
-            choice = ckpt.path.name
+            meta = checkpoint_meta(path)
+            _verify_files(path, meta, sorted(meta["sha256"])[ctx.rank::ctx.world])
         except CheckpointError as exc:
-            choice = exc
-    choice = ctx.broadcast_object(choice)
-    if isinstance(choice, Exception):
-        raise CheckpointError(str(choice))
-    if ckpt is not None:
-        return ckpt
-    path = model_dir / "checkpoints" / choice  # verified by rank 0
-    with open(path / "meta.json") as fh:
-        meta = json.load(fh)
-    return _read(path, meta)
+            problem = str(exc)
+        problems = [p for p in ctx.all_gather_object(problem) if p]
+        if problems or meta is None:
+            log.warning("refusing checkpoint: %s", problems[0])
+            errors.append(problems[0])
+            continue
+        return _read(path, meta)
+    raise CheckpointError("no loadable checkpoint: " + "; ".join(errors))
 
 
 def _read(path: Path, meta: dict) -> LoadedCheckpoint:
@@ -583,8 +621,8 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     if same_world:  # this rank's own shard, whatever store saved it
         shard = ckpt.shards[ctx.rank]
         trainer.store.load(ckpt.path / shard, ckpt.shard_digests(shard))
-    else:
-        trainer.store.load_arrays(ckpt.rank_arrays(ctx.rank, ctx.world))
+    else:  # streamed: one chunk of each shard in RAM besides what the store keeps
+        trainer.store.load_rows(*ckpt.rank_rows(ctx.rank, ctx.world))
     comm = ckpt.path / comm_file(ctx.rank, ctx.world)
     if same_world and trainer.dense_comm is not None and comm.exists():
         trainer.dense_comm.load_state_dict(torch.load(comm, weights_only=True))

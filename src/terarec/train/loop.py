@@ -24,6 +24,7 @@ of K separate runs end with the same weights.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from terarec.data.positions import Idle, PassInput, Positions
+from terarec.distributed.lookup import ShardedPassPlan
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.train.passes import Inputs, prefetch
 from terarec.train.progressive import ProgressiveScorer
@@ -123,7 +125,8 @@ class StreamOptions:
 
 
 def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
-               valid_batches: list[Batch] | list[PassPlan] | None = None, *,
+               valid_batches: list[Batch] | list[PassPlan] | list[ShardedPassPlan] | None = None,
+               *,
                progress: bool = True,
                stats=None, skip_passes: int = 0,
                on_boundary: Callable[[list[TrialRun]], None] | None = None,
@@ -193,7 +196,7 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
 
 
 def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
-               valid: list[Batch] | list[PassPlan] | None,
+               valid: list[Batch] | list[PassPlan] | list[ShardedPassPlan] | None,
                epoch: int, bar: tqdm, info: PassInput, progressive: bool = False) -> None:
     """One pass of one trial: score it first (``progressive``), train (in its own RNG
     stream), evaluate, select, hook."""
@@ -208,8 +211,10 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     record = {"epoch": epoch, "steps": run.steps, **result.as_dict(),
               "files": [Path(f).name for f in info.files], **scored}
     if valid:
+        start = time.perf_counter()
         metrics = trainer.evaluate(valid)
-        record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"])
+        record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"],
+                      eval_s=time.perf_counter() - start)
     if run.selection is not None and run.selection.observe(record).stop:
         run.stop(STOP_PATIENCE)
     trainer.history.append(record)

@@ -10,10 +10,12 @@ own.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,45 @@ from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
 
+def process_seconds() -> float | None:
+    """Wall seconds since this process started (interpreter start-up and imports
+    included), from ``/proc``; None where there is none."""
+    try:
+        with open("/proc/self/stat") as fh:
+            started = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: start time
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
+
+
+class PhaseClock:
+    """Wall seconds per phase of a run (``metrics.json``'s ``phase_seconds``): where the
+    time goes besides the passes themselves (start-up, statistics, validation,
+    checkpoints, final scoring), which decides how well a whole run scales with ranks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        started = process_seconds()
+        if started is not None:
+            self.seconds["start"] = started
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.seconds.items()}
+
+
 @dataclass
 class TrainRun:
     """What to train on and where the model directory is."""
@@ -75,6 +116,8 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     afresh; ``exporter`` makes the run's version writer; ``on_commit`` is called on every
     rank after each committed checkpoint; ``selection`` marks the best pass (``BEST``,
     which is what metrics score) and stops training when its patience runs out."""
+    clock = PhaseClock()
+    setup = time.perf_counter()
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)  # a bad size fails here, not mid-run
         if config.store.disk_path is None:
@@ -99,16 +142,18 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if ctx.is_main:
             clear_best(run.out)
         trainer = Trainer(schema(), config, ctx=ctx, dense_comm=dense_comm)
+    clock.add("setup", time.perf_counter() - setup)
     stats, valid_stats = ReadStats(), ReadStats()
-    valid = list(iter_file_batches(run.valid, trainer.schema, config.batch_size,
-                                   on_bad_row=config.on_bad_row, stats=valid_stats))
-    if run.valid and not valid:
+    with clock.phase("read_valid"):  # on N ranks, each reads and plans its share once
+        valid = trainer.scoring_passes(run.valid, valid_stats)
+    if run.valid and not valid_stats.rows:  # (summed over the ranks)
         raise ValueError(_no_rows("validation", run.valid, valid_stats))
     versions = exporter(trainer) if exporter is not None else None
     every = max(1, run.checkpoint_every)
 
     def commit(t: Trainer) -> None:
-        save_checkpoint(run.out, t)
+        with clock.phase("checkpoint"):
+            save_checkpoint(run.out, t)
         if on_commit is not None:
             on_commit(t)
 
@@ -120,11 +165,13 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             if record.get("best") and ctx.is_main:
                 mark_best(run.out, f"pass-{t.pass_id:06d}")
         if versions is not None:
-            versions.on_pass_end(t, record)
+            with clock.phase("export"):
+                versions.on_pass_end(t, record)
         if following is not None and ctx.is_main:
             following.on_pass_end(t)
 
     following = _Following(run, trainer, versions) if run.follow is not None else None
+    trained_before = len(trainer.history)
     start = time.perf_counter()
     try:
         history = trainer.fit(following.inputs if following else run.train, valid,
@@ -135,6 +182,9 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if following is not None:
             following.close()
     seconds = time.perf_counter() - start
+    clock.add("evaluate", sum(h.get("eval_s", 0.0) for h in history[trained_before:]))
+    clock.add("train", seconds - sum(clock.seconds.get(k, 0.0)
+                                     for k in ("evaluate", "checkpoint", "export")))
     if trainer.pass_id == 0:  # nothing trained: no checkpoint of an untrained model
         if following is not None:
             raise ValueError(f"--follow {following.source}: stopped "
@@ -145,7 +195,9 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     if not history or trainer.pass_id % every:
         commit(trainer)
     if versions is not None:
-        versions.finish(trainer)
+        with clock.phase("export"):
+            versions.finish(trainer)
+    final = time.perf_counter()
     latest = f"pass-{trainer.pass_id:06d}"
     evaluated = ctx.broadcast_object(best_checkpoint(run.out) or latest)
     # The best pass is scored from its checkpoint, in a store of its own (a tiered one in
@@ -153,7 +205,9 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     scorer = trainer if evaluated == latest or not valid else restore_trainer(
         run.out, name=evaluated, ctx=ctx, dense_comm=dense_comm)
     metrics = _run_metrics(scorer, trainer, valid, run, history, seconds, stats)
-    metrics.update(checkpoint=evaluated, stop_reason=trainer.stop_reason)
+    clock.add("final_score", time.perf_counter() - final)
+    metrics.update(checkpoint=evaluated, stop_reason=trainer.stop_reason,
+                   phase_seconds=clock.rounded())
     if following is not None:
         metrics.update(stop_reason=following.stop.reason or trainer.stop_reason,
                        **progressive_summary(trainer.history),

@@ -58,7 +58,7 @@ from terarec.distributed.lookup import (
     exchange_plan,
     plan_rank_pass,
 )
-from terarec.distributed.sharding import deal_batches, iter_rank_pass_inputs
+from terarec.distributed.sharding import deal_batches, iter_rank_pass_inputs, iter_rank_passes
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
@@ -67,7 +67,7 @@ from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
 from terarec.models import build_model
 from terarec.train.metrics import evaluate_scores
-from terarec.train.passes import Inputs, group_passes, iter_input_passes
+from terarec.train.passes import Inputs, group_passes, iter_file_batches, iter_input_passes
 from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
 
@@ -292,7 +292,8 @@ class Trainer:
         return wait_s, self.store.end_pass(self.pass_id)
 
     @torch.no_grad()
-    def predict_batches(self, batches: list[Batch] | PassPlan) -> np.ndarray:
+    def predict_batches(self, batches: list[Batch] | PassPlan | ShardedPassPlan
+                        ) -> np.ndarray:
         """Click probabilities for in-memory batches (global keys); the store is unchanged.
         Collective on N ranks: each passes its own batches (one per step, as in
         training), whose rows come from their owners."""
@@ -300,13 +301,14 @@ class Trainer:
         if self.ctx.world > 1:
             assert not isinstance(batches, PassPlan)  # ranks score batches
             return self._predict_rank_batches(batches)
+        assert not isinstance(batches, ShardedPassPlan)  # made by ranks only
         if not batches:
             return np.empty(0, np.float32)
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=False)
         out = [torch.sigmoid(self._logits(ws, b, train=False)).cpu() for b in ws.batches]
         return torch.cat(out).numpy()
 
-    def _predict_rank_batches(self, batches: list[Batch]) -> np.ndarray:
+    def _predict_rank_batches(self, batches: list[Batch] | ShardedPassPlan) -> np.ndarray:
         ws = ShardedWorkingSet.stage(self.ctx, self.store, batches, self.pass_id, train=False)
         out = []
         for step, batch in enumerate(ws.batches):
@@ -316,27 +318,48 @@ class Trainer:
                 out.append(torch.sigmoid(self.model(batch.dense, emb)).cpu())
         return torch.cat(out).numpy() if out else np.empty(0, np.float32)
 
-    def predict_stream(self, batches: Iterable[Batch] | list[PassPlan]
+    def predict_stream(self, batches: Iterable[Batch] | list[PassPlan] | list[ShardedPassPlan]
                        ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time.
         ``batches`` may be pass plans made once (``plan_pass(..., counts=False)``) for a
         set scored again and again, e.g. a validation set by every trial of a search. On
-        N ranks, collective over the same batches on every rank: each scores its
-        round-robin share and yields (probabilities, labels) for it."""
-        if isinstance(batches, list) and batches and isinstance(batches[0], PassPlan):
+        N ranks, collective: either the same batches on every rank, each rank scoring
+        its round-robin share, or each rank's own share planned once
+        (``scoring_passes``); each rank yields (probabilities, labels) for its share."""
+        if isinstance(batches, list) and batches and isinstance(batches[0],
+                                                                (PassPlan, ShardedPassPlan)):
             groups: Iterable = batches
         else:
             groups = group_passes(cast(Iterable[Batch], batches), self.config.pass_rows)
         for group in groups:
+            if isinstance(group, ShardedPassPlan):  # this rank's share, planned already
+                yield self.predict_batches(group), _labels(group.rank.remapped)
+                continue
             if self.ctx.world > 1:
                 rows = group.batches if isinstance(group, PassPlan) else group
                 group = deal_batches(rows, self.ctx.rank, self.ctx.world)
             rows = group.batches if isinstance(group, PassPlan) else group
-            labels = (torch.cat([b.labels for b in rows]).numpy() if rows
-                      else np.empty(0, np.float32))
-            yield self.predict_batches(group), labels
+            yield self.predict_batches(group), _labels(rows)
 
-    def evaluate(self, batches: Iterable[Batch] | list[PassPlan]) -> dict[str, float]:
+    def scoring_passes(self, paths: list[str | Path], stats: ReadStats | None = None
+                       ) -> list[Batch] | list[ShardedPassPlan]:
+        """A validation set, read once to be scored after every pass (``evaluate``).
+        Alone: its batches. On N ranks (collective): this rank's share only, parsed by
+        this rank alone (local batches, as training deals them) and planned once, its
+        key requests exchanged with the owners; ``stats`` gets every rank's counts."""
+        cfg = self.config
+        if self.ctx.world == 1:
+            return list(iter_file_batches(paths, self.schema, cfg.batch_size,
+                                          on_bad_row=cfg.on_bad_row, stats=stats))
+        ctx = self.ctx
+        return [exchange_plan(ctx, plan_rank_pass(group, ctx.world, counts=False))
+                for group in iter_rank_passes(paths, self.schema, cfg.batch_size,
+                                              cfg.pass_rows, ctx.rank, ctx.world,
+                                              on_bad_row=cfg.on_bad_row, stats=stats,
+                                              ctx=ctx)]
+
+    def evaluate(self, batches: Iterable[Batch] | list[PassPlan] | list[ShardedPassPlan]
+                 ) -> dict[str, float]:
         """AUC, logloss, rows and scoring samples/s (reading included) over ``batches``."""
         probs, labels = [], []
         start = time.perf_counter()
@@ -393,7 +416,8 @@ class Trainer:
         ctx = self.ctx
         return exchange_plan(ctx, plan_rank_pass(batches, ctx.world), group=ctx.plan_group)
 
-    def fit(self, train_paths: Inputs, valid_batches: list[Batch] | None = None,
+    def fit(self, train_paths: Inputs,
+            valid_batches: list[Batch] | list[ShardedPassPlan] | None = None,
             *, progress: bool = True, stats=None, on_pass_end=None,
             skip_passes: int = 0, selection: SelectionTracker | None = None,
             stream: StreamOptions | None = None) -> list[dict]:
@@ -415,6 +439,11 @@ class Trainer:
                    skip_passes=skip_passes, stream=stream)
         self.stop_reason = run.stop_reason
         return self.history
+
+
+def _labels(batches: list[Batch]) -> np.ndarray:
+    return (torch.cat([b.labels for b in batches]).numpy() if batches
+            else np.empty(0, np.float32))
 
 
 def _plans(passes: Iterator, first: int, skip: int, plan: Callable) -> Iterator:
