@@ -22,7 +22,12 @@ from terarec.config import (
     load_train_config,
     to_dict,
 )
-from terarec.data.numeric import DEFAULT_STATS_ROWS, with_numeric_stats
+from terarec.data.numeric import (
+    DEFAULT_STATS_ROWS,
+    MAX_BUCKETS,
+    ROWS_PER_BUCKET,
+    with_numeric_stats,
+)
 from terarec.data.readers import ReadStats, csv_schema
 from terarec.io import ScratchDir
 from terarec.train.selection import (
@@ -95,22 +100,28 @@ def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stats-rows", type=int, default=DEFAULT_STATS_ROWS,
                    help="rows read from the start of --train for numeric statistics "
                    f"(default {DEFAULT_STATS_ROWS:,})")
+    g.add_argument("--numeric-buckets", type=int, default=None, metavar="N",
+                   help="also feed each numeric column's quantile bucket as a categorical "
+                   "key, at most N buckets (default: one per "
+                   f"{ROWS_PER_BUCKET} sampled values, at most {MAX_BUCKETS}; 0: off)")
 
 
 def train_schema_from_args(args: argparse.Namespace,
                            base: FeatureSchema | None = None) -> FeatureSchema:
     """The schema a new training run uses: ``base`` (default ``schema_from_args``) with
-    numeric statistics gathered from the first ``--stats-rows`` rows of ``--train``.
+    numeric statistics and bucket edges from the first ``--stats-rows`` rows of ``--train``.
     Bad rows are left out of the statistics here; training reads them again and reports
     or skips them as ``--on-bad-row`` says (on every rank alike under torchrun)."""
     schema = base if base is not None else schema_from_args(args)
-    if getattr(args, "no_standardize", False):
-        return schema
     rows = getattr(args, "stats_rows", DEFAULT_STATS_ROWS)
     if rows <= 0:
         raise ValueError(f"--stats-rows must be positive, got {rows}")
-    return with_numeric_stats(schema, args.train, max_rows=rows,
-                              on_bad_row="skip")
+    buckets = getattr(args, "numeric_buckets", None)
+    if buckets is not None and (buckets < 0 or buckets == 1):
+        raise ValueError(f"--numeric-buckets {buckets}: must be 0 (off) or at least 2")
+    return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip",
+                              standardize=not getattr(args, "no_standardize", False),
+                              buckets=buckets)
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:

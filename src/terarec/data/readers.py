@@ -29,7 +29,7 @@ import pyarrow.csv as pa_csv
 import torch
 
 from terarec.data.hashing import hash_column
-from terarec.data.numeric import transform_values
+from terarec.data.numeric import bucket_index, transform_values
 from terarec.types import (
     Batch,
     FeatureSchema,
@@ -591,10 +591,13 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     labels = np.array(table.column(schema.label).to_numpy(), dtype=np.float32)  # writable
     dense = np.zeros((n, schema.dense_dim), dtype=np.float32)
     num_numeric = len(schema.numeric)
+    bucket_keys: list[np.ndarray] = []
     for j, spec in enumerate(schema.numeric):
         x = table.column(spec.name).to_numpy()  # float64, NaN where missing
         missing = np.isnan(x)
         x = transform_values(x, spec.transform)
+        if spec.buckets is not None:
+            bucket_keys.append(_bucket_keys(spec, x, missing, schema.hash_salt))
         if spec.std is not None:
             x = np.clip((x - spec.mean) / spec.std, -MAX_STANDARDISED, MAX_STANDARDISED)
         dense[:, j] = np.where(missing, 0.0, x)
@@ -611,12 +614,24 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
             k, length = _multi_keys(spec, col, n, schema.hash_salt)
             keys.append(k)
             lengths.append(length)
+    keys += bucket_keys  # sparse_fields order: categorical, then bucketed numeric
+    lengths += [np.ones(n, dtype=np.int64)] * len(bucket_keys)
     values = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
     offsets = np.zeros(n * len(lengths) + 1, dtype=np.int64)
     np.cumsum(np.concatenate(lengths), out=offsets[1:])
     # Offsets built in numpy: small torch ops pay thread-pool wake-ups on every batch.
     sparse = KeyedIds(schema.sparse_names, as_int64_tensor(values), torch.from_numpy(offsets))
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
+
+
+def _bucket_keys(spec: FieldSpec, t: np.ndarray, missing: np.ndarray,
+                 salt: str) -> np.ndarray:
+    """Keys of a bucketed numeric field: its bucket index hashed like a categorical
+    value of the field (``"0"``, ``"1"`` ...); a missing value gets the field's missing
+    key."""
+    assert spec.buckets is not None
+    index = pa.array(bucket_index(t, spec.buckets), mask=missing)
+    return hash_column(spec.name, index, salt)
 
 
 def _multi_keys(spec: FieldSpec, col: pa.ChunkedArray, n: int,

@@ -139,7 +139,7 @@ class ServingEngine:
             base = ShardedRows(self.reader.shards(manifest), manifest.row_dim)
         except ValueError as exc:
             raise ExportError(f"{manifest.name}: {exc}") from None
-        mean = [f.pooling == "mean" for f in schema.categorical]
+        mean = [f.pooling == "mean" for f in schema.sparse_fields]
         config = self.reader.features(manifest)
         lookup, raw_schema = None, None
         if config is not None and config.tables.tables:
