@@ -321,7 +321,7 @@ class FeatureSchema:
                 raise InvalidInput(f"{prefix}fields[{i}].buckets: only numeric fields are "
                                    "bucketed")
             edges = spec.buckets
-            if not edges or any(b <= a for a, b in zip(edges, edges[1:])):
+            if not edges or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
                 raise InvalidInput(f"{prefix}fields[{i}].buckets: expected a non-empty "
                                    "list of strictly increasing edges")
         return schema

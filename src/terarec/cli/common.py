@@ -30,6 +30,7 @@ from terarec.data.numeric import (
 )
 from terarec.data.readers import ReadStats, csv_schema
 from terarec.io import ScratchDir
+from terarec.train.defaults import estimate_rows, max_epochs
 from terarec.train.selection import (
     DEFAULT_MAX_EPOCHS,
     DEFAULT_PATIENCE,
@@ -201,7 +202,8 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
                    help="stop after this many evaluations without improvement "
                    f"(default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
-                   f"(default {DEFAULT_MAX_EPOCHS} + patience)")
+                   f"(default {DEFAULT_MAX_EPOCHS} + patience, more on small data: room for "
+                   "3,000 steps, at most 100 epochs)")
     g.add_argument("--eval-every", type=int, metavar="N",
                    help="evaluate at least every N steps: passes are cut to at most N "
                    "batches, so a pass boundary (evaluation, checkpoint) comes every N steps")
@@ -220,7 +222,7 @@ def selection_from_args(args: argparse.Namespace,
             raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")
         config.pass_rows = min(config.pass_rows, args.eval_every * config.batch_size)
     if args.epochs is None and args.config is None:
-        config.epochs = DEFAULT_MAX_EPOCHS + args.patience
+        config.epochs = max_epochs(estimate_rows(args.train), config.batch_size) + args.patience
     return SelectionTracker(args.select_by, args.patience)
 
 
