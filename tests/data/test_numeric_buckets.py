@@ -135,3 +135,22 @@ def test_buckets_learn_a_window_and_serve_like_predict(tmp_path: Path) -> None:
         np.testing.assert_allclose(served, offline, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+def test_two_tower_puts_bucketed_numerics_on_the_user_side() -> None:
+    from dataclasses import replace
+
+    from terarec.config import ModelConfig
+    from terarec.models.dssm import DSSM
+
+    schema = csv_schema("y", ["age", "price"], ["user", "item"])
+    age, price, *cats = schema.fields
+    schema = replace(schema, fields=(replace(age, buckets=(1.0, 2.0)),
+                                     replace(price, buckets=(3.0,)), *cats))
+    model = DSSM(schema, ModelConfig(name="dssm", user_fields=("user",), embedding_dim=4,
+                                     deep_mlp=(8,)))
+    assert model.user_fields == ("user", "age", "price") and model.item_fields == ("item",)
+    named = DSSM(schema, ModelConfig(name="dssm", user_fields=("user",),
+                                     item_fields=("item", "price"), embedding_dim=4,
+                                     deep_mlp=(8,)))
+    assert named.user_fields == ("user", "age") and named.item_fields == ("item", "price")
