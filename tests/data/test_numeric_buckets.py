@@ -24,6 +24,18 @@ from terarec.types import FeatureSchema
 from terarec.validation import InvalidInput
 
 
+def test_buckets_only_where_the_label_departs_from_a_linear_effect() -> None:
+    from terarec.data.numeric import departs_from_linear
+
+    rng = np.random.default_rng(3)
+    t = rng.normal(size=20_000)
+    edges = bucket_edges(t)
+    linear = (rng.random(len(t)) < 1 / (1 + np.exp(-(-1.2 + 0.8 * t)))).astype(float)
+    window = (rng.random(len(t)) < np.where(np.abs(t) < 0.5, 0.35, 0.2)).astype(float)
+    assert not departs_from_linear(t, linear, edges)
+    assert departs_from_linear(t, window, edges)
+
+
 def test_edges_give_a_point_mass_its_own_bucket_and_follow_the_data_size() -> None:
     rng = np.random.default_rng(0)
     values = np.where(rng.random(5000) < 0.7, 0.0, rng.exponential(3.0, 5000))
@@ -56,7 +68,12 @@ def _planted(path: Path, n: int, seed: int) -> Path:
 
 def test_schema_keys_and_round_trip(tmp_path: Path) -> None:
     data = _planted(tmp_path / "train.csv", 3000, 0)
-    schema = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data])
+    # Sized: x (a window) departs from a linear effect and gets buckets, z (no effect
+    # at all) does not.
+    sized = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data])
+    assert sized.numeric[0].buckets is not None and sized.numeric[1].buckets is None
+    assert sized.sparse_names == ("c", "x")
+    schema = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data], buckets=64)
     x, z = schema.numeric
     assert x.buckets is not None and z.buckets is not None
     assert schema.sparse_names == ("c", "x", "z")  # categorical first, then bucketed

@@ -35,6 +35,9 @@ MAX_BUCKETS = 256
 ROWS_PER_BUCKET = 100
 # Values kept per field for the quantiles (float64): bounded memory on wide schemas.
 _BUCKET_SAMPLE = 100_000
+# Data-sized buckets are kept only where the label departs from a linear effect at this
+# significance (``departs_from_linear``).
+BUCKET_TEST_P = 0.001
 
 
 def transform_values(x: np.ndarray, transform: str) -> np.ndarray:
@@ -67,6 +70,52 @@ def bucket_index(t: np.ndarray, edges: Sequence[float]) -> np.ndarray:
     return np.searchsorted(np.asarray(edges, np.float64), t, side="right").astype(np.int64)
 
 
+def _log_likelihood(y: np.ndarray, logit: np.ndarray) -> float:
+    return float(np.sum(y * logit - np.logaddexp(0.0, logit)))
+
+
+def departs_from_linear(values: np.ndarray, labels: np.ndarray, edges: Sequence[float],
+                        ) -> bool:
+    """Whether the label's dependence on ``values`` is visibly not the logistic-linear
+    one the standardised dense input already gives: a likelihood-ratio test of one rate
+    per bucket against ``logit = a + b * value``, at ``BUCKET_TEST_P``. A column whose
+    effect is linear gets no buckets: their weights would only add variance."""
+    y = labels.astype(np.float64)
+    z = (values - values.mean()) / (values.std() or 1.0)
+    a = b = 0.0
+    for _ in range(25):  # Newton's method on the two-parameter logistic fit
+        p = 1.0 / (1.0 + np.exp(-(a + b * z)))
+        w = p * (1.0 - p) + 1e-12
+        grad = np.array([np.sum(y - p), np.sum((y - p) * z)])
+        hess = np.array([[w.sum(), (w * z).sum()], [(w * z).sum(), (w * z * z).sum()]])
+        try:
+            step = np.linalg.solve(hess + 1e-9 * np.eye(2), grad)
+        except np.linalg.LinAlgError:
+            break
+        a, b = a + step[0], b + step[1]
+        if np.abs(step).max() < 1e-8:
+            break
+    linear = _log_likelihood(y, a + b * z)
+    index = bucket_index(values, edges)
+    shows = np.bincount(index, minlength=len(edges) + 1).astype(np.float64)
+    clicks = np.bincount(index, weights=y, minlength=len(edges) + 1)
+    rate = np.clip(clicks[index] / shows[index], 1e-9, 1 - 1e-9)
+    per_bucket = float(np.sum(y * np.log(rate) + (1 - y) * np.log1p(-rate)))
+    dof = int((shows > 0).sum()) - 2
+    if dof < 1:
+        return False
+    return 2.0 * (per_bucket - linear) > _chi2_quantile(1.0 - BUCKET_TEST_P, dof)
+
+
+def _chi2_quantile(q: float, dof: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (no scipy needed)."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(q)
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * np.sqrt(c)) ** 3
+
+
 def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
                        max_rows: int = DEFAULT_STATS_ROWS, on_bad_row: str = "error",
                        standardize: bool = True, buckets: int | None = None,
@@ -82,6 +131,7 @@ def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
 
     sums = {f.name: np.zeros(3) for f in schema.numeric}  # count, sum, sum of squares
     kept: dict[str, list[np.ndarray]] = {f.name: [] for f in schema.numeric}
+    kept_labels: dict[str, list[np.ndarray]] = {f.name: [] for f in schema.numeric}
     kept_rows = dict.fromkeys(kept, 0)
     # Sums are taken about the first value seen: squares of large, nearly equal numbers
     # (timestamps) would otherwise lose every digit that matters.
@@ -92,9 +142,11 @@ def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
                                  on_bad_row=on_bad_row,  # type: ignore[arg-type]
                                  stats=ReadStats()):
             table = table.slice(0, max_rows - rows)
+            labels = np.asarray(table.column(schema.label).to_numpy(), np.float64)
             for spec in schema.numeric:
                 x = table.column(spec.name).to_numpy()
-                x = transform_values(x[~np.isnan(x)], spec.transform)
+                present = ~np.isnan(x)
+                x = transform_values(x[present], spec.transform)
                 acc = sums[spec.name]
                 if len(x):
                     d = x - shift.setdefault(spec.name, float(x[0]))
@@ -102,6 +154,7 @@ def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
                     room = _BUCKET_SAMPLE - kept_rows[spec.name]
                     if buckets != 0 and room > 0:
                         kept[spec.name].append(x[:room])
+                        kept_labels[spec.name].append(labels[present][:room])
                         kept_rows[spec.name] += min(room, len(x))
             rows += table.num_rows
             if rows >= max_rows:
@@ -115,8 +168,12 @@ def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
             fields.append(spec)
             continue
         if buckets != 0:
-            spec = replace(spec, buckets=bucket_edges(np.concatenate(kept[spec.name]),
-                                                      buckets))
+            values = np.concatenate(kept[spec.name])
+            edges = bucket_edges(values, buckets)
+            if buckets is None and edges is not None and not departs_from_linear(
+                    values, np.concatenate(kept_labels[spec.name]), edges):
+                edges = None
+            spec = replace(spec, buckets=edges)
         if standardize:
             n, s, ss = totals
             mean_d = s / n
