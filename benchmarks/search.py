@@ -8,7 +8,7 @@ Prints one JSON line: ``trials``, ``seconds_shared`` (one search, pruning off),
 ``auc_default`` (trial 0: the base configuration), ``auc_best`` (best trial of the
 unpruned search; every variant selects by validation AUC, patience 2), ``auc_ceiling``
 (the synthetic truth's AUC); the real samples under ``real``, with the same keys (no
-ceiling).
+ceiling); ``load_avg`` (at the end) and ``load_avg_start``: the machine's load.
 
     python benchmarks/search.py [--rows 20000] [--trials 8]
 """
@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -134,6 +135,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--no-real", action="store_true")
     args = parser.parse_args()
+    load_start = [round(x, 2) for x in os.getloadavg()]
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     base = TrainConfig()
     base.batch_size, base.pass_rows, base.threads, base.epochs = 512, 4096, 1, args.epochs
@@ -166,7 +168,9 @@ def main() -> None:
             real["avazu"] = bench(schema, base, tr, te, tmp / "avazu", args.trials, fmt)
         if real:
             out["real"] = real
-    out["note"] = "2 shared, loaded cores"
+    out["load_avg"] = [round(x, 2) for x in os.getloadavg()]  # 1, 5, 15 min, at the end
+    out["load_avg_start"] = load_start
+    out["note"] = "2 shared cores, loaded by other jobs (load_avg)"
     print(json.dumps(out))
 
 

@@ -20,3 +20,30 @@ def s3_server(monkeypatch) -> Iterator[dict[str, str]]:
     host, port = server.get_host_and_port()
     yield {"endpoint_url": f"http://{host}:{port}"}
     server.stop()
+
+
+def _start_cluster(root):
+    """A 3-master / 3-replica Redis Cluster on free loopback ports (skips without
+    redis-server)."""
+    from terarec.sparsetier.local import LocalCluster, redis_binaries
+
+    if redis_binaries() is None:
+        pytest.skip("redis-server / redis-cli not installed (apt-get install redis-server)")
+    return LocalCluster(root, masters=3, replicas=1).start()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """One healthy cluster for the whole session: tests use their own namespaces and must
+    not stop nodes (fault tests take ``fresh_redis_cluster``)."""
+    cluster = _start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def fresh_redis_cluster(tmp_path_factory):
+    """A cluster of the test module's own, which its tests may kill, stall or restart."""
+    cluster = _start_cluster(tmp_path_factory.mktemp("redis-cluster-faults"))
+    yield cluster
+    cluster.stop()

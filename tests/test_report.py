@@ -172,3 +172,14 @@ def test_plot_xy_draws_several_series(tmp_path: Path) -> None:
                    hlines={"ceiling": 0.85})
     assert path == tmp_path / "sub" / "xy.png"
     _check_png(path)
+
+
+def test_admission_and_eviction_counts_get_a_plot_and_history_columns(tmp_path: Path) -> None:
+    history = [{"pass": p, "train_loss": 0.6, "store_keys": 100 * p, "new_keys": 120,
+                "rejected_keys": 300 - p, "evicted_keys": 20 * p} for p in range(1, 4)]
+    html = write_report(tmp_path, history, {}).read_text()
+    assert _img_sources(html) == {"loss.png", "keys.png"}
+    _check_png(tmp_path / "keys.png")
+    for header in ("store keys", "keys admitted", "keys rejected", "keys evicted"):
+        assert f"<th>{header}</th>" in html
+    assert '<td class="num">299</td>' in html

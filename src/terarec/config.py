@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, Field
 
-from terarec.validation import STRICT, validate, validate_json
+from terarec.validation import STRICT, InvalidInput, validate, validate_json
 
 SparseOptimizerName = Literal["adagrad", "adam", "ftrl", "sgd"]
 Precision = Literal["fp32", "fp16", "int8", "int4"]
@@ -103,6 +103,18 @@ def _check_size(size: int | str | None) -> int | str | None:
 MemorySize = Annotated[int | str, AfterValidator(_check_size)]
 
 
+def _check_device(name: str) -> str:
+    """Only names terarec trains on: whether this machine has the device is checked when
+    the run starts (terarec.distributed.context.resolve_device)."""
+    if re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", name) is None:
+        raise ValueError(f"{name!r} is not a device terarec trains on: auto, cpu, cuda "
+                         "or cuda:N")
+    return name
+
+
+Device = Annotated[str, AfterValidator(_check_device)]
+
+
 @dataclass
 class ModelConfig:
     """Network shape. ``embedding_dim`` is the width of one key's deep embedding."""
@@ -173,7 +185,7 @@ class DenseOptimizerConfig:
 
 @dataclass
 class StoreConfig:
-    """Embedding store policies: admission by count, eviction by age, row initialisation.
+    """Embedding store policies: admission, eviction, row initialisation.
 
     ``memory_budget`` (bytes, or a size such as "512MB" / "2GB", powers of 1024) or
     ``disk_path`` selects the tiered store: hot rows in RAM under the budget, every row
@@ -185,8 +197,29 @@ class StoreConfig:
 
     admit_min_count: NonNegative = knob(1, "--admit-min-count",
                                         "a key gets a row once seen this often")
+    # Admission and eviction policies: docs/admission.md (terarec.embedding.admission,
+    # terarec.embedding.eviction).
+    admit_min_clicks: NonNegative = knob(0, "--admit-min-clicks",
+                                         "... and once it had this many clicks")
+    admit_sketch_bytes: MemorySize | None = knob(
+        None, "--admit-sketch-bytes", "count waiting keys in a count-min sketch of this "
+        "fixed size (per store) instead of an exact table, e.g. 64MB")
+    admit_probability: Annotated[float, Field(gt=0, le=1)] | None = knob(
+        None, "--admit-probability", "admit a new key with probability P per show")
     evict_after_passes: Positive | None = knob(None, "--evict-after-passes",
                                                "drop keys unseen for N passes")
+    evict_l2_below: NonNegativeFloat | None = knob(
+        None, "--evict-l2-below", "drop rows whose L2 norm is below X at pass end")
+    evict_show_below: NonNegativeFloat | None = knob(
+        None, "--evict-show-below", "drop keys with fewer shows than X not seen this pass")
+    max_keys: Positive | None = knob(None, "--max-keys", "evict at pass end down to N keys "
+                                     "(per rank: N / ranks)")
+    max_store_bytes: MemorySize | None = knob(
+        None, "--max-store-bytes", "evict at pass end until the rows take at most this "
+        "(values, optimizer state, counters, key)")
+    evict_score: Literal["lfu", "lru", "l2"] = knob(
+        "lfu", "--evict-score", "which keys --max-keys / --max-store-bytes evict first: "
+        "fewest shows, longest unseen, smallest L2 norm")
     init_std: NonNegativeFloat = 0.01
     memory_budget: MemorySize | None = knob(
         None, "--memory-budget", "RAM for the embedding store, e.g. 512MB or 2GB: rows "
@@ -213,6 +246,32 @@ class StoreConfig:
         group=COMPRESSION)
     class_precisions: tuple[Precision, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Thresholds or precisions without the classes they belong to would be ignored.
+        if self.promote_at and len(self.promote_at) != len(self.variable_dims):
+            raise ValueError(
+                f"promote_at {list(self.promote_at)} (--promote-at) needs one width per "
+                f"threshold in variable_dims (--variable-dims), got "
+                f"{list(self.variable_dims) or 'none'}")
+        if self.variable_dims and not self.promote_at:
+            raise ValueError(f"variable_dims {list(self.variable_dims)} (--variable-dims) "
+                             "needs the show counts that move a key up a class: "
+                             "promote_at (--promote-at)")
+        if self.admit_probability is not None and (
+                self.admit_min_count > 1 or self.admit_min_clicks
+                or self.admit_sketch_bytes is not None):
+            raise ValueError("admit_probability (--admit-probability) admits by a draw "
+                             "per show: it does not combine with admit_min_count > 1, "
+                             "admit_min_clicks or admit_sketch_bytes")
+        if self.admit_sketch_bytes is not None and self.admit_min_count <= 1 \
+                and not self.admit_min_clicks:
+            raise ValueError("admit_sketch_bytes counts keys until they are admitted: give "
+                             "admit_min_count >= 2 or admit_min_clicks >= 1 with it")
+        if self.admit_sketch_bytes is not None and max(self.admit_min_count,
+                                                       self.admit_min_clicks) > 255:
+            raise ValueError("admit_sketch_bytes counts up to 255: admit_min_count and "
+                             "admit_min_clicks must be <= 255 with it")
+
     @property
     def tiered(self) -> bool:
         return self.memory_budget is not None or self.disk_path is not None
@@ -229,7 +288,7 @@ class TrainConfig:
     epochs: Positive = knob(1, "--epochs")
     seed: Annotated[int, Field(ge=0, lt=1 << 32)] = knob(0, "--seed")
     threads: Positive | None = knob(None, "--threads")
-    device: str = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
+    device: Device = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
     on_bad_row: Literal["error", "skip"] = knob(
         "error", "--on-bad-row", "stop at the first bad row or skip and count bad rows",
         group=INPUT_FORMAT)
@@ -251,4 +310,59 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """The TrainConfig in JSON file ``path``; errors start with the file name."""
-    return validate_json(TrainConfig, Path(path).read_bytes(), str(path), root="config")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot read config file: {exc.strerror}") from None
+    return validate_json(TrainConfig, raw, str(path), root="config")
+
+
+# What a checkpoint fixes: the parameters' shapes and meaning (the model, the optimizers'
+# state, how rows are stored) and the seed of the run's random streams. A resumed run
+# keeps them; every other knob (learning rates, epochs, batch size ...) may change.
+RESUME_FIXED = ("model", "seed", "sparse_optimizer.name", "dense_optimizer.name",
+                "store.precision", "store.variable_dims", "store.promote_at",
+                "store.class_precisions")
+RESUME_FREE = ("model.dropout",)  # a model key that changes no parameter
+
+
+def _flat(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _fixed(key: str) -> bool:
+    return key not in RESUME_FREE and any(
+        key == f or key.startswith(f + ".") for f in RESUME_FIXED)
+
+
+def resumed_config(saved: TrainConfig, new: TrainConfig, given: set[str],
+                   where: str = "") -> TrainConfig:
+    """The config a resumed run trains with: ``new`` with the keys a checkpoint fixes
+    (``RESUME_FIXED``) taken from ``saved``, the run's own config. A fixed key in ``given``
+    (the dotted keys the user set) with another value is a ValueError naming each such
+    key, its flag and both values: the checkpoints cannot take it."""
+    old, now = _flat(to_dict(saved)), _flat(to_dict(new))
+    flags = {".".join(path): flag.name for path, flag, _, _ in flag_fields()}
+    changed = [k for k in old if _fixed(k) and k in given and now[k] != old[k]]
+    if changed:
+        shown = "; ".join(
+            f"{k}{' (' + flags[k] + ')' if k in flags else ''}: was {_value(old[k])}, "
+            f"now {_value(now[k])}" for k in changed)
+        raise ValueError(f"--resume: {where + ' ' if where else ''}was trained with other "
+                         f"settings that its checkpoints fix: {shown}; resume without "
+                         "them or train into another --out")
+    merged = to_dict(new)
+    for key in (k for k in old if _fixed(k)):
+        *parents, last = key.split(".")
+        node = merged
+        for p in parents:
+            node = node[p]
+        node[last] = old[key]
+    return from_dict(TrainConfig, merged)
+
+
+def _value(v: Any) -> str:
+    return repr(list(v) if isinstance(v, tuple) else v)

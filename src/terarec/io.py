@@ -120,6 +120,25 @@ def exclusive_lock(path: str | Path, what: str) -> Iterator[Path]:
         os.close(fd)  # releases the lock
 
 
+@contextlib.contextmanager
+def shared_lock(path: str | Path, what: str) -> Iterator[Path]:
+    """Hold a shared ``fcntl`` lock on ``path`` for the ``with`` block (others may share
+    it; ``try_lock_file`` fails while any holder lives), or fail at once with
+    :class:`LockedError`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LockedError(f"{what} is locked by another process (lock file {path})") from None
+    try:
+        yield path
+    finally:
+        os.close(fd)
+
+
 class ScratchDir:
     """A private folder ``parent/PREFIX-XXXX`` for one process, removed by :meth:`close`.
 

@@ -40,11 +40,16 @@ _DPI = 110
 _LOSS_SERIES = (("train_loss", "train loss"), ("valid_logloss", "validation log loss"))
 _AUC_SERIES = (("valid_auc", "validation AUC"),)
 _THROUGHPUT_SERIES = (("samples_per_s", "training samples/s"),)
+# Admission and eviction (docs/admission.md): the store's size and what each pass changed.
+_KEY_SERIES = (("store_keys", "keys in the store"), ("new_keys", "admitted"),
+               ("rejected_keys", "rejected"), ("evicted_keys", "evicted"))
 
 _LABELS = {
     "auc": "AUC", "valid_auc": "validation AUC", "ceiling_auc": "ceiling AUC",
     "logloss": "log loss", "valid_logloss": "validation log loss",
     "train_loss": "train loss", "samples_per_s": "samples / s", "staging_s": "staging (s)",
+    "store_keys": "store keys", "new_keys": "keys admitted", "rejected_keys": "keys rejected",
+    "evicted_keys": "keys evicted",
 }
 
 
@@ -369,6 +374,12 @@ def write_report(
         plot_xy(out_dir / "throughput.png", throughput, "Training throughput per pass",
                 "pass", "samples / s", y_from_zero=True)
         figures.append(("throughput.png", "Training samples per second per pass"))
+    keys = _series(history, xs, _KEY_SERIES)
+    if keys:
+        plot_xy(out_dir / "keys.png", keys, "Store keys per pass", "pass", "keys",
+                y_from_zero=True)
+        figures.append(("keys.png", "Keys in the store, and keys admitted, rejected and "
+                        "evicted in each pass"))
 
     if figures:
         plots = "".join(

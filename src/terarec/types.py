@@ -336,7 +336,7 @@ class FeatureSchema:
         try:
             with open(path) as fh:
                 data = json.load(fh)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InvalidInput(f"{path}: not valid JSON ({exc})") from None
         return cls.from_dict(data, str(path))
 

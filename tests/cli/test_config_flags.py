@@ -61,11 +61,18 @@ def test_every_config_flag_reaches_its_field(parser):
         elif action.nargs == 0:
             argv, value = [flag.name], True
         elif path[-1] in ("variable_dims", "promote_at"):
-            argv, value = [flag.name, "2,3"], (2, 3)
+            # each needs the other (one threshold per width)
+            other = "--promote-at" if path[-1] == "variable_dims" else "--variable-dims"
+            argv, value = [flag.name, "2,3", other, "2,3"], (2, 3)
+        elif path[-1] == "device":
+            argv, value = [flag.name, "cpu"], "cpu"
         else:
             kind = action.type if action.type in samples else str
-            argv = [flag.name, "1GB" if path[-1] == "memory_budget" else samples[kind]]
-            value = kind(argv[1]) if path[-1] != "memory_budget" else "1GB"
+            size = path[-1] in ("memory_budget", "admit_sketch_bytes", "max_store_bytes")
+            argv = [flag.name, "1GB" if size else samples[kind]]
+            value = kind(argv[1]) if not size else "1GB"
+        if path[-1] == "admit_sketch_bytes":  # a sketch counts toward a threshold
+            argv += ["--admit-min-count", "2"]
         config = config_from_args(parser.parse_args(argv))
         node = config
         for key in path:

@@ -50,6 +50,14 @@ def test_inspect_reports_keys_tiers_and_counts(data, tmp_path, budget, capsys):
     assert (info["admitted"], info["evicted"], info["candidates"]) == (
         stats.admitted, stats.evicted, stats.candidates)
     assert info["evicted"] > 0 and info["candidates"] > 0
+    assert info["rejected"] == stats.rejected > 0
+    assert info["admission_bytes"] == stats.admission_bytes > 0
+    per_pass = info["per_pass"]
+    assert [h["pass_id"] for h in per_pass] == [0, 1, 2]
+    assert sum(h["new_keys"] for h in per_pass) == stats.admitted
+    assert sum(h["evicted_keys"] for h in per_pass) == stats.evicted
+    assert sum(h["rejected_keys"] for h in per_pass) == stats.rejected
+    assert per_pass[-1]["store_keys"] == stats.keys
     assert info["show_histogram"] == show_histogram(arrays["show"])
     assert sum(info["show_histogram"].values()) == info["keys"]
     if budget:
@@ -60,6 +68,7 @@ def test_inspect_reports_keys_tiers_and_counts(data, tmp_path, budget, capsys):
     assert main(["inspect", str(model)]) == 0
     text = capsys.readouterr().out
     assert f"keys        {info['keys']:,}" in text and "show count" in text
+    assert f"{stats.rejected:,} rejected" in text and "admitted    rejected" in text
 
 
 def test_inspect_without_checkpoint_is_a_clear_error(tmp_path, capsys):

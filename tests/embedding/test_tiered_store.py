@@ -111,7 +111,7 @@ def test_load_arrays_round_trip_and_snapshot(tmp_path):
     _assert_same(arrays, tiered.to_arrays())
     digests = tiered.save_snapshot(tmp_path / "snap")
     tiered.snapshot_committed(tmp_path / "snap", digests)
-    other = _stores(tmp_path / "other")[1]
+    other = _stores(tmp_path / "other", admit_min_count=2)[1]  # the same admission state
     other.load_snapshot(tmp_path / "snap", digests)
     _assert_same(arrays, other.to_arrays())
 

@@ -131,3 +131,11 @@ def _kserve_body(records: list[dict]) -> dict:
         inputs.append({"name": spec.name, "shape": [len(records)], "datatype": "BYTES",
                        "data": [r.get(spec.name) for r in records]})
     return {"id": "rows", "inputs": inputs}
+
+
+@pytest.fixture(scope="session")
+def cluster_chain(tmp_path_factory):
+    """A model exported as full, two deltas, full again (the sparse-tier tests)."""
+    from cluster_helpers import train_chain
+
+    return train_chain(tmp_path_factory.mktemp("cluster-chain"))

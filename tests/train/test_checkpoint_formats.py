@@ -16,6 +16,7 @@ from terarec.cli.inspect import show_histogram, summarise
 from terarec.config import ModelConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
 from terarec.distributed.sharding import shard_of
+from terarec.embedding.store import STORE_TOTALS
 from terarec.export import Storage, export_model_dir, read_manifest
 from terarec.io import sha256_file
 from terarec.train.checkpoint import load_checkpoint, restore_trainer, save_checkpoint
@@ -71,8 +72,8 @@ def _as_two_rank_shards(model_dir) -> None:
         rows = shard_of(arrays["keys"], 2) == rank
         cands = shard_of(arrays["cand_keys"], 2) == rank
         part = {k: (v[cands] if k.startswith("cand_") else
-                    v if k in ("counters", "pruned") and rank == 0 else
-                    np.zeros_like(v) if k in ("counters", "pruned") else v[rows])
+                    v if k in STORE_TOTALS and rank == 0 else
+                    np.zeros_like(v) if k in STORE_TOTALS else v[rows])
                 for k, v in arrays.items()}
         name = f"sparse-{rank:05d}-of-00002.safetensors"
         save_file(part, str(path / name))

@@ -86,3 +86,13 @@ def test_epoch_bound_with_validation_leaves_room_for_enough_steps() -> None:
     small = max_epochs(20_000, 256)  # 79 steps an epoch
     assert small * 79 >= MIN_SELECTED_STEPS and (small - 1) * 79 < MIN_SELECTED_STEPS
     assert max_epochs(100, 256) == MAX_SELECTED_EPOCHS  # one step an epoch: capped
+
+
+def test_admission_by_probability_is_not_given_a_sized_count(tmp_path: Path) -> None:
+    data = tmp_path / "d.csv"
+    data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
+    args = _args(["--admit-probability", "0.5"])
+    config, sized = apply_sized_defaults(config_from_args(args), [data],
+                                         explicit_config_keys(args))
+    assert config.store.admit_min_count == 1 and "store.admit_min_count" not in sized
+    assert config.store.admit_probability == 0.5 and config.batch_size == 256

@@ -17,13 +17,13 @@ from terarec.cli.main import main
 from terarec.config import TrainConfig
 from terarec.data.numeric import with_numeric_stats
 from terarec.data.synth import generate
+from terarec.embedding.shared import SharedRowsStore
 from terarec.train.passes import iter_file_batches
 from terarec.train.search import apply_params, check_space, grid_space, run_search
 from terarec.types import FeatureSchema
 
 COMMON = ["--batch-size", "500", "--pass-rows", "2000", "--threads", "1", "--no-progress",
-          "--seed", "4", "--epochs", "2", "--patience", "2",
-          "--admit-min-count", "1"]  # the fixture's TrainConfig admits every key
+          "--seed", "4", "--epochs", "2", "--patience", "2"]
 # Two trials that differ in embedding width, learning rates, dropout and batch size.
 TRIALS = [
     {"model.embedding_dim": 4, "sparse_optimizer.lr": 0.05, "dense_optimizer.lr": 0.002,
@@ -64,9 +64,12 @@ def searched(files, tmp_path_factory) -> Path:
     return out
 
 
-def _single(files, out: Path, params: dict) -> list[dict]:
+def _single(files, out: Path, params: dict,
+            extra: tuple[str, ...] = ("--admit-min-count", "1")) -> list[dict]:
+    """``train`` with ``params`` as flags; ``extra``: store flags (by default those of
+    the fixture's TrainConfig, which admits every key)."""
     train, valid = files
-    flags = [*COMMON, "--model", "deepfm"]
+    flags = [*COMMON, "--model", "deepfm", *extra]
     for key, value in params.items():
         if key in FLAGS:
             flags += [FLAGS[key], str(value)]
@@ -206,3 +209,66 @@ def test_grid_sampler_from_a_yaml_space_tries_each_point_once(files, tmp_path):
                     for r in rows)
     assert points == [(4, 0.05), (4, 0.1), (8, 0.05), (8, 0.1)]  # 6 asked, 4 points
     assert all(r["state"] == "complete" for r in rows)
+
+
+def test_trials_share_one_key_index_and_pruned_views_are_dropped(files, tmp_path):
+    train, valid = files
+    schema = with_numeric_stats(FeatureSchema.criteo(), [train])
+    config = TrainConfig()
+    config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
+    config.epochs, config.store.admit_min_count = 1, 2
+    batches = list(iter_file_batches([valid], schema, 500))
+    sides: list[set[int]] = []
+    live_bytes: list[tuple[int, int, int]] = []
+
+    def boundary(trials) -> None:
+        live = [t for t in trials if t.state == "running"]
+        stores = [t.run.trainer.store for t in live]
+        assert all(isinstance(s, SharedRowsStore) for s in stores)
+        sides.append({id(s.shared) for s in stores})
+        if stores:
+            # K views: K x (values + optimizer state); the index, counts and candidates once
+            own = sum(s.nbytes for s in stores)
+            side = stores[0].shared.nbytes
+            live_bytes.append((own, side, len(stores)))
+        for t in trials:
+            if t.state == "pruned":
+                assert not isinstance(t.run.trainer.store, SharedRowsStore)
+                assert len(t.run.trainer.store) == 0
+
+    result = run_search(schema, config, [train], batches, tmp_path / "s", trials=4,
+                        sampler="random", pruner="halving", patience=None,
+                        space=check_space({"model.embedding_dim": [4, 8, 16]}, config),
+                        on_boundary=boundary)
+    assert any(t.state == "pruned" for t in result.trials)
+    assert all(len(s) <= 1 for s in sides) and sides[0]
+    own, side, k = live_bytes[0]
+    assert k >= 2 and side > 0 and own > 0
+    keys = result.trials[0].history[0]["store_keys"]
+    assert side >= keys * 16  # the index: one bucket (16 B) per key at most half full
+
+
+@pytest.mark.slow
+def test_k2_search_with_admission_and_eviction_equals_two_single_runs(files, tmp_path):
+    """The shared key index admits (a key needs 2 shows) and evicts (unseen for 1 pass)
+    once for both trials: each still trains as it would alone."""
+    train, valid = files
+    schema = with_numeric_stats(FeatureSchema.criteo(), [train])
+    config = TrainConfig()
+    config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
+    config.epochs, config.store.admit_min_count, config.store.evict_after_passes = 2, 2, 1
+    batches = list(iter_file_batches([valid], schema, 500))
+    space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
+    out = tmp_path / "search"
+    result = run_search(schema, config, [train], batches, out, trials=2, pruner="none",
+                        sampler="random", fixed=TRIALS, space=space, patience=2)
+    assert all(t.state == "complete" for t in result.trials)
+    for number, params in enumerate(TRIALS):
+        single = _single(files, tmp_path / f"single{number}", params,
+                         ("--admit-min-count", "2", "--evict-after-passes", "1"))
+        trial = json.loads((out / "trials" / f"trial-{number:03d}" /
+                            "history.json").read_text())
+        assert any(h["evicted_keys"] for h in single)
+        for key in ("valid_auc", "train_loss", "admitted_keys", "evicted_keys",
+                    "store_keys"):
+            assert [h[key] for h in trial] == [h[key] for h in single], key

@@ -35,3 +35,4 @@ def test_search_benchmark_prints_its_line():
             ratio, abs=0.005 * (1 + ratio) / separate + 1e-3)
     assert 0.5 < out["auc_default"] <= out["auc_best"] < 1
     assert out["auc_ceiling"] > 0.5
+    assert len(out["load_avg"]) == 3 and len(out["load_avg_start"]) == 3

@@ -8,6 +8,7 @@ import sys
 import tempfile
 import typing
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ def _split(text: str | None) -> list[str]:
 def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
     fmt = args.format or "criteo"
     if fmt == "criteo":
-        return FeatureSchema.criteo()
+        return _criteo_schema(args)
     if not args.label or not (args.numeric or args.categorical):
         raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
     numeric = _split(args.numeric)
@@ -90,6 +91,29 @@ def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
     return csv_schema(args.label, numeric, _split(args.categorical),
                       delimiter=args.delimiter, separator=args.multi_sep, multi_valued=multi,
                       transform=transform, format=fmt)
+
+
+# Flags that describe the columns of a csv / parquet file (attribute, flag, default).
+_COLUMN_FLAGS = (("label", "--label", None), ("numeric", "--numeric", ""),
+                 ("categorical", "--categorical", ""), ("delimiter", "--delimiter", ","),
+                 ("multi_sep", "--multi-sep", None), ("multi_valued", "--multi-valued", None),
+                 ("log1p", "--log1p", None))
+
+
+def _criteo_schema(args: argparse.Namespace) -> FeatureSchema:
+    """The Criteo schema; its columns are fixed, so a flag naming columns is an error
+    rather than ignored. ``--numeric-transform`` applies to its I1-I13."""
+    given = [flag for attr, flag, default in _COLUMN_FLAGS
+             if getattr(args, attr, default) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: only for --format csv or parquet; the Criteo "
+                         "format's columns are fixed (label, I1-I13, C1-C26)")
+    schema = FeatureSchema.criteo()
+    transform = getattr(args, "numeric_transform", None)
+    if transform is None:
+        return schema
+    return replace(schema, fields=tuple(
+        replace(f, transform=transform) if f.kind == "numeric" else f for f in schema.fields))
 
 
 def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +153,6 @@ def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> Fe
     """The model's schema, read with another container format if ``--format`` says so."""
     if args.format in (None, model_schema.format):
         return model_schema
-    from dataclasses import replace
-
     if args.format == "criteo":
         raise ValueError("--format criteo only fits models trained on Criteo data")
     return replace(model_schema, format=args.format,

@@ -34,6 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if Path(args.out).is_file():
+        raise ValueError(f"--out {args.out} is a file, not an export folder")
     codec = None if args.bits == 32 and not args.codebook else RowCodec(args.bits,
                                                                         args.codebook)
     result = export_model_dir(args.model, args.out, storage_options_from_args(args),

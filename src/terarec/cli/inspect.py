@@ -16,6 +16,9 @@ import numpy as np
 
 from terarec.train.checkpoint import load_checkpoint, sum_store_summaries
 
+# Per-pass figures of the run's history shown by inspect (docs/admission.md).
+PER_PASS = ("pass_id", "new_keys", "rejected_keys", "evicted_keys", "store_keys")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="summarise a model directory's store",
@@ -71,7 +74,10 @@ def summarise(model_dir: Path) -> dict:
         "keys": keys[0],
         "candidates": store.get("candidates"),
         "admitted": store.get("admitted"),
+        "rejected": store.get("rejected"),
         "evicted": store.get("evicted"),
+        "admission_bytes": store.get("admission_bytes"),
+        "per_pass": [{k: h.get(k) for k in PER_PASS} for h in ckpt.meta.get("history", [])],
         "bytes": {
             "memory_tier": tiers["memory_bytes"] if tiers else store.get("bytes"),
             "key_index": tiers["index_bytes"] if tiers else None,
@@ -102,8 +108,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"{info['model_dir']}: {info['checkpoint']} ({info['passes']} passes), "
           f"{info['store']} store")
     print(f"  keys        {info['keys']:,} ({info['memory_keys']:,} in the memory tier)")
-    print(f"  admission   {info['admitted'] or 0:,} admitted, "
-          f"{info['candidates'] or 0:,} candidates waiting; {info['evicted'] or 0:,} evicted")
+    print(f"  admission   {info['admitted'] or 0:,} admitted, {info['rejected'] or 0:,} "
+          f"rejected, {info['candidates'] or 0:,} candidates waiting "
+          f"({_fmt(info['admission_bytes'])}); {info['evicted'] or 0:,} evicted")
+    if info["per_pass"]:
+        print("  pass     admitted    rejected     evicted        keys")
+        for h in info["per_pass"]:
+            cells = (h.get(k) for k in PER_PASS[1:])
+            print(f"  {h.get('pass_id', '-'):>4}" + "".join(
+                f"  {'-' if c is None else f'{c:,}':>10}" for c in cells))
     print(f"  bytes       memory tier {_fmt(b['memory_tier'])}, key index "
           f"{_fmt(b['key_index'])}, disk tier {_fmt(b['disk_tier_files'])}, "
           f"checkpoint {_fmt(b['checkpoint_sparse'])}")

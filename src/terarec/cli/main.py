@@ -13,7 +13,7 @@ import sys
 
 SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
-    "search", "export", "serve",
+    "search", "export", "publish", "serve",
     "autofeature",
     "inspect",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from terarec.cli.common import (
@@ -42,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--space", type=Path,
                    help="search space, JSON or YAML: {config.path: {type, low, high, log} "
                    "or [choices]} (default: a space for --model, see docs/search.md)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the search in --out after a stop or a crash: finished "
+                   "trials are kept, interrupted ones run again (same settings needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_training_args(p)
     p.set_defaults(func=run)
@@ -62,21 +66,30 @@ def run(args: argparse.Namespace) -> int:
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
                                    on_bad_row=config.on_bad_row, stats=stats))
+    from terarec.distributed.context import topology
+    from terarec.embedding.shared import sharing_refusal
+
+    ctx = topology(config.device)
+    why = sharing_refusal(config.store, config.sparse_optimizer)
+    if why is not None and ctx.is_main:
+        print(f"search: each trial keeps its own key index ({why})", file=sys.stderr)
     result = run_search(schema, config, args.train, valid, args.out, trials=args.trials,
                         parallel=args.parallel, space=space, sampler=args.sampler,
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,
-                        progress=not args.no_progress)
-    write_results(result, args.out)
-    write_search_report(result, args.out)
-    report_skipped(stats)
-    best = result.best
-    print(json.dumps({"trials": len(result.trials),
-                      "pruned": sum(t.state == "pruned" for t in result.trials),
-                      "best_trial": best.number if best else None,
-                      "best_value": best.selection.best_value if best else None,
-                      "best_params": best.params if best else None,
-                      "seconds": round(result.seconds, 2)}))
-    if result.best_dir is not None:
-        print(f"best model written to {result.best_dir}")
+                        progress=not args.no_progress, resume=args.resume, ctx=ctx)
+    if ctx.is_main:
+        write_results(result, args.out)
+        write_search_report(result, args.out)
+        report_skipped(stats)
+        best = result.best
+        print(json.dumps({"trials": len(result.trials),
+                          "pruned": sum(t.state == "pruned" for t in result.trials),
+                          "best_trial": best.number if best else None,
+                          "best_value": best.selection.best_value if best else None,
+                          "best_params": best.params if best else None,
+                          "seconds": round(result.seconds, 2), "world_size": ctx.world}))
+        if result.best_dir is not None:
+            print(f"best model written to {result.best_dir}")
+    ctx.close()
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,13 +27,24 @@ from terarec.cli.common import (
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
-from terarec.config import TrainConfig
-from terarec.distributed.context import DistContext, launched_by_torchrun, topology
+from terarec.config import TrainConfig, resumed_config
+from terarec.distributed.context import (
+    DistContext,
+    launched_by_torchrun,
+    restart_count,
+    topology,
+)
 from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.export import IncrementalExporter
 from terarec.export.writer import model_features_dir
-from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
-from terarec.train.checkpoint import list_checkpoints
+from terarec.io import (
+    LockedError,
+    exclusive_lock,
+    remove_atomic_leftovers,
+    shared_lock,
+    try_lock_file,
+)
+from terarec.train.checkpoint import list_checkpoints, read_model_meta
 from terarec.train.defaults import apply_sized_defaults
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
@@ -66,21 +78,32 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--delta-every", type=int, metavar="N", help="a delta every N passes")
     g.add_argument("--delta-minutes", type=float, metavar="M",
                    help="a delta at the first pass end M minutes after the previous export")
+    g.add_argument("--publish-to", metavar="redis://HOST:PORT",
+                   help="also publish each exported version to this Redis Cluster "
+                        "(`terarec publish`; docs/serving-cluster.md)")
+    g.add_argument("--publish-namespace", default="terarec",
+                   help="the model's key prefix in that cluster (default terarec)")
     add_storage_args(g)
 
 
 def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExporter | None:
     if args.export_to is None:
-        if args.delta_every is not None or args.delta_minutes is not None:
-            raise ValueError("--delta-every / --delta-minutes need --export-to")
+        if (args.delta_every is not None or args.delta_minutes is not None
+                or getattr(args, "publish_to", None)):
+            raise ValueError("--delta-every / --delta-minutes / --publish-to need --export-to")
         return None
     every_passes = args.delta_every
     if every_passes is None and args.delta_minutes is None:
         every_passes = 1  # a delta at every pass boundary
-    return IncrementalExporter(args.export_to, trainer, every_passes=every_passes,
-                               every_minutes=args.delta_minutes,
-                               storage_options=storage_options_from_args(args),
-                               features_dir=model_features_dir(args.out))
+    options = dict(every_passes=every_passes, every_minutes=args.delta_minutes,
+                   storage_options=storage_options_from_args(args),
+                   features_dir=model_features_dir(args.out))
+    if getattr(args, "publish_to", None):
+        from terarec.sparsetier.publish import PublishingExporter
+
+        return PublishingExporter(args.export_to, trainer, publish_to=args.publish_to,
+                                  namespace=args.publish_namespace, **options)
+    return IncrementalExporter(args.export_to, trainer, **options)
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +121,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 
 LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
+RANKS_LOCK_FILE = ".lock-ranks"  # in --out: shared by every rank of that run
 
 
 def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
@@ -116,26 +140,55 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
                          "torchrun --nproc_per_node N -m terarec train ...")
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
+    for flag, value in (("--checkpoint-every", args.checkpoint_every),
+                        ("--delta-every", args.delta_every)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    if args.delta_minutes is not None and not args.delta_minutes > 0:
+        raise UserError(f"--delta-minutes {args.delta_minutes}: must be > 0")
     config = config_from_args(args)
+    store_dir = config.store.disk_path
+    if store_dir is not None and Path(store_dir).exists() and not Path(store_dir).is_dir():
+        raise UserError(f"--store-dir {store_dir} is a file, not a folder")
+    if args.export_to is not None and Path(args.export_to).is_file():
+        raise UserError(f"--export-to {args.export_to} is a file, not an export folder")
     if launched_by_torchrun() and config.sparse_optimizer.embedding_l2:
         # the sharded lookup has no batch size to scale by
         raise ValueError("--embedding-l2 is not supported under torchrun yet; use "
                          "--sparse-weight-decay")
     ctx = topology(config.device)
-    # Rank 0 (alone: the process) holds the model directory's lock for the whole run.
-    failure: str | None = None
     with contextlib.ExitStack() as held:
-        if ctx.is_main:
-            try:
-                held.enter_context(exclusive_lock(args.out / LOCK_FILE,
-                                                  f"model directory {args.out}"))
-                remove_atomic_leftovers(args.out)  # of a run killed mid-write
-            except LockedError as exc:
-                failure = str(exc)
-        failure = ctx.broadcast_object(failure)
-        if failure is not None:
-            raise UserError(failure)
+        _lock_model_dir(args.out, ctx, held)
         return _locked_run(args, config, ctx, on_commit)
+
+
+def _lock_model_dir(out: Path, ctx: DistContext, held: contextlib.ExitStack) -> None:
+    """Every rank (alone: the process) holds ``out``'s locks for the whole run, or every
+    rank fails with the same message: rank 0 holds ``LOCK_FILE`` (one run per model
+    directory), and each rank a shared lock on ``RANKS_LOCK_FILE``, which rank 0 first
+    checks is free: no rank of an earlier run, whose rank 0 is gone, still writes its
+    shard into ``out``. Rank 0's verdict is broadcast before any other collective, so no
+    rank waits for a peer that gave up."""
+    failure: str | None = None
+    if ctx.is_main:
+        try:
+            held.enter_context(exclusive_lock(out / LOCK_FILE, f"model directory {out}"))
+            fd = try_lock_file(out / RANKS_LOCK_FILE)
+            if fd is None:
+                raise LockedError(f"model directory {out} is still written by a rank of "
+                                  f"an earlier run (lock file {out / RANKS_LOCK_FILE}); "
+                                  "wait for it to exit")
+            os.close(fd)
+            remove_atomic_leftovers(out)  # of a run killed mid-write
+        except LockedError as exc:
+            failure = str(exc)
+        except OSError as exc:
+            failure = f"--out {out}: {exc.strerror or exc}"
+    failure = ctx.broadcast_object(failure)
+    if failure is not None:
+        held.close()
+        raise UserError(failure)
+    held.enter_context(shared_lock(out / RANKS_LOCK_FILE, f"model directory {out}"))
 
 
 def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
@@ -146,7 +199,11 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
             feature_inputs(features, args.valid, schema=raw) as valid:
         # the inputs as the model reads them (joined copies with AutoFeature tables)
         read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid})
-        config, sized = apply_sized_defaults(config, train, explicit_config_keys(args))
+        given = explicit_config_keys(args)
+        config, sized = apply_sized_defaults(config, train, given)
+        if _resuming(args):  # the model's own shape, seed and optimizers, or an error
+            config = resumed_config(read_model_meta(args.out)[1], config, given,
+                                    str(args.out))
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
@@ -174,10 +231,16 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     return 0
 
 
+def _resuming(args: argparse.Namespace) -> bool:
+    """Whether this run continues the checkpoints in ``--out`` (``--resume``, or a worker
+    group torchrun restarted)."""
+    return (args.resume or restart_count() > 0) and bool(list_checkpoints(args.out))
+
+
 def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
     """The run's AutoFeature tables: the model's own when resuming, else ``--features``
     copied into the model directory (by rank 0, before any rank reads them)."""
-    if args.resume and list_checkpoints(args.out):
+    if _resuming(args):
         return model_features(args.out)
     if not args.features:
         return None

@@ -16,7 +16,10 @@ reported with its file, 1-based line number and field instead of a bare parse er
 
 from __future__ import annotations
 
+import codecs
 import csv
+import re
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -383,9 +386,58 @@ def _record_list(spec: FieldSpec, value: Any, record: int) -> list[str | None] |
 def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
                  stats: ReadStats) -> Iterator[pa.RecordBatch]:
     """Clean blocks of a Criteo TSV or a delimited file, tracking exact line numbers."""
+    check_text(path)
     names, header_lines = text_columns(path, schema)
     yield from parse_text(path, schema, names, path, on_bad_row, stats,
                           header_in_source=header_lines > 0)
+
+
+_SNIFF_BYTES = 1 << 16
+
+
+def check_text(path: Path) -> None:
+    """A DataError naming the first offending byte when the start of ``path`` (after
+    decompression, by extension) is not UTF-8 text: a binary file given as input is
+    refused at once, and its bytes never reach a message."""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        head = stream.read(_SNIFF_BYTES)
+    bad = head.find(b"\0")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as exc:
+        bad = exc.start if bad < 0 else min(bad, exc.start)
+    if bad >= 0:
+        line = head.count(b"\n", 0, bad) + 1
+        raise DataError(f"{path}: line {line}: not text (byte "
+                        f"0x{head[bad]:02x} at offset {bad}); expected UTF-8 delimited text "
+                        "(.gz / .bz2 / .zst by extension) or Parquet (.parquet)")
+
+
+def _printable(text: str) -> bool:
+    return "\ufffd" not in text and all(c.isprintable() or c in "\t" for c in text)
+
+
+class _QuietUndecodableRows:
+    """pyarrow decodes a bad row's text as UTF-8 before calling the handler; binary bytes
+    make that raise inside pyarrow, which prints it as "Exception ignored" and then stops
+    the read (reported by ``parse_text``). This ``sys.unraisablehook`` silences only that
+    exception and hands every other one to the hook it replaced."""
+
+    def __init__(self) -> None:
+        self.previous: Callable[[Any], Any] = sys.unraisablehook
+
+    def install(self) -> None:
+        if sys.unraisablehook is not self:
+            self.previous, sys.unraisablehook = sys.unraisablehook, self
+
+    def __call__(self, unraisable: Any) -> None:
+        where = getattr(unraisable.object, "__qualname__", "")
+        if not (isinstance(unraisable.exc_value, UnicodeDecodeError)
+                and where.endswith("parse_text.<locals>.on_invalid")):
+            self.previous(unraisable)
+
+
+_quiet_undecodable_rows = _QuietUndecodableRows()
 
 
 def text_columns(path: Path, schema: FeatureSchema) -> tuple[list[str], int]:
@@ -446,6 +498,7 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
         shift = np.searchsorted(dropped - np.arange(dropped.size), t, side="right")
         return lines_before + skip + t + int(shift)
 
+    _quiet_undecodable_rows.install()
     parse_options = pa_csv.ParseOptions(
         delimiter=schema.delimiter, quote_char=False if criteo else '"',
         invalid_row_handler=on_invalid, ignore_empty_lines=False)
@@ -462,6 +515,14 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
     except pa.ArrowInvalid as exc:
         if first_invalid:
             raise DataError(first_invalid[0]) from None
+        text = str(exc)
+        if not _printable(text) or "invalid UTF8" in text:  # say where, not what
+            row = re.search(r"Row #(\d+)", text)
+            where = f"line {lines_before + int(row.group(1))}" if row else "a row"
+            column = re.search(r"column #(\d+)", text)
+            if column and int(column.group(1)) < len(names):
+                where += f": field {names[int(column.group(1))]!r}"
+            raise DataError(f"{path}: {where}: not UTF-8 text (binary data?)") from None
         raise DataError(f"{path}: {exc}") from exc
 
 
@@ -477,10 +538,12 @@ def _csv_blocks(path: Path, source: Any, column_names: list[str] | None,
         read_options = pa_csv.ReadOptions(use_threads=False, block_size=block_bytes,
                                           column_names=column_names)
         seen = 0
+        reader = None
         try:
-            for block in pa_csv.open_csv(source, read_options=read_options,
-                                         parse_options=parse_options,
-                                         convert_options=convert_options):
+            reader = pa_csv.open_csv(source, read_options=read_options,
+                                     parse_options=parse_options,
+                                     convert_options=convert_options)
+            for block in reader:
                 start, seen = seen, seen + block.num_rows
                 if seen > delivered:
                     yield block.slice(max(0, delivered - start))
@@ -496,6 +559,11 @@ def _csv_blocks(path: Path, source: Any, column_names: list[str] | None,
             block_bytes = min(block_bytes * 8, _MAX_BLOCK_BYTES)
             if hasattr(source, "seek"):
                 source.seek(0)
+        finally:
+            # closed here, not at interpreter exit: a reader left open after an error
+            # aborts the process then ("terminate called without an active exception")
+            if reader is not None:
+                reader.close()
 
 
 def _read_header(path: Path, delimiter: str) -> list[str]:

@@ -133,10 +133,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistCon
         raise RuntimeError("not started by torchrun: RANK / WORLD_SIZE / MASTER_ADDR unset")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    use_cuda = resolve_device(device).type == "cuda"
     if use_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"--device {device} asked for, but CUDA is not available")
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
         backend = "nccl"
@@ -159,6 +157,27 @@ def topology(device: str = "auto") -> DistContext:
     """This process's topology: a rank of the torchrun job that started it, or alone."""
     if launched_by_torchrun():
         return init_distributed(device)
-    if device == "auto":
-        return DistContext.single(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    return DistContext.single(torch.device(device))
+    return DistContext.single(resolve_device(device))
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``--device name`` asks for ("auto": CUDA when there is a GPU);
+    a ValueError saying why when this machine has no such device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N"
+                         ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch was built without CUDA" if torch.version.cuda is None
+                   else "no GPU is visible")
+            raise ValueError(f"--device {name}: CUDA is not available ({why}); use "
+                             "--device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has "
+                             f"{torch.cuda.device_count()} GPU(s), cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1}")
+    return dev

@@ -9,8 +9,10 @@ What differs between stores is said by attributes of the protocol (``prefetches`
 Life of a pass::
 
     pull(keys, show, click, pass)  -> rows (+ admission mask)     prefetch(next keys)
+                                      (admission.py decides who gets a row; eviction.py
+                                      who loses it at end_pass)
     push(keys, rows)               <- trained rows and optimizer state
-    end_pass(pass)                 -> TTL eviction, group-lasso pruning, fit to budget
+    end_pass(pass)                 -> group-lasso pruning, eviction policies, fit to budget
 
 Between passes::
 

@@ -28,7 +28,15 @@ from safetensors import safe_open
 from safetensors.numpy import load_file as load_numpy
 
 from terarec.config import StoreConfig
+from terarec.embedding.admission import is_admission_array, make_admission
 from terarec.embedding.compression import CodedRows, FrequencyClasses, make_row_values
+from terarec.embedding.eviction import (
+    RowView,
+    apply_eviction,
+    make_eviction,
+    row_norms,
+    store_bytes,
+)
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.io import sha256_file
@@ -41,6 +49,8 @@ if TYPE_CHECKING:
 ROWS_FILE = "rows.safetensors"
 # Rows per chunk when a store streams itself (checkpoint loads, exports).
 CHUNK_ROWS = 1 << 16
+# Store-wide totals saved with the rows (summed when shards merge).
+STORE_TOTALS = ("counters", "pruned", "rejected")
 
 
 @numba.njit(nogil=True, cache=True)
@@ -123,7 +133,7 @@ def store_extras(path: Path) -> dict[str, np.ndarray]:
     """The store-wide arrays of an arrays-form file: admission candidates and counters."""
     with safe_open(str(path), "np") as fh:
         return {name: fh.get_tensor(name) for name in fh.keys()  # noqa: SIM118
-                if name.startswith("cand_") or name in ("counters", "pruned")}
+                if is_admission_array(name) or name in STORE_TOTALS}
 
 
 def merge_sorted(parts: list[Iterator[RowChunk]],
@@ -166,7 +176,7 @@ def _slice(chunk: RowChunk, lo: int, hi: int) -> RowChunk:
 
 
 _SAFETENSORS_DTYPES = {np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
-                       np.dtype(np.float32): "F32"}
+                       np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8"}
 
 
 def write_arrays_file(path: Path, rows: int, row_dim: int, state_dim: int,
@@ -222,6 +232,8 @@ class StoreStats:
     bytes: int
     value_bytes: int = 0  # encoded values incl. row scale/bias; no optimizer state
     pruned: int = 0  # keys dropped because group lasso zeroed their row (part of evicted)
+    rejected: int = 0  # absent keys a pass asked for and admission turned away
+    admission_bytes: int = 0  # RAM of the admission state (candidate table or sketch)
 
 
 class EvictionLog:
@@ -262,15 +274,13 @@ class MemoryStore(EvictionLog):
         self.state_dim = optimizer.state_dim(row_dim)
         self.index = KeyIndex(capacity)
         self._alloc(capacity)
-        # Keys seen but not yet admitted: only their counts are kept.
-        self._cand_index = KeyIndex(16)
-        self._cand_show = np.zeros(16, np.float32)
-        self._cand_click = np.zeros(16, np.float32)
-        self._cand_seen = np.zeros(16, np.int32)
+        # What is kept of keys seen but not admitted yet (embedding/admission.py).
+        self.admission = make_admission(self.config, seed)
+        self.eviction = make_eviction(self.config)
         self.admitted_total = 0
         self.evicted_total = 0
-        # Evicted keys since the last ``take_evicted``; None until ``track_evictions``.
         self.pruned_total = 0
+        self.rejected_total = 0
 
     # -- storage ------------------------------------------------------------------------
     def _alloc(self, capacity: int) -> None:
@@ -318,46 +328,34 @@ class MemoryStore(EvictionLog):
 
     @property
     def candidate_count(self) -> int:
-        """Keys seen but not yet admitted."""
-        return len(self._cand_index)
+        """Keys seen but not yet admitted, with per-key state (none under a sketch)."""
+        return self.admission.candidate_count
 
     @property
     def candidate_nbytes(self) -> int:
-        """RAM held by the admission candidates (index and counts)."""
-        return self._cand_index.nbytes + self._cand_show.nbytes * 3
+        """RAM held by the admission state (candidate table or sketch)."""
+        return self.admission.nbytes
 
     def tier_stats(self) -> None:
         """No tiers: every row is in RAM."""
         return None
 
     def stats(self) -> StoreStats:
-        return StoreStats(keys=len(self.index), candidates=len(self._cand_index),
+        return StoreStats(keys=len(self.index), candidates=self.candidate_count,
                           admitted=self.admitted_total, evicted=self.evicted_total,
                           bytes=self.nbytes, value_bytes=self.value_bytes,
-                          pruned=self.pruned_total)
+                          pruned=self.pruned_total, rejected=self.rejected_total,
+                          admission_bytes=self.candidate_nbytes)
 
     # -- admission ----------------------------------------------------------------------
     def admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
                pass_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Count ``keys`` (absent from the index) as candidates; return those now admitted
-        with the counts they gathered in earlier passes (this pass's are added by pull)."""
-        if self.config.admit_min_count <= 1:
-            zeros = np.zeros(len(keys), np.float32)
-            return keys, zeros, zeros
-        slots, _ = self._cand_index.lookup_or_insert(keys)
-        need = self._cand_index.slot_bound
-        for name in ("_cand_show", "_cand_click", "_cand_seen"):
-            setattr(self, name, grown(getattr(self, name), need))
-        self._cand_show[slots] += show
-        self._cand_click[slots] += click
-        self._cand_seen[slots] = pass_id
-        ok = self._cand_show[slots] >= self.config.admit_min_count
-        admitted = keys[ok]
-        earlier_show = self._cand_show[slots[ok]] - show[ok]
-        earlier_click = self._cand_click[slots[ok]] - click[ok]
-        freed = self._cand_index.remove(admitted)
-        self._cand_show[freed] = 0
-        self._cand_click[freed] = 0
+        """Put ``keys`` (absent from the index) through admission; return those now
+        admitted with the counts they gathered in earlier passes (this pass's are added by
+        pull)."""
+        admitted, earlier_show, earlier_click = self.admission.admit(keys, show, click,
+                                                                     pass_id)
+        self.rejected_total += len(keys) - len(admitted)
         return admitted, earlier_show, earlier_click
 
     # -- the pass API -------------------------------------------------------------------
@@ -370,7 +368,7 @@ class MemoryStore(EvictionLog):
         which keys are admitted: the others train against the zero row.
         """
         keys = np.ascontiguousarray(keys, np.int64)
-        if self.config.admit_min_count <= 1:  # every key admitted: one probe per key
+        if self.admission.admits_all:  # every key admitted: one probe per key
             slots, inserted = self.index.lookup_or_insert(keys)
             if inserted.any():
                 self._create_rows(keys[inserted], slots[inserted],
@@ -460,25 +458,36 @@ class MemoryStore(EvictionLog):
         return values, found
 
     def end_pass(self, pass_id: int) -> int:
-        """Apply eviction after pass ``pass_id``; returns the number of keys evicted
-        (rows pruned by group lasso included)."""
+        """Apply eviction after pass ``pass_id`` (group-lasso pruning, then the policies
+        of embedding/eviction.py); returns the number of keys evicted."""
         evicted = self.prune_zero_rows(pass_id) if self.optimizer.config.group_lasso else 0
+        evicted += apply_eviction(self.eviction, self.row_view, self.evict, pass_id)
         ttl = self.config.evict_after_passes
-        if ttl is None:
-            return evicted
-        keys, slots = self.index.items()
-        stale = self.last_seen[slots] <= pass_id - ttl
-        evicted += self.evict(keys[stale])
-        self.expire_candidates(pass_id - ttl)
+        if ttl is not None:
+            self.expire_candidates(pass_id - ttl)
         return evicted
+
+    def row_view(self) -> RowView:
+        """Every row, for the eviction policies."""
+        keys, slots = self.index.items()
+        return RowView(keys, self.last_seen[slots], lambda: self.show[slots],
+                       lambda: self.norms(slots), self.bytes_per_row)
+
+    @property
+    def bytes_per_row(self) -> float:
+        """Average store bytes of a row (``eviction.store_bytes``)."""
+        return store_bytes(self) / max(len(self), 1)
+
+    def norms(self, slots: np.ndarray) -> np.ndarray:
+        """L2 norms of the rows at ``slots``, decoded a chunk at a time."""
+        out = np.empty(len(slots), np.float32)
+        for lo in range(0, len(slots), CHUNK_ROWS):
+            out[lo:lo + CHUNK_ROWS] = row_norms(self.values[slots[lo:lo + CHUNK_ROWS]])
+        return out
 
     def expire_candidates(self, cutoff: int) -> None:
         """Forget admission candidates last seen in pass ``cutoff`` or before."""
-        ckeys, cslots = self._cand_index.items()
-        cstale = self._cand_seen[cslots] <= cutoff
-        freed = self._cand_index.remove(ckeys[cstale])
-        self._cand_show[freed] = 0
-        self._cand_click[freed] = 0
+        self.admission.expire(cutoff)
 
     def prune_zero_rows(self, pass_id: int | None = None) -> int:
         """Drop keys whose row is exactly zero (group lasso's doing), among those seen in
@@ -580,6 +589,7 @@ class MemoryStore(EvictionLog):
         """The store-wide arrays of ``to_arrays``: counters and admission candidates."""
         return {"counters": np.array([self.admitted_total, self.evicted_total], np.int64),
                 "pruned": np.array([self.pruned_total], np.int64),
+                "rejected": np.array([self.rejected_total], np.int64),
                 **self.candidate_arrays()}
 
     def committed(self, path: Path, digests: dict[str, str]) -> None:
@@ -613,26 +623,14 @@ class MemoryStore(EvictionLog):
         }
 
     def candidate_arrays(self) -> dict[str, np.ndarray]:
-        """Keys still waiting for admission and their counts: saved so that a resumed run
-        admits exactly the keys an uninterrupted one would."""
-        keys, slots = self._cand_index.items()
-        order = np.argsort(keys, kind="stable")
-        keys, slots = keys[order], slots[order]
-        return {"cand_keys": keys, "cand_show": self._cand_show[slots],
-                "cand_click": self._cand_click[slots], "cand_seen": self._cand_seen[slots]}
+        """The admission state (waiting keys and their counts, or the sketch): saved so
+        that a resumed run admits exactly the keys an uninterrupted one would."""
+        return self.admission.arrays()
 
     def load_candidate_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        keys = arrays.get("cand_keys", np.empty(0, np.int64))
-        n = len(keys)
-        self._cand_index = KeyIndex.from_items(keys, np.arange(n, dtype=np.int64))
-        size = max(n, 16)
-        self._cand_show = np.zeros(size, np.float32)
-        self._cand_click = np.zeros(size, np.float32)
-        self._cand_seen = np.zeros(size, np.int32)
-        if n:
-            self._cand_show[:n] = arrays["cand_show"]
-            self._cand_click[:n] = arrays["cand_click"]
-            self._cand_seen[:n] = arrays["cand_seen"]
+        """Admission state and the rejected total from saved arrays."""
+        self.admission.load_arrays(arrays)
+        self.rejected_total = int(arrays["rejected"].sum()) if "rejected" in arrays else 0
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         keys = arrays["keys"]

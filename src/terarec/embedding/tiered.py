@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 
 from terarec.config import StoreConfig, parse_bytes
+from terarec.embedding.admission import is_admission_array
 from terarec.embedding.compression import CodedRows, make_row_values
 from terarec.embedding.disk import (
     SLAB_BYTES,
@@ -56,6 +57,7 @@ from terarec.embedding.disk import (
     read_snapshot_rows,
     snapshot_layout,
 )
+from terarec.embedding.eviction import RowView, apply_eviction, row_norms, store_bytes
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import (
@@ -198,11 +200,13 @@ class TieredStore(EvictionLog):
             return 1 << 62
         free = self.budget - self._fixed_bytes()
         if free < 64 * self._row_bytes:
+            m = getattr(self, "memory", None)  # none yet while the first tier is sized
             raise MemoryBudgetError(
                 f"memory budget {self.budget:,} B leaves room for no hot rows: the key "
                 f"indexes of {len(self.disk):,} keys on disk and "
-                f"{self.memory.candidate_count:,} admission candidates take "
-                f"{self._fixed_bytes():,} B (about 64-100 B per key); raise --memory-budget")
+                f"{m.candidate_count if m is not None else 0:,} admission candidates take "
+                f"{self._fixed_bytes():,} B (about 64-100 B per key) and 64 hot rows need "
+                f"{64 * self._row_bytes:,} B more; raise --memory-budget")
         return free // self._row_bytes
 
     def _new_memory_tier(self) -> None:
@@ -498,32 +502,48 @@ class TieredStore(EvictionLog):
             return n
 
     def end_pass(self, pass_id: int) -> int:
-        """TTL eviction across both tiers, then fit the memory tier to the budget again
-        and unmap the slab pages this pass touched."""
+        """Eviction across both tiers (group-lasso pruning, then the policies of
+        embedding/eviction.py), then fit the memory tier to the budget again and unmap
+        the slab pages this pass touched."""
         with self._lock:
             evicted = self._prune_zero_rows(pass_id) if self.optimizer.config.group_lasso \
                 else 0
             self._pushed_to_disk = []
+            evicted += apply_eviction(self.memory.eviction, self.row_view, self.evict,
+                                      pass_id)
             ttl = self.config.evict_after_passes
             if ttl is not None:
-                cutoff = pass_id - ttl
-                mkeys, mslots = self.memory.index.items()
-                mem_stale = mkeys[self.memory.last_seen[mslots] <= cutoff]
-                evicted += self.memory.evict(mem_stale)
-                self.memory.expire_candidates(cutoff)
-                self.disk.remove(mem_stale)
-                dkeys, dslots = self.disk.items()
-                stale = dkeys[self.disk.last_seen[dslots] <= cutoff]
-                stale = stale[self.memory.index.lookup(stale) < 0]
-                present = self.disk.remove(stale)
-                disk_only = stale[present]
-                disk_only = disk_only[~np.isin(disk_only, mem_stale)]
-                self._disk_only_evicted += len(disk_only)
-                evicted += len(disk_only)
-                self._log_evicted(np.concatenate([mem_stale, disk_only]))
+                self.memory.expire_candidates(pass_id - ttl)
             self._fit_budget()
             self.disk.release_pages()
             return evicted
+
+    def row_view(self) -> RowView:
+        """Every row of both tiers for the eviction policies: hot rows, then rows only on
+        disk. Last-seen passes come from RAM (the disk tier's mirror); shows and norms of
+        disk-only rows are read when a policy asks, a chunk of records at a time."""
+        m = self.memory
+        mkeys, mslots = m.index.items()
+        dkeys, dslots = self.disk.items()
+        cold = m.index.lookup(dkeys) < 0
+        dkeys, dslots = dkeys[cold], dslots[cold]
+
+        def disk_column(column: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+            out = np.empty(len(dslots), np.float32)
+            step = self.disk._chunk_rows
+            for lo in range(0, len(dslots), step):
+                out[lo:lo + step] = column(self.disk.read_slots(dslots[lo:lo + step]))
+            self.disk.release_pages()
+            return out
+
+        col = self.layout.show_col
+        return RowView(
+            np.concatenate([mkeys, dkeys]),
+            np.concatenate([m.last_seen[mslots], self.disk.last_seen[dslots]]),
+            lambda: np.concatenate([m.show[mslots], disk_column(lambda rec: rec[:, col])]),
+            lambda: np.concatenate([m.norms(mslots),
+                                    disk_column(lambda rec: row_norms(self._decode(rec)))]),
+            store_bytes(self) / max(len(mkeys) + len(dkeys), 1))
 
     def _prune_zero_rows(self, pass_id: int) -> int:
         """Drop the keys whose rows group lasso shrank to exactly zero in this pass, from
@@ -673,7 +693,9 @@ class TieredStore(EvictionLog):
         return StoreStats(keys=len(self), candidates=self.memory.candidate_count,
                           admitted=self.admitted_total, evicted=self.evicted_total,
                           bytes=self.nbytes, value_bytes=self.value_bytes,
-                          pruned=self.memory.pruned_total + self._disk_only_pruned)
+                          pruned=self.memory.pruned_total + self._disk_only_pruned,
+                          rejected=self.memory.rejected_total,
+                          admission_bytes=self.memory.candidate_nbytes)
 
     def tier_stats(self) -> TierStats:
         d = self.disk.stats()
@@ -688,6 +710,7 @@ class TieredStore(EvictionLog):
     # -- persistence --------------------------------------------------------------------
     def _store_arrays(self) -> dict[str, np.ndarray]:
         return {**self.memory.candidate_arrays(),
+                "rejected": np.array([self.memory.rejected_total], np.int64),
                 "counters": np.array([self.admitted_total, self.evicted_total,
                                       self._disk_only_evicted], np.int64),
                 "pruned": np.array([self.memory.pruned_total, self._disk_only_pruned],
@@ -883,7 +906,8 @@ def snapshot_arrays(src: Path, row_dim: int, state_dim: int) -> dict[str, np.nda
     order = np.argsort(keys, kind="stable")
     arrays = {"keys": keys[order], **{name: c[order] for name, c in cols.items()}}
     extra = load_numpy(str(Path(src) / STORE_FILE))
-    arrays.update({k: v for k, v in extra.items() if k.startswith("cand_")})
+    arrays.update({k: v for k, v in extra.items()
+                   if is_admission_array(k) or k == "rejected"})
     arrays["counters"] = extra["counters"][:2]
     if "pruned" in extra:
         arrays["pruned"] = extra["pruned"].sum(keepdims=True)

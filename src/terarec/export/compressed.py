@@ -151,6 +151,11 @@ class EncodedRows:
     def shape(self) -> tuple[int, int]:
         return (len(self._rows.codes), self._rows.dim)
 
+    @property
+    def encoded(self) -> CompressedRows:
+        """The codes (and codebook) themselves, for copying rows without decoding them."""
+        return self._rows
+
     def __len__(self) -> int:
         return len(self._rows.codes)
 

@@ -8,6 +8,7 @@
         dense.safetensors             the network's weights (state_dict)
         sparse/shard-00000.safetensors   keys int64 [n] (sorted) + values float32 [n, row_dim]
         sparse/shard-00001.safetensors   ... shards hold disjoint, increasing key ranges
+        sparse/shows.safetensors      the most-shown keys and their show counts (optional)
         manifest.json                 written after every file it lists
       v000002/                        a delta on v000001
         dense.safetensors             the whole network again (a few MB)
@@ -45,6 +46,10 @@ LATEST = "LATEST"
 CLAIM = ".claim"  # created exclusively by the writer that takes a version number
 DENSE_FILE = "dense.safetensors"
 DELETED_FILE = "sparse/deleted.safetensors"
+# The most-shown keys of a full version (keys int64, shows float32, most shown first): what
+# a server with a sparse tier keeps in local memory (serving/cluster.py).
+SHOWS_FILE = "sparse/shows.safetensors"
+SHOWS_LISTED = 1 << 22
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
 _DTYPES = {"I64": np.int64, "F32": np.float32, "F16": np.float16, "I32": np.int32,
            "F64": np.float64, "U8": np.uint8}

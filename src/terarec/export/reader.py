@@ -24,6 +24,7 @@ from terarec.config import ModelConfig, from_dict
 from terarec.export.compressed import EncodedRows, RowCodec
 from terarec.export.format import (
     MANIFEST,
+    SHOWS_FILE,
     ExportError,
     Manifest,
     latest_version,
@@ -183,6 +184,14 @@ class VersionReader:
                 raise ExportError(f"{manifest.name}: {len(deleted)} deleted keys, the "
                                   f"manifest says {sparse['deleted']}")
         return upserts, rows, deleted
+
+    def shows(self, manifest: Manifest) -> tuple[np.ndarray, np.ndarray] | None:
+        """(keys, show counts) of the version's most-shown keys, most shown first; None
+        when the export lists none (an older export, or one written by several ranks)."""
+        if SHOWS_FILE not in manifest.files:
+            return None
+        t = self.tensors(manifest, SHOWS_FILE, ("keys", "shows"))
+        return np.array(t["keys"]), np.array(t["shows"])
 
     def features(self, manifest: Manifest) -> FeatureConfig | None:
         """The version's AutoFeature tables, verified, if it lists any."""

@@ -38,6 +38,8 @@ class Storage:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = str(Path(self.root).resolve())
+            if Path(self.root).is_file():
+                raise ValueError(f"{self.uri} is a file, not an export folder")
 
     def path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.numpy import save as save_numpy_bytes
 from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
@@ -49,6 +50,8 @@ from terarec.export.format import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
+    SHOWS_FILE,
+    SHOWS_LISTED,
     ExportError,
     Manifest,
     check_member_path,
@@ -159,6 +162,8 @@ class ModelExporter:
             return self._write(header, dense, keys, values, None, pass_id, extra, ctx)
         if row_dim is None:
             raise ValueError("write_full with streamed rows needs row_dim")
+        if ctx is None or ctx.world == 1:  # the show counts of one process's rows
+            rows = _listing_shows(rows, extra)
         return self._write_rows(header, dense, ((c.keys, c.values) for c in rows), row_dim,
                                 None, pass_id, extra, ctx)
 
@@ -276,6 +281,27 @@ class ModelExporter:
         log.info("exported %s version %s: %d rows, %d deleted, %d bytes", result.kind, name,
                  result.rows, result.deleted, result.bytes)
         return result
+
+
+def _listing_shows(rows: Iterable[RowChunk], extra: dict[str, bytes]) -> Iterator[RowChunk]:
+    """``rows`` passed through; once they are exhausted, ``extra`` gets SHOWS_FILE: the
+    SHOWS_LISTED most-shown keys, most shown first (a server's hot rows)."""
+    key_parts: list[np.ndarray] = [np.empty(0, np.int64)]
+    show_parts: list[np.ndarray] = [np.empty(0, np.float32)]
+    held = 0
+    for chunk in rows:
+        key_parts.append(np.asarray(chunk.keys, np.int64))
+        show_parts.append(np.asarray(chunk.show, np.float32))
+        held += len(chunk.keys)
+        if held > 2 * SHOWS_LISTED:  # keep the top SHOWS_LISTED so far
+            keys, shows = np.concatenate(key_parts), np.concatenate(show_parts)
+            top = np.argpartition(-shows, SHOWS_LISTED)[:SHOWS_LISTED]
+            key_parts, show_parts, held = [keys[top]], [shows[top]], SHOWS_LISTED
+        yield chunk
+    keys, shows = np.concatenate(key_parts), np.concatenate(show_parts)
+    order = np.lexsort((keys, -shows))[:SHOWS_LISTED]
+    extra[SHOWS_FILE] = save_numpy_bytes({"keys": np.ascontiguousarray(keys[order]),
+                                          "shows": np.ascontiguousarray(shows[order])})
 
 
 def _checked(rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int

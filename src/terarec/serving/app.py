@@ -29,11 +29,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from terarec.data.readers import DataError
 from terarec.finite import NonFiniteError, check_scores
+from terarec.serving.cluster import SparseReadError
 from terarec.serving.engine import NoVersionError, ServedVersion, ServingEngine
 from terarec.serving.metrics import ServingMetrics
+from terarec.serving.openapi import openapi_document
 from terarec.validation import STRICT, InvalidInput, validate_json
 
 log = logging.getLogger(__name__)
@@ -214,6 +217,24 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     @app.exception_handler(NoVersionError)
     async def no_version(request: Request, exc: NoVersionError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=503)
+
+    @app.exception_handler(SparseReadError)
+    async def sparse_unreadable(request: Request, exc: SparseReadError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # an unknown route or method answers in the same {"error": ...} shape
+        return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail}"},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict:
+        from terarec import __version__
+
+        current = engine.current
+        features = None if current is None else (current.raw_schema or current.schema).fields
+        return openapi_document(model_name, features, __version__)
 
     def served_model(name: str) -> ServedVersion:
         if name != model_name:

@@ -135,18 +135,29 @@ class ServingEngine:
                               f"{manifest.kind}")
         schema = self.reader.schema(manifest)
         model = self.reader.network(manifest, schema)
-        try:
-            base = ShardedRows(self.reader.shards(manifest), manifest.row_dim)
-        except ValueError as exc:
-            raise ExportError(f"{manifest.name}: {exc}") from None
+        rows = self._full_rows(manifest)
         mean = [f.pooling == "mean" for f in schema.sparse_fields]
         config = self.reader.features(manifest)
         lookup, raw_schema = None, None
         if config is not None and config.tables.tables:
             lookup, raw_schema = FeatureLookup(config.tables), config.base_schema
-        return ServedVersion(manifest, schema, model, VersionRows(base),
+        return ServedVersion(manifest, schema, model, rows,
                              torch.tensor(mean) if any(mean) else None,
                              features=lookup, raw_schema=raw_schema)
+
+    def _full_rows(self, manifest: Manifest) -> VersionRows:
+        """The row source of a full version: its shards, memory-mapped."""
+        try:
+            return VersionRows(ShardedRows(self.reader.shards(manifest), manifest.row_dim))
+        except ValueError as exc:
+            raise ExportError(f"{manifest.name}: {exc}") from None
+
+    def _delta_rows(self, state: ServedVersion, manifest: Manifest
+                    ) -> tuple[VersionRows, np.ndarray]:
+        """``state``'s rows with delta ``manifest`` applied, and the keys it touched."""
+        upserts, rows, deleted = self.reader.delta(manifest)
+        return (state.rows.with_delta(upserts, rows, deleted),
+                np.concatenate([upserts, deleted]))
 
     def apply_delta(self, state: ServedVersion, manifest: Manifest) -> ServedVersion:
         """``state`` with delta ``manifest`` applied, as a new ServedVersion."""
@@ -158,10 +169,9 @@ class ServingEngine:
                 raise ExportError(f"{manifest.name}: {key} differs from its base "
                                   f"{state.manifest.base}")
         model = self.reader.network(manifest, state.schema)
-        upserts, rows, deleted = self.reader.delta(manifest)
-        touched = np.concatenate([state.touched, upserts, deleted])
-        return ServedVersion(manifest, state.schema, model,
-                             state.rows.with_delta(upserts, rows, deleted), state.mean_fields,
+        rows, changed = self._delta_rows(state, manifest)
+        touched = np.concatenate([state.touched, changed])
+        return ServedVersion(manifest, state.schema, model, rows, state.mean_fields,
                              touched, state.features, state.raw_schema)
 
     def _manifest(self, name: str) -> Manifest:

@@ -66,13 +66,20 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
 from typing_extensions import NotRequired, TypedDict
 
-from terarec.config import TrainConfig, from_dict, to_dict
-from terarec.distributed.context import DistContext
+from terarec.config import TrainConfig, load_train_config, to_dict
+from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.distributed.sharding import shard_of
+from terarec.embedding.admission import SKETCH_ARRAY
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.store import CHUNK_ROWS, RowChunk, arrays_file, merge_sorted
+from terarec.embedding.store import (
+    CHUNK_ROWS,
+    STORE_TOTALS,
+    RowChunk,
+    arrays_file,
+    merge_sorted,
+)
 from terarec.embedding.tiered import iter_saved, snapshot_arrays
 from terarec.finite import check_trainer_finite
 from terarec.io import atomic_write_text, fsync_dir, sha256_file
@@ -109,9 +116,9 @@ def read_model_meta(model_dir: Path) -> tuple[FeatureSchema, TrainConfig]:
     if not (model_dir / "schema.json").exists():
         raise CheckpointError(f"{model_dir}: not a terarec model directory (no schema.json)")
     schema = FeatureSchema.load(model_dir / "schema.json")
-    with open(model_dir / "train_config.json") as fh:
-        config = from_dict(TrainConfig, json.load(fh))
-    return schema, config
+    if not (model_dir / "train_config.json").exists():
+        raise CheckpointError(f"{model_dir}: train_config.json is missing")
+    return schema, load_train_config(model_dir / "train_config.json")
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -431,7 +438,9 @@ class LoadedCheckpoint:
             part = {}
             for name, values in arrays.items():
                 column = sparse_key_column(name)
-                if column is None:
+                if name == SKETCH_ARRAY:  # every owner's counts are an upper bound
+                    part[name] = values
+                elif column is None:
                     part[name] = values if rank == 0 else np.zeros_like(values)
                 else:
                     part[name] = values[shard_of(arrays[column], world) == rank]
@@ -442,8 +451,9 @@ class LoadedCheckpoint:
 
 def sparse_key_column(name: str) -> str | None:
     """Which key array orders sparse array ``name``: rows by ``keys``, admission
-    candidates by ``cand_keys``; None for store-wide totals (``counters``, ``pruned``)."""
-    if name in ("counters", "pruned"):
+    candidates by ``cand_keys``; None for store-wide totals (``counters``, ``pruned``,
+    ``rejected``) and the admission sketch (summed when shards merge)."""
+    if name in STORE_TOTALS or name == SKETCH_ARRAY:
         return None
     return "cand_keys" if name.startswith("cand_") else "keys"
 
@@ -535,7 +545,7 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     Without ``config`` (scoring a saved model) a tiered store lives in ``scratch_dir``, a
     folder private to this process (else a temp folder), never in the training run's
     live one."""
-    from terarec.train.trainer import Trainer, resolve_device
+    from terarec.train.trainer import Trainer
 
     model_dir = Path(model_dir)
     schema, saved_config = read_model_meta(model_dir)

@@ -116,7 +116,8 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
     others. The admission count is sized unless ``ADMIT_KEY`` is explicit. Returns the
     config and what was set (empty when nothing was)."""
     sized_schedule = not explicit & set(SIZED_KEYS)
-    sized_admit = ADMIT_KEY not in explicit
+    # A probability admits by draws, not counts: no count to size next to it.
+    sized_admit = ADMIT_KEY not in explicit and config.store.admit_probability is None
     if not (sized_schedule or sized_admit):
         return config, {}
     rows = estimate_rows(paths)

@@ -14,7 +14,8 @@ with K trials. What the trials share is everything up to the ``PassPlan``: readi
 parsing, hashing, cutting into batches and passes, the unique keys of the pass, each
 occurrence's position among them and per-key shows/clicks. A trial whose batch size
 differs from the first trial's gets the pass re-batched and re-planned (once per distinct
-batch size and pass). Each trial's store keeps its own key index.
+batch size and pass). A search's trials also share one key index (``embedding.shared``):
+each trial's store is a view holding only its own rows and optimizer state.
 
 Each trial's torch RNG state is swapped in around its passes, so a trial draws exactly
 the random numbers (dropout, ...) it would draw trained alone: K trials with the seeds
@@ -92,6 +93,10 @@ class _PlanCache:
         if batch_size == self.batch_size:
             return self.plan
         if batch_size not in self._by_size:
+            if not isinstance(self.plan, (PassPlan, list)):
+                raise ValueError(f"batch size {batch_size}: a rank's share of a pass "
+                                 f"(planned for batch size {self.batch_size}) cannot be "
+                                 "re-batched; under torchrun every model trains with one")
             if isinstance(self.plan, PassPlan):
                 self._by_size[batch_size] = plan_pass(rebatch(self.plan.batches, batch_size))
             else:
@@ -123,7 +128,9 @@ def run_passes(runs: Sequence[TrialRun], train_paths: list[str | Path],
                     run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
             if not any(r.live for r in runs):
                 break
-            passes = reader.iter_passes(train_paths, stats, seen, skip_passes)
+            # Bad rows are counted (and reported) once, in the first epoch's read.
+            passes = reader.iter_passes(train_paths, stats if epoch == 0 else None, seen,
+                                        skip_passes)
             for plan, upcoming in _with_next(prefetch(passes)):
                 seen += 1
                 if seen <= skip_passes:

@@ -38,23 +38,30 @@ def group_passes(batches: Iterable[Batch], pass_rows: int) -> Iterator[list[Batc
 
 
 def prefetch(items: Iterator, depth: int = 1) -> Iterator:
-    """Run ``items`` in a background thread, ``depth`` items ahead; re-raise its errors."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
+    """Run ``items`` in a background thread, ``depth`` items ahead; re-raise its errors.
+
+    The thread computes item k + depth only once item k is taken, and when the consumer
+    stops early it still computes the items it was allowed to, then ends, before the
+    consumer goes on. So the items computed are the same on every torchrun rank however
+    the threads are scheduled: items whose making is collective (a rank's pass plan,
+    exchanged with the others) never leave one rank in an exchange the others skipped.
+    """
+    q: queue.Queue = queue.Queue()
     done = object()
     stop = threading.Event()
+    allowed = threading.Semaphore(depth)  # one more each time the consumer takes one
 
     def worker() -> None:
         try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(("item", item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+            while True:
+                while not allowed.acquire(timeout=0.1):
+                    if stop.is_set():
+                        return
+                item = next(items, done)
+                if item is done:
+                    q.put(("done", done))
                     return
-            q.put(("done", done))
+                q.put(("item", item))
         except BaseException as exc:  # handed to the consumer, raised there
             q.put(("error", exc))
 
@@ -67,6 +74,8 @@ def prefetch(items: Iterator, depth: int = 1) -> Iterator:
                 return
             if kind == "error":
                 raise item
+            allowed.release()
             yield item
     finally:
         stop.set()
+        thread.join()

@@ -84,9 +84,11 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if ctx.is_main:
             clear_best(run.out)
         trainer = Trainer(schema(), config, ctx=ctx, dense_comm=dense_comm)
-    stats = ReadStats()
+    stats, valid_stats = ReadStats(), ReadStats()
     valid = list(iter_file_batches(run.valid, trainer.schema, config.batch_size,
-                                   on_bad_row=config.on_bad_row, stats=stats))
+                                   on_bad_row=config.on_bad_row, stats=valid_stats))
+    if run.valid and not valid:
+        raise ValueError(_no_rows("validation", run.valid, valid_stats))
     versions = exporter(trainer) if exporter is not None else None
     every = max(1, run.checkpoint_every)
 
@@ -110,6 +112,10 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
                           on_pass_end=on_pass_end, skip_passes=trainer.pass_id,
                           selection=selection)
     seconds = time.perf_counter() - start
+    if trainer.pass_id == 0:  # nothing trained: no checkpoint of an untrained model
+        raise ValueError(_no_rows("training", run.train, stats))
+    stats.skipped += valid_stats.skipped  # the run's count: training and validation rows
+    stats.examples = (valid_stats.examples + stats.examples)[:stats.max_examples]
     if not history or trainer.pass_id % every:
         commit(trainer)
     if versions is not None:
@@ -131,6 +137,14 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             if trainer.history else []
         atomic_write_text(run.out / "history.json", json.dumps(records, indent=2))
     return metrics, stats
+
+
+def _no_rows(what: str, paths: list[Path], stats: ReadStats) -> str:
+    files = ", ".join(str(p) for p in paths)
+    if stats.skipped:
+        return (f"no {what} rows in {files}: all {stats.skipped} rows read were bad and "
+                f"skipped (--on-bad-row skip); first: {stats.examples[0]}")
+    return f"no {what} rows in {files}: the files hold no data rows"
 
 
 def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,

@@ -13,17 +13,25 @@
     out/results.json     one row per trial (also results.csv), out/report.html
 
 A trial is exactly ``terarec train`` with its values as flags and the base seed: same
-initial weights, same batches, same random stream (``train.loop``). What trials share
-and what each keeps is described there. With a memory budget (tiered store) the budget is
-split across the live trials and re-split when trials are pruned.
+initial weights, same batches, same random stream (``train.loop``). The trials of a wave
+share one key index (``embedding.shared``), each keeping only its rows and optimizer
+state. With a memory budget (tiered store) each trial keeps its own store and the
+budget is split across the live trials and re-split when trials are pruned.
+
+The study is journaled in ``out/study.journal``: a search stopped or killed is resumed
+(``resume``), finished trials kept, interrupted ones asked again. Under torchrun every
+rank runs this with its ``DistContext``; rank 0 alone talks to optuna.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import csv
 import io
 import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -31,10 +39,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+import torch
+
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.distributed.context import DistContext, resolve_device
+from terarec.embedding.shared import (
+    SharedKeys,
+    SharedRowsStore,
+    key_side_config,
+    sharing_refusal,
+)
+from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
-from terarec.io import atomic_write_text
+from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import mark_best, save_checkpoint
 from terarec.train.loop import TrialRun, run_passes
 from terarec.train.passes import group_passes
@@ -203,6 +222,11 @@ def make_pruner(name: str):
     raise ValueError(f"pruner {name!r}: expected one of {', '.join(PRUNERS)}")
 
 
+def _in_ram(config: TrainConfig) -> TrainConfig:
+    """``config`` with its store all in RAM (no memory budget, no disk tier)."""
+    return replace(config, store=replace(config.store, memory_budget=None, disk_path=None))
+
+
 def free_rows(trainer: Trainer) -> None:
     """Drop a trainer's embedding rows and optimizer state (and a tiered store's files):
     a pruned or finished trial trains no more."""
@@ -210,31 +234,47 @@ def free_rows(trainer: Trainer) -> None:
     path = getattr(getattr(store, "disk", None), "path", None)
     if hasattr(store, "close"):
         store.close()
-    in_ram = replace(trainer.config, store=replace(trainer.config.store, memory_budget=None,
-                                                   disk_path=None))
-    trainer.store = make_store(trainer.model.row_dim, trainer.sparse_optimizer, in_ram)
+    trainer.store = make_store(trainer.model.row_dim, trainer.sparse_optimizer,
+                               _in_ram(trainer.config))
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
 class SearchTrial:
-    """One trial: its values, configuration, state, curve and optuna handle."""
+    """One trial: its values, configuration, state, curve and optuna handle. A trial
+    that finished before a resumed search started has no ``run``: its selection and
+    stop reason were read back from its directory (``kept``)."""
 
     number: int
     params: dict[str, Any]
     config: TrainConfig
     model_dir: Path
     optuna_trial: Any
-    run: TrialRun
+    run: TrialRun | None
     state: str = "running"  # running, complete, pruned, failed
     seconds: float = 0.0  # its own training and evaluation time
     history: list[dict] = field(default_factory=list)
+    kept: tuple[SelectionTracker, str | None] | None = None
 
     @property
     def selection(self) -> SelectionTracker:
-        assert self.run.selection is not None  # a search trial always selects
+        if self.kept is not None:
+            return self.kept[0]
+        assert self.run is not None and self.run.selection is not None
         return self.run.selection
+
+    @property
+    def stop_reason(self) -> str | None:
+        if self.kept is not None:
+            return self.kept[1]
+        assert self.run is not None
+        return self.run.stop_reason
+
+    @property
+    def trainer(self) -> Trainer:
+        assert self.run is not None, "a trial restored from disk has no trainer"
+        return self.run.trainer
 
     def row(self) -> dict[str, Any]:
         """Its line in the results table."""
@@ -242,7 +282,7 @@ class SearchTrial:
         best = next((h for h in self.history if h["pass_id"] + 1 == sel.best_pass), {})
         return {"trial": self.number, "state": self.state, "value": sel.best_value,
                 "select_by": sel.select_by, "best_pass": sel.best_pass,
-                "passes": len(self.history), "stop_reason": self.run.stop_reason,
+                "passes": len(self.history), "stop_reason": self.stop_reason,
                 "valid_auc": best.get("valid_auc"), "valid_logloss": best.get("valid_logloss"),
                 "seconds": round(self.seconds, 3),
                 **{f"params.{k}": v for k, v in self.params.items()}}
@@ -267,16 +307,20 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
                sampler: str = "tpe", pruner: str = "halving", select_by: str = "logloss",
                patience: int | None = 2, seed: int = 0, progress: bool = False,
                fixed: list[dict[str, Any]] | None = None,
-               on_boundary: Callable[[list[SearchTrial]], None] | None = None
-               ) -> SearchResult:
+               on_boundary: Callable[[list[SearchTrial]], None] | None = None,
+               resume: bool = False, ctx: DistContext | None = None) -> SearchResult:
     """Run ``trials`` trials, ``parallel`` at a time (default: all) in one pass loop,
     and write the best one to ``out_dir/best`` as a model directory.
 
     ``fixed``: parameter sets to try first (``study.enqueue_trial``), e.g. the defaults.
-    ``on_boundary`` sees the wave's trials after each pass's pruning.
-    """
-    import optuna
+    ``on_boundary`` sees the wave's trials after each pass's pruning. ``resume``:
+    continue the search in ``out_dir`` (``open_study``, ``_resumed_trials``): finished
+    trials are kept, interrupted ones run again from the start with their values.
 
+    ``ctx``: a torchrun rank's topology (every rank calls this): each trial trains on
+    all ranks, each rank keeping its key shard's rows; rank 0 alone holds the optuna
+    study, asks, reports and prunes, and sends its decisions to the others.
+    """
     if not valid_batches:
         raise ValueError("search needs a validation set (--valid)")
     if trials < 1:
@@ -287,130 +331,417 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     parallel = min(parallel or trials, trials)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    direction: Literal["maximize", "minimize"] = \
-        "maximize" if higher_is_better(select_by) else "minimize"
-    study = optuna.create_study(direction=direction,
-                                sampler=make_sampler(sampler, space, seed),
-                                pruner=make_pruner(pruner))
-    for params in fixed or []:
-        study.enqueue_trial(params)
+    ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
+    with contextlib.ExitStack() as held:
+        failure = None
+        if ctx.is_main:  # one search per directory: the journal has one writer
+            try:
+                held.enter_context(exclusive_lock(out_dir / LOCK_FILE,
+                                                  f"search directory {out_dir}"))
+                remove_atomic_leftovers(out_dir)  # of a search killed mid-write
+            except LockedError as exc:
+                failure = str(exc)
+        failure = ctx.broadcast_object(failure)
+        if failure is not None:
+            raise ValueError(failure)
+        return _search(schema, base, train_paths, valid_batches, out_dir, trials, parallel,
+                       space, sampler, pruner, select_by, patience, seed, progress, fixed,
+                       on_boundary, resume, ctx)
+
+
+def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Path],
+            valid_batches: list[Batch], out_dir: Path, trials: int, parallel: int,
+            space: dict[str, Any], sampler: str, pruner: str, select_by: str,
+            patience: int | None, seed: int, progress: bool,
+            fixed: list[dict[str, Any]] | None,
+            on_boundary: Callable[[list[SearchTrial]], None] | None, resume: bool,
+            ctx: DistContext) -> SearchResult:
+    """``run_search`` with the directory's lock held."""
+    if ctx.world > 1 and "batch_size" in space:
+        raise ValueError("under torchrun the trials train on one shared pass plan: "
+                         "batch_size cannot be searched (remove it from the space)")
+    settings = {"space": space, "sampler": sampler, "pruner": pruner,
+                "select_by": select_by, "patience": patience, "seed": seed,
+                "config": to_dict(base)}
+    study = open_study(out_dir, settings, resume) if ctx.is_main else None
+    overall = _BestSoFar(SelectionTracker(select_by, patience=None))
+    done = _resumed_trials(study, out_dir, base, select_by, patience, overall) \
+        if resume and ctx.is_main else []
+    if study is not None and not resume:
+        for params in fixed or []:
+            study.enqueue_trial(params)
+    # Every rank takes the same checkpoint decisions: from the same best so far.
+    tracker = overall.tracker
+    tracker.best_value, tracker.best_pass, overall.trial, finished = ctx.broadcast_object(
+        (tracker.best_value, tracker.best_pass, overall.trial, len(done)))
     budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
     # The validation set's keys are planned once for every trial and evaluation.
     valid = [plan_pass(group, counts=False)
              for group in group_passes(valid_batches, base.pass_rows)]
-    overall = _BestSoFar(SelectionTracker(select_by, patience=None))
-    done: list[SearchTrial] = []
     start = time.perf_counter()
-    while len(done) < trials:
-        k = min(parallel, trials - len(done))
+    while finished < trials:
+        k = min(parallel, trials - finished)
         # Built one after another, each trainer seeds torch itself: the weights of a
         # trial are those of the same configuration trained alone.
+        keys = _KeySides()  # one key index per admission/eviction setting of the wave
         wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
-                     overall) for _ in range(k)]
-        _train_wave(wave, study, train_paths, valid, select_by, budget, progress,
-                    on_boundary)
+                     overall, keys, ctx) for _ in range(k)]
+        _train_wave(wave, study, train_paths, valid, select_by, budget,
+                    progress and ctx.is_main, on_boundary, overall, ctx, out_dir)
+        overall.flush()
         done.extend(wave)
+        finished += k
     # The trial with the best validation value of all, pruned ones included (a pruned
     # trial's best pass is a whole model): the one whose checkpoint ``overall`` took last.
     best = next((t for t in done if t.number == overall.trial), None)
-    best_dir = _write_best(best, out_dir) if best is not None else None
-    for t in done:  # only the best trial keeps its checkpoints (in out/best)
-        shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
-        for pointer in ("BEST", "LATEST"):
-            (t.model_dir / pointer).unlink(missing_ok=True)
+    best_dir = out_dir / "best" if best is not None else None
+    if ctx.is_main:
+        if best is not None and (best.model_dir / "checkpoints").exists():
+            _write_best(best, out_dir)  # else out/best holds it already (resumed)
+        for t in done:  # only the best trial keeps its checkpoints (in out/best)
+            shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
+            for pointer in ("BEST", "LATEST"):
+                (t.model_dir / pointer).unlink(missing_ok=True)
+    ctx.barrier()
     return SearchResult(done, best, best_dir, study, time.perf_counter() - start)
+
+
+LOCK_FILE = ".lock"  # in the search directory: held by the one search using it
+STUDY_FILE = "study.journal"  # optuna's journal: every trial asked, reported and told
+SETTINGS_FILE = "search.json"  # what the search was started with
+_INTERRUPTED = "interrupted"  # user attribute of a trial a stopped search left running
+
+
+def open_study(out_dir: Path, settings: dict[str, Any], resume: bool):
+    """The search's optuna study, journaled in ``out_dir/study.journal`` so that a
+    search killed at any point can be resumed. A fresh search refuses a directory that
+    holds one; a resumed one must have the settings it was started with."""
+    import optuna
+    from optuna.storages import JournalStorage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    journal, saved = out_dir / STUDY_FILE, out_dir / SETTINGS_FILE
+    settings = json.loads(json.dumps(settings))  # as it reads back (lists, not tuples)
+    if resume:
+        if not journal.exists() or not saved.exists():
+            raise ValueError(f"{out_dir}: no search to resume (no {STUDY_FILE} / "
+                             f"{SETTINGS_FILE}); run it without --resume first")
+        before = json.loads(saved.read_text())
+        for key, value in settings.items():
+            if before.get(key) != value:
+                raise ValueError(f"{saved}: the search was started with a different "
+                                 f"{key} ({_diff(before.get(key), value)}); resume it "
+                                 "with the settings it was started with")
+    elif journal.exists():
+        raise ValueError(f"{out_dir} holds a search ({STUDY_FILE}): pass --resume to "
+                         "continue it, or choose another --out")
+    else:
+        atomic_write_text(saved, json.dumps(settings, indent=2))
+    storage = JournalStorage(_journal_backend(journal))
+    direction: Literal["maximize", "minimize"] = \
+        "maximize" if higher_is_better(settings["select_by"]) else "minimize"
+    study = optuna.create_study(storage=storage, study_name="search",
+                                load_if_exists=resume, direction=direction,
+                                pruner=make_pruner(settings["pruner"]))
+    # A sampler's random stream is not journaled: a resumed one continues from a seed of
+    # its own, so that it does not draw again the values it drew before. The grid
+    # sampler's seed orders its grid, which point numbers in the journal refer to.
+    shift = len(study.trials) if settings["sampler"] != "grid" else 0
+    study.sampler = make_sampler(settings["sampler"], settings["space"],
+                                 settings["seed"] + shift)
+    return study
+
+
+def _diff(before: Any, now: Any) -> str:
+    """Where two settings differ: the first differing path (dotted) and both values."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        for key in sorted(set(before) | set(now)):
+            if before.get(key) != now.get(key):
+                inner = _diff(before.get(key), now.get(key))
+                return f"{key}.{inner}" if isinstance(before.get(key), dict) else \
+                    f"{key}: {before.get(key)!r} then, {now.get(key)!r} now"
+    return f"{before!r} then, {now!r} now"
+
+
+def _resumed_trials(study, out_dir: Path, base: TrainConfig, select_by: str,
+                    patience: int | None, overall: _BestSoFar) -> list[SearchTrial]:
+    """The trials a stopped search finished, read back from their directories, and the
+    best of them so far (``overall``). Trials it left running are told FAIL (marked
+    interrupted, left out of the results) and asked again with the same values."""
+    import optuna
+
+    states = {optuna.trial.TrialState.COMPLETE: "complete",
+              optuna.trial.TrialState.PRUNED: "pruned",
+              optuna.trial.TrialState.FAIL: "failed"}
+    done: list[SearchTrial] = []
+    for frozen in study.get_trials(deepcopy=False):
+        model_dir = out_dir / "trials" / f"trial-{frozen.number:03d}"
+        if frozen.state == optuna.trial.TrialState.RUNNING:
+            study._storage.set_trial_user_attr(frozen._trial_id, _INTERRUPTED, True)
+            _tell(study, frozen.number, state=optuna.trial.TrialState.FAIL)
+            _ask_again(study, frozen)
+            shutil.rmtree(model_dir, ignore_errors=True)
+            continue
+        if frozen.state not in states or frozen.user_attrs.get(_INTERRUPTED):
+            continue
+        history = json.loads((model_dir / "history.json").read_text())
+        metrics = json.loads((model_dir / "metrics.json").read_text())
+        selection = SelectionTracker.from_history(history, select_by, patience)
+        stop = history[-1].get("stop_reason") if history else None
+        t = SearchTrial(frozen.number, dict(metrics.get("params", frozen.params)),
+                        apply_params(base, frozen.params), model_dir, frozen, None,
+                        state=states[frozen.state], seconds=float(metrics.get("seconds", 0)),
+                        history=history, kept=(selection, stop))
+        done.append(t)
+        value = selection.best_value
+        # the best so far holds a BEST checkpoint, or, once a search ended, is out/best
+        held = (model_dir / "BEST").exists() or _best_dir_trial(out_dir) == t.number
+        if held and value is not None and overall.tracker.is_better(value):
+            overall.tracker.update(value, selection.best_pass or 0)
+            overall.trial = t.number
+    return done
+
+
+def _best_dir_trial(out_dir: Path) -> int | None:
+    """The trial ``out/best`` was written from (by a search that ended), or None."""
+    metrics = out_dir / "best" / "metrics.json"
+    if not metrics.exists():
+        return None
+    return json.loads(metrics.read_text()).get("trial")
+
+
+def _ask_again(study, frozen) -> None:
+    """Queue a trial with the values of the interrupted ``frozen`` (all of them, or
+    the grid sampler's point of it); the grid point number goes with it, since the grid
+    counts the interrupted trial as visited. A trial interrupted before it drew its
+    values is simply replaced by the next one asked."""
+    import optuna
+
+    params = dict(frozen.params)
+    sampler = study.sampler
+    grid_id = frozen.system_attrs.get("grid_id")
+    if isinstance(sampler, optuna.samplers.GridSampler) and grid_id is not None:
+        params = dict(zip(sampler._param_names, sampler._all_grids[grid_id], strict=True))
+    elif set(params) != set(frozen.distributions) or not params:
+        return
+    study.enqueue_trial(params)
+    waiting = study._storage.get_all_trials(study._study_id, deepcopy=False)[-1]
+    for key in ("grid_id", "search_space"):
+        if key in frozen.system_attrs:
+            study._storage.set_trial_system_attr(waiting._trial_id, key,
+                                                 frozen.system_attrs[key])
+
+
+def _journal_backend(path: Path):
+    """optuna's journal file, written at every call but fsynced only by ``sync_journal``
+    (at pass boundaries): a search appends a few records per trial and pass, and an
+    fsync each costs more than a small trial's pass. A kill -9 loses nothing written
+    (the kernel has it); a power loss at most what followed the last boundary. No lock
+    file: the search directory's lock (``LOCK_FILE``, held by rank 0 for the whole
+    search) makes this process the only writer, and optuna's lock files would outlive a
+    kill -9 and stall the resume."""
+    from optuna.storages.journal import JournalFileBackend
+
+    class _OnlyWriter:
+        def acquire(self) -> bool:
+            return True
+
+        def release(self) -> None:
+            pass
+
+    class _Journal(JournalFileBackend):
+        def append_logs(self, logs: list[dict[str, Any]]) -> None:
+            text = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs)
+            with open(path, "ab") as fh:
+                fh.write(text.encode("utf-8"))
+
+    return _Journal(str(path), lock_obj=_OnlyWriter())  # type: ignore[arg-type]
+
+
+def sync_journal(out_dir: Path) -> None:
+    """Make the study's journal durable (``_journal_backend``)."""
+    with open(out_dir / STUDY_FILE, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
          budget: int | None, live: int, select_by: str, patience: int | None,
-         overall: _BestSoFar) -> SearchTrial:
-    trial = study.ask()
-    params = suggest(trial, space)
+         overall: _BestSoFar, keys: _KeySides, ctx: DistContext) -> SearchTrial:
+    trial = study.ask() if ctx.is_main else None
+    number, params = ctx.broadcast_object(
+        (trial.number, suggest(trial, space)) if trial is not None else None)
     config = apply_params(base, params)
-    model_dir = out_dir / "trials" / f"trial-{trial.number:03d}"
-    shutil.rmtree(model_dir, ignore_errors=True)
+    model_dir = out_dir / "trials" / f"trial-{number:03d}"
+    if ctx.is_main:
+        shutil.rmtree(model_dir, ignore_errors=True)
     if budget is not None:
         config.store.memory_budget = budget // live
     if config.store.tiered:
         config.store.disk_path = str(model_dir / "store")
-    run = TrialRun(Trainer(schema, config), SelectionTracker(select_by, patience),
-                   _checkpoint_best(model_dir, trial.number, overall))
-    return SearchTrial(trial.number, params, config, model_dir, trial, run)
+    trainer = Trainer(schema, config, ctx=ctx)
+    keys.attach(trainer)
+    run = TrialRun(trainer, SelectionTracker(select_by, patience),
+                   _checkpoint_best(model_dir, number, overall))
+    return SearchTrial(number, params, config, model_dir, trial, run)
+
+
+class _KeySides:
+    """The shared key indexes of one wave: trials whose stores admit and evict alike
+    share one (``embedding.shared``); a trial whose store cannot share keeps its own."""
+
+    def __init__(self) -> None:
+        self.by_setting: dict[tuple, SharedKeys] = {}
+
+    def attach(self, trainer: Trainer) -> None:
+        """Give ``trainer`` a view of its key side in place of the store it built."""
+        config = trainer.config
+        if sharing_refusal(config.store, config.sparse_optimizer) is not None:
+            return
+        setting = (key_side_config(config.store), config.seed)
+        shared = self.by_setting.setdefault(setting, SharedKeys(config.store, config.seed))
+        trainer.store = SharedRowsStore(shared, trainer.model.row_dim,
+                                        trainer.sparse_optimizer, config.store,
+                                        seed=config.seed)
+
+
+@dataclass
+class _Snapshot:
+    """A trial's state after one pass, held in RAM until it is written (a copy of its
+    rows, dense weights and optimizer state: what ``save_checkpoint`` writes)."""
+
+    model_dir: Path
+    trainer: Trainer
+    pass_id: int
+    history: list[dict]
+    rng: torch.Tensor
+    dense: dict[str, torch.Tensor]
+    dense_optimizer: dict[str, Any]
+    rows: dict[str, np.ndarray]
+
+    @classmethod
+    def take(cls, model_dir: Path, trainer: Trainer) -> _Snapshot:
+        return cls(model_dir, trainer, trainer.pass_id, list(trainer.history),
+                   torch.get_rng_state(),
+                   {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+                   copy.deepcopy(trainer.dense_optimizer.state_dict()),
+                   trainer.store.to_arrays())
+
+    def write(self) -> None:
+        """Commit it as the trial's checkpoint and mark it BEST. The trial has stopped
+        training: its trainer is set back to the snapshot, on an in-RAM store."""
+        t = self.trainer
+        t.model.load_state_dict(self.dense)
+        t.dense_optimizer.load_state_dict(self.dense_optimizer)
+        t.store = make_store(t.model.row_dim, t.sparse_optimizer, _in_ram(t.config))
+        t.store.load_arrays(self.rows)
+        t.pass_id, t.history = self.pass_id, self.history
+        torch.set_rng_state(self.rng)
+        name = save_checkpoint(self.model_dir, t).name  # collective on N ranks
+        if t.ctx.is_main:
+            mark_best(self.model_dir, name)
 
 
 @dataclass
 class _BestSoFar:
-    """The best pass of any trial so far, and which trial holds it."""
+    """The best pass of any trial so far, which trial holds it, and (for a trial whose
+    rows are all in RAM) its state not yet written."""
 
     tracker: SelectionTracker
     trial: int | None = None
+    pending: _Snapshot | None = None
+
+    def flush(self) -> None:
+        """Write the pending best state (at the end of each wave)."""
+        if self.pending is not None:
+            self.pending.write()
+            self.pending = None
 
 
 def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
                      ) -> Callable[[Trainer, dict], None]:
-    """The pass-end hook of a trial: commit a checkpoint when the pass is the best of
-    the whole search so far (``overall``). The state the search ends up choosing is the
-    best of all, so it was the best so far when it was reached: later passes of other
-    trials are never needed, and most passes write nothing."""
+    """The pass-end hook of a trial: keep its state when the pass is the best of the
+    whole search so far (``overall``). The state the search ends up choosing is the best
+    of all, so it was the best so far when it was reached: later passes of other trials
+    are never needed. An in-RAM store's state is copied and written once, at the end of
+    the wave (most passes that lead at some point are overtaken before then); a tiered
+    store's is committed at once (its rows are not copied into RAM)."""
 
     def hook(trainer: Trainer, record: dict) -> None:
         value = record[overall.tracker.key]
         if record.get("best") and overall.tracker.is_better(value):
             overall.tracker.update(value, int(record["pass_id"]) + 1)
             overall.trial = number
-            mark_best(model_dir, save_checkpoint(model_dir, trainer).name)
+            if isinstance(trainer.store, MemoryStore):
+                overall.pending = _Snapshot.take(model_dir, trainer)
+            else:
+                overall.pending = None
+                name = save_checkpoint(model_dir, trainer).name  # collective on N ranks
+                if trainer.ctx.is_main:
+                    mark_best(model_dir, name)
 
     return hook
 
 
 def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPlan],
                 select_by: str, budget: int | None, progress: bool,
-                on_boundary: Callable[[list[SearchTrial]], None] | None) -> None:
+                on_boundary: Callable[[list[SearchTrial]], None] | None,
+                overall: _BestSoFar, ctx: DistContext, out_dir: Path) -> None:
     import optuna
 
     by_run = {id(t.run): t for t in wave}
+    runs = [t.run for t in wave if t.run is not None]
+
+    def finish(t: SearchTrial, pruned: bool = False) -> None:
+        """A trial that trains no more: its best state written if it leads, its files
+        written, then optuna told (so a told trial always has its files), rows freed."""
+        t.history = list(t.trainer.history)
+        if overall.pending is not None and overall.pending.trainer is t.trainer:
+            overall.flush()  # sets the trainer back to its best pass
+        value = t.selection.best_value
+        t.state = "pruned" if pruned else "complete" if value is not None else "failed"
+        if ctx.is_main:  # rank 0 writes the files and tells optuna
+            _write_trial_files(t)
+            state = optuna.trial.TrialState
+            _tell(study, t.optuna_trial, value if value is not None and not pruned else None,
+                  state=state.PRUNED if pruned else state.FAIL if value is None else None)
+        free_rows(t.trainer)
 
     def boundary(live: list[TrialRun]) -> None:
         trials = [by_run[id(r)] for r in live]
         for t in trials:  # every live trial reports before any is pruned
-            record = t.run.trainer.history[-1]
+            record = t.trainer.history[-1]
             t.seconds += record["staging_s"] + record["train_s"] + record["write_back_s"]
             value = record.get(f"valid_{select_by}")
-            if value is not None and math.isfinite(value):
-                t.optuna_trial.report(value, step=len(t.run.trainer.history))
+            if ctx.is_main and value is not None and math.isfinite(value):
+                t.optuna_trial.report(value, step=len(t.trainer.history))
+        # rank 0 asks the pruner; every rank stops the same trials
+        prune = ctx.broadcast_object(
+            {t.number for t in trials if t.run is not None and t.run.live
+             and t.optuna_trial.should_prune()} if ctx.is_main else None)
         for t in trials:
-            if t.run.live and t.optuna_trial.should_prune():
+            assert t.run is not None
+            if t.run.live and t.number in prune:
                 t.run.stop(STOP_PRUNED)
-                t.state = "pruned"
-                t.history = list(t.run.trainer.history)
-                free_rows(t.run.trainer)
-                _tell(study, t.optuna_trial, state=optuna.trial.TrialState.PRUNED)
-                _write_trial_files(t)
-        alive = [t for t in trials if t.run.live]
+                finish(t, pruned=True)
+            elif not t.run.live:  # its patience ran out
+                finish(t)
+        alive = [t for t in trials if t.state == "running"]
         if budget is not None and alive:  # re-split the budget across live trials
             for t in alive:
-                store = t.run.trainer.store
+                store = t.trainer.store
                 if isinstance(store, TieredStore) and store.budget is not None:
                     store.budget = budget // len(alive)
+        if ctx.is_main:
+            sync_journal(out_dir)
         if on_boundary is not None:
             on_boundary(wave)
 
-    run_passes([t.run for t in wave], train_paths, valid, progress=progress,
-               on_boundary=boundary)
+    run_passes(runs, train_paths, valid, progress=progress, on_boundary=boundary)
     for t in wave:
-        if t.state == "pruned":
-            continue
-        t.history = list(t.run.trainer.history)
-        value = t.selection.best_value
-        if value is None:
-            t.state = "failed"
-            _tell(study, t.optuna_trial, state=optuna.trial.TrialState.FAIL)
-        else:
-            t.state = "complete"
-            _tell(study, t.optuna_trial, value)
-        _write_trial_files(t)
-        free_rows(t.run.trainer)
+        if t.state == "running":
+            finish(t)
+    if ctx.is_main:
+        sync_journal(out_dir)
 
 
 def _tell(study, trial, value: float | None = None, state=None) -> None:
@@ -427,7 +758,7 @@ def _tell(study, trial, value: float | None = None, state=None) -> None:
 def _write_trial_files(t: SearchTrial) -> None:
     """history.json and metrics.json of a trial, as train writes them."""
     t.model_dir.mkdir(parents=True, exist_ok=True)
-    history = [*t.history[:-1], {**t.history[-1], "stop_reason": t.run.stop_reason}] \
+    history = [*t.history[:-1], {**t.history[-1], "stop_reason": t.stop_reason}] \
         if t.history else []
     atomic_write_text(t.model_dir / "history.json", json.dumps(history, indent=2))
     row = t.row()
@@ -435,8 +766,8 @@ def _write_trial_files(t: SearchTrial) -> None:
                "evaluated_on": "valid", "checkpoint": f"pass-{row['best_pass']:06d}"
                if row["best_pass"] else None, "passes": row["passes"],
                "stop_reason": row["stop_reason"], "model": t.config.model.name,
-               "trial": t.number, "params": t.params,
-               **t.selection.summary()}
+               "trial": t.number, "params": t.params, "state": t.state,
+               "seconds": t.seconds, **t.selection.summary()}
     atomic_write_text(t.model_dir / "metrics.json", json.dumps(metrics, indent=2))
 
 

@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from terarec.config import TrainConfig
+from terarec.config import TrainConfig, parse_bytes
 from terarec.data.readers import ReadStats
-from terarec.distributed.context import DistContext
+from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
 from terarec.distributed.lookup import (
     ShardedPassPlan,
@@ -71,12 +71,6 @@ from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 @dataclass
 class PassResult:
     pass_id: int
@@ -94,6 +88,8 @@ class PassResult:
     world_size: int = 1
     dense_bytes_per_step: float = 0.0   # per rank: DDP's gradient exchange
     sparse_bytes_per_step: float = 0.0  # per rank: keys, rows and row gradients sent
+    new_keys: int = 0       # keys admitted in this pass (docs/admission.md)
+    rejected_keys: int = 0  # the pass's keys admission left on the zero row
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,6 +130,7 @@ class Trainer:
         mean = [f.pooling == "mean" for f in schema.sparse_fields]
         self.mean_fields = torch.tensor(mean, device=self.device) if any(mean) else None
         self.pass_id = 0
+        self._admitted_before = 0  # the store's admitted total when the pass began
         self.history: list[dict] = []
         self.stop_reason: str | None = None  # why the last ``fit`` ended
         self.ddp: torch.nn.Module = self.model
@@ -174,6 +171,7 @@ class Trainer:
         assert not isinstance(upcoming, ShardedPassPlan)
         self.model.train()
         t0 = time.perf_counter()
+        self._admitted_before = self.store.stats().admitted
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True)
         batches = ws.batches
         prefetcher = _start_prefetch(self.store, upcoming)
@@ -205,8 +203,10 @@ class Trainer:
         ``samples_per_s``: global rows over the ranks' mean pass time."""
         t0, t1, t2, t3 = times
         world = self.ctx.world
+        new_keys = self.store.stats().admitted - self._admitted_before
         totals = self.ctx.all_sum([loss_sum, rows, unique_keys, admitted_keys, evicted,
-                                   len(self.store), sparse_bytes, dense_bytes, t3 - t0])
+                                   len(self.store), sparse_bytes, dense_bytes, t3 - t0,
+                                   new_keys])
         rows = int(totals[1])
         busy = totals[8] / world
         result = PassResult(
@@ -216,7 +216,8 @@ class Trainer:
             unique_keys=int(totals[2]), admitted_keys=int(totals[3]),
             evicted_keys=int(totals[4]), store_keys=int(totals[5]), prefetch_wait_s=wait_s,
             world_size=world, sparse_bytes_per_step=float(totals[6] / world),
-            dense_bytes_per_step=float(totals[7] / world))
+            dense_bytes_per_step=float(totals[7] / world), new_keys=int(totals[9]),
+            rejected_keys=int(totals[2]) - int(totals[3]))
         self.pass_id += 1
         return result
 
@@ -245,6 +246,7 @@ class Trainer:
         ctx = self.ctx
         assert self.dense_comm is not None
         t0 = time.perf_counter()
+        self._admitted_before = self.store.stats().admitted
         ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True)
         prefetcher = _start_prefetch(
             self.store, upcoming.owned if isinstance(upcoming, ShardedPassPlan) else None)
@@ -418,11 +420,19 @@ def make_store(row_dim: int, optimizer: SparseOptimizer,
 
 
 def rank_store_config(config: TrainConfig, ctx: DistContext) -> TrainConfig:
-    """On N ranks, each rank's tiered store gets its own disk folder under the store's."""
-    if ctx.world == 1 or not config.store.disk_path:
+    """On N ranks, each rank's tiered store gets its own disk folder under the store's,
+    and its share of a capacity target (the shard hash deals keys out evenly)."""
+    if ctx.world == 1:
         return config
-    folder = str(Path(config.store.disk_path) / f"rank-{ctx.rank:05d}")
-    return replace(config, store=replace(config.store, disk_path=folder))
+    store = config.store
+    if store.disk_path:
+        store = replace(store, disk_path=str(Path(store.disk_path) / f"rank-{ctx.rank:05d}"))
+    if store.max_keys is not None:
+        store = replace(store, max_keys=max(1, store.max_keys // ctx.world))
+    if store.max_store_bytes is not None:
+        store = replace(store, max_store_bytes=max(
+            1, parse_bytes(store.max_store_bytes) // ctx.world))
+    return config if store is config.store else replace(config, store=store)
 
 
 def _with_next(items: Iterator) -> Iterator[tuple]:

@@ -1,0 +1,59 @@
+"""``terarec publish``: copy an exported version into a Redis Cluster sparse tier, where
+``terarec serve --sparse-tier`` replicas read it.
+
+The cold part (a full version's rows) and the hot part (the deltas since) can be
+published on their own cadences; the version is announced once its whole chain is in,
+then versions no live server uses are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("publish", help="publish an exported version to a Redis Cluster",
+                       description=__doc__)
+    p.add_argument("version_uri",
+                   help="EXPORT_URI/vNNNNNN, or an export URI (its newest version)")
+    p.add_argument("--to", required=True, metavar="redis://HOST:PORT",
+                   help="any node(s) of the cluster: redis://HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--namespace", default="terarec",
+                   help="key prefix of this model in the cluster (default terarec)")
+    p.add_argument("--part", choices=["hot", "cold", "all"], default="all",
+                   help="cold: the full version's rows; hot: the deltas on it; all: both "
+                        "(default)")
+    p.add_argument("--gc-grace-seconds", type=float, default=30.0,
+                   help="keep a superseded version this long even if no server registered "
+                        "it (default 30)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from terarec.cli.main import UserError
+    from terarec.sparsetier.publish import Publisher, PublishError
+    from terarec.sparsetier.tier import TierError
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        publisher = Publisher(args.to, args.namespace)
+    except TierError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        result = publisher.publish(args.version_uri, part=args.part,
+                                   storage_options=storage_options_from_args(args),
+                                   gc_grace_s=args.gc_grace_seconds)
+    except (PublishError, TierError) as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        publisher.close()
+    print(json.dumps(result.to_dict()))
+    return 0

@@ -1,0 +1,490 @@
+"""The sparse tier's client: rows written and read in one pipeline per cluster node, reads
+hedged to a replica, nodes that fail routed around.
+
+::
+
+    keys ──slot──> master of each slot (topology from CLUSTER SLOTS)
+      per node, in parallel:  GET pipeline ──> master
+                              no answer after the hedge delay (p95 of that node, at least
+                              ``hedge_floor_s``) or an error ──> the same pipeline to a
+                              replica (READONLY); the first answer wins
+      errors (connection refused, MOVED, CLUSTERDOWN) ──> topology refreshed in the
+      background; a replica promoted by the cluster is then read as the master
+
+A read that gets no answer before its deadline reports those keys as failed: the caller
+decides whether that fails the request (``--strict-sparse``) or scores zero rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import numpy as np
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from terarec.sparsetier import wire
+
+log = logging.getLogger(__name__)
+Address = tuple[str, int]
+NODE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25,
+                0.5, 1.0)
+
+
+class TierError(RuntimeError):
+    """The cluster could not be reached, or refused what was asked of it."""
+
+
+def parse_url(url: str) -> list[Address]:
+    """Seed nodes of ``redis://host:port[,host:port...]``."""
+    parsed = urlparse(url)
+    if parsed.scheme != "redis" or not parsed.netloc:
+        raise ValueError(f"sparse tier URL {url!r}: expected redis://HOST:PORT[,HOST:PORT...]")
+    seeds = []
+    for part in parsed.netloc.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sparse tier URL {url!r}: {part!r} is not HOST:PORT")
+        seeds.append((host, int(port)))
+    return seeds
+
+
+class TierMetrics:
+    """Prometheus metrics of the sparse tier, in the caller's registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry or CollectorRegistry()
+        self.node_latency = Histogram("terarec_sparse_node_latency_seconds",
+                                      "Latency of one pipelined read, by node and role",
+                                      ["node", "role"], buckets=NODE_BUCKETS, registry=r)
+        self.hedges_sent = Counter("terarec_sparse_hedges_sent",
+                                   "Reads sent again to a replica after the hedge delay",
+                                   registry=r)
+        self.hedges_won = Counter("terarec_sparse_hedges_won",
+                                  "Hedged reads the replica answered first", registry=r)
+        self.failovers = Counter("terarec_sparse_failovers",
+                                 "Shards whose master changed (seen by a topology refresh)",
+                                 registry=r)
+        self.read_failures = Counter("terarec_sparse_read_failures",
+                                     "Rows not read from the cluster within the deadline",
+                                     registry=r)
+        self.node_errors = Counter("terarec_sparse_node_errors",
+                                   "Failed reads or writes, by node", ["node"], registry=r)
+        self.rows_read = Counter("terarec_sparse_rows_read", "Rows asked of the cluster",
+                                 registry=r)
+        self.lookups = Counter("terarec_sparse_lookups",
+                               "Keys looked up in a version's rows (after the row cache)",
+                               registry=r)
+        self.hot_hits = Counter("terarec_sparse_hot_hits",
+                                "Keys found among the hot rows held in local memory",
+                                registry=r)
+
+
+class NodeConn:
+    """One socket to one node (READONLY when reading a replica); used by one thread at a
+    time."""
+
+    def __init__(self, address: Address, readonly: bool, timeout_s: float) -> None:
+        self.address = address
+        self.sock = socket.create_connection(address, timeout=timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if readonly:
+            self.call(wire.pack_command(b"READONLY"), 1)
+
+    def call(self, payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Send ``n`` pipelined commands; (reply buffer, offsets, lengths)."""
+        self.sock.sendall(payload)
+        parser = wire.ReplyParser(n)
+        buf = bytearray()
+        chunk = bytearray(1 << 18)
+        view = memoryview(chunk)
+        while True:
+            got = self.sock.recv_into(view)
+            if not got:
+                raise ConnectionError(f"{self.address}: connection closed")
+            buf += view[:got]
+            arr = np.frombuffer(buf, np.uint8)
+            if parser.feed(arr):
+                return arr, parser.offsets, parser.lengths
+            del arr  # the buffer grows on the next recv
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A slot range's master and replicas."""
+
+    master: Address
+    replicas: tuple[Address, ...]
+
+
+class Topology:
+    """Slot -> shard map, from CLUSTER SLOTS."""
+
+    def __init__(self, shards: list[Shard], slot_shard: np.ndarray) -> None:
+        self.shards = shards
+        self.slot_shard = slot_shard
+
+    @classmethod
+    def fetch(cls, nodes: list[Address], timeout_s: float) -> Topology:
+        """The slot map as the first node of ``nodes`` that answers sees it."""
+        last: Exception | None = None
+        for address in nodes:
+            client = redis.Redis(host=address[0], port=address[1], socket_timeout=timeout_s,
+                                 socket_connect_timeout=timeout_s)
+            try:
+                return cls._parse(address, client.execute_command("CLUSTER", "SLOTS"))
+            except (redis.RedisError, OSError, TierError) as exc:
+                last = exc
+            finally:
+                client.close()
+        raise TierError(f"no cluster node answered CLUSTER SLOTS ({nodes}): {last}")
+
+    @classmethod
+    def _parse(cls, address: Address, slots: list) -> Topology:
+        shards: list[Shard] = []
+        index: dict[Shard, int] = {}
+        slot_shard = np.full(wire.SLOTS, -1, np.int32)
+        for entry in slots:
+            start, end = int(entry[0]), int(entry[1])
+            nodes = [(n[0].decode() if isinstance(n[0], bytes) else str(n[0]), int(n[1]))
+                     for n in entry[2:]]
+            shard = Shard(nodes[0], tuple(nodes[1:]))
+            if shard not in index:
+                index[shard] = len(shards)
+                shards.append(shard)
+            slot_shard[start:end + 1] = index[shard]
+        if (slot_shard < 0).any():
+            raise TierError(f"{address}: {int((slot_shard < 0).sum())} slots have no node")
+        return cls(shards, slot_shard)
+
+    def masters(self) -> set[Address]:
+        return {s.master for s in self.shards}
+
+
+class _Latency:
+    """Recent read latencies of one node; ``p95`` is the default hedge delay."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=256)
+        self.p95 = 0.0
+        self._since = 0
+
+    def add(self, seconds: float) -> None:
+        self.samples.append(seconds)
+        self._since += 1
+        if self._since >= 16:
+            self._since = 0
+            self.p95 = float(np.percentile(np.fromiter(self.samples, float), 95))
+
+
+class SparseTier:
+    """Rows of fixed width under binary keys, in a Redis Cluster.
+
+    ``hedge``: send a read to a replica when the master has not answered within the hedge
+    delay (``hedge_delay_s`` if given, else the node's observed p95, at least
+    ``hedge_floor_s``). ``timeout_s`` bounds one socket operation; the slot map is
+    re-read every ``refresh_s`` and after errors.
+    """
+
+    def __init__(self, url: str, *, metrics: TierMetrics | None = None, hedge: bool = True,
+                 hedge_floor_s: float = 0.002, hedge_delay_s: float | None = None,
+                 timeout_s: float = 2.0, workers: int = 64, refresh_s: float = 1.0) -> None:
+        self.url = url
+        self.seeds = parse_url(url)
+        self.metrics = metrics or TierMetrics()
+        self.hedge = hedge
+        self.hedge_floor_s = hedge_floor_s
+        self.hedge_delay_s = hedge_delay_s
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="terarec-tier")
+        self._conns: dict[tuple[Address, bool], list[NodeConn]] = {}
+        self._conns_lock = threading.Lock()
+        self._latency: dict[Address, _Latency] = {}
+        self._refreshing = threading.Lock()
+        self._last_refresh = 0.0
+        self.topology = Topology.fetch(self.seeds, timeout_s)
+        self._known: list[Address] = self._all_nodes(self.topology)
+        # the slot map is also re-read every refresh_s: a failover is seen even when no
+        # read failed (the rows being hot, cached or on other shards)
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh_loop, args=(refresh_s,),
+                                           name="terarec-topology", daemon=True)
+        self._refresher.start()
+
+    def _refresh_loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.refresh_topology()
+
+    # -- topology ---------------------------------------------------------------------
+    def _all_nodes(self, topo: Topology) -> list[Address]:
+        nodes = list(self.seeds)
+        for shard in topo.shards:
+            nodes += [shard.master, *shard.replicas]
+        return list(dict.fromkeys(nodes))
+
+    def refresh_topology(self, force: bool = False) -> None:
+        """Re-read the slot map (at most every 0.2 s unless ``force``); count shards whose
+        master changed as failovers."""
+        if not self._refreshing.acquire(blocking=force):
+            return
+        try:
+            if not force and time.monotonic() - self._last_refresh < 0.2:
+                return
+            self._last_refresh = time.monotonic()
+            old = self.topology
+            new = Topology.fetch(list(dict.fromkeys([*self._known, *self.seeds])),
+                                 self.timeout_s)
+            changed = sum(1 for shard in new.shards
+                          if shard.master not in old.masters()
+                          and any(shard.master in s.replicas for s in old.shards))
+            if changed:
+                log.warning("sparse tier: %d shard(s) failed over to a new master", changed)
+                self.metrics.failovers.inc(changed)
+            self.topology = new
+            self._known = list(dict.fromkeys([*self._known, *self._all_nodes(new)]))
+        except TierError as exc:
+            log.warning("sparse tier: topology refresh failed: %s", exc)
+        finally:
+            self._refreshing.release()
+
+    def _refresh_soon(self) -> None:
+        self._pool.submit(self.refresh_topology)
+
+    # -- connections -------------------------------------------------------------------
+    def _take(self, address: Address, readonly: bool) -> NodeConn:
+        with self._conns_lock:
+            free = self._conns.get((address, readonly))
+            if free:
+                return free.pop()
+        return NodeConn(address, readonly, self.timeout_s)
+
+    def _give(self, conn: NodeConn, readonly: bool) -> None:
+        with self._conns_lock:
+            self._conns.setdefault((conn.address, readonly), []).append(conn)
+
+    def _call(self, address: Address, readonly: bool, payload: bytes, n: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        conn = self._take(address, readonly)
+        try:
+            out = conn.call(payload, n)
+        except BaseException:
+            conn.close()
+            raise
+        self._give(conn, readonly)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._conns_lock:
+            for conns in self._conns.values():
+                for conn in conns:
+                    conn.close()
+            self._conns.clear()
+
+    # -- writes -------------------------------------------------------------------------
+    def write(self, keys: np.ndarray, values: np.ndarray, chunk: int = 8192,
+              attempts: int = 5) -> None:
+        """``SET`` each ``keys[i]`` (uint8 [n, K]) to ``values[i]`` (uint8 [n, M]): one
+        pipeline per master at a time, the masters written in parallel. A chunk refused
+        (MOVED, a master down) is retried after a topology refresh."""
+        if not len(keys):
+            return
+        slots = wire.key_slots(keys)
+        todo = [np.arange(len(keys))]
+        for attempt in range(attempts):
+            shard_of = self.topology.slot_shard[slots]
+            groups = [(self.topology.shards[s].master, idx[shard_of[idx] == s])
+                      for idx in todo for s in np.unique(shard_of[idx])]
+            futures = [self._pool.submit(self._write_node, address, keys, values, idx, chunk)
+                       for address, idx in groups]
+            failed = []
+            for fut in futures:
+                left = fut.result()
+                if len(left):
+                    failed.append(left)
+            if not failed:
+                return
+            todo = failed
+            time.sleep(0.2 * (attempt + 1))
+            self.refresh_topology(force=True)
+        raise TierError(f"{sum(len(f) for f in todo)} rows could not be written to "
+                        f"{self.url} after {attempts} attempts")
+
+    def _write_node(self, address: Address, keys: np.ndarray, values: np.ndarray,
+                    idx: np.ndarray, chunk: int) -> np.ndarray:
+        """Write rows ``idx`` to one node; returns the indices not written."""
+        for lo in range(0, len(idx), chunk):
+            part = idx[lo:lo + chunk]
+            try:
+                buf, _, lengths = self._call(address, False,
+                                             wire.pack_sets(keys[part], values[part]),
+                                             len(part))
+                if not bool((lengths == -2).all()):
+                    raise wire.ReplyError("unexpected reply to SET")
+            except (OSError, wire.ReplyError) as exc:
+                self.metrics.node_errors.labels(f"{address[0]}:{address[1]}").inc()
+                log.warning("sparse tier: write to %s:%d failed (%s)", *address, exc)
+                return idx[lo:]
+        return idx[:0]
+
+    def delete(self, keys: list[bytes]) -> None:
+        """``UNLINK`` keys (any slots), one pipeline per node."""
+        if not keys:
+            return
+        arr = np.frombuffer(b"".join(keys), np.uint8).reshape(len(keys), -1) if len(
+            {len(k) for k in keys}) == 1 else None
+        slots = (wire.key_slots(arr) if arr is not None
+                 else np.array([_slot(k) for k in keys], np.int32))
+        shard_of = self.topology.slot_shard[slots]
+        for s in np.unique(shard_of):
+            address = self.topology.shards[s].master
+            sel = np.flatnonzero(shard_of == s)
+            for lo in range(0, len(sel), 8192):
+                part = sel[lo:lo + 8192]
+                payload = b"".join(wire.pack_command(b"UNLINK", keys[i]) for i in part)
+                self._call(address, False, payload, len(part))
+
+    def scan_prefix(self, prefix: bytes) -> list[bytes]:
+        """Every key starting with ``prefix`` (no glob characters), on every master."""
+        out: list[bytes] = []
+        for address in self.topology.masters():
+            client = redis.Redis(host=address[0], port=address[1], socket_timeout=5)
+            try:
+                out += list(client.scan_iter(match=prefix + b"*", count=10000))
+            finally:
+                client.close()
+        return out
+
+    # -- reads --------------------------------------------------------------------------
+    def _delay(self, address: Address) -> float:
+        if self.hedge_delay_s is not None:
+            return self.hedge_delay_s
+        stats = self._latency.get(address)
+        return max(self.hedge_floor_s, stats.p95 if stats else 0.0)
+
+    def _fetch(self, address: Address, readonly: bool, keys: np.ndarray, width: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
+        buf, offsets, lengths = self._call(address, readonly, wire.pack_gets(keys), len(keys))
+        seconds = time.perf_counter() - t0
+        self._latency.setdefault(address, _Latency()).add(seconds)
+        self.metrics.node_latency.labels(f"{address[0]}:{address[1]}",
+                                         "replica" if readonly else "master").observe(seconds)
+        return wire.gather_values(buf, offsets, lengths, width)
+
+    def read(self, keys: np.ndarray, width: int, deadline_s: float
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(values uint8 [n, width], found, failed) of row ``keys`` (uint8 [n, K]); a key
+        is failed when neither its master nor a replica answered within ``deadline_s``."""
+        n = len(keys)
+        values = np.zeros((n, width), np.uint8)
+        found = np.zeros(n, np.bool_)
+        failed = np.zeros(n, np.bool_)
+        if not n:
+            return values, found, failed
+        self.metrics.rows_read.inc(n)
+        start = time.monotonic()
+        deadline = start + deadline_s
+        topo = self.topology
+        shard_of = topo.slot_shard[wire.key_slots(keys)]
+        groups: list[_Group] = []
+        pending: dict[Future, tuple[_Group, Address, bool]] = {}
+        for s in np.unique(shard_of):
+            shard = topo.shards[s]
+            g = _Group(shard, np.flatnonzero(shard_of == s),
+                       start + self._delay(shard.master))
+            groups.append(g)
+            fut = self._pool.submit(self._fetch, shard.master, False, keys[g.idx], width)
+            pending[fut] = (g, shard.master, False)
+        while True:
+            open_groups = [g for g in groups if not g.done]
+            if not open_groups:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            for g in open_groups:  # hedge the groups past their delay
+                if (self.hedge and not g.hedged and now >= g.hedge_at
+                        and self._hedge(g, keys, width, pending)):
+                    self.metrics.hedges_sent.inc()
+            live = [f for f in pending if not pending[f][0].done]
+            if not live and all(g.done or g.exhausted for g in open_groups):
+                break
+            waits = [g.hedge_at for g in open_groups if self.hedge and not g.hedged
+                     and not g.exhausted]
+            until = min([deadline, *waits])
+            finished, _ = wait(live, timeout=max(0.0, until - time.monotonic()),
+                               return_when=FIRST_COMPLETED)
+            for fut in finished:
+                g, address, readonly = pending.pop(fut)
+                if g.done:
+                    continue
+                try:
+                    vals, hit = fut.result()
+                except (OSError, wire.ReplyError) as exc:
+                    self.metrics.node_errors.labels(f"{address[0]}:{address[1]}").inc()
+                    log.debug("sparse tier: read from %s:%d failed (%s)", *address, exc)
+                    self._refresh_soon()
+                    g.master_failed = g.master_failed or not readonly
+                    # route around at once: the next replica, hedging or not
+                    if not self._hedge(g, keys, width, pending) and not any(
+                            p[0] is g for p in pending.values()):
+                        g.exhausted = True
+                    continue
+                values[g.idx], found[g.idx] = vals, hit
+                g.done = True
+                if readonly and not g.master_failed:
+                    self.metrics.hedges_won.inc()
+        for g in groups:
+            if not g.done:
+                failed[g.idx] = True
+        if failed.any():
+            self.metrics.read_failures.inc(int(failed.sum()))
+        return values, found, failed
+
+    def _hedge(self, g: _Group, keys: np.ndarray, width: int,
+               pending: dict[Future, tuple[_Group, Address, bool]]) -> bool:
+        """Send group ``g`` to its next untried replica; False when none is left."""
+        g.hedged = True
+        for replica in g.shard.replicas:
+            if replica not in g.tried:
+                g.tried.add(replica)
+                fut = self._pool.submit(self._fetch, replica, True, keys[g.idx], width)
+                pending[fut] = (g, replica, True)
+                return True
+        return False
+
+
+@dataclass
+class _Group:
+    """The keys of one read that live on one shard."""
+
+    shard: Shard
+    idx: np.ndarray
+    hedge_at: float
+    done: bool = False
+    hedged: bool = False
+    exhausted: bool = False
+    master_failed: bool = False
+
+    def __post_init__(self) -> None:
+        self.tried: set[Address] = {self.shard.master}
+
+
+def _slot(key: bytes) -> int:
+    from redis.crc import key_slot
+
+    return int(key_slot(key))

@@ -1,0 +1,225 @@
+"""Redis wire format for many fixed-size rows at once: cluster slots of binary keys,
+pipelined ``SET`` / ``GET`` commands built as numpy arrays, and their replies parsed
+without a Python loop per row.
+
+Every row key has the same length (a prefix plus the 8 key bytes) and every value of a
+version the same length (one encoded row), so a pipeline of N commands is an
+``uint8[N, width]`` array filled column by column::
+
+    GET   *2\\r\\n$3\\r\\nGET\\r\\n$L\\r\\n<key>\\r\\n
+    SET   *3\\r\\n$3\\r\\nSET\\r\\n$L\\r\\n<key>\\r\\n$M\\r\\n<value>\\r\\n
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+SLOTS = 16384
+
+
+def _crc16_table() -> np.ndarray:
+    table = np.zeros(256, np.uint16)
+    for i in range(256):
+        crc = i << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+        table[i] = crc & 0xFFFF
+    return table
+
+
+_TABLE = _crc16_table()
+
+
+@numba.njit(nogil=True, cache=True)
+def _slots(keys, table, out):
+    n, width = keys.shape
+    for i in range(n):
+        lo, hi = 0, width
+        open_at = -1
+        for j in range(width):
+            if keys[i, j] == 123:  # '{': a hash tag, as Redis Cluster reads it
+                open_at = j
+                break
+        if open_at >= 0:
+            for j in range(open_at + 1, width):
+                if keys[i, j] == 125:  # '}'
+                    if j > open_at + 1:
+                        lo, hi = open_at + 1, j
+                    break
+        crc = 0
+        for j in range(lo, hi):
+            crc = ((crc << 8) & 0xFFFF) ^ table[((crc >> 8) ^ keys[i, j]) & 0xFF]
+        out[i] = crc % 16384
+
+
+def row_keys(prefix: bytes, keys: np.ndarray) -> np.ndarray:
+    """``uint8[n, len(prefix) + 8]``: each Redis key, ``prefix`` + the key's 8 bytes."""
+    keys = np.ascontiguousarray(keys, "<i8")
+    out = np.empty((len(keys), len(prefix) + 8), np.uint8)
+    out[:, :len(prefix)] = np.frombuffer(prefix, np.uint8)
+    out[:, len(prefix):] = keys.view(np.uint8).reshape(-1, 8)
+    return out
+
+
+def key_slots(keys: np.ndarray) -> np.ndarray:
+    """Cluster slot (int32) of each row of ``uint8[n, width]`` keys."""
+    out = np.empty(len(keys), np.int32)
+    if len(keys):
+        _slots(np.ascontiguousarray(keys), _TABLE, out)
+    return out
+
+
+def _bulk(data: np.ndarray) -> list[np.ndarray]:
+    """``$len\\r\\n<data>\\r\\n`` columns for rows of equal-length ``data``."""
+    n, width = data.shape
+    head = np.frombuffer(f"${width}\r\n".encode(), np.uint8)
+    crlf = np.frombuffer(b"\r\n", np.uint8)
+    return [np.broadcast_to(head, (n, len(head))), data, np.broadcast_to(crlf, (n, 2))]
+
+
+def _pack(parts: list[np.ndarray]) -> bytes:
+    n = parts[0].shape[0]
+    width = sum(p.shape[1] for p in parts)
+    out = np.empty((n, width), np.uint8)
+    col = 0
+    for p in parts:
+        out[:, col:col + p.shape[1]] = p
+        col += p.shape[1]
+    return out.tobytes()
+
+
+def _const(text: bytes, n: int) -> np.ndarray:
+    return np.broadcast_to(np.frombuffer(text, np.uint8), (n, len(text)))
+
+
+def pack_gets(keys: np.ndarray) -> bytes:
+    """A pipeline of one ``GET`` per row of ``keys``."""
+    if not len(keys):
+        return b""
+    return _pack([_const(b"*2\r\n$3\r\nGET\r\n", len(keys)), *_bulk(keys)])
+
+
+def pack_sets(keys: np.ndarray, values: np.ndarray) -> bytes:
+    """A pipeline of one ``SET key value`` per row (``values``: ``uint8[n, M]``; M may be
+    0, a tombstone)."""
+    if not len(keys):
+        return b""
+    return _pack([_const(b"*3\r\n$3\r\nSET\r\n", len(keys)), *_bulk(keys), *_bulk(values)])
+
+
+def pack_command(*args: bytes) -> bytes:
+    """One command of any arguments."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        out += [f"${len(a)}\r\n".encode(), a, b"\r\n"]
+    return b"".join(out)
+
+
+class ReplyError(Exception):
+    """A node answered a command with an error (``-MOVED``, ``-CLUSTERDOWN``, ...)."""
+
+
+@numba.njit(nogil=True, cache=True)
+def _parse_bulks(buf, start, pos, n, offsets, lengths, state):
+    """Parse replies ``start``..``n - 1`` from ``buf`` at byte ``pos``: bulk strings
+    (offset, length; -1 for nil), ``+simple`` or ``:integer`` (length -2). Stops at the
+    first incomplete reply: ``state`` = (replies parsed, next byte). Returns -1, or the
+    byte position of an error reply."""
+    size = buf.shape[0]
+    i = start
+    while i < n:
+        if pos >= size:
+            break
+        kind = buf[pos]
+        end = pos + 1  # the line up to \r\n
+        while end + 1 < size and not (buf[end] == 13 and buf[end + 1] == 10):
+            end += 1
+        if end + 1 >= size:
+            break
+        if kind == 45:  # '-'
+            return pos
+        if kind == 43 or kind == 58:  # '+' or ':'
+            offsets[i] = pos + 1
+            lengths[i] = -2
+            pos = end + 2
+            i += 1
+            continue
+        if kind != 36:  # not '$': unexpected
+            return pos
+        neg = False
+        value = 0
+        for j in range(pos + 1, end):
+            c = buf[j]
+            if c == 45:
+                neg = True
+            else:
+                value = value * 10 + (c - 48)
+        if neg:
+            offsets[i] = 0
+            lengths[i] = -1
+            pos = end + 2
+            i += 1
+            continue
+        if end + 2 + value + 2 > size:
+            break
+        offsets[i] = end + 2
+        lengths[i] = value
+        pos = end + 2 + value + 2
+        i += 1
+    state[0] = i
+    state[1] = pos
+    return -1
+
+
+class ReplyParser:
+    """Replies of ``n`` pipelined commands, parsed as their bytes arrive (``feed``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.offsets = np.zeros(n, np.int64)
+        self.lengths = np.zeros(n, np.int64)
+        self._state = np.zeros(2, np.int64)
+
+    @property
+    def done(self) -> bool:
+        return int(self._state[0]) >= self.n
+
+    def feed(self, buf: np.ndarray) -> bool:
+        """Parse what ``buf`` (every byte received so far) adds; True once all ``n``
+        replies are in. Raises ReplyError on an error reply."""
+        if self.n:
+            at = _parse_bulks(buf, int(self._state[0]), int(self._state[1]), self.n,
+                              self.offsets, self.lengths, self._state)
+            if at >= 0:
+                end = bytes(buf[at:at + 200]).split(b"\r\n", 1)[0]
+                raise ReplyError(end.decode(errors="replace").lstrip("-"))
+        return self.done
+
+
+def parse_replies(buf: np.ndarray, n: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """(bytes consumed or -1 if incomplete, offsets, lengths) of ``n`` replies in
+    ``buf``; raises ReplyError on an error reply."""
+    parser = ReplyParser(n)
+    complete = parser.feed(buf)
+    return (int(parser._state[1]) if complete else -1), parser.offsets, parser.lengths
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather(buf, offsets, lengths, width, out, found):
+    for i in range(offsets.shape[0]):
+        if lengths[i] == width:
+            found[i] = True
+            for j in range(width):
+                out[i, j] = buf[offsets[i] + j]
+
+
+def gather_values(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                  width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(``uint8[n, width]`` values, found mask): replies of another length (nil, an
+    empty tombstone) are not found."""
+    out = np.zeros((len(offsets), width), np.uint8)
+    found = np.zeros(len(offsets), np.bool_)
+    if len(offsets):
+        _gather(buf, offsets, lengths, width, out, found)
+    return out, found

@@ -1,0 +1,293 @@
+"""A careless user's command lines (issue 14, items 7 and 8): each ends in one line naming
+the flag, file or field and what is wrong (exit 2, no traceback), or in a correct run;
+nothing half-trained is left in ``--out``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import terarec
+from terarec.cli.main import main as cli_main
+from terarec.data.synth import generate
+
+TRAIN = ["--pass-rows", "1000", "--batch-size", "250", "--embedding-dim", "4",
+         "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("errors") / "train.tsv"
+    generate(path, 2000, model_seed=0, sample_seed=1, vocab_scale=0.01)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lr_model(data, tmp_path_factory) -> Path:
+    """A two-pass LR model (two checkpoints), trained once and copied by tests that
+    change it."""
+    out = tmp_path_factory.mktemp("lr") / "model"
+    assert cli_main(["train", "--train", str(data), "--out", str(out), *TRAIN,
+                     "--model", "lr"]) == 0
+    return out
+
+
+def _train(data: Path, out: Path, *extra: str) -> int:
+    return cli_main(["train", "--train", str(data), "--out", str(out), *TRAIN, *extra])
+
+
+def _one_line(capsys) -> str:
+    """The error line; it must be the last of stderr, printable and not a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.isprintable(), line
+    return line
+
+
+FLAG_ERRORS = [
+    (["--memory-budget", "1KB"], "memory budget 1,024 B leaves room for no hot rows"),
+    (["--device", "tpu"], "--device: device: 'tpu' is not a device terarec trains on"),
+    (["--device", "cuda:x"], "--device: device: 'cuda:x' is not a device"),
+    (["--threads", "-1"], "--threads: threads: -1 must be > 0"),
+    (["--threads", "0"], "--threads: threads: 0 must be > 0"),
+    (["--epochs", "0"], "--epochs: epochs: 0 must be > 0"),
+    (["--epochs", "-1"], "--epochs: epochs: -1 must be > 0"),
+    (["--evict-after-passes", "0"], "--evict-after-passes: store.evict_after_passes: 0 "
+                                    "must be > 0"),
+    (["--sparse-lr", "-1"], "--sparse-lr: sparse_optimizer.lr: -1.0 must be > 0"),
+    (["--sparse-lr", "nan"], "--sparse-lr: sparse_optimizer.lr: nan is not a finite number"),
+    (["--admit-min-count", "-1"], "--admit-min-count: store.admit_min_count: -1 must be >= 0"),
+    (["--checkpoint-every", "0"], "--checkpoint-every 0: must be >= 1"),
+    (["--export-to", "EXPORT", "--delta-every", "0"], "--delta-every 0: must be >= 1"),
+    (["--export-to", "EXPORT", "--delta-minutes", "0"], "--delta-minutes 0.0: must be > 0"),
+    (["--label", "click"], "--label: only for --format csv or parquet; the Criteo format's "
+                           "columns are fixed"),
+    (["--log1p", "I1"], "--log1p: only for --format csv or parquet"),
+    (["--numeric", "I1", "--categorical", "C1"], "--numeric, --categorical: only for "
+                                                 "--format csv or parquet"),
+    (["--promote-at", "10"], "promote_at [10.0] (--promote-at) needs one width per threshold "
+                             "in variable_dims (--variable-dims), got none"),
+    (["--variable-dims", "2"], "variable_dims [2] (--variable-dims) needs the show counts "
+                               "that move a key up a class: promote_at (--promote-at)"),
+    (["--variable-dims", "1,2", "--promote-at", "5"], "promote_at [5.0] (--promote-at) needs "
+                                                      "one width per threshold"),
+]
+
+
+@pytest.mark.parametrize("extra,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
+def test_nonsense_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, message):
+    extra = [str(tmp_path / "export") if a == "EXPORT" else a for a in extra]
+    out = tmp_path / "model"
+    assert _train(data, out, *extra) == 2
+    assert message in _one_line(capsys)
+    assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_cuda_says_so(data, tmp_path, capsys, device):
+    assert _train(data, tmp_path / "model", "--device", device) == 2
+    assert f"--device {device}: CUDA is not available" in _one_line(capsys)
+
+
+def test_paths_that_name_a_file_are_refused(data, lr_model, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert _train(data, afile) == 2
+    assert f"--out {afile} is a file, not a model directory" in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--store-dir", str(afile)) == 2
+    assert f"--store-dir {afile} is a file, not a folder" in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--export-to", str(afile)) == 2
+    assert f"--export-to {afile} is a file, not an export folder" in _one_line(capsys)
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(afile)]) == 2
+    assert f"--out {afile} is a file, not an export folder" in _one_line(capsys)
+    assert afile.read_text() == "x"
+
+
+RESUME = ["--pass-rows", "1000", "--batch-size", "250", "--threads", "1", "--no-progress"]
+RESUME_CHANGES = [
+    (["--model", "fm"], "model.name (--model): was 'lr', now 'fm'"),
+    (["--embedding-dim", "8"], "model.embedding_dim (--embedding-dim): was 4, now 8"),
+    (["--seed", "5"], "seed (--seed): was 0, now 5"),
+    (["--sparse-optimizer", "adam"], "sparse_optimizer.name (--sparse-optimizer): was "
+                                     "'adagrad', now 'adam'"),
+    (["--precision", "int8"], "store.precision (--precision): was 'fp32', now 'int8'"),
+    (["--config", "CFG"], "dense_optimizer.name: was 'adam', now 'sgd'"),
+]
+
+
+@pytest.mark.parametrize("extra,message", RESUME_CHANGES,
+                         ids=[a[0] for a, _ in RESUME_CHANGES])
+def test_resume_refuses_what_the_checkpoints_fix(data, lr_model, tmp_path, capsys, extra,
+                                                 message):
+    out = tmp_path / "model"
+    shutil.copytree(lr_model, out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"dense_optimizer": {"name": "sgd"}}))
+    extra = [str(cfg) if a == "CFG" else a for a in extra]
+    assert cli_main(["train", "--train", str(data), "--out", str(out), "--resume",
+                     *RESUME, *extra]) == 2
+    line = _one_line(capsys)
+    assert f"--resume: {out} was trained with other settings that its checkpoints fix" in line
+    assert message in line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+
+
+def test_resume_keeps_the_saved_model_and_takes_free_knobs(data, lr_model, tmp_path):
+    out = tmp_path / "model"
+    shutil.copytree(lr_model, out)
+    # Neither --model nor --embedding-dim given: the run continues the saved LR model;
+    # a learning rate and the epoch count may change.
+    assert cli_main(["train", "--train", str(data), "--out", str(out), "--resume", *RESUME,
+                     "--sparse-lr", "0.01", "--epochs", "2"]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["model"]["name"] == "lr" and saved["model"]["embedding_dim"] == 4
+    assert saved["sparse_optimizer"]["lr"] == 0.01
+    assert json.loads((out / "metrics.json").read_text())["passes"] == 4
+
+
+def _drop_sha256(checkpoint: Path) -> None:
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    del meta["sha256"]
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_meta_json_without_sha256_is_refused_naming_the_file(data, lr_model, tmp_path,
+                                                               capsys, caplog):
+    model = tmp_path / "model"
+    shutil.copytree(lr_model, model)
+    newest, older = sorted((model / "checkpoints").glob("pass-*"), reverse=True)
+    _drop_sha256(newest)
+    # The previous checkpoint loads, and the refusal says why.
+    assert cli_main(["eval", "--model", str(model), "--data", str(data),
+                     "--out", str(tmp_path / "e.json")]) == 0
+    assert f"{newest / 'meta.json'}: missing field(s) ['sha256']" in caplog.text
+    assert json.loads((tmp_path / "e.json").read_text())["rows"] == 2000
+    # With no good checkpoint left, every reader fails in one line.
+    _drop_sha256(older)
+    for argv in (["eval", "--model", str(model), "--data", str(data), "--out",
+                  str(tmp_path / "e2.json")],
+                 ["export", "--model", str(model), "--out", str(tmp_path / "exp")],
+                 ["train", "--train", str(data), "--out", str(model), "--resume", *RESUME]):
+        assert cli_main(argv) == 2
+        line = _one_line(capsys)
+        assert "no loadable checkpoint" in line and "missing field(s) ['sha256']" in line
+
+
+def test_binary_garbage_is_named_by_offset_not_dumped(data, lr_model, tmp_path, capsys):
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(bytes(range(256)) * 64)
+    for extra in ([], ["--on-bad-row", "skip"]):
+        assert _train(garbage, tmp_path / "m", *extra) == 2
+        assert (f"{garbage}: line 1: not text (byte 0x00 at offset 0); expected UTF-8 "
+                "delimited text") in _one_line(capsys)
+    assert cli_main(["eval", "--model", str(lr_model), "--data", str(garbage),
+                     "--out", str(tmp_path / "e.json")]) == 2
+    assert f"{garbage}: line 1: not text" in _one_line(capsys)
+    # Binary bytes past the first 64 KiB: the line is still named, the bytes never shown.
+    mixed = tmp_path / "mixed.tsv"
+    text = data.read_bytes()
+    mixed.write_bytes(text + b"\xff\xfe\x00garbage\x90\x91\n" + text)
+    lines = text.count(b"\n")
+    for extra in ([], ["--on-bad-row", "skip"]):
+        assert _train(mixed, tmp_path / "m", *extra) == 2
+        assert f"{mixed}: line {lines + 1}: not UTF-8 text (binary data?)" in _one_line(capsys)
+    assert not (tmp_path / "m" / "checkpoints").exists()
+
+
+def test_binary_garbage_under_skip_exits_cleanly_as_a_process(data, tmp_path):
+    """The process itself: exit 2 with one line (a pyarrow reader left open used to abort
+    the interpreter at exit, and the undecodable row printed a traceback)."""
+    mixed = tmp_path / "mixed.tsv"
+    mixed.write_bytes(data.read_bytes() + b"\xff\xfe\tx\n" * 3 + data.read_bytes())
+    src = Path(terarec.__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "terarec", "train", "--train", str(mixed),
+                           "--out", str(tmp_path / "m"), *TRAIN, "--on-bad-row", "skip"],
+                          env=env, capture_output=True, timeout=300)
+    err = done.stderr.decode("utf-8")
+    assert done.returncode == 2, err
+    assert "Traceback" not in err and "terminate called" not in err
+    assert err.strip().splitlines()[-1].endswith("not UTF-8 text (binary data?)")
+
+
+def test_corrupt_model_files_and_configs_name_the_file(data, lr_model, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(lr_model, model)
+    (model / "schema.json").write_text('{"fields": [')
+    assert cli_main(["eval", "--model", str(model), "--data", str(data),
+                     "--out", str(tmp_path / "e.json")]) == 2
+    assert f"{model / 'schema.json'}: not valid JSON" in _one_line(capsys)
+    (model / "schema.json").write_bytes(b"\xff\xfe\x00")
+    assert cli_main(["export", "--model", str(model), "--out", str(tmp_path / "x")]) == 2
+    assert f"{model / 'schema.json'}: not valid JSON" in _one_line(capsys)
+    shutil.copy(lr_model / "schema.json", model / "schema.json")
+    (model / "train_config.json").write_text('{"batch')
+    for argv in (["eval", "--model", str(model), "--data", str(data), "--out",
+                  str(tmp_path / "e.json")],
+                 ["train", "--train", str(data), "--out", str(model), "--resume", *RESUME]):
+        assert cli_main(argv) == 2
+        assert f"{model / 'train_config.json'}: config: invalid JSON" in _one_line(capsys)
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text('{"batch_size": 3,')
+    assert _train(data, tmp_path / "m", "--config", str(cfg)) == 2
+    assert f"{cfg}: config: invalid JSON (EOF while parsing" in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--config", str(tmp_path / "none.json")) == 2
+    assert (f"{tmp_path / 'none.json'}: cannot read config file: No such file or "
+            "directory") in _one_line(capsys)
+
+
+def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
+    junk = tmp_path / "junk.tsv"
+    junk.write_text("".join(f"row {i} is not criteo\n" for i in range(50)))
+    out = tmp_path / "model"
+    assert _train(junk, out, "--on-bad-row", "skip") == 2
+    line = _one_line(capsys)
+    assert (f"no training rows in {junk}: all 50 rows read were bad and skipped "
+            f"(--on-bad-row skip); first: {junk}: line 1:") in line
+    assert not (out / "checkpoints").exists() and not (out / "metrics.json").exists()
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    assert _train(empty, tmp_path / "m2") == 2
+    assert f"{empty}: empty file" in _one_line(capsys)
+    assert not (tmp_path / "m2" / "checkpoints").exists()
+
+
+def test_every_validation_row_skipped_is_refused_before_training(data, tmp_path, capsys):
+    junk = tmp_path / "junk.tsv"
+    junk.write_text("x\n" * 5)
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(data), "--valid", str(junk), "--out", str(out),
+                     *TRAIN, "--on-bad-row", "skip"]) == 2
+    assert f"no validation rows in {junk}: all 5 rows read were bad" in _one_line(capsys)
+    assert not (out / "checkpoints").exists()
+
+
+def test_a_bad_row_is_reported_once_over_several_epochs(data, tmp_path, capsys):
+    bad = tmp_path / "bad.tsv"
+    bad.write_bytes(data.read_bytes() + b"notalabel\t1\n")
+    out = tmp_path / "model"
+    assert _train(bad, out, "--epochs", "2", "--on-bad-row", "skip") == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 bad rows; first: " in err
+    assert err.count("line 2001") == 1
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["skipped_rows"] == 1 and metrics["rows"] == 2 * 2000
+
+
+def test_numeric_transform_applies_to_criteo(data, tmp_path):
+    out = tmp_path / "model"
+    assert _train(data, out, "--numeric-transform", "none", "--model", "lr") == 0
+    fields = json.loads((out / "schema.json").read_text())["fields"]
+    numeric = [f for f in fields if f["kind"] == "numeric"]
+    assert len(numeric) == 13 and {f["transform"] for f in numeric} == {"none"}

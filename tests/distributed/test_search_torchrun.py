@@ -1,0 +1,140 @@
+"""``terarec search`` under torchrun (2 gloo ranks): the same trials, pruning decisions
+and values as one process, the best trial a model directory with one shard per rank; a
+searched batch size is refused with a reason; a rank killed mid-search resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from terarec.data.synth import generate
+from terarec.train.checkpoint import best_checkpoint
+
+pytestmark = pytest.mark.dist
+SRC = Path(__file__).resolve().parents[2] / "src"
+TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def args(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("dsearch")
+    generate(root / "t.tsv", 3000, model_seed=3, sample_seed=1)
+    generate(root / "v.tsv", 1000, model_seed=3, sample_seed=2)
+    return ["search", "--train", str(root / "t.tsv"), "--valid", str(root / "v.tsv"),
+            "--model", "fm", "--trials", "3", "--sampler", "random", "--pruner", "halving",
+            "--epochs", "2", "--batch-size", "250", "--pass-rows", "500", "--threads", "1",
+            "--seed", "1", "--no-progress", "--admit-min-count", "2"]
+
+
+def _rows(out: Path) -> dict[int, dict]:
+    return {r["trial"]: r for r in json.loads((out / "results.json").read_text())["trials"]}
+
+
+def test_two_ranks_search_like_one_process(args, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = _run([sys.executable, "-m", "terarec", *args, "--out", str(one)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                 "--master_port", str(_free_port()), "-m", "terarec", *args,
+                 "--out", str(two)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _rows(one), _rows(two)
+    assert a.keys() == b.keys() == {0, 1, 2}
+    assert any(r["state"] == "pruned" for r in a.values())
+    for n in a:
+        assert b[n]["state"] == a[n]["state"] and b[n]["passes"] == a[n]["passes"]
+        assert {k: v for k, v in b[n].items() if k.startswith("params.")} == \
+            {k: v for k, v in a[n].items() if k.startswith("params.")}
+        assert b[n]["value"] == pytest.approx(a[n]["value"], abs=1e-6)
+    best = two / "best"
+    name = best_checkpoint(best)
+    assert name is not None
+    shards = sorted(p.name for p in (best / "checkpoints" / name).glob("sparse-*"))
+    assert shards == ["sparse-00000-of-00002", "sparse-00001-of-00002"]
+    scores = tmp_path / "scores.json"
+    assert _run([sys.executable, "-m", "terarec", "eval", "--model", str(best), "--data",
+                 args[args.index("--valid") + 1], "--out", str(scores)]).returncode == 0
+    winner = _rows(one)[json.loads((one / "results.json").read_text())["best_trial"]]
+    assert json.loads(scores.read_text())["logloss"] == pytest.approx(winner["value"],
+                                                                      abs=1e-5)
+
+
+def test_a_searched_batch_size_is_refused_under_torchrun(args, tmp_path):
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"batch_size": [250, 500]}))
+    done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                 "--master_port", str(_free_port()), "-m", "terarec", *args, "--space",
+                 str(space), "--out", str(tmp_path / "o")])
+    assert done.returncode != 0
+    assert "batch_size cannot be searched" in done.stderr
+
+
+def _workers(agent: int) -> list[int]:
+    """The worker processes torchrun's agent ``agent`` started (rank 0 first)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == agent:
+            found.append(int(entry))
+    return sorted(found)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_one(
+        args, tmp_path):
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"model.embedding_dim": [2, 4, 8]}))
+    grid = [*args, "--sampler", "grid", "--space", str(space), "--parallel", "1",
+            "--pruner", "none", "--epochs", "6", "--patience", "10"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    done = _run([*launch, "--master_port", str(_free_port()), "-m", "terarec", *grid,
+                 "--out", str(whole)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([*launch, "--master_port", str(_free_port()), "-m", "terarec",
+                              *grid, "--out", str(killed)], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = killed / "trials" / "trial-000" / "metrics.json"
+    deadline = time.monotonic() + TIMEOUT_S
+    while not first.exists() and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.5)  # optuna is told just after the trial's files are written
+    os.kill(_workers(agent.pid)[0], signal.SIGKILL)  # rank 0, while trial 1 trains
+    assert agent.wait(timeout=TIMEOUT_S) != 0  # torchrun stops the other rank
+    assert not (killed / "results.json").exists()
+    done = _run([*launch, "--master_port", str(_free_port()), "-m", "terarec", *grid,
+                 "--out", str(killed), "--resume"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = {r["params.model.embedding_dim"]: r["value"] for r in _rows(whole).values()}
+    rows = _rows(killed)
+    assert 1 not in rows and len(rows) == 3  # trial 1 was interrupted and asked again
+    got = {r["params.model.embedding_dim"]: r["value"] for r in rows.values()}
+    assert got.keys() == want.keys() == {2, 4, 8}
+    for dim, value in want.items():
+        assert got[dim] == pytest.approx(value, abs=1e-12), dim
