@@ -214,7 +214,9 @@ class FieldSpec:
 
     A numeric field feeds ``transform(x)``, standardised as ``(transform(x) - mean) / std``
     when the statistics are set (``terarec.data.numeric``; schemas saved without them
-    feed ``transform(x)`` as they always did)."""
+    feed ``transform(x)`` as they always did). With ``buckets`` (increasing edges on
+    ``transform(x)``) it also feeds one categorical key per row: the index of its bucket,
+    so the model learns a weight and an embedding per value range."""
 
     __pydantic_config__ = STRICT
 
@@ -225,6 +227,12 @@ class FieldSpec:
     pooling: Pooling = "sum"
     mean: float | None = None
     std: Annotated[float, Field(gt=0)] | None = None
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def sparse(self) -> bool:
+        """True when the field feeds a key per row (categorical, or bucketed numeric)."""
+        return self.kind == "categorical" or self.buckets is not None
 
 
 SCHEMA_VERSION = 1
@@ -256,8 +264,14 @@ class FeatureSchema:
         return tuple(f for f in self.fields if f.kind == "categorical")
 
     @property
+    def sparse_fields(self) -> tuple[FieldSpec, ...]:
+        """The fields that feed keys, in the order of ``Batch.sparse`` (and of the
+        model's embedding slots): the categorical fields, then the bucketed numeric ones."""
+        return self.categorical + tuple(f for f in self.numeric if f.buckets is not None)
+
+    @property
     def sparse_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.categorical)
+        return tuple(f.name for f in self.sparse_fields)
 
     @property
     def dense_dim(self) -> int:
@@ -304,6 +318,16 @@ class FeatureSchema:
                                    f"fields[{names.index(name)}]")
         if schema.label in names:
             raise InvalidInput(f"{prefix}label: {schema.label!r} is also an input field")
+        for i, spec in enumerate(schema.fields):
+            if spec.buckets is None:
+                continue
+            if spec.kind != "numeric":
+                raise InvalidInput(f"{prefix}fields[{i}].buckets: only numeric fields are "
+                                   "bucketed")
+            edges = spec.buckets
+            if not edges or any(b <= a for a, b in zip(edges, edges[1:], strict=False)):
+                raise InvalidInput(f"{prefix}fields[{i}].buckets: expected a non-empty "
+                                   "list of strictly increasing edges")
         return schema
 
     def save(self, path: str | Path) -> None:

@@ -77,6 +77,17 @@ def test_admission_sized_only_on_small_data() -> None:
     assert sized_admission(10**9) == TrainConfig().store.admit_min_count == 1
 
 
+def test_epoch_bound_with_validation_leaves_room_for_enough_steps() -> None:
+    from terarec.train.defaults import MAX_SELECTED_EPOCHS, MIN_SELECTED_STEPS, max_epochs
+    from terarec.train.selection import DEFAULT_MAX_EPOCHS
+
+    assert max_epochs(None, 256) == DEFAULT_MAX_EPOCHS  # unknown size: the fixed bound
+    assert max_epochs(10 ** 9, 4096) == DEFAULT_MAX_EPOCHS  # large data: unchanged
+    small = max_epochs(20_000, 256)  # 79 steps an epoch
+    assert small * 79 >= MIN_SELECTED_STEPS and (small - 1) * 79 < MIN_SELECTED_STEPS
+    assert max_epochs(100, 256) == MAX_SELECTED_EPOCHS  # one step an epoch: capped
+
+
 def test_admission_by_probability_is_not_given_a_sized_count(tmp_path: Path) -> None:
     data = tmp_path / "d.csv"
     data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))

@@ -23,10 +23,16 @@ from terarec.config import (
     load_train_config,
     to_dict,
 )
-from terarec.data.numeric import DEFAULT_STATS_ROWS, with_numeric_stats
+from terarec.data.numeric import (
+    DEFAULT_STATS_ROWS,
+    MAX_BUCKETS,
+    ROWS_PER_BUCKET,
+    with_numeric_stats,
+)
 from terarec.data.readers import ReadStats, csv_schema
 from terarec.distributed.context import DistContext
 from terarec.io import ScratchDir
+from terarec.train.defaults import estimate_rows, max_epochs
 from terarec.train.selection import (
     DEFAULT_MAX_EPOCHS,
     DEFAULT_PATIENCE,
@@ -120,27 +126,35 @@ def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stats-rows", type=int, default=DEFAULT_STATS_ROWS,
                    help="rows read from the start of --train for numeric statistics "
                    f"(default {DEFAULT_STATS_ROWS:,})")
+    g.add_argument("--numeric-buckets", type=int, default=None, metavar="N",
+                   help="also feed each numeric column's quantile bucket as a categorical "
+                   "key, at most N buckets (default: one per "
+                   f"{ROWS_PER_BUCKET} sampled values, at most {MAX_BUCKETS}; 0: off)")
 
 
 def train_schema_from_args(args: argparse.Namespace,
                            base: FeatureSchema | None = None,
                            ctx: DistContext | None = None) -> FeatureSchema:
     """The schema a new training run uses: ``base`` (default ``schema_from_args``) with
-    numeric statistics gathered from the first ``--stats-rows`` rows of ``--train``.
+    numeric statistics and bucket edges from the first ``--stats-rows`` rows of ``--train``.
     Bad rows are left out of the statistics here; training reads them again and reports
     or skips them as ``--on-bad-row`` says (on every rank alike under torchrun). With
     ``ctx`` one of N ranks (collective), each rank reads its share of those rows."""
     schema = base if base is not None else schema_from_args(args)
-    if getattr(args, "no_standardize", False):
-        return schema
     rows = getattr(args, "stats_rows", DEFAULT_STATS_ROWS)
     if rows <= 0:
         raise ValueError(f"--stats-rows must be positive, got {rows}")
+    buckets = getattr(args, "numeric_buckets", None)
+    if buckets is not None and (buckets < 0 or buckets == 1):
+        raise ValueError(f"--numeric-buckets {buckets}: must be 0 (off) or at least 2")
+    standardize = not getattr(args, "no_standardize", False)
     if ctx is not None and ctx.world > 1:
         return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip",
+                                  standardize=standardize, buckets=buckets,
                                   rank=ctx.rank, world=ctx.world,
                                   gather=ctx.all_gather_object)
-    return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip")
+    return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip",
+                              standardize=standardize, buckets=buckets)
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:
@@ -218,7 +232,8 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
                    help="stop after this many evaluations without improvement "
                    f"(default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
-                   f"(default {DEFAULT_MAX_EPOCHS} + patience)")
+                   f"(default {DEFAULT_MAX_EPOCHS} + patience, more on small data: room for "
+                   "3,000 steps, at most 100 epochs)")
     g.add_argument("--eval-every", type=int, metavar="N",
                    help="evaluate at least every N steps: passes are cut to at most N "
                    "batches, so a pass boundary (evaluation, checkpoint) comes every N steps")
@@ -237,7 +252,7 @@ def selection_from_args(args: argparse.Namespace,
             raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")
         config.pass_rows = min(config.pass_rows, args.eval_every * config.batch_size)
     if args.epochs is None and args.config is None:
-        config.epochs = DEFAULT_MAX_EPOCHS + args.patience
+        config.epochs = max_epochs(estimate_rows(args.train), config.batch_size) + args.patience
     return SelectionTracker(args.select_by, args.patience)
 
 

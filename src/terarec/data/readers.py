@@ -32,7 +32,7 @@ import pyarrow.csv as pa_csv
 import torch
 
 from terarec.data.hashing import hash_column
-from terarec.data.numeric import transform_values
+from terarec.data.numeric import bucket_index, transform_values
 from terarec.types import (
     Batch,
     FeatureSchema,
@@ -717,6 +717,7 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     for j, spec in enumerate(schema.numeric):
         numeric[j] = table.column(spec.name).to_numpy()
     dense = dense_features(numeric, schema)
+    bucket_keys = numeric_bucket_keys(numeric, schema)
     keys: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     for spec in schema.categorical:
@@ -728,6 +729,8 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
             k, length = _multi_keys(spec, col, n, schema.hash_salt)
             keys.append(k)
             lengths.append(length)
+    keys += bucket_keys  # sparse_fields order: categorical, then bucketed numeric
+    lengths += [np.ones(n, dtype=np.int64)] * len(bucket_keys)
     values = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
     offsets = np.zeros(n * len(lengths) + 1, dtype=np.int64)
     np.cumsum(np.concatenate(lengths), out=offsets[1:])
@@ -760,6 +763,23 @@ def dense_features(numeric: np.ndarray, schema: FeatureSchema) -> np.ndarray:
     if schema.missing_flags:
         dense[:, num:2 * num] = missing.T
     return dense
+
+
+def numeric_bucket_keys(numeric: np.ndarray, schema: FeatureSchema) -> list[np.ndarray]:
+    """The keys of every bucketed numeric field (``schema.sparse_fields`` order) from the
+    clean float64 values ``[fields, n]`` (NaN where missing)."""
+    return [_bucket_keys(spec, transform_values(numeric[j], spec.transform),
+                         np.isnan(numeric[j]), schema.hash_salt)
+            for j, spec in enumerate(schema.numeric) if spec.buckets is not None]
+
+def _bucket_keys(spec: FieldSpec, t: np.ndarray, missing: np.ndarray,
+                 salt: str) -> np.ndarray:
+    """Keys of a bucketed numeric field: its bucket index hashed like a categorical
+    value of the field (``"0"``, ``"1"`` ...); a missing value gets the field's missing
+    key."""
+    assert spec.buckets is not None
+    index = pa.array(bucket_index(t, spec.buckets), mask=missing)
+    return hash_column(spec.name, index, salt)
 
 
 def _multi_keys(spec: FieldSpec, col: pa.ChunkedArray, n: int,

@@ -24,7 +24,9 @@ class DSSM(CTRModel):
         logit = u . v + bias                 (tower_similarity = "dot")
 
     ``config.user_fields`` names the user side; ``config.item_fields`` the item side, by
-    default every other categorical field. Fields in neither tower are ignored. With
+    default every other categorical field. Bucketed numeric fields (their keys) join the
+    user tower, as their dense values do, unless a side names them. Fields in neither
+    tower are ignored. With
     cosine, ``user_embedding``/``item_embedding`` return unit vectors, so retrieval by
     inner product ranks exactly as the model scores.
     """
@@ -77,6 +79,11 @@ class DSSM(CTRModel):
         if not user:
             raise ValueError(f"model 'dssm': user_fields is empty; name the user-side "
                              f"categorical fields, from {list(names)}")
+        # Numeric fields feed the user tower (its dense input); so do their bucket keys,
+        # unless a side names them: the item tower must not read a user's values.
+        named = set(user) | set(config.item_fields)
+        user += tuple(f.name for f in schema.numeric
+                      if f.buckets is not None and f.name not in named)
         item = tuple(config.item_fields) or tuple(n for n in names if n not in user)
         for side, chosen in (("user_fields", user), ("item_fields", item)):
             unknown = [n for n in chosen if n not in names]

@@ -157,7 +157,7 @@ class ServingEngine:
         schema = self.reader.schema(manifest)
         model = self.reader.network(manifest, schema)
         rows = self._full_rows(manifest)
-        mean = [f.pooling == "mean" for f in schema.categorical]
+        mean = [f.pooling == "mean" for f in schema.sparse_fields]
         config = self.reader.features(manifest)
         lookup, raw_schema = None, None
         if config is not None and config.tables.tables:

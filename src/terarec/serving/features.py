@@ -34,15 +34,16 @@ from terarec.data.readers import (
     batch_from_columns,
     batch_from_records,
     dense_features,
+    numeric_bucket_keys,
 )
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
 
 
 def _part(schema: FeatureSchema, fields: list[FieldSpec]) -> FeatureSchema:
-    """The schema restricted to ``fields``. A Batch needs one categorical field at least,
+    """The schema restricted to ``fields``. A Batch needs one sparse field at least,
     so one is borrowed when ``fields`` has none (its keys are then ignored)."""
-    if not any(f.kind == "categorical" for f in fields):
-        fields = [*fields, schema.categorical[0]]
+    if not any(f.sparse for f in fields):
+        fields = [*fields, schema.sparse_fields[0]]
     return replace(schema, fields=tuple(fields))
 
 
@@ -54,18 +55,19 @@ class _Plan:
         self.row = _part(schema, [f for f in schema.fields if f.name in row_names])
         self.shared = _part(schema, [f for f in schema.fields if f.name not in row_names])
         self.has_rows = bool(row_names)
-        self.one_per_slot = all(f.separator is None for f in schema.categorical)
+        self.one_per_slot = all(f.separator is None for f in schema.sparse_fields)
         self.dense_row, self.dense_shared = _dense_sources(schema, self.row, self.shared,
                                                            row_names)
-        self.sparse_from_row = torch.tensor([f.name in row_names for f in schema.categorical])
-        # Per field of ``schema``: its position in each part (0 where it is not there).
-        row_sparse = [f.name for f in self.row.categorical]
-        shared_sparse = [f.name for f in self.shared.categorical]
+        sparse = schema.sparse_fields
+        self.sparse_from_row = torch.tensor([f.name in row_names for f in sparse])
+        # Per sparse field of ``schema``: its position in each part (0 where it is not).
+        row_sparse = list(self.row.sparse_names)
+        shared_sparse = list(self.shared.sparse_names)
         self.row_index = torch.tensor([row_sparse.index(f.name) if f.name in row_names
-                                       else 0 for f in schema.categorical])
+                                       else 0 for f in sparse])
         self.shared_index = torch.tensor([0 if f.name in row_names
                                           else shared_sparse.index(f.name)
-                                          for f in schema.categorical])
+                                          for f in sparse])
 
 
 def _dense_sources(schema: FeatureSchema, row: FeatureSchema, shared: FeatureSchema,
@@ -119,7 +121,7 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
                 else _common_columns(columns, len(candidates), schema, context))
         if fast is not None:
             return fast
-    if len(row_names) == len(schema.fields) or not schema.categorical:
+    if len(row_names) == len(schema.fields) or not schema.sparse_fields:
         merged = [{**context, **c} for c in candidates]
         return _relabel(lambda: part_batch(merged, schema), "candidates")
     overlap = [k for k in context if k in row_names]
@@ -143,14 +145,14 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
         # [F, n] keys, field-major as KeyedIds stores them: shared keys broadcast.
         ids = shared.sparse.values[plan.shared_index].unsqueeze(1).expand(-1, n)
         if rows is not None:
-            row_keys = rows.sparse.values.view(len(plan.row.categorical), n)
+            row_keys = rows.sparse.values.view(len(plan.row.sparse_fields), n)
             ids = torch.where(plan.sparse_from_row.unsqueeze(1), row_keys[plan.row_index], ids)
         sparse = KeyedIds(schema.sparse_names, ids.reshape(-1).contiguous(),
                           torch.arange(ids.numel() + 1, dtype=torch.int64))
         return Batch(dense, sparse, torch.zeros(n))
 
     values, lengths = [], []
-    for spec in schema.categorical:
+    for spec in schema.sparse_fields:
         batch = rows if rows is not None and spec.name in row_names else shared
         sparse = batch.sparse
         f = sparse.fields.index(spec.name)
@@ -260,6 +262,9 @@ def _common_columns(columns: Mapping[str, pa.Array], n: int, schema: FeatureSche
         lengths = [len(c) for _, c in parts]
         numeric[order] = x[_broadcast_index(lengths, n)]
     dense = dense_features(numeric, schema)
+    buckets = numeric_bucket_keys(numeric, schema)  # slots after the categorical ones
+    if buckets:
+        ids = np.concatenate([ids, *buckets]).astype(np.int64, copy=False)
     sparse = KeyedIds(schema.sparse_names, torch.from_numpy(ids),
                       torch.arange(len(ids) + 1, dtype=torch.int64))
     return Batch(torch.from_numpy(dense), sparse, torch.zeros(n))

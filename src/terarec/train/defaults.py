@@ -14,6 +14,11 @@ follow it::
                                                                  row of its own)
 
 At 131,072 rows and above every value is the fixed default, so large runs are unchanged.
+
+With a validation set the epoch count is only an upper bound (patience stops training);
+``max_epochs`` sizes that bound so that it allows at least ``MIN_SELECTED_STEPS``
+optimizer steps: on small data a linear model still improving after ten short epochs
+was cut off by the bound, not by its validation loss.
 A run that gives any of the first four (flag or config file) gets the fixed defaults for
 the rest: they are tuned together. Admission is separate: it is sized unless
 ``store.admit_min_count`` itself is given. On few rows a key seen once has one label to
@@ -30,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from terarec.config import TrainConfig
+from terarec.train.selection import DEFAULT_MAX_EPOCHS
 
 MIN_BATCH, MAX_BATCH = 256, 4096
 STEPS_PER_EPOCH = 32
@@ -41,6 +47,9 @@ _SAMPLE_BYTES = 1 << 20
 SIZED_KEYS = ("batch_size", "epochs", "sparse_optimizer.lr", "dense_optimizer.lr")
 ADMIT_KEY = "store.admit_min_count"
 SMALL_DATA_ADMIT = 2
+# The epoch upper bound with a validation set: room for this many steps, within limits.
+MIN_SELECTED_STEPS = 3000
+MAX_SELECTED_EPOCHS = 100
 
 
 def estimate_rows(paths: Iterable[str | Path]) -> int | None:
@@ -80,6 +89,18 @@ def sized_defaults(rows: int) -> dict[str, float | int]:
             "epochs": SMALL_DATA_EPOCHS if rows < SMALL_DATA_ROWS else base.epochs,
             "sparse_optimizer.lr": base.sparse_optimizer.lr * scale,
             "dense_optimizer.lr": base.dense_optimizer.lr * scale}
+
+
+def max_epochs(rows: int | None, batch_size: int) -> int:
+    """The epoch upper bound of a run with a validation set (before its patience is
+    added): ``DEFAULT_MAX_EPOCHS``, raised on small data to allow ``MIN_SELECTED_STEPS``
+    steps, at most ``MAX_SELECTED_EPOCHS``; ``DEFAULT_MAX_EPOCHS`` when ``rows`` is
+    unknown."""
+    if rows is None:
+        return DEFAULT_MAX_EPOCHS
+    steps = max(1, math.ceil(rows / batch_size))
+    wanted = math.ceil(MIN_SELECTED_STEPS / steps)
+    return int(min(MAX_SELECTED_EPOCHS, max(DEFAULT_MAX_EPOCHS, wanted)))
 
 
 def sized_admission(rows: int) -> int:

@@ -131,7 +131,7 @@ class Trainer:
         self.dense_optimizer = _dense_optimizer(self.model, config)
         # The fused lookup's backward needs a graph input that requires grad.
         self._anchor = torch.zeros((), requires_grad=True, device=self.device)
-        mean = [f.pooling == "mean" for f in schema.categorical]
+        mean = [f.pooling == "mean" for f in schema.sparse_fields]
         self.mean_fields = torch.tensor(mean, device=self.device) if any(mean) else None
         self.pass_id = 0
         # Every input file's row position after the last pass (checkpoint meta
