@@ -286,6 +286,9 @@ class TrainConfig:
     batch_size: Positive = knob(4096, "--batch-size")
     pass_rows: Positive = knob(200_000, "--pass-rows", "rows per pass (store write-back unit)")
     epochs: Positive = knob(1, "--epochs")
+    loss: Literal["bce", "sampled_softmax"] = knob(
+        "bce", "--loss", "bce (pointwise click loss) or sampled_softmax (dssm only: "
+        "in-batch negatives with logQ correction, for retrieval; docs/retrieval.md)")
     seed: Annotated[int, Field(ge=0, lt=1 << 32)] = knob(0, "--seed")
     threads: Positive | None = knob(None, "--threads")
     device: Device = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")

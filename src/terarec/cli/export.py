@@ -1,5 +1,5 @@
 """``terarec export``: write a model directory's best (or newest) checkpoint as a full
-version."""
+version, or one slice of it (``--slice``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "row-wise scale and bias (default 32); see docs/compression.md")
     p.add_argument("--codebook", action="store_true",
                    help="with --bits 8/4/2/1: shared k-means levels times a row scale")
+    p.add_argument("--slice", metavar="NAME",
+                   help="export only a part of the model: user_tower / item_tower (dssm), "
+                   "wide / deep (widedeep) or a comma-separated field list; again to the "
+                   "same --out writes a delta (docs/retrieval.md)")
+    p.add_argument("--keys-from", type=Path, action="append", default=[], metavar="FILE",
+                   help="with --slice: a data file (training log, item catalog) holding the "
+                   "slice's fields, whose keys the slice carries (repeatable)")
     add_checkpoint_arg(p)
     add_storage_args(p)
     p.set_defaults(func=run)
@@ -36,6 +43,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if Path(args.out).is_file():
         raise ValueError(f"--out {args.out} is a file, not an export folder")
+    if args.slice is not None:
+        if args.bits != 32 or args.codebook:
+            raise ValueError("--slice writes fp32 rows; leave out --bits / --codebook")
+        from terarec.retrieval.slices import export_slice
+
+        result = export_slice(args.model, args.out, args.slice, args.keys_from,
+                              storage_options=storage_options_from_args(args),
+                              shard_rows=args.shard_rows, checkpoint=args.checkpoint)
+        print(json.dumps({"uri": args.out, "slice": args.slice, **asdict(result)}))
+        return 0
+    if args.keys_from:
+        raise ValueError("--keys-from goes with --slice")
     codec = None if args.bits == 32 and not args.codebook else RowCodec(args.bits,
                                                                         args.codebook)
     result = export_model_dir(args.model, args.out, storage_options_from_args(args),

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 SUBCOMMANDS = [
     "quickstart", "synth", "train", "eval", "predict",
-    "search", "export", "publish", "serve",
+    "search", "export", "index", "publish", "serve",
     "autofeature",
     "inspect",
 ]

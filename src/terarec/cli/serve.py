@@ -2,7 +2,7 @@
 
 Routes: ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/NAME``,
 ``/v2/models/NAME/infer`` (Open Inference Protocol), ``/predict`` (raw feature values)
-and ``/metrics`` (Prometheus).
+``/metrics`` (Prometheus), and ``/retrieve`` with ``--index``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-delay-ms", type=float, default=1.0,
                    help="longest a request waits for others to join its pass while more "
                         "keep arriving (default 1 ms; a request alone never waits)")
+    p.add_argument("--index", type=Path,
+                   help="item index folder written by `terarec index`: answer POST "
+                        "/retrieve (docs/retrieval.md)")
+    p.add_argument("--max-top-k", type=int, default=1000,
+                   help="most items one /retrieve request may ask for (default 1000)")
     tier = p.add_argument_group("sparse tier (rows in a Redis Cluster, `terarec publish`)")
     tier.add_argument("--sparse-tier", metavar="redis://HOST:PORT",
                       help="read sparse rows from this cluster; only the dense part and the "
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
         max_candidates=args.max_candidates, max_body_bytes=args.max_body_bytes,
         wait_seconds=args.wait_seconds, incomplete_seconds=args.incomplete_seconds,
         threads=args.threads, max_batch_rows=args.max_batch_rows,
-        max_delay_ms=args.max_delay_ms)
+        max_delay_ms=args.max_delay_ms,
+        index=None if args.index is None else str(args.index), max_top_k=args.max_top_k)
     serve = {"host": args.host, "port": args.port, "log_level": args.log_level,
              "access_log": False}
     if args.sparse_tier:

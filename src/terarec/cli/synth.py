@@ -38,6 +38,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Zipf exponent of categorical values (default 1.1)")
     p.add_argument("--vocab-scale", type=float, default=1.0,
                    help="multiply every field's vocabulary size (default 1.0)")
+    g = p.add_argument_group("retrieval (--retrieval): a click log with planted user-item "
+                             "affinity, and its item catalog OUT.items")
+    g.add_argument("--retrieval", action="store_true",
+                   help="write label/user/item/topic rows whose true top items per user are "
+                   "known (docs/retrieval.md)")
+    g.add_argument("--users", type=int, default=100_000, help="users (default 100,000)")
+    g.add_argument("--items", type=int, default=1_000_000, help="items (default 1,000,000)")
+    g.add_argument("--negatives", type=int, default=1,
+                   help="uniformly drawn unclicked rows per click (default 1)")
     p.set_defaults(func=run)
 
 
@@ -50,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--valid-rows and --valid-out go together")
     if args.seed < 0:
         raise ValueError(f"--seed must not be negative, got {args.seed}")
+    if args.retrieval:
+        return _retrieval(args)
     if args.hourly is not None:
         return _hourly(args)
     if args.drift:
@@ -93,3 +104,17 @@ def _print(name: str, info: SynthInfo, seconds: float) -> None:
     print(f"{name}: {info.rows:,} rows -> {info.path} ({seconds:.1f} s)\n"
           f"  CTR {100 * info.ctr:.2f} %, best reachable AUC {info.ceiling_auc:.4f} "
           f"(log loss {info.ceiling_logloss:.4f})")
+
+
+def _retrieval(args: argparse.Namespace) -> int:
+    from terarec.data.synth_retrieval import write_retrieval
+
+    if args.hourly is not None or args.valid_rows:
+        raise ValueError("--retrieval does not go with --hourly or --valid-rows")
+    start = time.perf_counter()
+    info = write_retrieval(args.out, args.rows, users=args.users, items=args.items,
+                           negatives=args.negatives, seed=args.seed)
+    print(f"retrieval: {info.rows:,} rows ({info.clicks:,} clicks) -> {info.path} "
+          f"({time.perf_counter() - start:.1f} s)\n  {info.users:,} users, {info.items:,} "
+          f"items in {info.topics:,} topics; catalog {info.catalog}")
+    return 0

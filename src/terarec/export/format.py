@@ -125,6 +125,8 @@ class ManifestBody(TypedDict):
     schema: dict[str, Any]  # FeatureSchema.to_dict(), validated when a reader builds it
     model: dict[str, Any]  # ModelConfig, likewise
     features: NotRequired[str]
+    # A model slice (retrieval/slices.py): which fields' keys and which layers it holds.
+    slice: NotRequired[dict[str, Any]]
     pass_id: _Count
     created: float
     row_dim: Annotated[int, Field(ge=1)]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from safetensors.torch import load_file as load_torch_file
 
 from terarec.autofeature.candidates import AutoFeatureError
@@ -141,7 +142,10 @@ class VersionReader:
         except Exception as exc:  # safetensors raises its own error types
             raise ExportError(f"{manifest.name}: unreadable dense weights ({exc})") from None
         try:
-            model.load_state_dict(state, strict=True)
+            if "slice" in manifest.data:
+                _load_slice_state(model, state, manifest)
+            else:
+                model.load_state_dict(state, strict=True)
         except RuntimeError as exc:
             raise ExportError(f"{manifest.name}: dense weights do not fit the model "
                               f"({str(exc).splitlines()[0]})") from None
@@ -231,3 +235,21 @@ class VersionReader:
             if (folder.is_dir() and folder.name not in names
                     and parse_version_name(folder.name) is not None):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _load_slice_state(model: CTRModel, state: dict[str, Any], manifest: Manifest) -> None:
+    """Load a slice's weights: exactly its layers' (``slice.modules``: state-dict key
+    prefixes, all when absent); every other parameter is zero, so a layer the slice
+    leaves out contributes nothing rather than random weights."""
+    prefixes = manifest.data["slice"].get("modules")
+    own = model.state_dict()
+    needed = {k for k in own if prefixes is None or any(k.startswith(p) for p in prefixes)}
+    if set(state) != needed:
+        missing, extra = sorted(needed - set(state)), sorted(set(state) - needed)
+        raise RuntimeError(f"slice {manifest.data['slice'].get('name')!r}: missing "
+                           f"{missing[:5]}, unexpected {extra[:5]}")
+    with torch.no_grad():
+        for key, tensor in own.items():
+            if key not in needed and tensor.is_floating_point():
+                tensor.zero_()
+    model.load_state_dict({**own, **state}, strict=True)

@@ -136,7 +136,8 @@ class ModelExporter:
                    values: np.ndarray | None = None, rows: Iterable[RowChunk] | None = None,
                    row_dim: int | None = None, pass_id: int,
                    features_dir: str | Path | None = None,
-                   ctx: DistContext | None = None) -> ExportedVersion:
+                   ctx: DistContext | None = None,
+                   slice_info: dict[str, Any] | None = None) -> ExportedVersion:
         """A self-contained version: every row of the store and the dense weights, and the
         model's AutoFeature tables (``features_dir``) when it was trained with them.
 
@@ -152,6 +153,8 @@ class ModelExporter:
             header = {"name": name, "version": version, "kind": "full", "base": name,
                       "deltas": [], "parent": None, "schema": schema.to_dict(),
                       "model": to_dict(model_config)}
+            if slice_info is not None:
+                header["slice"] = slice_info
             if features_dir is not None:
                 header["features"] = FEATURES_DIR
                 extra = {f"{FEATURES_DIR}/{p.name}": p.read_bytes()
@@ -185,8 +188,9 @@ class ModelExporter:
                           "base": parent.base, "deltas": [*parent.deltas, name],
                           "parent": parent.name, "schema": parent.data["schema"],
                           "model": parent.data["model"]}
-                if "features" in parent.data:  # the base version holds the tables
-                    header["features"] = parent.data["features"]
+                for key in ("features", "slice"):  # the base's tables; the same slice
+                    if key in parent.data:
+                        header[key] = parent.data[key]
         return self._write(header, dense, keys, values, deleted, pass_id, None, ctx)
 
     def _write(self, header: dict | ExportError | None, dense: dict[str, torch.Tensor],

@@ -10,7 +10,7 @@ from torch import nn
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
 from terarec.models.layers import MLP, concat_dense
-from terarec.types import FeatureSchema
+from terarec.types import FeatureSchema, KeyedIds
 
 SIMILARITIES = ("cosine", "dot")
 
@@ -112,6 +112,42 @@ class DSSM(CTRModel):
         in that order)."""
         out = self.item_tower(item_emb.reshape(item_emb.shape[0], -1))
         return F.normalize(out, dim=1, eps=1e-8) if self.cosine else out
+
+    def item_ids(self, sparse: KeyedIds) -> torch.Tensor:
+        """One int64 id per sample naming its item: the item fields' keys combined (equal
+        ids, equal item-tower inputs), for in-batch negatives and their logQ counts."""
+        if not sparse.one_per_slot:
+            raise ValueError("loss 'sampled_softmax' needs one key per item field and sample; "
+                             f"fields {list(self.item_fields)} hold several")
+        ids = torch.zeros(sparse.batch_size, dtype=torch.int64, device=sparse.values.device)
+        for name in self.item_fields:
+            ids = ids * 1_000_003 + sparse.field_values(name)  # wraps in int64, still an id
+        return ids
+
+    def sampled_softmax_loss(self, dense: torch.Tensor, emb: torch.Tensor,
+                             labels: torch.Tensor, item_ids: torch.Tensor) -> torch.Tensor:
+        """Mean softmax cross-entropy of each clicked (label 1) sample's item against the
+        other clicked items of the batch (in-batch negatives), with logQ correction.
+
+        Popular items turn up as negatives more often than they would be drawn uniformly,
+        so uncorrected they are pushed down; subtracting ``log q(item)`` (q estimated by
+        the item's share of the batch's clicks) removes that sampling bias (Yi et al.,
+        RecSys 2019). Other occurrences of a sample's own item are not negatives. Rows
+        with label 0 are not used; a batch without clicks gives a zero loss."""
+        self.check_inputs(dense, emb)
+        pos = torch.nonzero(labels > 0.5).squeeze(1)
+        if len(pos) == 0:
+            return emb.sum() * 0.0  # keeps the graph (and the lookup's backward) intact
+        emb, dense, ids = emb.index_select(0, pos), dense.index_select(0, pos), item_ids[pos]
+        user = self.user_embedding(dense, emb.index_select(1, self.user_index))
+        item = self.item_embedding(emb.index_select(1, self.item_index))
+        logits = self.scale * user @ item.T
+        _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        log_q = torch.log(counts[inverse].to(logits.dtype) / len(ids))
+        same = ids[:, None] == ids[None, :]
+        same.fill_diagonal_(False)
+        logits = (logits - log_q[None, :]).masked_fill(same, float("-inf"))
+        return F.cross_entropy(logits, torch.arange(len(ids), device=logits.device))
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)

@@ -57,7 +57,8 @@ OUTPUT_NAME = "score"
 _ROUTES = [(re.compile(r"^/v2/models/[^/]+/infer$"), "infer"),
            (re.compile(r"^/v2/models/[^/]+(/ready)?$"), "model"),
            (re.compile(r"^/v2(/health/(live|ready))?$"), "health"),
-           (re.compile(r"^/predict$"), "predict"), (re.compile(r"^/metrics$"), "metrics")]
+           (re.compile(r"^/predict$"), "predict"), (re.compile(r"^/metrics$"), "metrics"),
+           (re.compile(r"^/retrieve$"), "retrieve")]
 
 
 T = TypeVar("T")
@@ -302,10 +303,20 @@ def _json(content: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(content), status_code=status, media_type="application/json")
 
 
+def require_route(version: ServedVersion, route: str) -> None:
+    """A model slice answers only its routes (retrieval/slices.py); a whole model all."""
+    info = version.manifest.data.get("slice")
+    if info is not None and route not in info["routes"]:
+        answers = ", ".join(f"/{r}" for r in info["routes"]) or "no scoring route"
+        raise BadRequest(f"/{route}: this server serves model slice {info['name']!r}, "
+                         f"which answers {answers}", 404)
+
+
 def create_app(engine: ServingEngine, *, model_name: str = "terarec",
                max_candidates: int = 1000, max_body_bytes: int = 4 << 20,
                poll_interval_s: float | None = None,
-               batcher: DynamicBatcher | None = None) -> FastAPI:
+               batcher: DynamicBatcher | None = None,
+               index: Any = None, max_top_k: int = 1000) -> FastAPI:
     """The ASGI app. With ``poll_interval_s`` the engine follows new versions while the
     app runs (started and stopped with the app's lifespan). Requests in flight together
     are scored in one pass by ``batcher`` (by default one over ``engine.score_batch``
@@ -390,6 +401,7 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
         version = served_model(name)
+        require_route(version, "predict")
         raw = await _read_bytes(request, max_body_bytes)
         header = request.headers.get(binary.HEADER)
         if header is None:
@@ -412,6 +424,7 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     @app.post("/predict")
     async def predict(request: Request) -> Response:
         version = engine.served()
+        require_route(version, "predict")
         raw = await _read_bytes(request, max_body_bytes)
         context, candidates = _decode_predict(raw, version, max_candidates)
         batch = _request_batch(version, context, candidates, "candidates")
@@ -422,6 +435,13 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
+
+    if index is not None:  # an item index (retrieval/index.py): POST /retrieve
+        from terarec.serving.retrieve import add_retrieve_routes
+
+        add_retrieve_routes(app, engine, index, model_name=model_name,
+                            max_body_bytes=max_body_bytes, max_top_k=max_top_k,
+                            batcher=batcher)
 
     app.add_middleware(_Shortcut, path="/predict", handler=predict)
     app.add_middleware(_Timing, metrics=engine.metrics)  # outermost: times everything

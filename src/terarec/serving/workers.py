@@ -56,6 +56,9 @@ class ServeOptions:
     max_delay_ms: float = 1.0
     # ClusterEngine's arguments ("url" and its keywords) to read rows from a sparse tier.
     sparse_tier: dict[str, Any] | None = None
+    # An item index folder (`terarec index`): serve POST /retrieve from it.
+    index: str | None = None
+    max_top_k: int = 1000
 
 
 def build_app(options: ServeOptions) -> FastAPI:
@@ -89,10 +92,16 @@ def build_app(options: ServeOptions) -> FastAPI:
                                             options.uri, options.poll_seconds)
     batcher = DynamicBatcher(engine.score_batch, max_rows=options.max_batch_rows,
                              max_delay_s=options.max_delay_ms / 1e3)
+    index = None
+    if options.index is not None:
+        from terarec.retrieval.index import load_index
+
+        index = load_index(options.index)
     return create_app(engine, model_name=options.model_name,
                       max_candidates=options.max_candidates,
                       max_body_bytes=options.max_body_bytes,
-                      poll_interval_s=options.poll_seconds, batcher=batcher)
+                      poll_interval_s=options.poll_seconds, batcher=batcher,
+                      index=index, max_top_k=options.max_top_k)
 
 
 def serve_workers(options: ServeOptions, workers: int, host: str, port: int,

@@ -66,6 +66,7 @@ from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
 from terarec.models import build_model
+from terarec.models.dssm import DSSM
 from terarec.train.metrics import evaluate_scores
 from terarec.train.passes import Inputs, group_passes, iter_file_batches, iter_input_passes
 from terarec.train.selection import SelectionTracker
@@ -125,6 +126,11 @@ class Trainer:
         np.random.seed(config.seed)
         self.device = self.ctx.device
         self.model = build_model(schema, config.model).to(self.device)
+        if config.loss == "sampled_softmax" and (not isinstance(self.model, DSSM)
+                                                 or self.ctx.world > 1):
+            raise ValueError("loss 'sampled_softmax' needs model 'dssm' (two towers) in one "
+                             f"process; got model {config.model.name!r} on "
+                             f"{self.ctx.world} rank(s)")
         self.sparse_optimizer = SparseOptimizer(config.sparse_optimizer)
         self.store = store if store is not None else make_store(
             self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
@@ -158,6 +164,16 @@ class Trainer:
         emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
         return self.model(batch.dense, emb)
 
+    def _train_loss(self, ws: WorkingSet, batch: Batch) -> torch.Tensor:
+        """The batch's mean loss: pointwise BCE, or the two-tower sampled softmax."""
+        if self.config.loss == "sampled_softmax":
+            model = cast(DSSM, self.model)
+            emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
+            return model.sampled_softmax_loss(batch.dense, emb, batch.labels,
+                                              model.item_ids(batch.sparse))
+        return F.binary_cross_entropy_with_logits(self._logits(ws, batch, train=True),
+                                                  batch.labels)
+
     def train_pass(self, batches: list[Batch] | PassPlan | ShardedPassPlan,
                    progress: tqdm | None = None,
                    upcoming: list[Batch] | PassPlan | ShardedPassPlan | None = None
@@ -185,8 +201,7 @@ class Trainer:
         t1 = time.perf_counter()
         losses = []
         for batch in ws.batches:
-            logits = self._logits(ws, batch, train=True)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+            loss = self._train_loss(ws, batch)
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.dense_optimizer.step()

@@ -1,0 +1,51 @@
+"""``terarec index``: embed an item catalog with an export's item tower and build (or bring
+up to date) a faiss index for ``terarec serve --index``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("index", help="build an item-vector index for /retrieve",
+                       description=__doc__)
+    p.add_argument("uri", help="export URI of a dssm model or its item_tower slice")
+    p.add_argument("--items", required=True, type=Path,
+                   help="item catalog: CSV/TSV with a header, or Parquet, holding the item "
+                   "fields' raw values, one item a row")
+    p.add_argument("--out", required=True, type=Path, help="index folder")
+    p.add_argument("--id-field", help="the catalog column /retrieve returns as the item id "
+                   "(default: the first item field)")
+    p.add_argument("--kind", choices=["hnsw", "ivfpq"], default="hnsw",
+                   help="hnsw (graph, default) or ivfpq (compressed codes)")
+    p.add_argument("--rebuild", action="store_true",
+                   help="build afresh even when the index can follow the export's deltas")
+    p.add_argument("--batch-rows", type=int, default=8192, help="items embedded at a time")
+    p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per node (32)")
+    p.add_argument("--ef-construction", type=int, default=80, help="hnsw: build beam (80)")
+    p.add_argument("--ef-search", type=int, default=128, help="hnsw: search beam (128)")
+    p.add_argument("--nlist", type=int, default=0,
+                   help="ivfpq: clusters (default about 4 sqrt(items))")
+    p.add_argument("--pq-m", type=int, default=8, help="ivfpq: bytes per vector (8)")
+    p.add_argument("--nprobe", type=int, default=32, help="ivfpq: clusters searched (32)")
+    add_storage_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from terarec.retrieval.index import IndexOptions, build_index, update_index
+
+    if args.batch_rows < 1:
+        raise ValueError(f"--batch-rows must be >= 1, got {args.batch_rows}")
+    options = IndexOptions(kind=args.kind, hnsw_m=args.hnsw_m,
+                           ef_construction=args.ef_construction, ef_search=args.ef_search,
+                           nlist=args.nlist, pq_m=args.pq_m, nprobe=args.nprobe)
+    build = build_index if args.rebuild else update_index
+    result = build(args.uri, args.items, args.out, options, id_field=args.id_field,
+                   storage_options=storage_options_from_args(args), rows=args.batch_rows)
+    print(json.dumps(result))
+    return 0

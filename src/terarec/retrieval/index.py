@@ -1,0 +1,383 @@
+"""Item vectors and their approximate nearest-neighbour index (faiss).
+
+``build_index`` streams an item catalog (a file of the item fields' raw values, one item
+a row) in batches through the item tower of an exported version (an ``item_tower`` slice,
+or a whole DSSM), and indexes the vectors with faiss: ``hnsw`` (a graph, no training) or
+``ivfpq`` (coarse clusters and product-quantised codes, a fraction of the memory). The
+index lives in a folder of generations, each written whole before ``CURRENT`` names it::
+
+    OUT/CURRENT            name of the served generation (written last)
+    OUT/g000002/index.faiss      faiss index; its ids are slots
+    OUT/g000002/items.npz        ids (catalog id column), keys [n, I], slot of each item
+    OUT/g000002/vectors.npy      item vectors [n, K] (exact search, rebuilding)
+    OUT/g000002/catalog.parquet  the item fields' raw values (re-embedding)
+    OUT/g000002/meta.json        export, version, dense weights' sha256, kind, counts
+
+``update_index`` follows the export: when the newest version extends the indexed one's
+chain with deltas that leave the item tower's weights unchanged, only items with a key
+whose row changed are embedded again (new slots; the old ones removed from an IVF index,
+filtered out of an HNSW graph, which cannot remove); anything else is a full rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from terarec.data.hashing import hash_column
+from terarec.export.format import Manifest
+from terarec.io import atomic_path, atomic_write_text
+from terarec.models.dssm import DSSM
+from terarec.retrieval.slices import iter_field_columns, slice_of
+from terarec.serving.engine import ServedVersion, ServingEngine
+from terarec.serving.features import columns_batch
+
+KINDS = ("hnsw", "ivfpq")
+CURRENT = "CURRENT"
+EMBED_ROWS = 8192
+
+
+class IndexError_(ValueError):
+    """An index folder that is missing, half-written or does not fit its export."""
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    kind: str = "hnsw"
+    hnsw_m: int = 32
+    ef_construction: int = 80
+    ef_search: int = 128
+    nlist: int = 0        # ivfpq: clusters (0: about 4 sqrt(n))
+    pq_m: int = 8         # ivfpq: sub-quantisers (bytes per vector)
+    nprobe: int = 32
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind {self.kind!r}: expected one of {KINDS}")
+        for name in ("hnsw_m", "ef_construction", "ef_search", "pq_m", "nprobe"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, name)}")
+
+
+def _tower(version: ServedVersion) -> DSSM:
+    model = version.model
+    info = slice_of(version.manifest)
+    if not isinstance(model, DSSM) or (info is not None and info["name"] != "item_tower"):
+        what = f"slice {info['name']!r}" if info else f"model {type(model).__name__}"
+        raise ValueError(f"{version.name}: item vectors need a dssm export or its "
+                         f"item_tower slice, this is {what}")
+    return model
+
+
+def dense_digest(version: ServedVersion) -> str:
+    """The sha256 of the item tower's weights: a delta that keeps it needs no rebuild."""
+    tower = _tower(version).item_tower.state_dict()
+    h = hashlib.sha256()
+    for key in sorted(tower):
+        h.update(key.encode())
+        h.update(tower[key].detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def embed_items(engine: ServingEngine, version: ServedVersion,
+                columns: dict[str, pa.Array]) -> np.ndarray:
+    """Item vectors ``[n, K]`` (float32) of catalog rows given as raw columns."""
+    model = _tower(version)
+    n = len(next(iter(columns.values())))
+    batch = columns_batch(columns, n, version.schema)
+    emb = engine.pooled(batch, version)
+    vectors = model.item_embedding(emb.index_select(1, model.item_index)).numpy()
+    if not np.isfinite(vectors).all():
+        raise ValueError(f"{version.name}: non-finite item vectors; refusing to index them")
+    return np.ascontiguousarray(vectors, np.float32)
+
+
+def _new_index(dim: int, options: IndexOptions, sample: np.ndarray) -> faiss.Index:
+    if options.kind == "hnsw":
+        base = faiss.IndexHNSWFlat(dim, options.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        base.hnsw.efConstruction = options.ef_construction
+        base.hnsw.efSearch = options.ef_search
+        return faiss.IndexIDMap2(base)
+    nlist = options.nlist or max(1, min(len(sample) // 39, int(4 * len(sample) ** 0.5)))
+    if dim % options.pq_m:
+        raise ValueError(f"--pq-m {options.pq_m} must divide the vector size {dim}")
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFPQ(quantizer, dim, nlist, options.pq_m, 8,
+                             faiss.METRIC_INNER_PRODUCT)
+    index.train(sample)
+    index.nprobe = options.nprobe
+    return index
+
+
+class ItemIndex:
+    """A loaded generation: search user vectors for their nearest items."""
+
+    def __init__(self, folder: Path, index: faiss.Index, ids: np.ndarray, keys: np.ndarray,
+                 slots: np.ndarray, vectors: np.ndarray, meta: dict[str, Any]) -> None:
+        self.folder, self.index, self.ids, self.keys = folder, index, ids, keys
+        self.slots, self.vectors, self.meta = slots, vectors, meta
+        total = int(meta["next_slot"])
+        self.slot_item = np.full(total, -1, np.int64)
+        self.slot_item[slots] = np.arange(len(slots))
+        dead = np.flatnonzero(self.slot_item < 0)
+        self._params: Any = None
+        if len(dead) and meta["kind"] == "hnsw":  # a graph keeps replaced vectors: skip them
+            self._selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))
+            self._params = faiss.SearchParametersHNSW(sel=self._selector,
+                                                      efSearch=meta["ef_search"])
+
+    def records(self, items: np.ndarray) -> list[dict[str, Any]]:
+        """The catalog's raw item fields of ``items`` (to score them with a ranker)."""
+        if "_catalog" not in self.__dict__:
+            table = pq.read_table(self.folder / "catalog.parquet")
+            self.__dict__["_catalog"] = {f: np.asarray(table.column(f).to_pylist(), object)
+                                         for f in self.meta["fields"]}
+        columns = self.__dict__["_catalog"]
+        picked = {f: col[items].tolist() for f, col in columns.items()}
+        return [dict(zip(picked, row, strict=True)) for row in zip(*picked.values(),
+                                                                     strict=True)]
+
+    @property
+    def dim(self) -> int:
+        return int(self.meta["dim"])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(item positions, scores), ``[q, k]`` each, best first; -1 past the last hit."""
+        queries = np.ascontiguousarray(queries, np.float32)
+        k = min(k, len(self))
+        if self._params is not None:
+            scores, slots = self.index.search(queries, k, params=self._params)
+        else:
+            scores, slots = self.index.search(queries, k)
+        items = np.where(slots >= 0, self.slot_item[np.maximum(slots, 0)], -1)
+        return items, scores
+
+    def exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Brute-force top ``k`` by inner product over the same vectors (the baseline)."""
+        flat = faiss.IndexFlatIP(self.dim)
+        flat.add(self.vectors)
+        scores, items = flat.search(np.ascontiguousarray(queries, np.float32), min(k, len(self)))
+        return items, scores
+
+
+def current_generation(out: str | Path) -> Path | None:
+    out = Path(out)
+    try:
+        name = (out / CURRENT).read_text().strip()
+    except OSError:
+        return None
+    return out / name if (out / name / "meta.json").is_file() else None
+
+
+def load_index(out: str | Path) -> ItemIndex:
+    """The current generation of index folder ``out``."""
+    folder = current_generation(out)
+    if folder is None:
+        raise IndexError_(f"{out}: no index (no {CURRENT} naming a complete generation); "
+                          "build one with `terarec index`")
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        index = faiss.read_index(str(folder / "index.faiss"))
+        with np.load(folder / "items.npz") as items:
+            ids, keys, slots = items["ids"], items["keys"], items["slots"]
+        vectors = np.load(folder / "vectors.npy", mmap_mode="r")
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise IndexError_(f"{folder}: unreadable index ({exc})") from None
+    if meta["kind"] == "hnsw":
+        faiss.downcast_index(index.index).hnsw.efSearch = meta["ef_search"]
+    elif meta["kind"] == "ivfpq":
+        faiss.extract_index_ivf(index).nprobe = meta["nprobe"]
+    return ItemIndex(folder, index, ids, keys, slots, np.asarray(vectors), meta)
+
+
+def _catalog_blocks(path: Path, version: ServedVersion, fields: tuple[str, ...],
+                    rows: int) -> Iterator[dict[str, pa.Array]]:
+    yield from iter_field_columns(path, version.raw_schema or version.schema, fields, rows)
+
+
+def _open_engine(uri: str, storage_options: dict[str, Any] | None,
+                 cache_dir: Path) -> tuple[ServingEngine, ServedVersion]:
+    engine = ServingEngine(uri, storage_options=storage_options, cache_dir=cache_dir,
+                           cache_rows=1, incomplete_timeout_s=0.0)
+    engine.refresh()
+    if engine.current is None:
+        reasons = "; ".join(f"{k}: {v}" for k, v in engine.refused.items())
+        raise IndexError_(f"{uri}: no loadable version" + (f" ({reasons})" if reasons else ""))
+    return engine, engine.current
+
+
+def _file_digest(path: Path) -> str:
+    from terarec.io import sha256_file
+
+    return sha256_file(path)
+
+
+def build_index(uri: str, catalog: str | Path, out: str | Path,
+                options: IndexOptions | None = None, *, id_field: str | None = None,
+                storage_options: dict[str, Any] | None = None,
+                rows: int = EMBED_ROWS) -> dict[str, Any]:
+    """Embed every catalog item with ``uri``'s newest version and index the vectors."""
+    options = options or IndexOptions()
+    catalog = Path(catalog)
+    with tempfile.TemporaryDirectory(prefix="terarec-index-") as tmp:
+        engine, version = _open_engine(uri, storage_options, Path(tmp))
+        try:
+            t0 = time.perf_counter()
+            model = _tower(version)
+            fields = tuple(model.item_fields)
+            id_field = id_field or fields[0]
+            if id_field not in fields:
+                raise ValueError(f"--id-field {id_field!r} is not an item field "
+                                 f"{list(fields)}")
+            vec_parts, key_parts, raw_parts = [], [], []
+            for block in _catalog_blocks(catalog, version, fields, rows):
+                vec_parts.append(embed_items(engine, version, block))
+                key_parts.append(np.stack([hash_column(f, block[f], version.schema.hash_salt)
+                                           for f in fields], axis=1))
+                raw_parts.append(pa.table(block))
+            if not vec_parts:
+                raise ValueError(f"{catalog}: no items")
+            vectors = np.concatenate(vec_parts)
+            embed_s = time.perf_counter() - t0
+            raw = pa.concat_tables(raw_parts).combine_chunks()
+            keys = np.concatenate(key_parts)
+            ids = np.asarray(raw.column(id_field).to_numpy(zero_copy_only=False), dtype=str)
+            t1 = time.perf_counter()
+            index = _new_index(vectors.shape[1], options,
+                               vectors[np.random.default_rng(0).permutation(len(vectors))
+                                       [:256 * 256]])
+            slots = np.arange(len(vectors), dtype=np.int64)
+            index.add_with_ids(vectors, slots)
+            build_s = time.perf_counter() - t1
+            meta = {"uri": str(uri), "version": version.name,
+                    "created": version.manifest.created, "chain": version.manifest.chain,
+                    "dense_sha256": dense_digest(version), "kind": options.kind,
+                    "dim": int(vectors.shape[1]), "items": len(vectors),
+                    "next_slot": len(vectors), "fields": list(fields), "id_field": id_field,
+                    "catalog_sha256": _file_digest(catalog), "ef_search": options.ef_search,
+                    "nprobe": options.nprobe, "options": options.__dict__}
+            name = _write_generation(Path(out), index, ids, keys, slots, vectors, raw, meta)
+        finally:
+            engine.close()
+    return {"out": str(out), "generation": name, "mode": "full", "version": meta["version"],
+            "items": len(vectors), "embedded": len(vectors), "embed_s": embed_s,
+            "build_s": build_s, "kind": options.kind}
+
+
+def update_index(uri: str, catalog: str | Path, out: str | Path,
+                 options: IndexOptions | None = None, *, id_field: str | None = None,
+                 storage_options: dict[str, Any] | None = None,
+                 rows: int = EMBED_ROWS) -> dict[str, Any]:
+    """Bring index folder ``out`` up to ``uri``'s newest version: re-embed only the items
+    whose rows changed when that is enough (module docstring), else rebuild."""
+    folder = current_generation(out)
+    if folder is None:
+        return build_index(uri, catalog, out, options, id_field=id_field,
+                           storage_options=storage_options, rows=rows)
+    old = load_index(out)
+    meta = old.meta
+    options = options or IndexOptions(**meta["options"])
+    with tempfile.TemporaryDirectory(prefix="terarec-index-") as tmp:
+        engine, version = _open_engine(uri, storage_options, Path(tmp))
+        try:
+            chain = version.manifest.chain
+            same = (meta["uri"] == str(uri) and chain[:len(meta["chain"])] == meta["chain"]
+                    and meta["catalog_sha256"] == _file_digest(Path(catalog))
+                    and options.kind == meta["kind"]
+                    and dense_digest(version) == meta["dense_sha256"])
+            if same and version.name == meta["version"]:
+                return {"out": str(out), "generation": folder.name, "mode": "current",
+                        "version": version.name, "items": len(old), "embedded": 0,
+                        "embed_s": 0.0, "build_s": 0.0, "kind": meta["kind"]}
+            if not same:
+                engine.close()
+                return build_index(uri, catalog, out, options, id_field=id_field,
+                                   storage_options=storage_options, rows=rows)
+            t0 = time.perf_counter()
+            changed = _changed_keys(engine, chain[len(meta["chain"]):])
+            stale = np.flatnonzero(np.isin(old.keys, changed).any(axis=1))
+            raw = pq.read_table(folder / "catalog.parquet")
+            vectors = np.array(old.vectors)
+            fields = tuple(meta["fields"])
+            for lo in range(0, len(stale), rows):
+                part = raw.take(pa.array(stale[lo:lo + rows]))
+                vectors[stale[lo:lo + rows]] = embed_items(
+                    engine, version, {f: part.column(f).combine_chunks() for f in fields})
+            embed_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            index = old.index
+            slots = old.slots.copy()
+            first = int(meta["next_slot"])
+            new_slots = np.arange(first, first + len(stale), dtype=np.int64)
+            if meta["kind"] == "ivfpq" and len(stale):
+                index.remove_ids(faiss.IDSelectorBatch(slots[stale]))
+            if len(stale):
+                index.add_with_ids(vectors[stale], new_slots)
+            slots[stale] = new_slots
+            build_s = time.perf_counter() - t1
+            meta = {**meta, "version": version.name, "created": version.manifest.created,
+                    "chain": chain, "next_slot": first + len(stale)}
+            name = _write_generation(Path(out), index, old.ids, old.keys, slots, vectors,
+                                     raw, meta)
+        finally:
+            engine.close()
+    return {"out": str(out), "generation": name, "mode": "delta", "version": version.name,
+            "items": len(vectors), "embedded": int(len(stale)), "embed_s": embed_s,
+            "build_s": build_s, "kind": meta["kind"]}
+
+
+def _changed_keys(engine: ServingEngine, deltas: list[str]) -> np.ndarray:
+    parts = [np.empty(0, np.int64)]
+    for name in deltas:
+        manifest: Manifest = engine.reader.manifest(name)
+        upserts, _, deleted = engine.reader.delta(manifest)
+        parts += [upserts, deleted]
+    return np.unique(np.concatenate(parts))
+
+
+def _write_generation(out: Path, index: faiss.Index, ids: np.ndarray, keys: np.ndarray,
+                      slots: np.ndarray, vectors: np.ndarray, raw: pa.Table,
+                      meta: dict[str, Any]) -> str:
+    """Write a new generation folder whole, then point ``CURRENT`` at it; older
+    generations but the previous one (a server may still be reading it) are removed."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    numbers = [int(p.name[1:]) for p in out.glob("g[0-9]*") if p.name[1:].isdigit()]
+    name = f"g{max(numbers, default=0) + 1:06d}"
+    folder = out / name
+    folder.mkdir()
+    with atomic_path(folder / "index.faiss") as tmp:
+        faiss.write_index(index, str(tmp))
+    with atomic_path(folder / "items.npz") as tmp:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, ids=ids, keys=keys, slots=slots)
+    with atomic_path(folder / "vectors.npy") as tmp:
+        with open(tmp, "wb") as fh:
+            np.save(fh, np.ascontiguousarray(vectors, np.float32))
+    with atomic_path(folder / "catalog.parquet") as tmp:
+        pq.write_table(raw, tmp)
+    atomic_write_text(folder / "meta.json", json.dumps(meta, indent=2))
+    previous = current_generation(out)
+    atomic_write_text(out / CURRENT, name)
+    for p in out.glob("g[0-9]*"):
+        if p.name not in (name, previous.name if previous else None):
+            shutil.rmtree(p, ignore_errors=True)
+    return name

@@ -1,0 +1,245 @@
+"""Model slices: a named part of a model exported as an ordinary version, holding only its
+fields' keys and the layers it needs, so that each serving group loads only its part.
+
+::
+
+    user_tower   dssm       the user fields' rows + user_tower.*    serves /retrieve
+    item_tower   dssm       the item fields' rows + item_tower.*    input of `terarec index`
+    wide         widedeep   every row + bias, dense_linear.*        serves /predict (wide logit)
+    deep         widedeep   every row + deep.*                      serves /predict (deep logit)
+    F1,F2,...    any        those fields' rows + every layer        serves /predict
+
+A key does not record its field (it is a hash of field and value), so the keys of a
+slice's fields are read from data that holds them (``keys_from``: the training log, an
+item catalog), hashed as training hashed them. The manifest's ``slice`` entry says what
+the version is; a server loading it sets every layer the slice leaves out to zero
+(``export/reader.py``). A second export of the same slice to the same URI is a delta
+against the first: only rows whose values changed, and the keys that left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import torch
+
+from terarec.config import ModelConfig
+from terarec.data.hashing import hash_column
+from terarec.embedding.store import CHUNK_ROWS
+from terarec.export.format import Manifest
+from terarec.export.writer import ExportedVersion, ModelExporter
+from terarec.models.dssm import DSSM
+from terarec.types import FeatureSchema
+
+NAMED = ("user_tower", "item_tower", "wide", "deep")
+READ_ROWS = 1 << 18
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """What a slice holds: ``fields`` (whose keys), ``modules`` (state-dict key
+    prefixes, None for every layer) and the routes a server of it answers."""
+
+    name: str
+    fields: tuple[str, ...]
+    modules: tuple[str, ...] | None
+    routes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "fields": list(self.fields),
+                "modules": None if self.modules is None else list(self.modules),
+                "routes": list(self.routes)}
+
+
+def slice_spec(schema: FeatureSchema, config: ModelConfig, name: str) -> SliceSpec:
+    """The slice ``name`` of a model (see the module docstring for the names)."""
+    model = config.name.lower()
+    if name in ("user_tower", "item_tower"):
+        if model != "dssm":
+            raise ValueError(f"--slice {name}: only model 'dssm' has towers, this model is "
+                             f"{config.name!r}")
+        user, item = DSSM._split_fields(schema, config)
+        if name == "user_tower":
+            return SliceSpec(name, user, ("user_tower.",), ("retrieve",))
+        return SliceSpec(name, item, ("item_tower.",), ())
+    if name in ("wide", "deep"):
+        if model != "widedeep":
+            raise ValueError(f"--slice {name}: only model 'widedeep' has wide and deep parts, "
+                             f"this model is {config.name!r}")
+        modules = ("bias", "dense_linear.") if name == "wide" else ("deep.",)
+        return SliceSpec(name, schema.sparse_names, modules, ("predict",))
+    fields = tuple(f.strip() for f in name.split(",") if f.strip())
+    unknown = [f for f in fields if f not in schema.sparse_names]
+    if not fields or unknown:
+        raise ValueError(f"--slice {name!r}: expected one of {NAMED} or a comma-separated "
+                         f"list of categorical fields from {list(schema.sparse_names)}"
+                         + (f"; unknown: {unknown}" if unknown else ""))
+    return SliceSpec(",".join(fields), fields, None, ("predict",))
+
+
+def slice_of(manifest: Manifest) -> dict[str, Any] | None:
+    """A version's ``slice`` entry, None for a whole model."""
+    return manifest.data.get("slice")
+
+
+def iter_field_columns(path: str | Path, schema: FeatureSchema, fields: Sequence[str],
+                       rows: int = READ_ROWS) -> Iterator[dict[str, pa.Array]]:
+    """Blocks of ``fields``' raw values (as strings) from a CSV/TSV file with a header or
+    a Parquet file; the file may hold only these columns (an item catalog)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    for name in fields:
+        spec = next(f for f in schema.fields if f.name == name)
+        if spec.kind != "categorical" or spec.separator is not None:
+            raise ValueError(f"{path}: field {name!r} is not a single-valued categorical "
+                             "field; slices and item catalogs read those only")
+    if path.suffix == ".parquet":
+        pf = pq.ParquetFile(path)
+        lacking = [f for f in fields if f not in pf.schema_arrow.names]
+        if lacking:
+            raise ValueError(f"{path}: lacks columns {lacking}")
+        for block in pf.iter_batches(rows, columns=list(fields)):
+            yield {f: block.column(f).cast(pa.string()) for f in fields}
+        return
+    delimiter = "\t" if schema.delimiter == "\t" or path.suffix in (".tsv", ".items") \
+        else schema.delimiter
+    try:
+        reader = pa_csv.open_csv(
+            path, read_options=pa_csv.ReadOptions(block_size=1 << 22),
+            parse_options=pa_csv.ParseOptions(delimiter=delimiter),
+            convert_options=pa_csv.ConvertOptions(
+                include_columns=list(fields), column_types={f: pa.string() for f in fields},
+                strings_can_be_null=False))
+        for block in reader:
+            yield {f: block.column(f) for f in fields}
+    except (pa.ArrowInvalid, KeyError) as exc:
+        raise ValueError(f"{path}: cannot read columns {list(fields)} ({exc})") from None
+
+
+def field_keys(paths: Sequence[str | Path], schema: FeatureSchema,
+               fields: Sequence[str]) -> np.ndarray:
+    """The sorted unique keys of ``fields`` in the files ``paths``."""
+    parts = [np.empty(0, np.int64)]
+    for path in paths:
+        for block in iter_field_columns(path, schema, fields):
+            parts.extend(np.unique(hash_column(f, block[f], schema.hash_salt)) for f in fields)
+            if len(parts) > 64:
+                parts = [np.unique(np.concatenate(parts))]
+    return np.unique(np.concatenate(parts))
+
+
+def export_slice(model_dir: str | Path, uri: str | Path, name: str,
+                 keys_from: Sequence[str | Path], *,
+                 storage_options: dict[str, Any] | None = None, shard_rows: int = 1 << 20,
+                 checkpoint: str = "best") -> ExportedVersion:
+    """Export slice ``name`` of a model directory's checkpoint to ``uri``: a full version,
+    or, when ``uri``'s newest version is the same slice of the same model, a delta on it
+    (rows that changed, keys that left)."""
+    from terarec.models import row_dim_for
+    from terarec.train.checkpoint import checkpoint_name, load_checkpoint, read_model_meta
+
+    schema, config = read_model_meta(Path(model_dir))
+    spec = slice_spec(schema, config.model, name)
+    if not keys_from:
+        raise ValueError(f"--slice {name}: needs --keys-from (a file holding the values of "
+                         f"fields {list(spec.fields)}): keys do not record their field")
+    wanted = field_keys(keys_from, schema, spec.fields)
+    ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
+    dense = {k: v for k, v in ckpt.dense.items()
+             if spec.modules is None or any(k.startswith(p) for p in spec.modules)}
+    row_dim = row_dim_for(config.model.name, config.model)
+    exporter = ModelExporter(uri, storage_options, shard_rows)
+    latest = exporter.latest()
+    info = spec.to_dict()
+    if latest is not None and latest.data.get("slice") == info \
+            and latest.data["schema"] == schema.to_dict() \
+            and latest.data["model"] == _json(config.model):
+        keys, values = _sliced_rows(ckpt, wanted)
+        old_keys, old_values = version_rows(exporter, latest)
+        changed, deleted = _diff(keys, values, old_keys, old_values)
+        return exporter.write_delta(dense=dense, keys=keys[changed], values=values[changed],
+                                    deleted=deleted, pass_id=int(ckpt.meta["pass_id"]))
+    rows = (c for c in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted))
+    return exporter.write_full(schema=schema, model_config=config.model, dense=dense,
+                               rows=rows, row_dim=row_dim, pass_id=int(ckpt.meta["pass_id"]),
+                               slice_info=info)
+
+
+def _json(config: ModelConfig) -> Any:
+    import json
+
+    from terarec.config import to_dict
+
+    return json.loads(json.dumps(to_dict(config)))
+
+
+def _filtered(chunks: Iterator[Any], wanted: np.ndarray) -> Iterator[Any]:
+    """Row chunks cut to the keys in sorted ``wanted``."""
+    from dataclasses import fields
+
+    for chunk in chunks:
+        keep = _member(np.asarray(chunk.keys, np.int64), wanted)
+        if keep.any():
+            yield type(chunk)(**{f.name: getattr(chunk, f.name)[keep] for f in fields(chunk)})
+
+
+def _member(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    pos = np.minimum(np.searchsorted(wanted, keys), max(len(wanted) - 1, 0))
+    return (wanted[pos] == keys) if len(wanted) else np.zeros(len(keys), bool)
+
+
+def _sliced_rows(ckpt: Any, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keys, values = [np.empty(0, np.int64)], []
+    for chunk in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted):
+        keys.append(np.asarray(chunk.keys, np.int64))
+        values.append(np.asarray(chunk.values, np.float32))
+    k = np.concatenate(keys)
+    return k, (np.concatenate(values) if values else np.empty((0, 0), np.float32))
+
+
+def version_rows(exporter: ModelExporter, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of a version (its full version with its deltas applied), sorted by key."""
+    import tempfile
+
+    from terarec.export.reader import VersionReader
+    from terarec.export.format import read_manifest
+
+    with tempfile.TemporaryDirectory(prefix="terarec-slice-") as tmp:
+        reader = VersionReader(exporter.storage, Path(tmp))
+        base = read_manifest(exporter.storage, manifest.base)
+        shards = reader.shards(base)
+        keys = np.concatenate([np.array(k) for k, _ in shards]) if shards \
+            else np.empty(0, np.int64)
+        values = np.concatenate([np.array(v) for _, v in shards]) if shards \
+            else np.empty((0, manifest.row_dim), np.float32)
+        for name in manifest.deltas:
+            upserts, rows, deleted = reader.delta(read_manifest(exporter.storage, name))
+            keep = ~np.isin(keys, np.concatenate([upserts, deleted]))
+            keys, values = np.concatenate([keys[keep], upserts]), np.concatenate(
+                [values[keep], rows])
+            order = np.argsort(keys, kind="stable")
+            keys, values = keys[order], values[order]
+    return keys, values
+
+
+def _diff(keys: np.ndarray, values: np.ndarray, old_keys: np.ndarray,
+          old_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions in ``keys`` whose rows are new or changed, keys gone since)."""
+    pos = np.minimum(np.searchsorted(old_keys, keys), max(len(old_keys) - 1, 0))
+    known = (old_keys[pos] == keys) if len(old_keys) else np.zeros(len(keys), bool)
+    changed = ~known
+    if known.any() and values.size:
+        changed[known] = (values[known] != old_values[pos[known]]).any(axis=1)
+    return np.flatnonzero(changed), np.setdiff1d(old_keys, keys, assume_unique=True)
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())

@@ -1,0 +1,122 @@
+"""``POST /retrieve``: a user's features in, the top-k items of the faiss index out.
+
+::
+
+    {"context": {"user": "u42"}, "top_k": 100}
+    -> {"model": "terarec", "version": 3, "index": "g000002",
+        "items": ["7010", "13202", ...], "scores": [0.93, 0.91, ...]}
+
+The user vector comes from the served version's user tower (a whole DSSM or its
+``user_tower`` slice); ``scores`` are inner products with the item vectors (cosine
+similarities for ``tower_similarity = "cosine"``). With ``"rank": true`` and a whole model
+served, the retrieved items are scored by that model in the same process (through the
+same batcher as ``/predict``) and returned best first, with ``rank_scores``. Bodies are
+read and validated as ``/predict``'s are: errors name the JSON path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import Field
+from starlette.concurrency import run_in_threadpool
+
+from terarec.finite import NonFiniteError, check_scores
+from terarec.models.dssm import DSSM
+from terarec.retrieval.index import ItemIndex
+from terarec.serving.app import (
+    BadRequest,
+    _check_features,
+    _json,
+    _parse,
+    _read_bytes,
+    _request_batch,
+    _scores,
+    require_route,
+)
+from terarec.serving.batching import DynamicBatcher
+from terarec.serving.engine import ServedVersion, ServingEngine
+from terarec.validation import STRICT
+
+
+@dataclass
+class RetrieveRequest:
+    """``/retrieve`` body."""
+
+    __pydantic_config__ = STRICT
+
+    context: Annotated[dict[str, Any], Field(description="the user's feature values")]
+    top_k: Annotated[int, Field(ge=1, description="how many items to return")] = 100
+    rank: bool = False
+
+
+def _user_tower(version: ServedVersion) -> DSSM:
+    require_route(version, "retrieve")
+    if not isinstance(version.model, DSSM):
+        raise BadRequest(f"/retrieve needs a dssm model (two towers); this server serves "
+                         f"{type(version.model).__name__}", 404)
+    return version.model
+
+
+@torch.no_grad()
+def user_vector(engine: ServingEngine, version: ServedVersion,
+                context: dict[str, Any]) -> np.ndarray:
+    """``[1, K]`` user vector of one request's user features."""
+    model = _user_tower(version)
+    context = dict(_check_features(context, "context", version))
+    item_side = [k for k in context if k in model.item_fields]
+    if item_side:
+        raise BadRequest(f"context.{item_side[0]}: an item-side feature; /retrieve takes "
+                         f"the user's features {list(model.user_fields)}")
+    batch = _request_batch(version, context, [{}], "context")
+    emb = engine.pooled(batch, version)
+    vector = model.user_embedding(batch.dense, emb.index_select(1, model.user_index))
+    out = vector.numpy()
+    if not np.isfinite(out).all():
+        raise BadRequest("context: the user vector is not finite")
+    return out
+
+
+def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *,
+                        model_name: str, max_body_bytes: int, max_top_k: int,
+                        batcher: DynamicBatcher) -> None:
+    """Register ``POST /retrieve`` on ``app``, searching ``index``."""
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> Response:
+        version = engine.served()
+        raw = await _read_bytes(request, max_body_bytes)
+        body = _parse(RetrieveRequest, raw)
+        if body.top_k > max_top_k:
+            raise BadRequest(f"top_k: {body.top_k} exceeds the limit of {max_top_k}", 413)
+        vector = user_vector(engine, version, body.context)
+        if vector.shape[1] != index.dim:
+            raise BadRequest(f"the user vector has {vector.shape[1]} values, the item index "
+                             f"{index.dim}: the index was built from another model", 503)
+        items, sims = await run_in_threadpool(index.search, vector, body.top_k)
+        keep = items[0] >= 0
+        found, scores = items[0][keep], sims[0][keep]
+        out: dict[str, Any] = {"model": model_name, "version": version.version,
+                               "index": index.folder.name}
+        if body.rank:
+            if version.manifest.data.get("slice") is not None:
+                raise BadRequest("rank: ranking needs the whole model; this server serves "
+                                 f"slice {version.manifest.data['slice']['name']!r}", 422)
+            records = index.records(found)
+            batch = _request_batch(version, body.context, records, "candidates")
+            ranked = np.asarray(await _scores(batcher, version, batch, "candidates"))
+            order = np.argsort(-ranked, kind="stable")
+            found, scores = found[order], scores[order]
+            out["rank_scores"] = ranked[order].tolist()
+        try:
+            check_scores(scores)
+        except NonFiniteError as exc:
+            raise BadRequest(f"scores: {exc}") from None
+        out["items"] = index.ids[found].tolist()
+        out["scores"] = scores.tolist()
+        return _json(out)

@@ -1,0 +1,169 @@
+"""Slices, the faiss item index, /retrieve and the sampled-softmax loss, end to end on a
+small planted-affinity log: real training, real exports, real faiss, a real app."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from terarec.cli.main import main
+from terarec.config import ModelConfig
+from terarec.data.synth_retrieval import Affinity, catalog_path, write_retrieval
+from terarec.export.format import read_manifest
+from terarec.export.storage import Storage
+from terarec.models.dssm import DSSM
+from terarec.retrieval.index import load_index
+from terarec.serving.app import create_app
+from terarec.serving.engine import ServingEngine
+from terarec.types import FeatureSchema, FieldSpec
+
+USERS, ITEMS = 300, 600
+
+
+def _train(tmp, loss: str, log) -> str:
+    cfg = tmp / "cfg.json"
+    cfg.write_text(json.dumps({"model": {"name": "dssm", "embedding_dim": 8,
+                                         "deep_mlp": [16], "user_fields": ["user"]}}))
+    out = tmp / f"m_{loss}"
+    assert main(["train", "--config", str(cfg), "--train", str(log), "--out", str(out),
+                 "--format", "csv", "--label", "label", "--categorical", "user,item,topic",
+                 "--delimiter", "\t", "--loss", loss, "--epochs", "2", "--batch-size", "256",
+                 "--pass-rows", "20000", "--no-progress"]) == 0
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("retrieval")
+    log = tmp / "log.tsv"
+    write_retrieval(log, 20_000, users=USERS, items=ITEMS, seed=3)
+    model = _train(tmp, "sampled_softmax", log)
+    for name in ("user_tower", "item_tower"):
+        assert main(["export", "--model", model, "--out", str(tmp / name), "--slice", name,
+                     "--keys-from", str(log)]) == 0
+    assert main(["export", "--model", model, "--out", str(tmp / "full")]) == 0
+    assert main(["index", str(tmp / "item_tower"), "--items", str(catalog_path(log)),
+                 "--out", str(tmp / "idx")]) == 0
+    return tmp, log, model
+
+
+def test_planted_clicks_follow_the_truth():
+    truth = Affinity(50, 400, 20, seed=1)
+    users, items = truth.draw(40_000, np.random.default_rng(0))
+    top = truth.true_top(np.array([7]), 5)[0]
+    counts = np.bincount(items[users == 7], minlength=400)
+    assert set(np.argsort(-counts)[:3]) & set(top[:5])  # the likeliest items are drawn most
+    ids, prob = truth.probability(7)
+    assert prob.sum() == pytest.approx(1.0)
+    assert set(truth.item_topic[ids]) <= set(truth._users[0][7])
+
+
+def test_sampled_softmax_masks_duplicates_and_corrects_for_popularity():
+    schema = FeatureSchema(label="y", fields=(FieldSpec("u", "categorical"),
+                                              FieldSpec("i", "categorical")))
+    model = DSSM(schema, ModelConfig(name="dssm", embedding_dim=4, deep_mlp=(4,),
+                                     user_fields=("u",)))
+    emb = torch.randn(4, 2, 4)
+    dense = torch.zeros(4, 0)
+    labels = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    loss = model.sampled_softmax_loss(dense, emb, labels, torch.tensor([5, 6, 7, 8]))
+    assert torch.isfinite(loss) and loss > 0
+    # all positives share one item: nothing is a negative, each row's softmax is certain
+    same = model.sampled_softmax_loss(dense, emb, labels, torch.tensor([5, 5, 5, 8]))
+    assert same.item() == pytest.approx(0.0, abs=1e-6)
+    none = model.sampled_softmax_loss(dense, emb, torch.zeros(4), torch.tensor([1, 2, 3, 4]))
+    assert none.item() == 0.0
+
+
+def test_slices_hold_only_their_fields_and_layers(trained):
+    tmp, _, _ = trained
+    user = read_manifest(Storage(str(tmp / "user_tower")), "v000001")
+    item = read_manifest(Storage(str(tmp / "item_tower")), "v000001")
+    full = read_manifest(Storage(str(tmp / "full")), "v000001")
+    assert user.data["slice"]["fields"] == ["user"]
+    assert item.data["slice"]["fields"] == ["item", "topic"]
+    rows = [m.data["sparse"]["rows"] for m in (user, item, full)]
+    assert rows[0] + rows[1] == rows[2] and rows[0] <= USERS + 1
+    engine = ServingEngine(str(tmp / "user_tower"), cache_dir=tmp / "cache-u")
+    assert engine.refresh()
+    state = engine.served().model.state_dict()
+    assert all(float(v.abs().sum()) == 0 for k, v in state.items() if k.startswith("item_tower"))
+    engine.close()
+
+
+def test_index_recall_and_retrieve_route(trained):
+    tmp, log, model = trained
+    index = load_index(tmp / "idx")
+    assert len(index) == ITEMS and index.meta["kind"] == "hnsw"
+    queries = np.random.default_rng(0).standard_normal((20, index.dim)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    ann, _ = index.search(queries, 50)
+    exact, _ = index.exact(queries, 50)
+    recall = np.mean([len(set(a) & set(e)) / 50 for a, e in zip(ann, exact, strict=True)])
+    assert recall >= 0.95
+
+    engine = ServingEngine(str(tmp / "user_tower"), cache_dir=tmp / "cache-r")
+    assert engine.refresh()
+    with TestClient(create_app(engine, index=index, max_top_k=100)) as client:
+        ok = client.post("/retrieve", json={"context": {"user": 5}, "top_k": 10})
+        assert ok.status_code == 200, ok.text
+        body = ok.json()
+        assert len(body["items"]) == 10 and body["scores"] == sorted(body["scores"], reverse=True)
+        bad = client.post("/retrieve", json={"context": {"user": 5}, "top_k": 0})
+        assert bad.status_code == 422 and "top_k" in bad.json()["error"]
+        bad = client.post("/retrieve", json={"context": {"item": 3}})
+        assert bad.status_code == 422 and "context.item" in bad.json()["error"]
+        bad = client.post("/retrieve", json={"context": {"nope": 3}})
+        assert bad.status_code == 422 and "context" in bad.json()["error"]
+        bad = client.post("/retrieve", json={"context": {"user": 1}, "top_k": 101})
+        assert bad.status_code == 413
+        bad = client.post("/retrieve", json={"context": {"user": 1}, "rank": "yes"})
+        assert bad.status_code == 422 and "rank" in bad.json()["error"]
+        # a user tower cannot score candidates
+        bad = client.post("/predict", json={"candidates": [{"user": 1, "item": 2}]})
+        assert bad.status_code == 404 and "user_tower" in bad.json()["error"]
+
+    # the whole model retrieves and ranks in one process
+    engine = ServingEngine(str(tmp / "full"), cache_dir=tmp / "cache-f")
+    assert engine.refresh()
+    with TestClient(create_app(engine, index=index)) as client:
+        ranked = client.post("/retrieve", json={"context": {"user": 5}, "top_k": 10,
+                                                "rank": True}).json()
+        assert ranked["rank_scores"] == sorted(ranked["rank_scores"], reverse=True)
+        plain = client.post("/retrieve", json={"context": {"user": 5}, "top_k": 10}).json()
+        assert set(ranked["items"]) == set(plain["items"])
+
+
+def test_delta_slice_and_delta_index(trained, tmp_path):
+    tmp, log, model = trained
+    import shutil
+
+    from terarec.retrieval.index import update_index
+
+    uri, out = tmp_path / "items", tmp_path / "idx"
+    shutil.copytree(tmp / "item_tower", uri)
+    build = update_index(str(uri), catalog_path(log), out)
+    assert build["mode"] == "full"
+    again = update_index(str(uri), catalog_path(log), out)
+    assert again["mode"] == "current" and again["embedded"] == 0
+    # same checkpoint again: a delta with nothing changed, the index keeps every vector
+    assert main(["export", "--model", model, "--out", str(uri), "--slice", "item_tower",
+                 "--keys-from", str(log)]) == 0
+    delta = read_manifest(Storage(str(uri)), "v000002")
+    assert delta.kind == "delta" and delta.data["sparse"]["rows"] == 0
+    step = update_index(str(uri), catalog_path(log), out)
+    assert step["mode"] == "delta" and step["embedded"] == 0
+
+
+def test_slice_errors_name_the_problem(trained, tmp_path):
+    tmp, log, model = trained
+    assert main(["export", "--model", model, "--out", str(tmp_path / "x"), "--slice",
+                 "wide", "--keys-from", str(log)]) == 2
+    assert main(["export", "--model", model, "--out", str(tmp_path / "x"), "--slice",
+                 "user_tower"]) == 2
+    assert main(["export", "--model", model, "--out", str(tmp_path / "x"), "--slice",
+                 "user,nope", "--keys-from", str(log)]) == 2
