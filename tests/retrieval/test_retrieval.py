@@ -167,3 +167,39 @@ def test_slice_errors_name_the_problem(trained, tmp_path):
                  "user_tower"]) == 2
     assert main(["export", "--model", model, "--out", str(tmp_path / "x"), "--slice",
                  "user,nope", "--keys-from", str(log)]) == 2
+
+
+def test_ivfpq_delta_reembeds_only_changed_items(trained, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from terarec.export.reader import VersionReader
+    from terarec.export.writer import ModelExporter
+    from terarec.retrieval.index import IndexOptions, update_index
+    from terarec.retrieval.slices import version_rows
+
+    tmp, log, _ = trained
+    uri, out = tmp_path / "items", tmp_path / "idx"
+    shutil.copytree(tmp / "item_tower", uri)
+    options = IndexOptions(kind="ivfpq", nlist=8, nprobe=8)
+    assert update_index(str(uri), catalog_path(log), out, options)["mode"] == "full"
+    before = load_index(out)
+    exporter = ModelExporter(uri)
+    latest = exporter.latest()
+    keys, values = version_rows(exporter, latest)
+    item_keys = before.keys[:5, 0]  # the item-id keys of the first five items
+    pick = np.flatnonzero(np.isin(keys, item_keys))
+    dense = load_file(str(VersionReader(exporter.storage, tmp_path / "c").fetch(
+        latest, latest.data["dense"])))
+    exporter.write_delta(dense=dense, keys=keys[pick], values=values[pick] + 0.5,
+                         deleted=np.empty(0, np.int64), pass_id=latest.pass_id + 1)
+    step = update_index(str(uri), catalog_path(log), out, options)
+    assert step["mode"] == "delta" and step["embedded"] == 5
+    after = load_index(out)
+    moved = np.abs(after.vectors - before.vectors).sum(axis=1) > 0
+    assert moved[:5].all() and not moved[5:].any()
+    query = after.vectors[:1].copy()
+    items, _ = after.search(query, 5)
+    assert items[0][0] == 0  # the changed item is found by its new vector
+    assert len(set(after.search(after.vectors[:20], 1)[0][:, 0])) > 10

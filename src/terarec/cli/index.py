@@ -27,11 +27,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-rows", type=int, default=8192, help="items embedded at a time")
     p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per node (32)")
     p.add_argument("--ef-construction", type=int, default=80, help="hnsw: build beam (80)")
-    p.add_argument("--ef-search", type=int, default=128, help="hnsw: search beam (128)")
+    p.add_argument("--ef-search", type=int, default=256, help="hnsw: search beam (256)")
     p.add_argument("--nlist", type=int, default=0,
-                   help="ivfpq: clusters (default about 4 sqrt(items))")
-    p.add_argument("--pq-m", type=int, default=8, help="ivfpq: bytes per vector (8)")
-    p.add_argument("--nprobe", type=int, default=32, help="ivfpq: clusters searched (32)")
+                   help="ivfpq: clusters (default about sqrt(items))")
+    p.add_argument("--pq-m", type=int, default=0,
+                   help="ivfpq: bytes per vector (default 16, or the largest of 8/4/2/1 "
+                   "dividing the vector size)")
+    p.add_argument("--nprobe", type=int, default=64, help="ivfpq: clusters searched (64)")
+    p.add_argument("--refine", type=int, default=4,
+                   help="ivfpq: candidates re-scored with the exact vectors, per item asked "
+                   "for (default 4)")
     add_storage_args(p)
     p.set_defaults(func=run)
 
@@ -43,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-rows must be >= 1, got {args.batch_rows}")
     options = IndexOptions(kind=args.kind, hnsw_m=args.hnsw_m,
                            ef_construction=args.ef_construction, ef_search=args.ef_search,
-                           nlist=args.nlist, pq_m=args.pq_m, nprobe=args.nprobe)
+                           nlist=args.nlist, pq_m=args.pq_m, nprobe=args.nprobe,
+                           refine=args.refine)
     build = build_index if args.rebuild else update_index
     result = build(args.uri, args.items, args.out, options, id_field=args.id_field,
                    storage_options=storage_options_from_args(args), rows=args.batch_rows)

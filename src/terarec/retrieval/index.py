@@ -58,15 +58,16 @@ class IndexOptions:
     kind: str = "hnsw"
     hnsw_m: int = 32
     ef_construction: int = 80
-    ef_search: int = 128
+    ef_search: int = 256
     nlist: int = 0        # ivfpq: clusters (0: about 4 sqrt(n))
-    pq_m: int = 8         # ivfpq: sub-quantisers (bytes per vector)
-    nprobe: int = 32
+    pq_m: int = 0         # ivfpq: sub-quantisers, bytes per vector (0: 16 or a divisor)
+    nprobe: int = 64
+    refine: int = 4       # ivfpq: candidates re-scored exactly, per item asked for
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"--kind {self.kind!r}: expected one of {KINDS}")
-        for name in ("hnsw_m", "ef_construction", "ef_search", "pq_m", "nprobe"):
+        for name in ("hnsw_m", "ef_construction", "ef_search", "nprobe", "refine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
@@ -106,17 +107,20 @@ def embed_items(engine: ServingEngine, version: ServedVersion,
     return np.ascontiguousarray(vectors, np.float32)
 
 
-def _new_index(dim: int, options: IndexOptions, sample: np.ndarray) -> faiss.Index:
+def _new_index(dim: int, options: IndexOptions, sample: np.ndarray,
+               total: int) -> faiss.Index:
+    """An empty index of ``options.kind`` (IVF-PQ trained on ``sample`` of ``total``)."""
     if options.kind == "hnsw":
         base = faiss.IndexHNSWFlat(dim, options.hnsw_m, faiss.METRIC_INNER_PRODUCT)
         base.hnsw.efConstruction = options.ef_construction
         base.hnsw.efSearch = options.ef_search
         return faiss.IndexIDMap2(base)
-    nlist = options.nlist or max(1, min(len(sample) // 39, int(4 * len(sample) ** 0.5)))
-    if dim % options.pq_m:
+    nlist = options.nlist or max(1, min(len(sample) // 39, int(total ** 0.5)))
+    pq_m = options.pq_m or next(m for m in (16, 8, 4, 2, 1) if dim % m == 0)
+    if pq_m < 1 or dim % pq_m:
         raise ValueError(f"--pq-m {options.pq_m} must divide the vector size {dim}")
     quantizer = faiss.IndexFlatIP(dim)
-    index = faiss.IndexIVFPQ(quantizer, dim, nlist, options.pq_m, 8,
+    index = faiss.IndexIVFPQ(quantizer, dim, nlist, pq_m, 8,
                              faiss.METRIC_INNER_PRODUCT)
     index.train(sample)
     index.nprobe = options.nprobe
@@ -164,10 +168,25 @@ class ItemIndex:
         k = min(k, len(self))
         if self._params is not None:
             scores, slots = self.index.search(queries, k, params=self._params)
+        elif self.meta["kind"] == "ivfpq":
+            _, slots = self.index.search(queries, k * int(self.meta.get("refine", 1)))
+            return self._refined(queries, slots, k)
         else:
             scores, slots = self.index.search(queries, k)
         items = np.where(slots >= 0, self.slot_item[np.maximum(slots, 0)], -1)
         return items, scores
+
+    def _refined(self, queries: np.ndarray, slots: np.ndarray, k: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Product-quantised candidates re-scored with the exact vectors: PQ distances
+        rank the neighbourhood roughly, the top ``k`` of it needs the real ones."""
+        items = np.where(slots >= 0, self.slot_item[np.maximum(slots, 0)], -1)
+        exact = np.einsum("qcd,qd->qc", self.vectors[np.maximum(items, 0)], queries)
+        exact = np.where(items >= 0, exact, -np.inf).astype(np.float32)
+        order = np.argsort(-exact, axis=1, kind="stable")[:, :k]
+        best = np.take_along_axis(items, order, 1)
+        scores = np.take_along_axis(exact, order, 1)
+        return np.where(np.isfinite(scores), best, -1), scores
 
     def exact(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Brute-force top ``k`` by inner product over the same vectors (the baseline)."""
@@ -260,9 +279,9 @@ def build_index(uri: str, catalog: str | Path, out: str | Path,
             keys = np.concatenate(key_parts)
             ids = np.asarray(raw.column(id_field).to_numpy(zero_copy_only=False), dtype=str)
             t1 = time.perf_counter()
-            index = _new_index(vectors.shape[1], options,
-                               vectors[np.random.default_rng(0).permutation(len(vectors))
-                                       [:256 * 256]])
+            sample = np.random.default_rng(0).permutation(len(vectors))[:1 << 16]
+            index = _new_index(vectors.shape[1], options, vectors[np.sort(sample)],
+                               len(vectors))
             slots = np.arange(len(vectors), dtype=np.int64)
             index.add_with_ids(vectors, slots)
             build_s = time.perf_counter() - t1
@@ -272,7 +291,8 @@ def build_index(uri: str, catalog: str | Path, out: str | Path,
                     "dim": int(vectors.shape[1]), "items": len(vectors),
                     "next_slot": len(vectors), "fields": list(fields), "id_field": id_field,
                     "catalog_sha256": _file_digest(catalog), "ef_search": options.ef_search,
-                    "nprobe": options.nprobe, "options": options.__dict__}
+                    "nprobe": options.nprobe, "refine": options.refine,
+                    "options": options.__dict__}
             name = _write_generation(Path(out), index, ids, keys, slots, vectors, raw, meta)
         finally:
             engine.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import faiss
 import numpy as np
 import torch
 from fastapi import FastAPI, Request
@@ -85,7 +86,10 @@ def user_vector(engine: ServingEngine, version: ServedVersion,
 def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *,
                         model_name: str, max_body_bytes: int, max_top_k: int,
                         batcher: DynamicBatcher) -> None:
-    """Register ``POST /retrieve`` on ``app``, searching ``index``."""
+    """Register ``POST /retrieve`` on ``app``, searching ``index``. Each search runs on
+    one thread: requests run side by side, and an OpenMP team per single query costs
+    more than it saves."""
+    faiss.omp_set_num_threads(1)
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:

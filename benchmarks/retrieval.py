@@ -1,0 +1,236 @@
+"""Two-tower retrieval end to end: planted affinities, both losses, slices, the faiss
+index, its delta, and search speed against brute force on the same vectors.
+
+Steps (all through terarec's own commands and modules)::
+
+    synth --retrieval    --items items, --users users, --rows rows (clicks + 1 negative)
+    train x2             dssm, the same data and config, --loss bce vs sampled_softmax
+    export --slice       user_tower and item_tower of each model; the whole model too
+    index                every catalog item through the item tower, faiss HNSW (or IVF-PQ)
+    recall               for --eval-users users: the top-100 of exact search over each
+                         model's item vectors against the planted top-100
+                         (recall_at_100_true); ANN top-100 against exact top-100 of the
+                         same vectors (recall_at_100_ann)
+    speed                --queries user vectors searched one at a time (as /retrieve
+                         does): ann_qps (the index) vs exact_qps (faiss IndexFlatIP, a
+                         brute-force scan of the same vectors)
+    delta                1 % of the items' rows changed in a delta version of the
+                         item-tower slice; `terarec index` re-embeds only those
+                         (delta_reindex_s, against index_build_s for the whole catalog)
+
+Prints one JSON line. Usage: ``python benchmarks/retrieval.py [--items 1000000]
+[--users 100000] [--rows 1000000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from terarec.cli import main as cli
+from terarec.data.synth_retrieval import Affinity, catalog_path, default_topics, write_retrieval
+from terarec.export.format import read_manifest
+from terarec.export.writer import ModelExporter
+from terarec.retrieval.index import IndexOptions, build_index, load_index, update_index
+from terarec.serving.engine import ServingEngine
+from terarec.serving.retrieve import user_vector
+
+K = 100
+
+
+def main(argv: list[str]) -> int:
+    """A terarec command in this process, its stdout (JSON lines of its own) dropped."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return cli.main(argv)
+
+
+def _bytes(uri: Path) -> int:
+    return sum(p.stat().st_size for p in uri.rglob("*") if p.is_file())
+
+
+def _train(tmp: Path, log: Path, loss: str, args: argparse.Namespace) -> str:
+    cfg = tmp / "cfg.json"
+    cfg.write_text(json.dumps({"model": {"name": "dssm", "embedding_dim": args.dim,
+                                         "deep_mlp": [64, args.dim],
+                                         "user_fields": ["user"]}}))
+    out = tmp / f"model_{loss}"
+    code = main(["train", "--config", str(cfg), "--train", str(log), "--out", str(out),
+                 "--format", "csv", "--label", "label", "--categorical", "user,item,topic",
+                 "--delimiter", "\t", "--loss", loss, "--epochs", str(args.epochs),
+                 "--batch-size", str(args.batch_size), "--no-progress",
+                 "--threads", str(args.threads)])
+    if code:
+        raise SystemExit(f"training with --loss {loss} failed")
+    return str(out)
+
+
+def _export(model: str, out: Path, log: Path, slice_name: str | None) -> None:
+    argv = ["export", "--model", model, "--out", str(out)]
+    if slice_name:
+        argv += ["--slice", slice_name, "--keys-from", str(log)]
+    if main(argv):
+        raise SystemExit(f"export {slice_name or 'full'} failed")
+
+
+def _user_vectors(uri: Path, users: np.ndarray, cache: Path) -> np.ndarray:
+    engine = ServingEngine(str(uri), cache_dir=cache)
+    engine.refresh()
+    version = engine.served()
+    out = np.concatenate([user_vector(engine, version, {"user": int(u)}) for u in users])
+    engine.close()
+    return out
+
+
+def _recall(found: np.ndarray, truth: list[np.ndarray]) -> float:
+    return float(np.mean([len(set(f.tolist()) & set(t.tolist())) / max(len(t), 1)
+                          for f, t in zip(found, truth, strict=True)]))
+
+
+def _qps(search, queries: np.ndarray) -> float:
+    for q in queries[:20]:
+        search(q[None, :])
+    start = time.perf_counter()
+    for q in queries:
+        search(q[None, :])
+    return len(queries) / (time.perf_counter() - start)
+
+
+def _change_rows(uri: Path, fraction: float, seed: int) -> int:
+    """A delta on the item-tower slice: ``fraction`` of its item-id rows nudged."""
+    exporter = ModelExporter(uri)
+    latest = exporter.latest()
+    assert latest is not None
+    from terarec.retrieval.slices import version_rows
+
+    keys, values = version_rows(exporter, latest)
+    rng = np.random.default_rng(seed)
+    pick = np.sort(rng.choice(len(keys), max(1, int(fraction * len(keys))), replace=False))
+    changed = values[pick] + rng.normal(0, 0.05, values[pick].shape).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        from terarec.export.reader import VersionReader
+
+        reader = VersionReader(exporter.storage, Path(tmp))
+        from safetensors.torch import load_file
+
+        dense = load_file(str(reader.fetch(latest, latest.data["dense"])))
+    exporter.write_delta(dense=dense, keys=keys[pick], values=changed,
+                         deleted=np.empty(0, np.int64), pass_id=latest.pass_id + 1)
+    return len(pick)
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="terarec-bench-retrieval-", dir=args.workdir))
+    t0 = time.perf_counter()
+    log = tmp / "log.tsv"
+    info = write_retrieval(log, args.rows, users=args.users, items=args.items, seed=args.seed)
+    synth_s = time.perf_counter() - t0
+    truth = Affinity(args.users, args.items, default_topics(args.items), args.seed)
+    eval_users = np.random.default_rng(args.seed + 7).choice(args.users, args.eval_users,
+                                                              replace=False)
+    true_top = truth.true_top(eval_users, K)
+    result: dict = {"items": args.items, "users": args.users, "rows": args.rows,
+                    "clicks": info.clicks, "topics": info.topics, "epochs": args.epochs,
+                    "dim": args.dim, "kind": args.kind, "synth_s": round(synth_s, 1)}
+    options = IndexOptions(kind=args.kind, ef_search=args.ef_search)
+    for loss in ("bce", "sampled_softmax"):
+        t = time.perf_counter()
+        model = _train(tmp, log, loss, args)
+        result[f"train_s_{loss}"] = round(time.perf_counter() - t, 1)
+        for name in ("user_tower", "item_tower"):
+            _export(model, tmp / f"{loss}_{name}", log, name)
+        users_vec = _user_vectors(tmp / f"{loss}_user_tower", eval_users, tmp / "c")
+        if loss == "bce":  # pointwise: exact search over its vectors is all recall needs
+            _export(model, tmp / "bce_full", log, None)
+            idx_dir = tmp / f"{loss}_index"
+            build_index(str(tmp / f"{loss}_item_tower"), catalog_path(log), idx_dir,
+                        IndexOptions(kind="ivfpq", nlist=16))
+            found, _ = load_index(idx_dir).exact(users_vec, K)
+            result["recall_at_100_true_bce"] = round(_recall(found, true_top), 4)
+            continue
+        idx_dir = tmp / "index"
+        built = build_index(str(tmp / f"{loss}_item_tower"), catalog_path(log), idx_dir,
+                            options)
+        result["index_embed_s"] = round(built["embed_s"], 2)
+        result["index_build_s"] = round(built["embed_s"] + built["build_s"], 2)
+        index = load_index(idx_dir)
+        exact, _ = index.exact(users_vec, K)
+        ann, _ = index.search(users_vec, K)
+        result["recall_at_100_true_sampled_softmax"] = round(_recall(exact, true_top), 4)
+        result["recall_at_100_ann"] = round(_recall(ann, list(exact)), 4)
+        queries = np.random.default_rng(1).standard_normal((args.queries, index.dim))
+        queries = (queries / np.linalg.norm(queries, axis=1, keepdims=True)).astype(np.float32)
+        queries[:len(users_vec)] = users_vec[:args.queries]
+        import faiss
+
+        faiss.omp_set_num_threads(1)  # one query per call, as /retrieve runs them
+        flat = faiss.IndexFlatIP(index.dim)
+        flat.add(np.ascontiguousarray(index.vectors))
+        result["ann_qps"] = round(_qps(lambda q: index.search(q, K), queries), 1)
+        result["exact_qps"] = round(_qps(lambda q: flat.search(q, K),
+                                         queries[:args.exact_queries]), 1)
+        faiss.omp_set_num_threads(args.threads)
+        result["ann_speedup"] = round(result["ann_qps"] / result["exact_qps"], 1)
+        changed = _change_rows(tmp / f"{loss}_item_tower", 0.01, args.seed)
+        delta = update_index(str(tmp / f"{loss}_item_tower"), catalog_path(log), idx_dir,
+                             options)
+        result["delta_rows_changed"] = changed
+        result["delta_items_reembedded"] = delta["embedded"]
+        result["delta_mode"] = delta["mode"]
+        result["delta_reindex_s"] = round(delta["embed_s"] + delta["build_s"], 2)
+        after = load_index(idx_dir)
+        ann2, _ = after.search(users_vec, K)
+        exact2, _ = after.exact(users_vec, K)
+        result["recall_at_100_ann_after_delta"] = round(_recall(ann2, list(exact2)), 4)
+    result["sampled_softmax_wins"] = (result["recall_at_100_true_sampled_softmax"]
+                                      > result["recall_at_100_true_bce"])
+    result["full_model_bytes"] = _bytes(tmp / "bce_full")
+    result["slice_bytes_user_tower"] = _bytes(tmp / "bce_user_tower")
+    result["slice_bytes_item_tower"] = _bytes(tmp / "bce_item_tower")
+    full = read_manifest(ModelExporter(tmp / "bce_full").storage, "v000001")
+    result["full_model_rows"] = full.data["sparse"]["rows"]
+    result["eval_users"] = args.eval_users
+    result["queries"] = args.queries
+    result["threads"] = args.threads
+    result["total_s"] = round(time.perf_counter() - t0, 1)
+    result["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--items", type=int, default=1_000_000)
+    p.add_argument("--users", type=int, default=100_000)
+    p.add_argument("--rows", type=int, default=1_000_000,
+                   help="training rows: clicks and as many uniform negatives")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=32, help="tower output (vector) size")
+    p.add_argument("--kind", choices=["hnsw", "ivfpq"], default="ivfpq")
+    p.add_argument("--ef-search", type=int, default=256)
+    p.add_argument("--eval-users", type=int, default=1000)
+    p.add_argument("--queries", type=int, default=1000, help="ANN queries timed")
+    p.add_argument("--exact-queries", type=int, default=200, help="brute-force queries timed")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="folder for the temporary files")
+    p.add_argument("--keep", action="store_true", help="keep the temporary files")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(parse_args())))
