@@ -175,8 +175,8 @@ def run(args: argparse.Namespace) -> dict:
         faiss.omp_set_num_threads(1)  # one query per call, as /retrieve runs them
         flat = faiss.IndexFlatIP(index.dim)
         flat.add(np.ascontiguousarray(index.vectors))
-        result["ann_qps"] = round(_qps(lambda q: index.search(q, K), queries), 1)
-        result["exact_qps"] = round(_qps(lambda q: flat.search(q, K),
+        result["ann_qps"] = round(_qps(lambda q, ix=index: ix.search(q, K), queries), 1)
+        result["exact_qps"] = round(_qps(lambda q, fl=flat: fl.search(q, K),
                                          queries[:args.exact_queries]), 1)
         faiss.omp_set_num_threads(args.threads)
         result["ann_speedup"] = round(result["ann_qps"] / result["exact_qps"], 1)

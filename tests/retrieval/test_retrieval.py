@@ -169,7 +169,8 @@ def test_slice_errors_name_the_problem(trained, tmp_path):
                  "user,nope", "--keys-from", str(log)]) == 2
 
 
-def test_ivfpq_delta_reembeds_only_changed_items(trained, tmp_path):
+@pytest.mark.parametrize("kind", ["ivfpq", "hnsw"])
+def test_delta_reembeds_only_changed_items(trained, tmp_path, kind):
     import shutil
 
     from safetensors.torch import load_file
@@ -182,7 +183,7 @@ def test_ivfpq_delta_reembeds_only_changed_items(trained, tmp_path):
     tmp, log, _ = trained
     uri, out = tmp_path / "items", tmp_path / "idx"
     shutil.copytree(tmp / "item_tower", uri)
-    options = IndexOptions(kind="ivfpq", nlist=8, nprobe=8)
+    options = IndexOptions(kind=kind, nlist=8, nprobe=8)
     assert update_index(str(uri), catalog_path(log), out, options)["mode"] == "full"
     before = load_index(out)
     exporter = ModelExporter(uri)

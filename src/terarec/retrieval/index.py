@@ -141,8 +141,8 @@ class ItemIndex:
         self._params: Any = None
         if len(dead) and meta["kind"] == "hnsw":  # a graph keeps replaced vectors: skip them
             self._selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))
-            self._params = faiss.SearchParametersHNSW(sel=self._selector,
-                                                      efSearch=meta["ef_search"])
+            self._params = faiss.SearchParametersHNSW(  # type: ignore[attr-defined]
+                sel=self._selector, efSearch=meta["ef_search"])
 
     def records(self, items: np.ndarray) -> list[dict[str, Any]]:
         """The catalog's raw item fields of ``items`` (to score them with a ranker)."""
@@ -220,7 +220,8 @@ def load_index(out: str | Path) -> ItemIndex:
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise IndexError_(f"{folder}: unreadable index ({exc})") from None
     if meta["kind"] == "hnsw":
-        faiss.downcast_index(index.index).hnsw.efSearch = meta["ef_search"]
+        base: Any = faiss.downcast_index(index.index)  # type: ignore[attr-defined]
+        base.hnsw.efSearch = meta["ef_search"]
     elif meta["kind"] == "ivfpq":
         faiss.extract_index_ivf(index).nprobe = meta["nprobe"]
     return ItemIndex(folder, index, ids, keys, slots, np.asarray(vectors), meta)
@@ -386,12 +387,10 @@ def _write_generation(out: Path, index: faiss.Index, ids: np.ndarray, keys: np.n
     folder.mkdir()
     with atomic_path(folder / "index.faiss") as tmp:
         faiss.write_index(index, str(tmp))
-    with atomic_path(folder / "items.npz") as tmp:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, ids=ids, keys=keys, slots=slots)
-    with atomic_path(folder / "vectors.npy") as tmp:
-        with open(tmp, "wb") as fh:
-            np.save(fh, np.ascontiguousarray(vectors, np.float32))
+    with atomic_path(folder / "items.npz") as tmp, open(tmp, "wb") as fh:
+        np.savez(fh, ids=ids, keys=keys, slots=slots)
+    with atomic_path(folder / "vectors.npy") as tmp, open(tmp, "wb") as fh:
+        np.save(fh, np.ascontiguousarray(vectors, np.float32))
     with atomic_path(folder / "catalog.parquet") as tmp:
         pq.write_table(raw, tmp)
     atomic_write_text(folder / "meta.json", json.dumps(meta, indent=2))

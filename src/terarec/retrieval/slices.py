@@ -209,8 +209,8 @@ def version_rows(exporter: ModelExporter, manifest: Manifest) -> tuple[np.ndarra
     """Every row of a version (its full version with its deltas applied), sorted by key."""
     import tempfile
 
-    from terarec.export.reader import VersionReader
     from terarec.export.format import read_manifest
+    from terarec.export.reader import VersionReader
 
     with tempfile.TemporaryDirectory(prefix="terarec-slice-") as tmp:
         reader = VersionReader(exporter.storage, Path(tmp))
