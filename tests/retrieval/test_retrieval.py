@@ -123,6 +123,19 @@ def test_index_recall_and_retrieve_route(trained):
         assert bad.status_code == 413
         bad = client.post("/retrieve", json={"context": {"user": 1}, "rank": "yes"})
         assert bad.status_code == 422 and "rank" in bad.json()["error"]
+        infer = client.post("/v2/models/terarec/infer", json={
+            "inputs": [{"name": "user", "shape": [1], "datatype": "BYTES", "data": ["5"]}],
+            "parameters": {"top_k": 10}})
+        assert infer.status_code == 200, infer.text
+        assert infer.json()["outputs"][0]["data"] == body["items"]
+        bad = client.post("/v2/models/terarec/infer", json={
+            "inputs": [{"name": "user", "shape": [2], "datatype": "BYTES", "data": ["5", "6"]}],
+            "parameters": {"top_k": 10}})
+        assert bad.status_code == 422 and "inputs[0]" in bad.json()["error"]
+        bad = client.post("/v2/models/terarec/infer", json={
+            "inputs": [{"name": "user", "shape": [1], "datatype": "BYTES", "data": ["5"]}],
+            "parameters": {"top_k": "ten"}})
+        assert bad.status_code == 422 and "parameters.top_k" in bad.json()["error"]
         # a user tower cannot score candidates
         bad = client.post("/predict", json={"candidates": [{"user": 1, "item": 2}]})
         assert bad.status_code == 404 and "user_tower" in bad.json()["error"]

@@ -401,14 +401,20 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
         version = served_model(name)
-        require_route(version, "predict")
         raw = await _read_bytes(request, max_body_bytes)
         header = request.headers.get(binary.HEADER)
         if header is None:
             body = _parse(InferRequest, raw)
+            if "top_k" in body.parameters:  # retrieval (serving/retrieve.py)
+                from terarec.serving.retrieve import infer_top_k
+
+                return _json(await infer_top_k(engine, index, version, body, model_name,
+                                               max_top_k))
+            require_route(version, "predict")
             columns, rows = _kserve_columns(body, version, max_candidates)
             request_id = body.id
         else:
+            require_route(version, "predict")
             columns, rows, request_id = _binary_columns(raw, header, version,
                                                         max_candidates)
         batch = _columns_request_batch(version, columns, rows)

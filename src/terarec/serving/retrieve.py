@@ -83,6 +83,59 @@ def user_vector(engine: ServingEngine, version: ServedVersion,
     return out
 
 
+async def _search(engine: ServingEngine, index: ItemIndex, version: ServedVersion,
+                  context: dict[str, Any], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(item positions, inner products) of the user's ``top_k`` nearest items."""
+    vector = user_vector(engine, version, context)
+    if vector.shape[1] != index.dim:
+        raise BadRequest(f"the user vector has {vector.shape[1]} values, the item index "
+                         f"{index.dim}: the index was built from another model", 503)
+    items, sims = await run_in_threadpool(index.search, vector, top_k)
+    keep = items[0] >= 0
+    return items[0][keep], sims[0][keep]
+
+
+async def infer_top_k(engine: ServingEngine, index: ItemIndex | None,
+                      version: ServedVersion, body: Any, model_name: str,
+                      max_top_k: int) -> dict[str, Any]:
+    """A v2 inference request with ``parameters.top_k``: one user's features as inputs
+    of shape [1] (or [1, 1]); outputs ``items`` (BYTES) and ``scores`` (FP32)."""
+    top_k = body.parameters["top_k"]
+    if type(top_k) is not int or not 1 <= top_k <= max_top_k:
+        raise BadRequest(f"parameters.top_k: expected an integer from 1 to {max_top_k}, "
+                         f"got {top_k!r}")
+    if index is None:
+        raise BadRequest("parameters.top_k: this server has no item index (serve --index)",
+                         404)
+    context: dict[str, Any] = {}
+    for i, tensor in enumerate(body.inputs):
+        if tensor.name not in version.feature_set:
+            raise BadRequest(f"inputs[{i}]: unknown input {tensor.name!r}; the model's "
+                             f"inputs are {list(version.feature_names)}")
+        if tensor.name in context:
+            raise BadRequest(f"inputs[{i}]: input {tensor.name!r} given twice")
+        if tensor.shape not in ([1], [1, 1]) or len(tensor.data) != 1:
+            raise BadRequest(f"inputs[{i}]: retrieval takes one user: shape [1] and one "
+                             f"value, got shape {tensor.shape} and {len(tensor.data)} values")
+        value = tensor.data[0]
+        context[tensor.name] = value[0] if isinstance(value, list) and len(value) == 1 \
+            else value
+    found, scores = await _search(engine, index, version, context, top_k)
+    try:
+        check_scores(scores)
+    except NonFiniteError as exc:
+        raise BadRequest(f"scores: {exc}") from None
+    out: dict[str, Any] = {
+        "model_name": model_name, "model_version": str(version.version),
+        "outputs": [{"name": "items", "datatype": "BYTES", "shape": [len(found)],
+                     "data": index.ids[found].tolist()},
+                    {"name": "scores", "datatype": "FP32", "shape": [len(found)],
+                     "data": scores.tolist()}]}
+    if body.id is not None:
+        out["id"] = body.id
+    return out
+
+
 def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *,
                         model_name: str, max_body_bytes: int, max_top_k: int,
                         batcher: DynamicBatcher) -> None:
@@ -98,13 +151,7 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *
         body = _parse(RetrieveRequest, raw)
         if body.top_k > max_top_k:
             raise BadRequest(f"top_k: {body.top_k} exceeds the limit of {max_top_k}", 413)
-        vector = user_vector(engine, version, body.context)
-        if vector.shape[1] != index.dim:
-            raise BadRequest(f"the user vector has {vector.shape[1]} values, the item index "
-                             f"{index.dim}: the index was built from another model", 503)
-        items, sims = await run_in_threadpool(index.search, vector, body.top_k)
-        keep = items[0] >= 0
-        found, scores = items[0][keep], sims[0][keep]
+        found, scores = await _search(engine, index, version, body.context, body.top_k)
         out: dict[str, Any] = {"model": model_name, "version": version.version,
                                "index": index.folder.name}
         if body.rank:
