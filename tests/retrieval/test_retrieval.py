@@ -217,3 +217,30 @@ def test_delta_reembeds_only_changed_items(trained, tmp_path, kind):
     items, _ = after.search(query, 5)
     assert items[0][0] == 0  # the changed item is found by its new vector
     assert len(set(after.search(after.vectors[:20], 1)[0][:, 0])) > 10
+
+
+@pytest.mark.slow
+def test_wide_and_deep_slices_add_up_to_the_whole_model(trained, tmp_path):
+    tmp, log, _ = trained
+    model = tmp_path / "wd"
+    assert main(["train", "--train", str(log), "--out", str(model), "--format", "csv",
+                 "--label", "label", "--categorical", "user,item,topic", "--delimiter", "\t",
+                 "--model", "widedeep", "--epochs", "1", "--batch-size", "512",
+                 "--no-progress"]) == 0
+    logits = {}
+    for name in ("wide", "deep", None):
+        out = tmp_path / (name or "whole")
+        argv = ["export", "--model", str(model), "--out", str(out)]
+        if name:
+            argv += ["--slice", name, "--keys-from", str(log)]
+        assert main(argv) == 0
+        engine = ServingEngine(str(out), cache_dir=tmp_path / f"c-{name}")
+        assert engine.refresh()
+        with TestClient(create_app(engine)) as client:
+            reply = client.post("/predict", json={"context": {"user": 3}, "candidates": [
+                {"item": 1, "topic": 2}, {"item": 7, "topic": 5}]})
+            assert reply.status_code == 200, reply.text
+            p = np.array(reply.json()["scores"], np.float64)
+        logits[name] = np.log(p / (1 - p))
+    np.testing.assert_allclose(logits["wide"] + logits["deep"], logits[None], atol=1e-4)
+    assert not np.allclose(logits["wide"], logits[None], atol=1e-4)

@@ -5,8 +5,8 @@ fields' keys and the layers it needs, so that each serving group loads only its 
 
     user_tower   dssm       the user fields' rows + user_tower.*    serves /retrieve
     item_tower   dssm       the item fields' rows + item_tower.*    input of `terarec index`
-    wide         widedeep   every row + bias, dense_linear.*        serves /predict (wide logit)
-    deep         widedeep   every row + deep.*                      serves /predict (deep logit)
+    wide         widedeep   every row's column 0 + bias, dense_linear.*   /predict (wide logit)
+    deep         widedeep   every row's columns 1: + deep.*               /predict (deep logit)
     F1,F2,...    any        those fields' rows + every layer        serves /predict
 
 A key does not record its field (it is a hash of field and value), so the keys of a
@@ -51,11 +51,16 @@ class SliceSpec:
     fields: tuple[str, ...]
     modules: tuple[str, ...] | None
     routes: tuple[str, ...]
+    # Row columns the slice's layers read ([start, stop); None: all); the others are zero.
+    columns: tuple[int, int | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "fields": list(self.fields),
-                "modules": None if self.modules is None else list(self.modules),
-                "routes": list(self.routes)}
+        out = {"name": self.name, "fields": list(self.fields),
+               "modules": None if self.modules is None else list(self.modules),
+               "routes": list(self.routes)}
+        if self.columns is not None:
+            out["columns"] = list(self.columns)
+        return out
 
 
 def slice_spec(schema: FeatureSchema, config: ModelConfig, name: str) -> SliceSpec:
@@ -73,8 +78,11 @@ def slice_spec(schema: FeatureSchema, config: ModelConfig, name: str) -> SliceSp
         if model != "widedeep":
             raise ValueError(f"--slice {name}: only model 'widedeep' has wide and deep parts, "
                              f"this model is {config.name!r}")
-        modules = ("bias", "dense_linear.") if name == "wide" else ("deep.",)
-        return SliceSpec(name, schema.sparse_names, modules, ("predict",))
+        # Column 0 of a row is its wide weight, the rest its deep factors (WideDeep).
+        if name == "wide":
+            return SliceSpec(name, schema.sparse_names, ("bias", "dense_linear."),
+                             ("predict",), (0, 1))
+        return SliceSpec(name, schema.sparse_names, ("deep.",), ("predict",), (1, None))
     fields = tuple(f.strip() for f in name.split(",") if f.strip())
     unknown = [f for f in fields if f not in schema.sparse_names]
     if not fields or unknown:
@@ -162,12 +170,12 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     if latest is not None and latest.data.get("slice") == info \
             and latest.data["schema"] == schema.to_dict() \
             and latest.data["model"] == _json(config.model):
-        keys, values = _sliced_rows(ckpt, wanted)
+        keys, values = _sliced_rows(ckpt, wanted, spec.columns)
         old_keys, old_values = version_rows(exporter, latest)
         changed, deleted = _diff(keys, values, old_keys, old_values)
         return exporter.write_delta(dense=dense, keys=keys[changed], values=values[changed],
                                     deleted=deleted, pass_id=int(ckpt.meta["pass_id"]))
-    rows = (c for c in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted))
+    rows = (c for c in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted, spec.columns))
     return exporter.write_full(schema=schema, model_config=config.model, dense=dense,
                                rows=rows, row_dim=row_dim, pass_id=int(ckpt.meta["pass_id"]),
                                slice_info=info)
@@ -181,14 +189,22 @@ def _json(config: ModelConfig) -> Any:
     return json.loads(json.dumps(to_dict(config)))
 
 
-def _filtered(chunks: Iterator[Any], wanted: np.ndarray) -> Iterator[Any]:
-    """Row chunks cut to the keys in sorted ``wanted``."""
+def _filtered(chunks: Iterator[Any], wanted: np.ndarray,
+              columns: tuple[int, int | None] | None = None) -> Iterator[Any]:
+    """Row chunks cut to the keys in sorted ``wanted``, values outside ``columns`` zero
+    (the other part's weights must not reach the slice's sum)."""
     from dataclasses import fields
 
     for chunk in chunks:
         keep = _member(np.asarray(chunk.keys, np.int64), wanted)
         if keep.any():
-            yield type(chunk)(**{f.name: getattr(chunk, f.name)[keep] for f in fields(chunk)})
+            part = {f.name: getattr(chunk, f.name)[keep] for f in fields(chunk)}
+            if columns is not None:
+                values = np.zeros_like(part["values"])
+                lo, hi = columns
+                values[:, lo:hi] = part["values"][:, lo:hi]
+                part["values"] = values
+            yield type(chunk)(**part)
 
 
 def _member(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
@@ -196,9 +212,10 @@ def _member(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return (wanted[pos] == keys) if len(wanted) else np.zeros(len(keys), bool)
 
 
-def _sliced_rows(ckpt: Any, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _sliced_rows(ckpt: Any, wanted: np.ndarray, columns: tuple[int, int | None] | None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     keys, values = [np.empty(0, np.int64)], []
-    for chunk in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted):
+    for chunk in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted, columns):
         keys.append(np.asarray(chunk.keys, np.int64))
         values.append(np.asarray(chunk.values, np.float32))
     k = np.concatenate(keys)
