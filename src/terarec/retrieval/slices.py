@@ -55,7 +55,7 @@ class SliceSpec:
     columns: tuple[int, int | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "fields": list(self.fields),
+        out: dict[str, Any] = {"name": self.name, "fields": list(self.fields),
                "modules": None if self.modules is None else list(self.modules),
                "routes": list(self.routes)}
         if self.columns is not None:
