@@ -55,9 +55,10 @@ class SliceSpec:
     columns: tuple[int, int | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "fields": list(self.fields),
-               "modules": None if self.modules is None else list(self.modules),
-               "routes": list(self.routes)}
+        out: dict[str, Any] = {
+            "name": self.name, "fields": list(self.fields),
+            "modules": None if self.modules is None else list(self.modules),
+            "routes": list(self.routes)}
         if self.columns is not None:
             out["columns"] = list(self.columns)
         return out
