@@ -49,7 +49,7 @@ CURRENT = "CURRENT"
 EMBED_ROWS = 8192
 
 
-class IndexError_(ValueError):
+class IndexFolderError(ValueError):
     """An index folder that is missing, half-written or does not fit its export."""
 
 
@@ -209,7 +209,7 @@ def load_index(out: str | Path) -> ItemIndex:
     """The current generation of index folder ``out``."""
     folder = current_generation(out)
     if folder is None:
-        raise IndexError_(f"{out}: no index (no {CURRENT} naming a complete generation); "
+        raise IndexFolderError(f"{out}: no index (no {CURRENT} naming a complete generation); "
                           "build one with `terarec index`")
     try:
         meta = json.loads((folder / "meta.json").read_text())
@@ -218,7 +218,7 @@ def load_index(out: str | Path) -> ItemIndex:
             ids, keys, slots = items["ids"], items["keys"], items["slots"]
         vectors = np.load(folder / "vectors.npy", mmap_mode="r")
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise IndexError_(f"{folder}: unreadable index ({exc})") from None
+        raise IndexFolderError(f"{folder}: unreadable index ({exc})") from None
     if meta["kind"] == "hnsw":
         base: Any = faiss.downcast_index(index.index)  # type: ignore[attr-defined]
         base.hnsw.efSearch = meta["ef_search"]
@@ -239,7 +239,7 @@ def _open_engine(uri: str, storage_options: dict[str, Any] | None,
     engine.refresh()
     if engine.current is None:
         reasons = "; ".join(f"{k}: {v}" for k, v in engine.refused.items())
-        raise IndexError_(f"{uri}: no loadable version" + (f" ({reasons})" if reasons else ""))
+        raise IndexFolderError(f"{uri}: no loadable version" + (f" ({reasons})" if reasons else ""))
     return engine, engine.current
 
 
