@@ -34,9 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="ivfpq: bytes per vector (default 16, or the largest of 8/4/2/1 "
                    "dividing the vector size)")
     p.add_argument("--nprobe", type=int, default=64, help="ivfpq: clusters searched (64)")
-    p.add_argument("--refine", type=int, default=4,
+    p.add_argument("--refine", type=int, default=16,
                    help="ivfpq: candidates re-scored with the exact vectors, per item asked "
-                   "for (default 4)")
+                   "for (default 16)")
     add_storage_args(p)
     p.set_defaults(func=run)
 

@@ -62,7 +62,7 @@ class IndexOptions:
     nlist: int = 0        # ivfpq: clusters (0: about 4 sqrt(n))
     pq_m: int = 0         # ivfpq: sub-quantisers, bytes per vector (0: 16 or a divisor)
     nprobe: int = 64
-    refine: int = 4       # ivfpq: candidates re-scored exactly, per item asked for
+    refine: int = 16      # ivfpq: candidates re-scored exactly, per item asked for
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
