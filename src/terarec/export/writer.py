@@ -520,6 +520,7 @@ class IncrementalExporter:
 
     def export(self, trainer, full: bool = False) -> ExportedVersion:
         """Write a version now (collective on N ranks: each passes the rows it owns)."""
+        trainer.sync_store()  # rows newer on the device are exported
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:
