@@ -274,6 +274,7 @@ def test_a_replaced_store_gets_the_cached_rows_first():
 
 
 # -- on a GPU -------------------------------------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_cache_trains_the_cpu_run():
     passes = _passes(4)
