@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from terarec.cli.main import main as cli_main
 from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
-from terarec.data.synth import generate_arrays
+from terarec.data.synth import generate, generate_arrays
 from terarec.embedding.device import (
     DeviceRowCache,
     codec_bytes,
@@ -24,8 +25,9 @@ from terarec.embedding.device import (
 )
 from terarec.embedding.quant import decode_rows, encode_rows, read_scale_bias
 from terarec.embedding.working_set import plan_pass
+from terarec.export import IncrementalExporter, Storage, latest_version, read_manifest
 from terarec.kernels import splitmix64_array
-from terarec.train.checkpoint import restore_trainer, save_checkpoint
+from terarec.train.checkpoint import load_checkpoint, restore_trainer, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
 
@@ -135,7 +137,7 @@ def test_budget_sets_capacity_and_bad_settings_are_refused():
         DeviceRowCache(16, 1, "1MB", "cpu", StoreConfig(stochastic_rounding=True))
 
 
-def test_device_budget_is_refused_under_torchrun_and_unbounded_by_default():
+def test_no_budget_no_cache():
     assert Trainer(_schema(), _config(None)).device_cache is None
 
 
@@ -271,6 +273,40 @@ def test_a_replaced_store_gets_the_cached_rows_first():
     trainer.store = Trainer(_schema(), _config(None)).store
     trainer.train_pass(passes[1])
     np.testing.assert_array_equal(old.lookup(keys)[0], rows)
+
+
+def test_cli_run_with_a_device_budget_checkpoints_and_exports_the_plain_run(tmp_path):
+    data = tmp_path / "train.tsv"
+    generate(data, 3000, model_seed=1, sample_seed=2)
+    args = ["train", "--train", str(data), "--pass-rows", "1000", "--batch-size", "250",
+            "--embedding-dim", "4", "--threads", "1", "--no-progress", "--device", "cpu",
+            "--delta-every", "1"]
+    for name, extra in (("plain", []), ("cached", ["--device-budget", "20KB"])):
+        assert cli_main([*args, "--out", str(tmp_path / name), "--export-to",
+                         str(tmp_path / f"{name}-export"), *extra]) == 0
+    a, b = load_checkpoint(tmp_path / "plain"), load_checkpoint(tmp_path / "cached")
+    for name in ("keys", "values", "state", "show", "click", "last_seen"):
+        np.testing.assert_array_equal(a.sparse[name], b.sparse[name], err_msg=name)
+    plain, cached = Storage(tmp_path / "plain-export"), Storage(tmp_path / "cached-export")
+    assert latest_version(plain) == latest_version(cached) == "v000003"
+    for version in ("v000001", "v000002", "v000003"):
+        fa, fb = read_manifest(plain, version).data["files"], read_manifest(
+            cached, version).data["files"]
+        assert {k: v["sha256"] for k, v in fa.items()} == {k: v["sha256"]
+                                                           for k, v in fb.items()}
+
+
+def test_an_export_takes_the_rows_newer_on_the_device(tmp_path):
+    passes = _passes(2)
+    files = []
+    for name, budget in (("plain", None), ("cached", "20KB")):
+        trainer, _ = _train(_config(budget), passes)
+        if budget:
+            assert trainer.device_cache is not None and trainer.device_cache.dirty.any()
+        IncrementalExporter(tmp_path / name, trainer).export(trainer)
+        manifest = read_manifest(Storage(tmp_path / name), "v000001")
+        files.append({k: v["sha256"] for k, v in manifest.data["files"].items()})
+    assert files[0] == files[1]
 
 
 # -- on a GPU -------------------------------------------------------------------------------
