@@ -225,13 +225,19 @@ def test_hottest_rows_stay_and_only_leaving_rows_are_written_back():
     assert cache.sync() == 0  # clean rows are not pushed again
 
 
-def test_misses_are_read_ahead_while_the_previous_pass_trains():
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_misses_are_read_ahead_while_the_previous_pass_trains(precision):
     passes = _passes(4)
-    trainer, _ = _train(_config("20KB"), passes)
+    plain, plain_losses = _train(_config(None, precision=precision), passes)
+    trainer, losses = _train(_config("10KB", precision=precision), passes)
     stats = trainer.device_cache.stats  # type: ignore[union-attr]
     assert stats.hidden_bytes > 0
-    assert 0 < stats.hidden_share < 1  # misses' state and fresh rows are copied at staging
+    assert 0 < stats.hidden_share < 1  # misses' optimizer state is copied at staging
     assert 0 < stats.hit_rate < 1
+    # Rows the cache had no room for but the next pass needs stay on the device.
+    assert stats.carried > 0
+    assert losses == plain_losses
+    _assert_same_store(plain, trainer)
 
 
 def test_keys_the_store_evicts_leave_the_cache():

@@ -9,10 +9,12 @@ the row leaves the cache or the store is synced (checkpoint, export)::
     stage pass p     store.pull(keys)  counts shows/clicks, admits (as without a cache)
                      hits   <- cache slots on the device (decoded from the cache's codec)
                      misses <- rows read ahead while pass p-1 trained (pinned host buffer,
-                               copied on a side stream), checked against what pull
+                               copied on a side stream: stored rows, and fresh rows of
+                               keys not stored yet), checked against what pull
                                returned; the rest (and misses' state) copied now
     train            plain working-set lookups, fused optimizer in backward (unchanged)
-    write back       LFU over cached + pass rows (total shows while cached):
+    write back       keys of the next pass first (known from its plan), then LFU over
+                     cached + pass rows (total shows while cached):
                      kept rows are encoded into their slots, not pushed;
                      rows that do not fit, and displaced dirty rows, are pushed
     end_pass         keys the store evicted are dropped from the cache (no write-back)
@@ -44,7 +46,8 @@ from terarec.config import StoreConfig, parse_bytes
 from terarec.embedding.compression import class_precision
 from terarec.embedding.index import KeyIndex, unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.store import RowBlock
+from terarec.embedding.quant import decode_rows, encode_rows
+from terarec.embedding.store import RowBlock, init_rows
 from terarec.types import Batch
 
 CACHED_PRECISIONS = ("fp32", "fp16", "int8")
@@ -124,6 +127,7 @@ class DeviceCacheStats:
     d2h_bytes: int = 0     # rows and state copied back (evicted, synced)
     passes: int = 0
     prefetch_s: float = 0.0
+    carried: int = 0       # misses served by rows the last pass left on the device
 
     @property
     def hit_rate(self) -> float:
@@ -154,7 +158,12 @@ class _ReadAhead(threading.Thread):
             if self.after is not None:  # the disk tier's read-ahead first: rows in RAM
                 self.after.join()
             values, found = self.store.lookup(self.keys)
-            self.keys, self.host = self.keys[found], values[found]
+            # Keys the store does not hold yet get fresh rows if admitted: those depend
+            # on the key alone (as the store makes and encodes them).
+            fresh = np.flatnonzero(~found)
+            if len(fresh):
+                values[fresh] = self.cache.fresh_rows(self.keys[fresh], self.store)
+            self.host = values
             self.rows, self.event = self.cache._to_device(self.host, side=True)
             self.cache.stats.prefetch_s += time.perf_counter() - start
         except BaseException as exc:  # handed to the training thread
@@ -210,6 +219,11 @@ class DeviceRowCache:
         self.stats = DeviceCacheStats()
         self.store: EmbeddingStore | None = None
         self._ahead: _ReadAhead | None = None
+        self._upcoming: np.ndarray | None = None  # the next pass's keys, when known
+        # Pass rows pushed but needed by the next pass: (keys sorted, values as pushed,
+        # device values, state as pushed, device state), used where pull agrees.
+        self._carry: tuple[np.ndarray, np.ndarray, torch.Tensor, np.ndarray,
+                           torch.Tensor] | None = None
         self._side = (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self.peak_bytes = 0
 
@@ -269,6 +283,13 @@ class DeviceRowCache:
             self.bias.index_copy_(0, s, coded.bias)
         self.state.index_copy_(0, s, state)
 
+    def fresh_rows(self, keys: np.ndarray, store: EmbeddingStore) -> np.ndarray:
+        """The rows ``store`` gives ``keys`` when it admits them, decoded."""
+        rows = init_rows(keys, self.row_dim, store.config.init_std, store.seed)
+        if self.precision == "fp32":
+            return rows
+        return decode_rows(encode_rows(rows, self.precision), self.precision, self.row_dim)
+
     def _to_device(self, host: np.ndarray, side: bool = False
                    ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """``host`` rows on the device: on CUDA through a pinned buffer, copied without
@@ -303,6 +324,7 @@ class DeviceRowCache:
         if keys is None or not len(keys):
             return
         self._join_ahead()  # one read-ahead at a time
+        self._upcoming = np.sort(keys)  # kept first at write-back: hits next pass
         keys = keys[self.index.lookup(keys) < 0]
         if len(current):
             keys = keys[~np.isin(keys, current)]
@@ -334,30 +356,36 @@ class DeviceRowCache:
         slots = self.index.lookup(keys)
         hit = slots >= 0
         miss = np.flatnonzero(~hit)
+        todo = np.ones(len(miss), np.bool_)        # values still to copy
+        todo_state = np.ones(len(miss), np.bool_)  # state still to copy
+        carry, self._carry = self._carry, None
+        if carry is not None:  # rows the last pass trained and pushed: still here
+            c_keys, c_host, c_rows, c_state_host, c_state = carry
+            ok, pos = _same(c_keys, c_host, keys[miss], block.values[miss])
+            ok[ok] = (c_state_host[pos[ok]] == block.state[miss[ok]]).all(axis=1)
+            _place(weights, miss[ok] + 1, c_rows, pos[ok])
+            _place(state, miss[ok] + 1, c_state, pos[ok])
+            todo &= ~ok
+            todo_state &= ~ok
+            self.stats.carried += int(ok.sum())
         ahead = self._join_ahead()
-        copied = np.ones(len(miss), np.bool_)
-        if ahead is not None and len(miss) and len(ahead[0]):
+        if ahead is not None:
             a_keys, a_host, a_rows = ahead
-            pos = np.minimum(np.searchsorted(a_keys, keys[miss]), len(a_keys) - 1)
-            ok = a_keys[pos] == keys[miss]
-            # A key evicted and re-admitted since has fresh values: only equal rows count.
-            ok[ok] = (a_host[pos[ok]] == block.values[miss[ok]]).all(axis=1)
-            if ok.any():
-                dst = torch.from_numpy(miss[ok] + 1).to(self.device)
-                weights.index_copy_(0, dst, a_rows.index_select(
-                    0, torch.from_numpy(pos[ok]).to(self.device)))
-                self.stats.hidden_bytes += int(ok.sum()) * 4 * d
-                self.stats.h2d_bytes += int(ok.sum()) * 4 * d
-                copied = ~ok
-        if copied.any():
-            rows = miss[copied]
+            ok, pos = _same(a_keys, a_host, keys[miss[todo]], block.values[miss[todo]])
+            _place(weights, miss[todo][ok] + 1, a_rows, pos[ok])
+            self.stats.hidden_bytes += int(ok.sum()) * 4 * d
+            self.stats.h2d_bytes += int(ok.sum()) * 4 * d
+            todo[np.flatnonzero(todo)[ok]] = False
+        if todo.any():
+            rows = miss[todo]
             dev_rows, _ = self._to_device(block.values[rows])
             weights.index_copy_(0, torch.from_numpy(rows + 1).to(self.device), dev_rows)
             self.stats.h2d_bytes += len(rows) * 4 * d
-        if len(miss) and self.state_dim:
-            dev_state, _ = self._to_device(block.state[miss])
-            state.index_copy_(0, torch.from_numpy(miss + 1).to(self.device), dev_state)
-            self.stats.h2d_bytes += len(miss) * 4 * self.state_dim
+        if todo_state.any() and self.state_dim:
+            rows = miss[todo_state]
+            dev_state, _ = self._to_device(block.state[rows])
+            state.index_copy_(0, torch.from_numpy(rows + 1).to(self.device), dev_state)
+            self.stats.h2d_bytes += len(rows) * 4 * self.state_dim
         if hit.any():
             dst = torch.from_numpy(np.flatnonzero(hit) + 1).to(self.device)
             weights.index_copy_(0, dst, self._read(slots[hit]))
@@ -398,18 +426,24 @@ class DeviceRowCache:
         cand_last = np.concatenate([np.full(n, pass_id, np.int64), self.last[o_slots]])
         cand_key = np.concatenate([keys, o_keys])
         keep = np.zeros(len(cand_key), np.bool_)
-        order = np.lexsort((cand_key, cand_last, cand_score))  # most kept last
+        upcoming, self._upcoming = self._upcoming, None
+        needed = (np.isin(cand_key, upcoming, assume_unique=True) if upcoming is not None
+                  else np.zeros(len(cand_key), np.bool_))
+        order = np.lexsort((cand_key, cand_last, cand_score, needed))  # most kept last
         keep[order[max(0, len(order) - self.capacity):]] = True
         keep_pass, keep_other = keep[:n], keep[n:]
 
         push_keys, push_rows, push_state = [], [], []
         # Pass rows that do not stay: trained values straight back.
         out = np.flatnonzero(~keep_pass)
+        carry = None
         if len(out):
             idx = torch.from_numpy(out + 1).to(self.device)
             push_keys.append(keys[out])
             push_rows.append(weights.index_select(0, idx))
             push_state.append(state.index_select(0, idx))
+            if upcoming is not None:  # the next pass trains them again: they stay here
+                carry = np.flatnonzero(needed[:n][out])
         # Cached rows displaced: their device copy is the newest one when dirty.
         gone = o_slots[~keep_other]
         dirty = gone[self.dirty[gone]]
@@ -438,17 +472,27 @@ class DeviceRowCache:
                 push_rows.append(rows)
                 push_state.append(st)
         if push_keys:
-            self._push(store, np.concatenate(push_keys), torch.cat(push_rows),
-                       torch.cat(push_state))
+            pushed = self._push(store, np.concatenate(push_keys), torch.cat(push_rows),
+                                torch.cat(push_state))
+            if carry is not None and len(carry):  # the pass rows come first in the push
+                sel = carry[np.argsort(keys[out][carry])]
+                dev = torch.from_numpy(sel).to(self.device)
+                rows = push_rows[0].index_select(0, dev)
+                host = pushed.values[sel]
+                if self.precision != "fp32":  # as the store will give them back
+                    rows = decode(encode(rows, self.precision))
+                    host = decode(encode(torch.from_numpy(host), self.precision)).numpy()
+                self._carry = (keys[out][sel], host, rows, pushed.state[sel],
+                               push_state[0].index_select(0, dev))
         self.stats.passes += 1
         self._note_peak(weights, state)
 
     def _push(self, store: EmbeddingStore, keys: np.ndarray, rows: torch.Tensor,
-              state: torch.Tensor) -> None:
-        values = rows.cpu().numpy()
-        st = state.cpu().numpy()
-        self.stats.d2h_bytes += values.nbytes + st.nbytes
-        store.push(keys, RowBlock(values, st))
+              state: torch.Tensor) -> RowBlock:
+        block = RowBlock(rows.cpu().numpy(), state.cpu().numpy())
+        self.stats.d2h_bytes += block.values.nbytes + block.state.nbytes
+        store.push(keys, block)
+        return block
 
     def end_pass(self, store: EmbeddingStore, evicted: int) -> None:
         """The store evicted ``evicted`` keys at pass end: drop those cached (their rows
@@ -481,6 +525,7 @@ class DeviceRowCache:
     def clear(self) -> None:
         """Forget every row (after the store was replaced or loaded)."""
         self._join_ahead()
+        self._carry = self._upcoming = None
         self.index = KeyIndex(1024)
         self._alloc(0)
         self.show = np.zeros(0, np.float64)
@@ -493,6 +538,27 @@ class DeviceRowCache:
         else:  # what the device would hold: the cache and one working set
             self.peak_bytes = max(self.peak_bytes, self.nbytes + weights.numel() * 4
                                   + state.numel() * 4)
+
+
+def _same(src_keys: np.ndarray, src_host: np.ndarray, keys: np.ndarray,
+          rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Which ``keys`` (with their rows as pull gave them) a read-ahead source holds
+    with the same values (a key evicted and admitted again since has fresh ones), and
+    where: (mask over ``keys``, position in the source)."""
+    if not len(src_keys) or not len(keys):
+        return np.zeros(len(keys), np.bool_), np.zeros(len(keys), np.int64)
+    pos = np.minimum(np.searchsorted(src_keys, keys), len(src_keys) - 1)
+    ok = src_keys[pos] == keys
+    ok[ok] = (src_host[pos[ok]] == rows[ok]).all(axis=1)
+    return ok, pos
+
+
+def _place(dst: torch.Tensor, rows: np.ndarray, src: torch.Tensor, pos: np.ndarray) -> None:
+    """``dst[rows] = src[pos]`` on the device."""
+    if len(rows):
+        dev = dst.device
+        dst.index_copy_(0, torch.from_numpy(rows).to(dev),
+                        src.index_select(0, torch.from_numpy(pos).to(dev)))
 
 
 def reads_values(config: StoreConfig, group_lasso: float) -> bool:
