@@ -300,7 +300,7 @@ class DeviceRowCache:
         t = t.pin_memory()
         stream = self._side if side and self._side is not None else torch.cuda.current_stream(
             self.device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):  # any thread
             out = t.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
