@@ -11,7 +11,8 @@ the row leaves the cache or the store is synced (checkpoint, export)::
                      misses <- rows read ahead while pass p-1 trained (pinned host buffer,
                                copied on a side stream: stored rows, and fresh rows of
                                keys not stored yet), checked against what pull
-                               returned; the rest (and misses' state) copied now
+                               returned; the rest, and misses' state unless still at
+                               its initial value, copied now
     train            plain working-set lookups, fused optimizer in backward (unchanged)
     write back       keys of the next pass first (known from its plan), then LFU over
                      cached + pass rows (total shows while cached):
@@ -381,6 +382,15 @@ class DeviceRowCache:
             dev_rows, _ = self._to_device(block.values[rows])
             weights.index_copy_(0, torch.from_numpy(rows + 1).to(self.device), dev_rows)
             self.stats.h2d_bytes += len(rows) * 4 * d
+        if todo_state.any() and self.state_dim and self.store is not None:
+            # A state still at its initial value (a new key's) is filled in on the device.
+            init = self.store.optimizer.init_state(1, d)[0]
+            rows = miss[todo_state]
+            fresh = (block.state[rows] == init).all(axis=1)
+            if fresh.any():
+                state[torch.from_numpy(rows[fresh] + 1).to(self.device)] = torch.from_numpy(
+                    init).to(self.device)
+                todo_state[np.flatnonzero(todo_state)[fresh]] = False
         if todo_state.any() and self.state_dim:
             rows = miss[todo_state]
             dev_state, _ = self._to_device(block.state[rows])
