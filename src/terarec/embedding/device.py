@@ -8,7 +8,8 @@ the row leaves the cache or the store is synced (checkpoint, export)::
 
     stage pass p     store.pull(keys)  counts shows/clicks, admits (as without a cache)
                      hits   <- cache slots on the device (decoded from the cache's codec)
-                     misses <- rows read ahead while pass p-1 trained (pinned host buffer,
+                     misses <- rows pass p-1 trained and left here for pass p, or
+                               rows read ahead while pass p-1 trained (pinned host buffer,
                                copied on a side stream: stored rows, and fresh rows of
                                keys not stored yet), checked against what pull
                                returned; the rest, and misses' state unless still at
@@ -18,6 +19,7 @@ the row leaves the cache or the store is synced (checkpoint, export)::
                      cached + pass rows (total shows while cached):
                      kept rows are encoded into their slots, not pushed;
                      rows that do not fit, and displaced dirty rows, are pushed
+                     (pushed pass rows the next pass needs stay until it is staged)
     end_pass         keys the store evicted are dropped from the cache (no write-back)
     sync (ckpt)      every dirty row is pushed; it stays cached, now clean
 
