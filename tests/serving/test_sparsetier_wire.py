@@ -46,3 +46,24 @@ def test_replies_parse_in_pieces_and_errors_are_raised():
     with pytest.raises(wire.ReplyError, match="MOVED 3999 127.0.0.1:7001"):
         wire.parse_replies(np.frombuffer(b"+OK\r\n-MOVED 3999 127.0.0.1:7001\r\n", np.uint8),
                            2)
+
+
+def test_chunks_written_two_in_flight_and_read_back(redis_cluster):
+    """Writes keep the next pipeline in flight while the previous one's replies are read
+    (replies of two pipelines can arrive in one recv); every row reads back."""
+    from terarec.sparsetier.tier import SparseTier
+
+    tier = SparseTier(redis_cluster.url, hedge=False)
+    try:
+        keys = wire.row_keys(b"wire/v000001/", np.arange(1000, dtype=np.int64) * 31)
+        values = np.random.default_rng(0).integers(0, 256, (1000, 24), dtype=np.uint8)
+        tier.write(keys, values, chunk=7)
+        for _ in range(2):  # the second time on the pooled connections
+            got, found, failed = tier.read(keys, 24, 5.0)
+            assert found.all() and not failed.any()
+            np.testing.assert_array_equal(got, values)
+        missing = wire.row_keys(b"wire/v000001/", np.array([-1, -2], np.int64))
+        got, found, failed = tier.read(missing, 24, 5.0)
+        assert not found.any() and not failed.any() and not got.any()
+    finally:
+        tier.close()
