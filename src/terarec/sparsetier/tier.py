@@ -91,10 +91,11 @@ class TierMetrics:
 
 
 class NodeConn:
-    """One socket to one node (READONLY when reading a replica); used by one thread at a
-    time. Replies are parsed as their bytes arrive (``begin`` then ``step`` until True),
-    so one thread can wait on many nodes at once; bytes past the replies asked for (of
-    commands sent after them) are kept for the next ``begin``."""
+    """One socket to one node; used by one thread at a time. Replies are parsed as their
+    bytes arrive (``begin`` then ``step`` until True), so one thread can wait on many
+    nodes at once; bytes past the replies asked for (of commands sent after them) are
+    kept for the next ``begin``. A replica's connection sends READONLY in front of its
+    first commands (nothing is waited for before them)."""
 
     def __init__(self, address: Address, readonly: bool, timeout_s: float,
                  connect_timeout_s: float | None = None) -> None:
@@ -106,16 +107,18 @@ class NodeConn:
         self._buf = bytearray()
         self._parser = wire.ReplyParser(0)
         self._chunk = bytearray(1 << 18)
-        if readonly:
-            self.call(wire.pack_command(b"READONLY"), 1)
+        self._prefix = wire.pack_command(b"READONLY") if readonly else b""
+        self._skip = 0  # replies of the prefix, in front of the next ones asked for
 
     def send(self, payload: bytes) -> None:
+        if self._prefix:
+            payload, self._prefix, self._skip = self._prefix + payload, b"", 1
         self.sock.sendall(payload)
 
     def begin(self, n: int) -> bool:
         """Expect the replies of the next ``n`` commands sent; True if they are in."""
         self._buf, self._left = self._left, bytearray()
-        self._parser = wire.ReplyParser(n)
+        self._parser = wire.ReplyParser(n + self._skip)
         return self._parse()
 
     def step(self) -> bool:
@@ -139,7 +142,9 @@ class NodeConn:
         used = self._parser.consumed
         if used < len(self._buf):
             self._left = self._buf[used:]
-        return np.frombuffer(self._buf, np.uint8), self._parser.offsets, self._parser.lengths
+        skip, self._skip = self._skip, 0
+        return (np.frombuffer(self._buf, np.uint8), self._parser.offsets[skip:],
+                self._parser.lengths[skip:])
 
     def receive(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Block for the replies of the next ``n`` commands sent."""
@@ -487,13 +492,13 @@ class SparseTier:
 
     def _attempt(self, g: _Group, address: Address, readonly: bool,
                  sel: selectors.BaseSelector, deadline: float) -> None:
-        """Send group ``g``'s GETs to ``address``; a node that cannot be reached is
-        routed around at once (its next replica)."""
+        """Send group ``g``'s GETs to ``address``; a node that cannot be reached (a new
+        connection taking longer than its hedge delay) is routed around at once."""
         g.tried.add(address)
         conn: NodeConn | None = None
         try:
-            conn = self._take(address, readonly,
-                              max(0.001, min(self.timeout_s, deadline - time.monotonic())))
+            connect_s = min(max(0.01, self._delay(address)), deadline - time.monotonic())
+            conn = self._take(address, readonly, max(0.001, connect_s))
             started = time.perf_counter()
             conn.send(wire.pack_gets(g.keys))
             conn.begin(len(g.keys))
