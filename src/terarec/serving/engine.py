@@ -31,7 +31,7 @@ from terarec.export.reader import IncompleteVersionError, VersionReader
 from terarec.export.storage import Storage
 from terarec.io import ScratchDir, atomic_write_text
 from terarec.models.base import CTRModel
-from terarec.serving.dense import Forward, best_forward, torch_forward
+from terarec.serving.dense import Forward, OnnxForwards, torch_forward
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
 from terarec.serving.rows import FallbackRows, RowCache, RowSource, ShardedRows, VersionRows
@@ -134,7 +134,7 @@ class ServingEngine:
                  swap_notice: str | Path | None = None, onnx: bool = True) -> None:
         self.storage = Storage(uri, storage_options)
         # Run each version's network with ONNX Runtime where it agrees with PyTorch.
-        self.onnx = onnx
+        self._onnx = OnnxForwards() if onnx else None
         # Several servers of one export (``serve --workers``) share a notice file: each
         # writes it after a swap, and the others look for a new version as soon as it
         # changes, so all of them serve a new version within one poll of the first.
@@ -181,7 +181,8 @@ class ServingEngine:
 
     def _forward(self, model: CTRModel, schema: FeatureSchema, row_dim: int) -> Forward:
         """The forward pass a new version serves with (built while it loads)."""
-        return best_forward(model, schema, row_dim) if self.onnx else torch_forward(model)
+        built = None if self._onnx is None else self._onnx.build(model, schema, row_dim)
+        return built or torch_forward(model)
 
     def _full_rows(self, manifest: Manifest) -> VersionRows:
         """The row source of a full version: its shards, memory-mapped."""
