@@ -139,7 +139,8 @@ class _Graph:
                                        providers=["CPUExecutionProvider"])
 
         def forward(d: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-            out = session.run(None, {"dense": d.numpy(), "emb": e.numpy()})[0]
+            out = session.run(None, {"dense": np.ascontiguousarray(d.numpy()),
+                                     "emb": np.ascontiguousarray(e.numpy())})[0]
             return torch.from_numpy(np.asarray(out)).reshape(d.shape[0])
 
         return forward
