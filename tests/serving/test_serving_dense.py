@@ -68,3 +68,24 @@ def test_another_architecture_is_exported_afresh():
     dense, emb = _inputs(9, 20, 4)
     want = torch.sigmoid(torch_forward(other)(dense, emb))
     assert float((torch.sigmoid(run(dense, emb)) - want).abs().max()) <= TOLERANCE
+
+
+def test_the_engine_serves_on_onnx_runtime_and_scores_like_pytorch(live_run):
+    """A served version runs its network on ONNX Runtime (so the live tests, which
+    compare the server with `terarec predict`, exercise it), with PyTorch's scores."""
+    from terarec.serving.engine import ServingEngine
+
+    engines = [ServingEngine(live_run.export, onnx=onnx) for onnx in (True, False)]
+    try:
+        for engine in engines:
+            engine.refresh()
+        fast, plain = (e.served() for e in engines)
+        runtime = [v.logits.__qualname__.split(".")[0] for v in (fast, plain)]
+        assert runtime == ["_Graph", "torch_forward"]
+        context, candidates = {}, live_run.records[:200]
+        got, _ = engines[0].score_records(candidates, context)
+        want, _ = engines[1].score_records(candidates, context)
+        assert abs(got - want).max() <= 1e-5
+    finally:
+        for engine in engines:
+            engine.close()
