@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 import faiss
 import numpy as np
+import orjson
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -33,9 +34,8 @@ from terarec.retrieval.index import ItemIndex
 from terarec.serving.app import (
     BadRequest,
     _check_features,
-    _json,
     _parse,
-    _read_bytes,
+    _read_body,
     _request_batch,
     _scores,
     require_route,
@@ -147,7 +147,7 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:
         version = engine.served()
-        raw = await _read_bytes(request, max_body_bytes)
+        raw = await _read_body(request.scope, request.receive, max_body_bytes)
         body = _parse(RetrieveRequest, raw)
         if body.top_k > max_top_k:
             raise BadRequest(f"top_k: {body.top_k} exceeds the limit of {max_top_k}", 413)
@@ -170,4 +170,4 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *
             raise BadRequest(f"scores: {exc}") from None
         out["items"] = index.ids[found].tolist()
         out["scores"] = scores.tolist()
-        return _json(out)
+        return Response(orjson.dumps(out), media_type="application/json")

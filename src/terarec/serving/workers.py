@@ -13,6 +13,7 @@ it change, so all of them serve a new version within one poll interval of each o
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import signal
@@ -97,6 +98,11 @@ def build_app(options: ServeOptions) -> FastAPI:
         from terarec.retrieval.index import load_index
 
         index = load_index(options.index)
+    # What startup loaded (torch, the network, the schema) stays alive for good: keep it
+    # out of the cyclic collector's generations, whose full passes would otherwise walk
+    # it all and show as latency spikes.
+    gc.collect()
+    gc.freeze()
     return create_app(engine, model_name=options.model_name,
                       max_candidates=options.max_candidates,
                       max_body_bytes=options.max_body_bytes,
