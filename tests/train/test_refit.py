@@ -99,3 +99,31 @@ def test_refit_needs_valid_and_skips_cut_passes(files, tmp_path):
     metrics = _train(files, tmp_path / "b", "--pass-rows", "1000")
     assert "skipped" in metrics["refit"]
     assert (tmp_path / "b" / "BEST").read_text() == f"pass-{metrics['best_pass']:06d}"
+
+
+def test_search_refits_its_best_trial(files, tmp_path):
+    train, valid = files
+    out = tmp_path / "search"
+    assert main(["search", "--train", str(train), "--valid", str(valid), "--out", str(out),
+                 "--trials", "2", "--pruner", "none", "--sampler", "random",
+                 *TRAIN]) == 0
+    best = out / "best"
+    metrics = json.loads((best / "metrics.json").read_text())
+    refit = metrics["refit"]
+    assert refit["epochs"] == metrics["best_pass"] and refit["rows"] == refit["epochs"] * 4000
+    assert (best / "BEST").read_text() == refit["checkpoint"] == metrics["checkpoint"]
+    assert metrics["selected_checkpoint"] == f"pass-{metrics['best_pass']:06d}"
+    assert _eval(best, valid)["logloss"] < metrics["logloss"]  # it has seen valid
+
+
+def test_default_search_space_follows_the_run_learning_rates():
+    from terarec.config import TrainConfig
+    from terarec.train.search import LR_SPAN, default_space
+
+    base = TrainConfig()
+    base.sparse_optimizer.lr, base.dense_optimizer.lr = 0.0125, 0.00025
+    space = default_space("deepfm", base)
+    assert space["sparse_optimizer.lr"]["low"] == pytest.approx(0.0125 / LR_SPAN)
+    assert space["sparse_optimizer.lr"]["high"] == pytest.approx(0.0125 * LR_SPAN)
+    assert space["dense_optimizer.lr"]["high"] == pytest.approx(0.00025 * LR_SPAN)
+    assert default_space("deepfm")["sparse_optimizer.lr"]["low"] == 0.01  # no base: fixed

@@ -219,7 +219,9 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         metrics.update(selection.summary())
         if run.refit and valid and following is None:
             with clock.phase("refit"):
-                metrics["refit"] = refit_model(run, trainer, selection, dense_comm)
+                metrics["refit"] = refit_model(run, trainer.schema, trainer.config,
+                                               trainer.history, selection.best_pass, ctx,
+                                               dense_comm)
             if metrics["refit"].get("checkpoint"):
                 metrics.update(selected_checkpoint=evaluated,
                                checkpoint=metrics["refit"]["checkpoint"])
@@ -233,31 +235,33 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     return metrics, stats
 
 
-def refit_model(run: TrainRun, trainer: Trainer, selection: SelectionTracker,
-          dense_comm: DenseCommConfig | None = None) -> dict:
-    """Train a fresh model (same schema, config and seed as ``trainer``) on the training
-    and validation rows for as many epochs as the selected pass had trained, commit it
-    after the selection run's checkpoints and mark it ``BEST``: the model eval, export and
-    serve then use. On small data the validation rows are a real share of what there is
-    to learn from; validation has done its job once it has picked the epoch count.
-    Returns what metrics.json says under ``refit`` (``skipped`` with a reason when the
-    selection gives no epoch count)."""
-    epochs = refit_epochs(trainer.history, selection.best_pass)
+def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
+                history: list[dict], best_pass: int | None, ctx: DistContext,
+                dense_comm: DenseCommConfig | None = None) -> dict:
+    """Train a fresh model (``schema``, ``config`` and its seed, as the selection run had
+    them) on ``run``'s training and validation rows for as many epochs as the selected
+    pass had trained (``refit_epochs`` of the run's ``history``), commit it after the
+    checkpoints in ``run.out`` and mark it ``BEST``: the model eval, export and serve then
+    use. On small data the validation rows are a real share of what there is to learn
+    from; validation has done its job once it has picked the epoch count. Collective on
+    N ranks. Returns what metrics.json says under ``refit`` (``skipped`` with a reason
+    when the selection gives no epoch count)."""
+    epochs = refit_epochs(history, best_pass)
     if epochs is None:
         return {"skipped": "no whole-epoch best pass to refit to"}
-    config = replace(trainer.config, epochs=epochs)
-    model = Trainer(trainer.schema, config, ctx=trainer.ctx, dense_comm=dense_comm)
-    model.pass_id = trainer.pass_id  # its checkpoint follows the selection run's
-    stats = ReadStats()
-    history = model.fit([*run.train, *run.valid], None, progress=run.progress, stats=stats)
-    for record in history:
+    model = Trainer(schema, replace(config, epochs=epochs), ctx=ctx, dense_comm=dense_comm)
+    done = list_checkpoints(run.out)  # the refit's checkpoint comes after them
+    model.pass_id = int(done[0].name.split("-")[1]) if done else 0
+    trained = model.fit([*run.train, *run.valid], None, progress=run.progress,
+                        stats=ReadStats())
+    for record in trained:
         check_finite_loss(record["train_loss"], f"refit pass {record['pass_id']}")
     save_checkpoint(run.out, model)
     name = f"pass-{model.pass_id:06d}"
-    if model.ctx.is_main:
+    if ctx.is_main:
         mark_best(run.out, name)
-    return {"epochs": epochs, "rows": sum(h["rows"] for h in history),
-            "train_loss": history[-1]["train_loss"] if history else None,
+    return {"epochs": epochs, "rows": sum(h["rows"] for h in trained),
+            "train_loss": trained[-1]["train_loss"] if trained else None,
             "checkpoint": name}
 
 
