@@ -79,7 +79,7 @@ def _separate(base, train, valid, out: Path, params, fmt: list[str]) -> float:
         with contextlib.redirect_stdout(io.StringIO()):
             code = cli(["train", "--train", str(train), "--valid", str(valid), "--out",
                         str(out / f"trial-{i}"), "--config", str(config), "--no-progress",
-                        "--patience", "2", "--select-by", "auc", *fmt])
+                        "--patience", "2", "--select-by", "auc", "--no-refit", *fmt])
         if code:
             raise SystemExit(f"train run {i} failed")
     return time.perf_counter() - start

@@ -47,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue the search in --out after a stop or a crash: finished "
                    "trials are kept, interrupted ones run again (same settings needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
+                   help="refit the best trial on --train and --valid together for its "
+                   "selected epoch count, as train --refit does (default: on below "
+                   "100,000 training rows, one process)")
     add_training_args(p)
     p.set_defaults(func=run)
 
@@ -78,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,
                         progress=not args.no_progress, resume=args.resume, ctx=ctx)
+    if result.best_dir is not None and _refit(args, ctx.world):
+        refit_best(result.best_dir, args, ctx)
     if ctx.is_main:
         write_results(result, args.out)
         write_search_report(result, args.out)
@@ -93,3 +99,36 @@ def run(args: argparse.Namespace) -> int:
             print(f"best model written to {result.best_dir}")
     ctx.close()
     return 0
+
+
+def _refit(args: argparse.Namespace, world: int) -> bool:
+    from terarec.train.defaults import estimate_rows, refit_by_default
+
+    if args.refit is not None:
+        if args.refit and world > 1:
+            raise ValueError("search --refit runs in one process, not under torchrun")
+        return bool(args.refit)
+    return world == 1 and refit_by_default(estimate_rows(args.train))
+
+
+def refit_best(best_dir: Path, args: argparse.Namespace, ctx) -> None:
+    """``train --refit`` for the best trial (``best_dir``): a fresh model of its
+    configuration on train + valid for its selected epoch count becomes ``BEST``;
+    metrics.json says so under ``refit``."""
+    from terarec.train.checkpoint import read_model_meta
+    from terarec.train.run import TrainRun, refit_model
+
+    metrics = json.loads((best_dir / "metrics.json").read_text())
+    history = json.loads((best_dir / "history.json").read_text())
+    schema, config = read_model_meta(best_dir)
+    run = TrainRun(train=list(args.train), valid=list(args.valid), out=best_dir,
+                   progress=not args.no_progress)
+    refit = refit_model(run, schema, config, history, metrics.get("best_pass"), ctx)
+    metrics["refit"] = refit
+    if refit.get("checkpoint"):
+        metrics.update(selected_checkpoint=metrics.get("checkpoint"),
+                       checkpoint=refit["checkpoint"])
+    if ctx.is_main:
+        from terarec.io import atomic_write_text
+
+        atomic_write_text(best_dir / "metrics.json", json.dumps(metrics, indent=2))

@@ -45,7 +45,7 @@ from terarec.io import (
     try_lock_file,
 )
 from terarec.train.checkpoint import list_checkpoints, read_model_meta
-from terarec.train.defaults import apply_sized_defaults
+from terarec.train.defaults import apply_sized_defaults, estimate_rows, refit_by_default
 from terarec.train.follow import CACHE_DIR, FollowOptions, first_landed
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
@@ -67,6 +67,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-idle", type=float, metavar="SECONDS",
                    help="--follow: stop once no new file has landed for this long")
     p.add_argument("--valid", nargs="*", default=[], type=Path, help="validation file(s)")
+    p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --valid: once validation has picked the best epoch count, "
+                   "train a fresh model that long on --train and --valid together and "
+                   "write it as the model (default: on below 100,000 training rows)")
     p.add_argument("--out", required=True, type=Path, help="model directory")
     p.add_argument("--resume", action="store_true",
                    help="continue after the last committed pass in --out")
@@ -298,7 +302,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                   file=sys.stderr)
         metrics, stats = train_model(
             TrainRun(train=train, valid=valid, out=args.out, resume=args.resume,
-                     checkpoint_every=args.checkpoint_every, progress=not args.no_progress),
+                     checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
+                     refit=_refit(args, train)),
             config, lambda: train_schema_from_args(read, features.schema if features else None,
                                                    ctx),
             ctx,
@@ -314,6 +319,15 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                       f"{', '.join(Path(p).name for p in args.train)}")
     ctx.close()
     return 0
+
+
+def _refit(args: argparse.Namespace, train: list[Path]) -> bool:
+    """``--refit`` / ``--no-refit``, else on for small data (``refit_by_default``)."""
+    if args.refit is not None:
+        if args.refit and not args.valid:
+            raise UserError("--refit needs --valid (validation picks the epoch count)")
+        return bool(args.refit)
+    return bool(args.valid) and refit_by_default(estimate_rows(train))
 
 
 def _resuming(args: argparse.Namespace) -> bool:

@@ -37,7 +37,7 @@ ROWS_PER_BUCKET = 100
 _BUCKET_SAMPLE = 100_000
 # Data-sized buckets are kept only where the label departs from a linear effect at this
 # significance (``departs_from_linear``).
-BUCKET_TEST_P = 0.001
+BUCKET_TEST_P = 0.01
 
 
 def transform_values(x: np.ndarray, transform: str) -> np.ndarray:

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from terarec.train.follow import (
 from terarec.train.loop import StreamOptions
 from terarec.train.passes import iter_file_batches
 from terarec.train.progressive import progressive_summary
-from terarec.train.selection import SelectionTracker
+from terarec.train.selection import SelectionTracker, refit_epochs
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
@@ -104,6 +104,9 @@ class TrainRun:
     checkpoint_every: int = 1  # commit a checkpoint every N passes
     progress: bool = True
     follow: FollowOptions | None = None  # train a folder's files as they land
+    # Once selection has picked the best epoch count, train a fresh model that long on
+    # train + valid and make it the run's model (``refit``).
+    refit: bool = False
 
 
 def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], FeatureSchema],
@@ -214,6 +217,15 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
                        files_trained=Positions.from_dict(trainer.inputs).done_files)
     if selection is not None:
         metrics.update(selection.summary())
+        if run.refit and valid and following is None:
+            with clock.phase("refit"):
+                metrics["refit"] = refit_model(run, trainer.schema, trainer.config,
+                                               trainer.history, selection.best_pass, ctx,
+                                               dense_comm)
+            if metrics["refit"].get("checkpoint"):
+                metrics.update(selected_checkpoint=evaluated,
+                               checkpoint=metrics["refit"]["checkpoint"])
+            metrics["phase_seconds"] = clock.rounded()
     if ctx.is_main:
         atomic_write_text(run.out / "metrics.json", json.dumps(metrics, indent=2))
         records = [*trainer.history[:-1], {**trainer.history[-1],
@@ -221,6 +233,36 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             if trainer.history else []
         atomic_write_text(run.out / "history.json", json.dumps(records, indent=2))
     return metrics, stats
+
+
+def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
+                history: list[dict], best_pass: int | None, ctx: DistContext,
+                dense_comm: DenseCommConfig | None = None) -> dict:
+    """Train a fresh model (``schema``, ``config`` and its seed, as the selection run had
+    them) on ``run``'s training and validation rows for as many epochs as the selected
+    pass had trained (``refit_epochs`` of the run's ``history``), commit it after the
+    checkpoints in ``run.out`` and mark it ``BEST``: the model eval, export and serve then
+    use. On small data the validation rows are a real share of what there is to learn
+    from; validation has done its job once it has picked the epoch count. Collective on
+    N ranks. Returns what metrics.json says under ``refit`` (``skipped`` with a reason
+    when the selection gives no epoch count)."""
+    epochs = refit_epochs(history, best_pass)
+    if epochs is None:
+        return {"skipped": "no whole-epoch best pass to refit to"}
+    model = Trainer(schema, replace(config, epochs=epochs), ctx=ctx, dense_comm=dense_comm)
+    done = list_checkpoints(run.out)  # the refit's checkpoint comes after them
+    model.pass_id = int(done[0].name.split("-")[1]) if done else 0
+    trained = model.fit([*run.train, *run.valid], None, progress=run.progress,
+                        stats=ReadStats())
+    for record in trained:
+        check_finite_loss(record["train_loss"], f"refit pass {record['pass_id']}")
+    save_checkpoint(run.out, model)
+    name = f"pass-{model.pass_id:06d}"
+    if ctx.is_main:
+        mark_best(run.out, name)
+    return {"epochs": epochs, "rows": sum(h["rows"] for h in trained),
+            "train_loss": trained[-1]["train_loss"] if trained else None,
+            "checkpoint": name}
 
 
 def _no_rows(what: str, paths: list[Path], stats: ReadStats) -> str:

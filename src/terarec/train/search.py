@@ -84,12 +84,27 @@ DEFAULT_SPACES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def default_space(model: str) -> dict[str, dict[str, Any]]:
-    """A sensible space for ``model``: learning rates, embedding width, dropout."""
+# With a base config, learning rates range over this factor either side of its own.
+LR_SPAN = 4.0
+_LR_KEYS = {"sparse_optimizer.lr": ("sparse_optimizer", "lr"),
+            "dense_optimizer.lr": ("dense_optimizer", "lr")}
+
+
+def default_space(model: str, base: TrainConfig | None = None) -> dict[str, dict[str, Any]]:
+    """A sensible space for ``model``: learning rates, embedding width, dropout. With
+    ``base`` (the trials' configuration, data-sized defaults included) the learning rates
+    span ``LR_SPAN`` either side of base's own: the sized rates shrink with the batch
+    size on small data, below the fixed ranges' floor."""
     if model not in DEFAULT_SPACES:
         raise ValueError(f"no default search space for model {model!r}; known: "
                          f"{', '.join(DEFAULT_SPACES)} (give one with --space)")
-    return {k: dict(v) for k, v in DEFAULT_SPACES[model].items()}
+    space = {k: dict(v) for k, v in DEFAULT_SPACES[model].items()}
+    if base is not None:
+        for key, (part, attr) in _LR_KEYS.items():
+            if key in space:
+                lr = float(getattr(getattr(base, part), attr))
+                space[key].update(low=lr / LR_SPAN, high=lr * LR_SPAN)
+    return space
 
 
 def load_space(path: str | Path, base: TrainConfig) -> dict[str, dict[str, Any]]:
@@ -325,7 +340,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
         raise ValueError("search needs a validation set (--valid)")
     if trials < 1:
         raise ValueError(f"trials {trials}: must be >= 1")
-    space = dict(space) if space is not None else default_space(base.model.name)
+    space = dict(space) if space is not None else default_space(base.model.name, base)
     if sampler == "grid":  # each grid point once
         trials = min(trials, math.prod(len(v) for v in grid_space(space).values()))
     parallel = min(parallel or trials, trials)

@@ -120,3 +120,20 @@ class SelectionTracker:
         return {"select_by": self.select_by, "best_pass": self.best_pass,
                 "best_value": self.best_value, "evaluations": self.evaluations,
                 "patience": self.patience}
+
+
+def refit_epochs(history: Sequence[Mapping], best_pass: int | None) -> int | None:
+    """Epochs to refit for on the training plus validation rows: as many as the selected
+    pass (``best_pass``, a pass count as :class:`SelectionTracker` keeps it) had trained.
+    None when there is nothing to refit to: no selected pass, or passes that cut epochs
+    into parts (``--eval-every``, ``--pass-rows``), where a pass count is not a number of
+    epochs."""
+    if best_pass is None:
+        return None
+    epochs = [int(record["epoch"]) for record in history]
+    if len(set(epochs)) != len(epochs):  # some epoch took several passes
+        return None
+    for record in history:
+        if int(record["pass_id"]) + 1 == best_pass:
+            return int(record["epoch"]) + 1
+    return None
