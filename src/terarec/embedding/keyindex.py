@@ -477,7 +477,7 @@ class RunIndex:
         return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
     # -- persistence --------------------------------------------------------------------
-    def snapshot(self, dst: Path, previous: Path | None) -> tuple[dict[str, np.ndarray], str]:
+    def snapshot(self, dst: Path) -> tuple[dict[str, np.ndarray], str]:
         """Hard-link the runs into ``dst`` (copied when the filesystems differ); returns
         the arrays and the manifest (JSON) the snapshot's index file records."""
         self.flush()
@@ -549,6 +549,17 @@ def _ranges(runs: list[Run], chunk: int = MERGE_CHUNK
         yield parts  # type: ignore[misc]
         for run in runs:
             run.release()
+
+
+def read_run_items(folder: Path, manifest: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every live (key, slot, seen) of the runs a snapshot's manifest lists, key order."""
+    runs = [Run(Path(folder), name) for name in json.loads(manifest)["runs"]]
+    parts = [_newest(p, drop_removed=True) for p in _ranges(runs)]
+    for run in runs:
+        run.close()
+    if not parts:
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int32)
+    return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -153,7 +153,7 @@ class TieredStore(EvictionLog):
             weakref.finalize(self, shutil.rmtree, path, True)
         self._slab_bytes = slab_bytes
         self.disk = DiskTier(path, self.width, slab_bytes, mapped_bytes=self._mapped_bytes,
-                             layout=self.layout)
+                             layout=self.layout, key_index=self.config.key_index)
         if self.budget is not None:
             _return_freed_buffers_to_os()
         self._lock = threading.RLock()
@@ -192,7 +192,7 @@ class TieredStore(EvictionLog):
         memory tier over budget (during the rehash itself the old table is held too)."""
         m = getattr(self, "memory", None)
         cand = m.candidate_nbytes if m is not None else 0
-        return 2 * self.disk.index.nbytes + self.disk.last_seen.nbytes + cand
+        return self.disk.fixed_bytes + cand
 
     def memory_capacity(self) -> int:
         """Rows the memory tier may hold now (the budget less the fixed part)."""
@@ -318,7 +318,7 @@ class TieredStore(EvictionLog):
             cold = np.flatnonzero(~hot)
             ck = keys[cold]
             t0 = time.perf_counter()
-            dslots = self.disk.index.lookup(ck)
+            dslots = self.disk.slots(ck)
             on_disk = dslots >= 0
             rec = self.disk.read_slots(dslots, out=np.empty((len(ck), self.width), np.float32))
             self._pull_disk_s += time.perf_counter() - t0
@@ -487,7 +487,9 @@ class TieredStore(EvictionLog):
             keys = keys[self.memory.index.lookup(keys) < 0]
             if self._pending is not None:  # their newer rows arrive with push
                 keys = keys[self._pending[0].lookup(keys) < 0]
-            dslots = self.disk.index.lookup(keys)
+            # The whole next pass is resolved here, off the training path (with the disk
+            # key index, its keys stay in the index's hot level until that pass ends).
+            dslots = self.disk.plan(keys)
             keys, dslots = keys[dslots >= 0], dslots[dslots >= 0]
             n = min(len(keys), max(0, self.memory_capacity() - int(self._pinned.sum())))
             keys, dslots = keys[:n], dslots[:n]
@@ -515,7 +517,7 @@ class TieredStore(EvictionLog):
             if ttl is not None:
                 self.memory.expire_candidates(pass_id - ttl)
             self._fit_budget()
-            self.disk.release_pages()
+            self.disk.end_pass()
             return evicted
 
     def row_view(self) -> RowView:
@@ -524,9 +526,9 @@ class TieredStore(EvictionLog):
         disk-only rows are read when a policy asks, a chunk of records at a time."""
         m = self.memory
         mkeys, mslots = m.index.items()
-        dkeys, dslots = self.disk.items()
+        dkeys, dslots, dseen = self.disk.seen_items()
         cold = m.index.lookup(dkeys) < 0
-        dkeys, dslots = dkeys[cold], dslots[cold]
+        dkeys, dslots, dseen = dkeys[cold], dslots[cold], dseen[cold]
 
         def disk_column(column: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
             out = np.empty(len(dslots), np.float32)
@@ -539,7 +541,7 @@ class TieredStore(EvictionLog):
         col = self.layout.show_col
         return RowView(
             np.concatenate([mkeys, dkeys]),
-            np.concatenate([m.last_seen[mslots], self.disk.last_seen[dslots]]),
+            np.concatenate([m.last_seen[mslots], dseen]),
             lambda: np.concatenate([m.show[mslots], disk_column(lambda rec: rec[:, col])]),
             lambda: np.concatenate([m.norms(mslots),
                                     disk_column(lambda rec: row_norms(self._decode(rec)))]),
@@ -634,8 +636,8 @@ class TieredStore(EvictionLog):
             mkeys, mslots = m.index.items()
             recent = m.last_seen[mslots] >= pass_id
             mkeys, mvalues = mkeys[recent], m.values[mslots[recent]]
-            dkeys, dslots = self.disk.items()
-            recent = self.disk.last_seen[dslots] >= pass_id
+            dkeys, dslots, dseen = self.disk.seen_items()
+            recent = dseen >= pass_id
             dkeys, dslots = dkeys[recent], dslots[recent]
             cold = m.index.lookup(dkeys) < 0
             dkeys, dslots = dkeys[cold], dslots[cold]
@@ -725,17 +727,41 @@ class TieredStore(EvictionLog):
         the tiers. The store must not change until the iteration ends.
         """
         chunk_rows = max(1, int(chunk_rows))
-        for keys in iter_sorted_keys([self.memory.index, self.disk.index]):
+        for keys, dslots in self._sorted_slots():
             for lo in range(0, len(keys), chunk_rows):
                 k = keys[lo:lo + chunk_rows]
                 with self._lock:
                     mslots = self.memory.index.lookup(k)
                     hot = mslots >= 0
                     # Disk records of the cold rows (zeros at the hot ones), read in place.
-                    rec = self.disk.read_slots(np.where(hot, -1, self.disk.index.lookup(k)))
+                    rec = self.disk.read_slots(np.where(hot, -1, dslots[lo:lo + chunk_rows]))
                     if hot.any():
                         rec[hot] = self._records(mslots[hot])
                 yield RowChunk(k, **self.layout.decode(rec))
+
+    def _sorted_slots(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every key of both tiers in increasing order, in parts, with its disk slot (-1
+        for rows only in RAM). The disk key index streams its runs in key order; the RAM
+        index is cut into key ranges (``iter_sorted_keys``)."""
+        runs = self.disk.runs
+        if runs is None:
+            for keys in iter_sorted_keys([self.memory.index, self.disk.index]):
+                yield keys, self.disk.slots(keys)
+            return
+        mkeys = np.sort(self.memory.index.items()[0])  # the hot rows: bounded by the budget
+        lo = 0
+        for dkeys, dslots, _ in runs.iter_items():
+            hi = int(np.searchsorted(mkeys, dkeys[-1], side="right"))
+            extra = mkeys[lo:hi][~np.isin(mkeys[lo:hi], dkeys, assume_unique=True)]
+            lo = hi
+            if len(extra):
+                keys = np.concatenate([dkeys, extra])
+                order = np.argsort(keys, kind="stable")
+                yield keys[order], np.concatenate([dslots, np.full(len(extra), -1)])[order]
+            else:
+                yield dkeys, dslots
+        if lo < len(mkeys):
+            yield mkeys[lo:], np.full(len(mkeys) - lo, -1, np.int64)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The whole store sorted by key, in RAM: for small tables and tests; checkpoints
@@ -808,7 +834,8 @@ class TieredStore(EvictionLog):
     def _reset(self) -> None:
         self.disk.release()
         self.disk = DiskTier(self.disk.path, self.width, self._slab_bytes,
-                             mapped_bytes=self._mapped_bytes, layout=self.layout)
+                             mapped_bytes=self._mapped_bytes, layout=self.layout,
+                             key_index=self.config.key_index)
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._disk_only_pruned = 0
@@ -943,8 +970,5 @@ def iter_saved(src: Path, chunk_rows: int = CHUNK_ROWS, row_dim: int | None = No
     for keys, rec in iter_snapshot_sorted(Path(src), chunk_rows):
         yield RowChunk(keys, **layout.decode(rec))
 
-
-def snapshot_key_count(src: Path) -> int:
-    return len(load_numpy(str(Path(src) / "index.safetensors"))["keys"])
 
 
