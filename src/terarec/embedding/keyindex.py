@@ -338,7 +338,7 @@ class RunIndex:
     def plan(self, keys: np.ndarray) -> np.ndarray:
         """``lookup`` for the next pass's keys: they stay in the hot level past this
         pass's end (the planning thread resolves them off the training path)."""
-        pos = self._entries(np.unique(keys), self._gen + 1)
+        pos = self._entries(keys, self._gen + 1)
         return self._h_slot[pos]
 
     def seen_of(self, keys: np.ndarray) -> np.ndarray:
