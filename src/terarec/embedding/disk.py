@@ -289,7 +289,7 @@ class DiskTier:
 
     def __init__(self, path: str | Path, width: int, slab_bytes: int = SLAB_BYTES,
                  mapped_bytes: int = 64 << 20, layout: RecordLayout | None = None,
-                 key_index: str = "ram") -> None:
+                 key_index: str = "ram", buffer_keys: int = 1 << 20) -> None:
         if key_index not in KEY_INDEXES:
             raise ValueError(f"key_index {key_index!r}: expected one of {KEY_INDEXES}")
         self.path = Path(path)
@@ -314,7 +314,7 @@ class DiskTier:
         self.last_seen = np.zeros(16, np.int32)
         # key_index="disk": every key in sorted runs beside the slabs (no RAM index or
         # last-seen mirror: ``index`` stays empty, ``last_seen`` unused).
-        self.runs = RunIndex(self.path) if key_index == "disk" else None
+        self.runs = RunIndex(self.path, buffer_keys) if key_index == "disk" else None
         self._maps: list[np.memmap] = []
         self._bases = np.zeros(0, np.int64)  # address of each mapped slab, for the kernels
         self._dirty = np.zeros(0, np.bool_)

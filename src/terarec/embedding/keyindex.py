@@ -225,6 +225,7 @@ class RunIndex:
         for old in self.folder.glob("run-*"):
             old.unlink()
         self.buffer_keys = int(buffer_keys)
+        self._limit = self.buffer_keys  # raised while this pass's own keys need more
         self.runs: list[Run] = []  # oldest first
         self._run_id = 0
         self._next_slot = 0
@@ -319,8 +320,8 @@ class RunIndex:
         keys = np.ascontiguousarray(keys, np.int64)
         pos = self._hot.lookup(keys)
         miss = np.flatnonzero(pos < 0)
-        if len(miss) and len(self._hot) + len(miss) > self.buffer_keys:
-            self._shrink()
+        if len(miss) and len(self._hot) + len(miss) > self._limit:
+            self._shrink(len(miss))
             pos = self._hot.lookup(keys)
             miss = np.flatnonzero(pos < 0)
         if len(miss):
@@ -428,12 +429,16 @@ class RunIndex:
         if len(self.runs) > 1 or (self.runs and self.runs[0].n > self._size):
             self._merge(0)
 
-    def _shrink(self) -> None:
-        """The hot level is full: flush it and keep only the entries planned ahead."""
+    def _shrink(self, incoming: int) -> None:
+        """The hot level is full: flush it and forget the keys of earlier passes. When
+        this pass's and the next pass's keys alone fill it, it grows (until pass end)
+        instead of resolving them again and again."""
         self.flush()
         keys, pos = self._hot.items()
-        keep = self._h_gen[pos] > self._gen
-        self._rebuild_hot(keys[keep], pos[keep])
+        keep = self._h_gen[pos] >= self._gen
+        if not keep.all():
+            self._rebuild_hot(keys[keep], pos[keep])
+        self._limit = max(self._limit, 2 * (len(self._hot) + incoming))
 
     def _rebuild_hot(self, keys: np.ndarray, pos: np.ndarray) -> None:
         slot, seen, gen = self._h_slot[pos], self._h_seen[pos], self._h_gen[pos]
@@ -449,6 +454,7 @@ class RunIndex:
         keep = self._h_gen[pos] > self._gen
         self._rebuild_hot(keys[keep], pos[keep])
         self._gen += 1
+        self._limit = self.buffer_keys
 
     def release_pages(self) -> None:
         for run in self.runs:

@@ -152,8 +152,7 @@ class TieredStore(EvictionLog):
             path = tempfile.mkdtemp(prefix="terarec-store-")
             weakref.finalize(self, shutil.rmtree, path, True)
         self._slab_bytes = slab_bytes
-        self.disk = DiskTier(path, self.width, slab_bytes, mapped_bytes=self._mapped_bytes,
-                             layout=self.layout, key_index=self.config.key_index)
+        self.disk = self._new_disk_tier(path)
         if self.budget is not None:
             _return_freed_buffers_to_os()
         self._lock = threading.RLock()
@@ -172,6 +171,14 @@ class TieredStore(EvictionLog):
         # (and the memory tier's rows of the pass) for rows shrunk to zero.
         self._pushed_to_disk: list[np.ndarray] = []
         self._disk_only_pruned = 0
+
+    def _new_disk_tier(self, path: str | Path) -> DiskTier:
+        # The disk key index's hot level (about 50-80 B per key in play) flushes and
+        # forgets unplanned keys once it holds a quarter of the budget's worth.
+        hot = 1 << 20 if self.budget is None else max(1 << 14, self.budget // (4 * 80))
+        return DiskTier(path, self.width, self._slab_bytes, mapped_bytes=self._mapped_bytes,
+                        layout=self.layout, key_index=self.config.key_index,
+                        buffer_keys=hot)
 
     @property
     def _mapped_bytes(self) -> int:
@@ -790,6 +797,7 @@ class TieredStore(EvictionLog):
             for chunk in chunks:
                 if len(chunk):
                     self._write_rows(chunk)
+            self.disk.end_pass()  # the disk key index flushes what was written
             self._load_extras(extras)
 
     def _write_rows(self, chunk: RowChunk) -> None:
@@ -829,13 +837,12 @@ class TieredStore(EvictionLog):
             self._reset()
             for chunk in iter_arrays_file(path, self.disk._chunk_rows):
                 self._write_rows(chunk)
+            self.disk.end_pass()
             self._load_extras(store_extras(path))
 
     def _reset(self) -> None:
         self.disk.release()
-        self.disk = DiskTier(self.disk.path, self.width, self._slab_bytes,
-                             mapped_bytes=self._mapped_bytes, layout=self.layout,
-                             key_index=self.config.key_index)
+        self.disk = self._new_disk_tier(self.disk.path)
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._disk_only_pruned = 0
