@@ -1,7 +1,7 @@
 """The disk key index (sorted runs, ``--key-index disk``) against the in-RAM hash index.
 
 For each key count N (``--keys``, repeatable; N distinct keys, every one with a 64 B row on
-disk), three processes, so that each peak resident set (VmHWM) is its own:
+disk), one process per part below, so that each peak resident set (VmHWM) is its own:
 
 * ``index``: builds a ``RunIndex`` over the N keys and measures RAM per cold key (run
   directories: fences and Bloom filters), RAM per hot key (the hot level holding a pass's
@@ -14,8 +14,13 @@ disk), three processes, so that each peak resident set (VmHWM) is its own:
   unique keys, ``prefetch`` the next pass's keys in a thread while the pass "trains" (a
   fixed update of the pulled rows, no dense model: the store's share of a training step,
   so the ratio is a lower bound of what a model's compute would dilute), ``push``,
-  ``end_pass``. Both arms get the budget for the same number of hot rows (``--hot-rows``)
-  on top of what their key index needs; ``sps`` counts samples of ``--features`` keys.
+  ``end_pass``. Both arms get the same budget: what the in-RAM index needs plus
+  ``--hot-rows`` rows; the disk index spends the RAM it saves on more hot rows.
+* ``disk-equal``: the disk index with a budget for only ``--hot-rows`` rows plus its own
+  needs (directories and a hot level for a pass's keys): the index's own cost, without
+  the extra hot rows (``sps_ratio_equal_hot_rows``).
+
+``sps`` counts samples of ``--features`` keys.
 
 Prints ONE JSON line: per key count the figures above, ``sps_ratio_vs_ram_index``
 (target >= 0.8), ``peak_rss_bytes`` of the disk arm (target at 10^8 keys: <= 2 GB + its
@@ -104,17 +109,18 @@ def run_index(args: argparse.Namespace, n: int, folder: Path) -> dict:
     runs.compact()
     build_s = time.perf_counter() - t0
     runs.plan(passes[0][0])  # compile and warm the page cache
-    runs.end_pass()
     warm = []
     for keys, _ in passes[1:3]:
+        runs.end_pass()
+        runs.end_pass()  # nothing planned: the hot level is empty, every key is cold
         warm.append(_rate(runs.plan, keys))
         hot_bytes = (runs.nbytes - runs.directory_bytes) / max(runs.hot_keys, 1)
-        runs.end_pass()
-    cold_keys = passes[3][0]
-    _drop_page_cache(folder)
-    cold = _rate(runs.plan, cold_keys)
     runs.end_pass()
-    runs.end_pass()  # nothing planned: the hot level is empty, every key is cold
+    runs.end_pass()
+    _drop_page_cache(folder)
+    cold = _rate(runs.plan, passes[3][0])
+    runs.end_pass()
+    runs.end_pass()
     out = {"keys": n, "runs": len(runs.runs), "run_file_bytes": runs.file_bytes,
            "ram_bytes_per_cold_key": round(runs.nbytes / n, 3),
            "ram_bytes_per_hot_key": round(hot_bytes, 1),
@@ -156,11 +162,14 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
     passes = _passes(n, args.passes + 1, args.pass_draws, args.zipf, args.seed + 1)
     optimizer = SparseOptimizer(SparseOptimizerConfig(name="adagrad"))
     row_bytes = 4 * (ROW_DIM + optimizer.state_dim(ROW_DIM) + 3) + 8 + 2 + 96
+    # The same budget for both arms: what the in-RAM index needs plus ``hot_rows`` rows;
+    # "disk-equal": the disk index's own needs (directories, a hot level for a pass's
+    # keys) plus ``hot_rows`` rows.
     uniq = max(len(k) for k, _ in passes)
-    # The disk index: its run directories and a hot level for a pass's keys.
-    index_bytes = _ram_index_bytes(n) if arm == "ram" else int(1.1 * n + 100 * uniq)
-    budget = index_bytes + args.hot_rows * row_bytes
-    store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget=budget, key_index=arm),
+    budget = args.hot_rows * row_bytes + (
+        int(1.1 * n + 100 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
+    arm_index = "disk" if arm == "disk-equal" else arm
+    store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget=budget, key_index=arm_index),
                         seed=1, path=folder)
     rng = np.random.default_rng(args.seed)
 
@@ -216,7 +225,7 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--features", type=int, default=26, help="keys per sample, for sps")
     p.add_argument("--hot-rows", type=int, default=200_000)
-    p.add_argument("--arms", default="ram,disk")
+    p.add_argument("--arms", default="ram,disk,disk-equal")
     p.add_argument("--baseline-max-keys", type=float, default=1e8,
                    help="skip the in-RAM baselines above this many keys (RAM)")
     p.add_argument("--seed", type=int, default=0)
@@ -250,6 +259,9 @@ def main() -> None:
                       "peak_rss_ram_index_bytes": arms["ram"]["peak_rss_bytes"]})
         if "ram" in arms and "disk" in arms:
             r["sps_ratio_vs_ram_index"] = round(arms["disk"]["sps"] / arms["ram"]["sps"], 3)
+        if "ram" in arms and "disk-equal" in arms:
+            r["sps_ratio_equal_hot_rows"] = round(
+                arms["disk-equal"]["sps"] / arms["ram"]["sps"], 3)
         r["arms"] = arms
         results[str(n)] = r
     big = results[str(max(sizes))]

@@ -454,7 +454,7 @@ class RunIndex:
         keep = self._h_gen[pos] > self._gen
         self._rebuild_hot(keys[keep], pos[keep])
         self._gen += 1
-        self._limit = self.buffer_keys
+        self._limit = max(self.buffer_keys, 2 * len(self._hot))
 
     def release_pages(self) -> None:
         for run in self.runs:
