@@ -142,7 +142,53 @@ def run_index(args: argparse.Namespace, n: int, folder: Path) -> dict:
             "resolve_keys_per_s_warm_ram_index": int(np.median(
                 [_rate(index.lookup, k) for k, _ in passes[1:3]])),
             "build_keys_per_s_ram_index": int(n / build_s)})
+        del index
+    if n <= args.engine_max_keys:
+        try:
+            out.update(run_lmdb(n, passes, folder))
+        except ImportError:
+            out["lmdb"] = "not installed"
     return out
+
+
+def _byte_keys(a: np.ndarray) -> list[bytes]:
+    """Each 8-byte element as bytes, in the array's byte order (a numpy scalar's
+    ``tobytes`` would convert it to native order)."""
+    buf = a.tobytes()
+    return [buf[i:i + 8] for i in range(0, len(buf), 8)]
+
+
+def run_lmdb(n: int, passes: list, folder: Path) -> dict:
+    """The embedded-engine alternative: LMDB (py-lmdb) holding key -> slot, keys as
+    big-endian bytes (sorted as the ints are, for non-negative keys: the keys here are
+    masked to 63 bits), built in key order and read with batched ``getmulti``."""
+    import lmdb
+
+    env = lmdb.open(str(folder / "lmdb"), map_size=64 * n + (1 << 30), sync=False,
+                    writemap=True)
+    t0 = time.perf_counter()
+    keys = np.sort(_key(np.arange(n)) & np.int64(0x7FFFFFFFFFFFFFFF))
+    be_keys = keys.astype(">i8")
+    slots = np.arange(n, dtype="<i8")
+    with env.begin(write=True) as txn, txn.cursor() as cur:
+        for lo in range(0, n, LOAD_CHUNK):
+            cur.putmulti(zip(_byte_keys(be_keys[lo:lo + LOAD_CHUNK]),
+                             _byte_keys(slots[lo:lo + LOAD_CHUNK]), strict=True),
+                         append=True)
+    build_s = time.perf_counter() - t0
+    del keys, be_keys, slots
+    rates = []
+    for q, _ in passes[1:3]:
+        q = np.sort(q & np.int64(0x7FFFFFFFFFFFFFFF)).astype(">i8")
+        t0 = time.perf_counter()
+        with env.begin() as txn, txn.cursor() as cur:
+            found = cur.getmulti(_byte_keys(q))
+        rates.append(len(q) / (time.perf_counter() - t0))
+        assert len(found) == len(q)
+    size = sum(f.stat().st_blocks * 512 for f in (folder / "lmdb").iterdir())  # sparse
+    env.close()
+    return {"resolve_keys_per_s_warm_lmdb": int(np.median(rates)),
+            "build_keys_per_s_lmdb": int(n / build_s), "lmdb_file_bytes": size}
 
 
 def _ram_index_bytes(n: int) -> int:
@@ -228,6 +274,8 @@ def main() -> None:
     p.add_argument("--arms", default="ram,disk,disk-equal")
     p.add_argument("--baseline-max-keys", type=float, default=1e8,
                    help="skip the in-RAM baselines above this many keys (RAM)")
+    p.add_argument("--engine-max-keys", type=float, default=1e7,
+                   help="measure LMDB (if installed) up to this many keys")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="scratch folder (default: the system's)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -236,7 +284,8 @@ def main() -> None:
     args.pass_through = ["--pass-draws", str(args.pass_draws), "--passes", str(args.passes),
                          "--zipf", str(args.zipf), "--features", str(args.features),
                          "--hot-rows", str(args.hot_rows), "--seed", str(args.seed),
-                         "--baseline-max-keys", str(args.baseline_max_keys)]
+                         "--baseline-max-keys", str(args.baseline_max_keys),
+                         "--engine-max-keys", str(args.engine_max_keys)]
     if args.child:
         n, folder = sizes[0], Path(args.dir)
         out = run_index(args, n, folder) if args.child == "index" else \
