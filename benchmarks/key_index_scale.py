@@ -27,7 +27,8 @@ Prints ONE JSON line: per key count the figures above, ``sps_ratio_vs_ram_index`
 budget), and the per-key RAM extrapolated to 10^9 and 10^10 keys for both indexes.
 
 Usage: ``python benchmarks/key_index_scale.py --keys 10000000 [--keys 100000000]
-[--pass-draws 2000000] [--passes 5] [--hot-rows 200000] [--arms ram,disk]``.
+[--pass-draws 2000000] [--passes 5] [--hot-rows 200000] [--arms ram,disk,disk-equal]
+[--store-max-keys 1e7]``.
 """
 
 from __future__ import annotations
@@ -274,6 +275,9 @@ def main() -> None:
     p.add_argument("--arms", default="ram,disk,disk-equal")
     p.add_argument("--baseline-max-keys", type=float, default=1e8,
                    help="skip the in-RAM baselines above this many keys (RAM)")
+    p.add_argument("--store-max-keys", type=float, default=1e7,
+                   help="run the store arms up to this many keys (loading N rows of "
+                   "80 B records takes minutes at 10^8)")
     p.add_argument("--engine-max-keys", type=float, default=1e7,
                    help="measure LMDB (if installed) up to this many keys")
     p.add_argument("--seed", type=int, default=0)
@@ -297,7 +301,7 @@ def main() -> None:
     for n in sizes:
         r = _child(args, "index", n)
         arms = {a: _child(args, a, n) for a in args.arms.split(",")
-                if a != "ram" or n <= args.baseline_max_keys}
+                if a and n <= args.store_max_keys}
         if "disk" in arms:
             r.update({"sps_disk_index": arms["disk"]["sps"],
                       "peak_rss_bytes": arms["disk"]["peak_rss_bytes"],
