@@ -210,11 +210,11 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
     optimizer = SparseOptimizer(SparseOptimizerConfig(name="adagrad"))
     row_bytes = 4 * (ROW_DIM + optimizer.state_dim(ROW_DIM) + 3) + 8 + 2 + 96
     # The same budget for both arms: what the in-RAM index needs plus ``hot_rows`` rows;
-    # "disk-equal": the disk index's own needs (directories, a hot level for a pass's
-    # keys) plus ``hot_rows`` rows.
+    # "disk-equal": the disk index's own needs (directories; a hot level holding this
+    # pass's and the planned next pass's keys, about 70 B each) plus ``hot_rows`` rows.
     uniq = max(len(k) for k, _ in passes)
     budget = args.hot_rows * row_bytes + (
-        int(1.1 * n + 100 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
+        int(1.1 * n + 200 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
     arm_index = "disk" if arm == "disk-equal" else arm
     store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget=budget, key_index=arm_index),
                         seed=1, path=folder)
