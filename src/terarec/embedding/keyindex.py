@@ -393,9 +393,10 @@ class RunIndex:
         self._run_id += 1
         return f"run-{self._run_id:06d}"
 
-    def flush(self) -> None:
-        """Write the changed hot entries as a new run (then merge size-tiered)."""
-        keys, pos = self._hot.items()
+    def flush(self, items: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Write the changed hot entries as a new run (then merge size-tiered);
+        ``items``: the hot level's (keys, positions) when the caller has them."""
+        keys, pos = self._hot.items() if items is None else items
         dirty = self._h_dirty[pos]
         if not dirty.any():
             return
@@ -449,8 +450,8 @@ class RunIndex:
 
     def end_pass(self) -> None:
         """Flush the pass's changes and forget the keys not planned for the next pass."""
-        self.flush()
         keys, pos = self._hot.items()
+        self.flush((keys, pos))
         keep = self._h_gen[pos] > self._gen
         self._rebuild_hot(keys[keep], pos[keep])
         self._gen += 1
