@@ -57,8 +57,9 @@ from terarec.embedding.disk import (
     read_snapshot_rows,
     snapshot_layout,
 )
-from terarec.embedding.eviction import RowView, apply_eviction, row_norms, store_bytes
+from terarec.embedding.eviction import TTL, RowView, apply_eviction, row_norms, store_bytes
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
+from terarec.embedding.keyindex import RunIndex
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import (
     CHUNK_ROWS,
@@ -518,14 +519,32 @@ class TieredStore(EvictionLog):
             evicted = self._prune_zero_rows(pass_id) if self.optimizer.config.group_lasso \
                 else 0
             self._pushed_to_disk = []
-            evicted += apply_eviction(self.memory.eviction, self.row_view, self.evict,
-                                      pass_id)
+            policies, runs = self.memory.eviction, self.disk.runs
+            if runs is not None and len(policies) == 1 and isinstance(policies[0], TTL):
+                evicted += self._expire(runs, pass_id - policies[0].passes)
+            else:
+                evicted += apply_eviction(policies, self.row_view, self.evict, pass_id)
             ttl = self.config.evict_after_passes
             if ttl is not None:
                 self.memory.expire_candidates(pass_id - ttl)
             self._fit_budget()
             self.disk.end_pass()
             return evicted
+
+    def _expire(self, runs: RunIndex, last: int) -> int:
+        """TTL alone over the disk key index: evict the keys last seen in pass ``last`` or
+        before (what ``TTL.select`` picks from ``row_view``), found by one streaming scan
+        of the runs, a key range at a time, and the memory tier's own last-seen passes
+        (authoritative for its rows)."""
+        m = self.memory
+        mkeys, mslots = m.index.items()
+        expired = [mkeys[m.last_seen[mslots] <= last]]
+        for keys, _, seen in runs.iter_items():
+            old = keys[seen <= last]
+            if len(old):
+                expired.append(old[m.index.lookup(old) < 0])
+        keys = np.concatenate(expired)
+        return self.evict(keys) if len(keys) else 0  # after the scan: evict changes runs
 
     def row_view(self) -> RowView:
         """Every row of both tiers for the eviction policies: hot rows, then rows only on
