@@ -133,6 +133,24 @@ def test_ttl_eviction_drops_keys_from_the_runs_at_compaction(tmp_path):
     assert (seen >= 2).all()  # last seen within the TTL, read from the runs
 
 
+def test_the_table_streams_in_key_order_across_key_ranges(tmp_path, monkeypatch):
+    """Disk keys come from the runs a key range at a time, hot rows only in RAM are
+    merged in between."""
+    monkeypatch.setattr(keyindex, "MERGE_CHUNK", 500)
+    store = _store(tmp_path / "s", "disk", precision="int8")
+    _train(store, 3)
+    reference = _store(tmp_path / "r", "ram", precision="int8")
+    _train(reference, 3)
+    chunks = list(store.iter_sorted(300))
+    keys = np.concatenate([c.keys for c in chunks])
+    assert len(chunks) > 10 and (np.diff(keys) > 0).all() and len(keys) == len(store)
+    expected = np.concatenate([c.keys for c in reference.iter_sorted(300)])
+    np.testing.assert_array_equal(keys, expected)
+    np.testing.assert_array_equal(np.concatenate([c.values for c in chunks]),
+                                  np.concatenate([c.values for c in
+                                                  reference.iter_sorted(300)]))
+
+
 def test_consecutive_snapshots_share_unchanged_run_files(tmp_path):
     store = _store(tmp_path / "s", "disk")
     _train(store, 2)

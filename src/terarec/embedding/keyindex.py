@@ -462,9 +462,10 @@ class RunIndex:
             run.release()
 
     # -- scans --------------------------------------------------------------------------
-    def iter_items(self, chunk: int = MERGE_CHUNK
+    def iter_items(self, chunk: int | None = None
                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Live (keys, slots, seen) in increasing key order, about ``chunk`` per part."""
+        """Live (keys, slots, seen) in increasing key order, about ``chunk`` (default
+        ``MERGE_CHUNK``) per part."""
         self.flush()
         for parts in _ranges(self.runs, chunk):
             k, s, t = _newest(parts, drop_removed=True)
@@ -538,13 +539,14 @@ class RunIndex:
         self.runs = []
 
 
-def _ranges(runs: list[Run], chunk: int = MERGE_CHUNK
+def _ranges(runs: list[Run], chunk: int | None = None
             ) -> Iterator[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
-    """The runs cut into key ranges of about ``chunk`` entries of the largest run: per
-    range, each run's (keys, slots, seen) slice, oldest first. Read pages are unmapped
-    after each range."""
+    """The runs cut into key ranges of about ``chunk`` (default ``MERGE_CHUNK``) entries
+    of the largest run: per range, each run's (keys, slots, seen) slice, oldest first.
+    Read pages are unmapped after each range."""
     if not runs:
         return
+    chunk = chunk or MERGE_CHUNK
     big = max(runs, key=lambda r: r.n)
     bounds = [int(b) for b in big.cols["keys"][chunk::chunk]] if big.n else []
     edges: list[int | None] = [None, *bounds, None]
