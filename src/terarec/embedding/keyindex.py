@@ -431,14 +431,14 @@ class RunIndex:
             self._merge(0)
 
     def _shrink(self, incoming: int) -> None:
-        """The hot level is full: flush it and forget the keys of earlier passes. When
-        this pass's and the next pass's keys alone fill it, it grows (until pass end)
-        instead of resolving them again and again."""
-        self.flush()
+        """The hot level is full: flush it and forget every key not planned for the next
+        pass (this pass's come back from the runs if asked again). The limit rises to
+        twice what is kept plus the incoming batch, until pass end, so that one large
+        pass does not flush at every batch; a bulk load holds two batches at most."""
         keys, pos = self._hot.items()
-        keep = self._h_gen[pos] >= self._gen
-        if not keep.all():
-            self._rebuild_hot(keys[keep], pos[keep])
+        self.flush((keys, pos))
+        keep = self._h_gen[pos] > self._gen
+        self._rebuild_hot(keys[keep], pos[keep])
         self._limit = max(self._limit, 2 * (len(self._hot) + incoming))
 
     def _rebuild_hot(self, keys: np.ndarray, pos: np.ndarray) -> None:
