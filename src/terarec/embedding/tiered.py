@@ -174,9 +174,10 @@ class TieredStore(EvictionLog):
         self._disk_only_pruned = 0
 
     def _new_disk_tier(self, path: str | Path) -> DiskTier:
-        # The disk key index's hot level (about 50-80 B per key in play) flushes and
-        # forgets unplanned keys once it holds a quarter of the budget's worth.
-        hot = 1 << 20 if self.budget is None else max(1 << 14, self.budget // (4 * 80))
+        # The disk key index's hot level (about 70 B per key in play, charged to the
+        # budget) flushes and forgets unplanned keys once it holds half the budget's worth:
+        # a pass's keys kept in RAM save resolving them again at write-back.
+        hot = 1 << 20 if self.budget is None else max(1 << 14, self.budget // (2 * 80))
         return DiskTier(path, self.width, self._slab_bytes, mapped_bytes=self._mapped_bytes,
                         layout=self.layout, key_index=self.config.key_index,
                         buffer_keys=hot)
