@@ -134,10 +134,15 @@ class Run:
         self.cols = {c: (np.memmap(self.path(c), dt, "r", shape=(self.n,)) if self.n else
                          np.empty(0, dt)) for c, dt in _COLUMNS}
         keys = self.cols["keys"]
-        self.fences = np.ascontiguousarray(keys[::RUN_BLOCK])
+        self.fences = np.empty(-(-self.n // RUN_BLOCK), np.int64)
         self.bloom = np.zeros(max(1, -(-self.n * BLOOM_BITS_PER_KEY // 64)), np.uint64)
-        _bloom_build(keys, self.bloom)
-        self.release()
+        step = RUN_BLOCK * 16384  # 64 MB of keys mapped at a time
+        for lo in range(0, self.n, step):
+            part = keys[lo:lo + step]
+            self.fences[lo // RUN_BLOCK:(lo + len(part) - 1) // RUN_BLOCK + 1] = \
+                part[::RUN_BLOCK]
+            _bloom_build(part, self.bloom)
+            self.release()
 
     def path(self, column: str) -> Path:
         return self.folder / f"{self.name}.{column}"
