@@ -22,6 +22,7 @@ from terarec.embedding.tiered import TieredStore
 def test_batches_of_changes_match_a_dict_through_flushes_merges_and_removals(
         tmp_path, monkeypatch):
     monkeypatch.setattr(keyindex, "MERGE_CHUNK", 700)  # merges cross several key ranges
+    monkeypatch.setattr(keyindex, "MAPPED_BYTES", 1)  # lookups resolve 1024 keys a part
     index = RunIndex(tmp_path, buffer_keys=3000)  # the hot level fills and is flushed
     rng = np.random.default_rng(0)
     ref: dict[int, tuple[int, int]] = {}

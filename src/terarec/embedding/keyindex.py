@@ -47,6 +47,7 @@ BLOOM_BITS_PER_KEY = 8
 MERGE_RATIO = 2
 BUFFER_KEYS = 1 << 20
 MERGE_CHUNK = 1 << 20
+MAPPED_BYTES = 64 << 20  # run pages a resolution maps at once
 _COLUMNS = (("keys", np.int64), ("slots", np.int64), ("seen", np.int32))
 _GAMMA = np.uint64(GOLDEN_GAMMA)
 
@@ -78,13 +79,14 @@ def _bloom_build(keys, words):
 
 
 @numba.njit(nogil=True, cache=True)
-def _probe(run_keys, fences, block, bloom, queries, todo, out_pos):
+def _probe(run_keys, fences, block, bloom, queries, todo, out_pos, f0):
     """For the sorted ``queries[todo[i]]``: their position in the run, else -1. A merge
-    with the fence keys, a Bloom test and a binary search within one block each."""
+    with the fence keys (from fence ``f0``), a Bloom test and a binary search within one
+    block each."""
     n = run_keys.shape[0]
     n_fences = fences.shape[0]
     n_words = bloom.shape[0]
-    f = 0
+    f = f0
     for t in range(todo.shape[0]):
         i = todo[t]
         k = queries[i]
@@ -307,14 +309,23 @@ class RunIndex:
         for run in reversed(self.runs):  # newest first: the first entry found is current
             if not len(todo):
                 break
-            pos = np.empty(len(todo), np.int64)
-            _probe(run.cols["keys"], run.fences, RUN_BLOCK, run.bloom, q, todo, pos)
-            hit = pos >= 0
-            if hit.any():
-                _take(run.cols["slots"], pos, s_sorted, todo)
-                _take(run.cols["seen"], pos, t_sorted, todo)
-                todo = todo[~hit]
-            run.release()
+            # Sorted queries touch the files front to back: a part at a time, so that the
+            # pages mapped at once span about MAPPED_BYTES of the run (they count in the
+            # resident set until released; a pass's keys can touch every page).
+            step = max(1024, MAPPED_BYTES * len(todo) // max(1, 20 * run.n))
+            hit = np.zeros(len(todo), np.bool_)
+            for lo in range(0, len(todo), step):
+                part = todo[lo:lo + step]
+                pos = np.empty(len(part), np.int64)
+                f0 = max(0, int(np.searchsorted(run.fences, q[part[0]], "right")) - 1)
+                _probe(run.cols["keys"], run.fences, RUN_BLOCK, run.bloom, q, part, pos, f0)
+                found = pos >= 0
+                if found.any():
+                    _take(run.cols["slots"], pos, s_sorted, part)
+                    _take(run.cols["seen"], pos, t_sorted, part)
+                    hit[lo:lo + step] = found
+                run.release()
+            todo = todo[~hit]
         slots[order] = s_sorted
         seen[order] = t_sorted
         self.resolved += n
