@@ -53,6 +53,16 @@ def test_distributed_pieces_do_not_import_the_trainer():
     assert not offenders, f"distributed modules importing terarec.train: {offenders}"
 
 
+def test_the_input_layer_imports_no_training_or_ranks():
+    """data/ (readers, the cut into passes and positions) sits below train/ and
+    distributed/: both walk passes with ``data.positions.iter_position_passes``."""
+    offenders = {f"{path.name}: {target}": lines
+                 for path in sorted((SRC / "data").glob("*.py"))
+                 for target in ("terarec.train", "terarec.distributed", "terarec.embedding")
+                 if (lines := _imports_cli(path, target))}
+    assert not offenders, f"data modules importing upper layers: {offenders}"
+
+
 def test_the_check_sees_every_import_form(tmp_path, monkeypatch):
     pkg = tmp_path / "terarec" / "serving"
     pkg.mkdir(parents=True)

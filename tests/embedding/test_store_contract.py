@@ -15,6 +15,7 @@ from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
+from terarec.embedding.shared import SharedKeys, SharedRowsStore
 from terarec.embedding.store import MemoryStore, RowBlock, RowChunk, merge_sorted
 from terarec.embedding.tiered import TieredStore, iter_saved
 
@@ -36,6 +37,10 @@ CASES = {
     "tiered-spilling-disk-index": ("tiered", "2MB", dict(key_index="disk")),
     "tiered-spilling-int8-disk-index": ("tiered", "2MB", dict(precision="int8",
                                                               key_index="disk")),
+    # A view of a shared key side (hyperparameter search): its own rows, grown as the
+    # key side's slots grow.
+    "shared-rows": ("shared", None, {}),
+    "shared-rows-int8": ("shared", None, dict(precision="int8")),
 }
 
 
@@ -47,6 +52,9 @@ def _make(kind: str, budget, settings: dict, path) -> EmbeddingStore:
     config = StoreConfig(memory_budget=budget, **POLICY, **settings)
     if kind == "memory":
         return MemoryStore(ROW_DIM, _optimizer(), config, seed=5)
+    if kind == "shared":
+        return SharedRowsStore(SharedKeys(config, seed=5), ROW_DIM, _optimizer(), config,
+                               seed=5)
     return TieredStore(ROW_DIM, _optimizer(), config, seed=5, path=path)
 
 
@@ -159,8 +167,12 @@ def test_stats_match_the_reference(case):
 
 
 def test_evict_removes_keys_and_logs_them(case):
-    _, store, _, _, _ = case
+    name, store, _, _, _ = case
     keys = _table(store)["keys"][:50]
+    if CASES[name][0] == "shared":  # a view's rows go when its key side evicts them
+        with pytest.raises(TypeError, match="evicted by its key side"):
+            store.evict(keys)
+        return
     assert store.evict(np.concatenate([keys, [7, 8]])) == 50  # 7, 8: not stored
     assert not store.lookup(keys)[1].any()
     np.testing.assert_array_equal(store.take_evicted(), keys)

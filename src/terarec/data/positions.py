@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from terarec.data.readers import DataError
+from terarec.types import Batch
 
 _FINGERPRINT_BYTES = 1 << 20  # the head and the tail of a file hashed
 
@@ -190,3 +191,86 @@ def with_last(items: Iterable) -> Iterator[tuple[Any, bool]]:
         yield current, False
         current = following
     yield current, True
+
+
+# One input file's steps from its mark on (``mark``: None from its first row): each
+# step's batch, the rows it moves the file's position by, and the file's bad rows
+# skipped so far that its mark records.
+FileSteps = Callable[[InputFile, "FileMark | None"], Iterator[tuple[Batch, int, int]]]
+
+
+def iter_position_passes(items: Iterable[Any], pass_rows: int, positions: Positions,
+                         steps: FileSteps, *, per_file: bool = False,
+                         agree: Callable[[DataError | None], None] | None = None
+                         ) -> Iterator[tuple[list[Batch], PassInput] | Idle]:
+    """Passes of at least ``pass_rows`` rows (``per_file``: also ending at every file's
+    end) of the rows ``positions`` does not mark consumed, each with its ``PassInput``;
+    IDLE in ``items`` is passed through between passes. ``steps`` reads a file: a single
+    process's batches or a rank's local batches, whose rows are then the global step's.
+
+    ``agree`` (torchrun ranks) runs once a pass is read, before it is yielded, with the
+    DataError this reader met (None: none): the ranks exchange what they read there and
+    it raises every rank's first error; it is also called at the end of the input, so
+    every rank makes the same calls. Without it an error is raised where it is met."""
+    pos = positions.copy()
+    stream = _position_steps(items, pos, steps)
+    done = False
+    while not done:
+        current: list[Batch] = []
+        info = PassInput(pos)
+        rows = 0
+        error: DataError | None = None
+        idle = False
+        try:
+            while rows < pass_rows:
+                step = next(stream, None)
+                if step is None:
+                    done = True
+                    break
+                if isinstance(step, Idle):
+                    idle = True
+                    break
+                key, batch, step_rows, last = step
+                current.append(batch)
+                rows += step_rows
+                if key not in info.files:
+                    info.files.append(key)
+                if last:
+                    info.finished.append(key)
+                    if per_file:
+                        break
+        except DataError as exc:
+            if agree is None:
+                raise
+            error = exc
+        if agree is not None and (current or error is not None or not idle):
+            agree(error)  # the same calls on every rank
+        if current:
+            yield current, PassInput(pos.copy(), info.files, info.finished)
+        if idle:
+            yield IDLE
+
+
+def _position_steps(items: Iterable[Any], pos: Positions, steps: FileSteps
+                    ) -> Iterator[tuple[str, Batch, int, bool] | Idle]:
+    """Every step of the files (IDLE passed through) from their marks in ``pos`` on, as
+    (file key, batch, rows, last step of the file), ``pos`` advanced past each step
+    before it is yielded; a file with nothing left is marked done."""
+    for entry in keyed_inputs(items):
+        if isinstance(entry, Idle):
+            yield entry
+            continue
+        item = entry
+        mark = pos.start(item)
+        if mark is not None and mark.done:
+            continue
+        file_rows = mark.rows if mark is not None else 0
+        skipped = mark.skipped if mark is not None else 0
+        read_any = False
+        for (batch, step_rows, skipped), last in with_last(steps(item, mark)):
+            read_any = True
+            file_rows += step_rows
+            pos.advance(item, file_rows, last, skipped)
+            yield item.key, batch, step_rows, last
+        if not read_any:  # resumed at its end
+            pos.advance(item, file_rows, True, skipped)

@@ -30,7 +30,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from terarec.data.positions import IDLE, Idle, PassInput, Positions, keyed_inputs, with_last
+from terarec.data.positions import (
+    FileMark,
+    Idle,
+    InputFile,
+    PassInput,
+    Positions,
+    iter_position_passes,
+)
 from terarec.data.readers import DataError, OnBadRow, ReadStats, table_to_batch
 from terarec.data.split import empty_table, iter_rank_tables
 from terarec.distributed.context import DistContext
@@ -82,81 +89,37 @@ def iter_rank_pass_inputs(items: Iterable[Any], schema: FeatureSchema, batch_siz
                           pass_rows: int, rank: int, world: int, positions: Positions, *,
                           per_file: bool = False, on_bad_row: OnBadRow = "error",
                           stats: ReadStats | None = None, ctx: DistContext | None = None
-                          ) -> Iterator[tuple[list[Batch], Any] | Idle]:
+                          ) -> Iterator[tuple[list[Batch], PassInput] | Idle]:
     """``iter_rank_passes`` of the rows ``positions`` does not mark consumed, each pass
-    with its ``PassInput`` (every file's position after it, in lines; the
-    same on every rank), ``per_file``: passes also end at every file's end. IDLE in
-    ``items`` (the same on every rank) is passed through between passes."""
+    with its ``PassInput`` (every file's position after it, in lines; the same on every
+    rank; ``data.positions.iter_position_passes``), ``per_file``: passes also end at
+    every file's end. IDLE in ``items`` (the same on every rank) is passed through
+    between passes.
+
+    Each step is this rank's local batch (empty where it has none) and the global step's
+    rows; steps never cross a file end, as a single process's batches never do. Ranks
+    count a file's rows in lines; a position a single process left after skipping bad
+    rows counts kept rows, so that file is read from its start."""
     local_size = local_batch_size(batch_size, world)
     stats = stats if stats is not None else ReadStats()
-    read = ReadStats(max_examples=stats.max_examples)
-    pos = positions.copy()
-    stream = _rank_steps(items, schema, local_size, rank, world, on_bad_row, read, pos)
-    done = False
-    pending_idle = False
-    while not done:
-        current: list[Batch] = []
-        files: list[str] = []
-        finished: list[str] = []
-        rows = 0
-        error: DataError | None = None
+    read = ReadStats(max_examples=stats.max_examples)  # one pass's, until the ranks agree
+
+    def steps(item: InputFile, mark: FileMark | None) -> Iterator[tuple[Batch, int, int]]:
+        start, skipped = (mark.rows, mark.skipped) if mark is not None else (0, 0)
+        for table, step_rows in iter_rank_tables(item.path, schema, local_size, rank, world,
+                                                 on_bad_row=on_bad_row, stats=read,
+                                                 start=start, seek=skipped == 0):
+            batch = table_to_batch(empty_table(schema) if table is None else table, schema)
+            yield batch, step_rows, skipped
+
+    def agree(error: DataError | None) -> None:
         try:
-            while rows < pass_rows:
-                step = next(stream, None)
-                if step is None:
-                    done = True
-                    break
-                if isinstance(step, Idle):
-                    pending_idle = True
-                    break
-                item, table, step_rows, file_rows, last, skipped = step
-                current.append(table_to_batch(empty_table(schema) if table is None
-                                              else table, schema))
-                rows += step_rows
-                if item.key not in files:
-                    files.append(item.key)
-                pos.advance(item, file_rows, last, skipped)
-                if last:
-                    finished.append(item.key)
-                    if per_file:
-                        break
-        except DataError as exc:
-            error = exc
-        if current or error is not None or not pending_idle:  # the same on every rank
             _agree(read, error, stats, ctx)
-        read.rows, read.skipped, read.examples = 0, 0, []  # the reader keeps this object
-        if current:
-            yield current, PassInput(pos.copy(), files, finished)
-        if pending_idle:
-            pending_idle = False
-            yield IDLE
+        finally:
+            read.rows, read.skipped, read.examples = 0, 0, []  # the reader keeps this object
 
-
-def _rank_steps(items: Iterable[Any], schema: FeatureSchema, local_size: int,
-                rank: int, world: int, on_bad_row: OnBadRow, stats: ReadStats,
-                positions: Positions) -> Iterator[tuple | Idle]:
-    """This rank's local batch of every global step (None where it has none), as
-    (file, table, step rows, file rows consumed after it, last step of the file, bad rows
-    a single process skipped before its position), from each file's position in
-    ``positions`` on; steps never cross a file end, as a single process's batches never
-    do. Ranks count a file's rows in lines; a position a single process left after
-    skipping bad rows counts kept rows, so that file is read from its start."""
-    for entry in keyed_inputs(items):
-        if isinstance(entry, Idle):
-            yield entry
-            continue
-        item = entry
-        mark = positions.start(item)
-        if mark is not None and mark.done:
-            continue
-        file_rows = mark.rows if mark is not None else 0
-        skipped = mark.skipped if mark is not None else 0
-        steps = iter_rank_tables(item.path, schema, local_size, rank, world,
-                                 on_bad_row=on_bad_row, stats=stats, start=file_rows,
-                                 seek=skipped == 0)
-        for (table, step_rows), last in with_last(steps):
-            file_rows += step_rows
-            yield item, table, step_rows, file_rows, last, skipped
+    return iter_position_passes(items, pass_rows, positions, steps, per_file=per_file,
+                                agree=agree)
 
 
 def _agree(read: ReadStats, error: DataError | None, stats: ReadStats,

@@ -28,7 +28,7 @@ disk tier keeps its own index); ``sharing_refusal`` says why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,8 +36,7 @@ from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.compression import CodedRows, make_row_values
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock, init_rows
-from terarec.kernels import grown
+from terarec.embedding.store import MemoryStore, RowBlock, grow_rows, init_rows
 
 
 def sharing_refusal(store: StoreConfig, optimizer: SparseOptimizerConfig) -> str | None:
@@ -85,8 +84,12 @@ class SharedKeys:
 
     def __init__(self, config: StoreConfig, seed: int = 0) -> None:
         self.config = config
+        # The key side holds no values: its rows are plain (zero-width) whatever precision
+        # the views store theirs in.
+        plain = replace(config, precision="fp32", variable_dims=(), promote_at=(),
+                        class_precisions=())
         self.keys = MemoryStore(0, SparseOptimizer(SparseOptimizerConfig(name="sgd")),
-                                config, seed=seed)
+                                plain, seed=seed)
         self.keys.track_evictions()
         self._pulled: tuple[int, PassSlots] | None = None
         self._ended: tuple[int, int, np.ndarray] | None = None
@@ -214,15 +217,7 @@ class SharedRowsStore(MemoryStore):
         self.state = np.zeros((capacity, self.state_dim), np.float32)
 
     def ensure_rows(self, n: int) -> None:
-        cap = len(self.state)
-        if n <= cap:
-            return
-        new_cap = max(n, 2 * cap)
-        if isinstance(self.values, CodedRows):
-            self.values.grow(new_cap)
-        else:
-            self.values = grown(self.values, new_cap, double=False)
-        self.state = grown(self.state, new_cap, double=False)
+        grow_rows(self, n, ("state",))
 
     @property
     def nbytes(self) -> int:

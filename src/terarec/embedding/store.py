@@ -20,7 +20,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numba
 import numpy as np
@@ -259,6 +259,23 @@ class EvictionLog:
         return keys
 
 
+def grow_rows(owner: Any, n: int, per_row: tuple[str, ...]) -> None:
+    """Give ``owner.values`` (float rows or ``CodedRows``) and its per-row arrays named in
+    ``per_row`` room for ``n`` slots, doubling the capacity so that repeated growth stays
+    O(n); the one grow-the-arrays of the stores that keep rows by slot (``MemoryStore``,
+    ``SharedRowsStore``). The first of ``per_row`` gives the current capacity."""
+    cap = len(getattr(owner, per_row[0]))
+    if n <= cap:
+        return
+    new_cap = max(n, 2 * cap)
+    if isinstance(owner.values, CodedRows):
+        owner.values.grow(new_cap)
+    else:
+        owner.values = grown(owner.values, new_cap, double=False)
+    for name in per_row:
+        setattr(owner, name, grown(getattr(owner, name), new_cap, double=False))
+
+
 class MemoryStore(EvictionLog):
     """All rows in RAM, grown on demand; the memory tier and the single-process store."""
 
@@ -297,16 +314,7 @@ class MemoryStore(EvictionLog):
         self.last_seen = np.zeros(capacity, np.int32)
 
     def ensure_rows(self, n: int) -> None:
-        cap = len(self.show)
-        if n <= cap:
-            return
-        new_cap = max(n, 2 * cap)
-        if isinstance(self.values, CodedRows):
-            self.values.grow(new_cap)
-        else:
-            self.values = grown(self.values, new_cap, double=False)
-        for name in ("state", "show", "click", "last_seen"):
-            setattr(self, name, grown(getattr(self, name), new_cap, double=False))
+        grow_rows(self, n, ("state", "show", "click", "last_seen"))
 
     def __len__(self) -> int:
         return len(self.index)

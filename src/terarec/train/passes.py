@@ -17,13 +17,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from terarec.data.positions import (
-    IDLE,
+    FileMark,
     Idle,
     InputFile,
     PassInput,
     Positions,
-    keyed_inputs,
-    with_last,
+    iter_position_passes,
 )
 from terarec.data.readers import OnBadRow, ReadStats, iter_batches, table_to_batch
 from terarec.data.split import iter_tables_from
@@ -58,54 +57,20 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
                       on_bad_row: OnBadRow = "error", stats: ReadStats | None = None
                       ) -> Iterator[tuple[list[Batch], PassInput] | Idle]:
     """Passes of at least ``pass_rows`` rows (``per_file``: also ending at every file's
-    end) of the rows ``positions`` does not mark consumed, each with its ``PassInput``.
-    Batches never span two files; IDLE in ``items`` is passed through between passes."""
-    pos = positions.copy()
-    stats = stats if stats is not None else ReadStats()
-    current: list[Batch] = []
-    rows = 0
-    info = PassInput(pos)
+    end) of the rows ``positions`` does not mark consumed, each with its ``PassInput``
+    (``data.positions.iter_position_passes``). Batches never span two files; a position
+    counts the rows kept, and its mark the bad rows skipped before it."""
+    read = stats if stats is not None else ReadStats()
 
-    def cut() -> tuple[list[Batch], PassInput]:
-        nonlocal current, rows, info
-        done = (current, PassInput(pos.copy(), info.files, info.finished))
-        current, rows, info = [], 0, PassInput(pos)
-        return done
+    def steps(item: InputFile, mark: FileMark | None) -> Iterator[tuple[Batch, int, int]]:
+        start, skipped = (mark.rows, mark.skipped) if mark is not None else (0, 0)
+        skipped_at_start = read.skipped
+        for table in iter_tables_from(item.path, schema, batch_size, start,
+                                      seek=skipped == 0, on_bad_row=on_bad_row, stats=read):
+            yield (table_to_batch(table, schema), table.num_rows,
+                   skipped + read.skipped - skipped_at_start)
 
-    for entry in keyed_inputs(items):
-        if isinstance(entry, Idle):
-            if current:
-                yield cut()
-            yield IDLE
-            continue
-        item = entry
-        mark = pos.start(item)
-        if mark is not None and mark.done:
-            continue
-        file_rows = mark.rows if mark is not None else 0
-        skipped_before = mark.skipped if mark is not None else 0
-        skipped_at_start = stats.skipped
-        tables = iter_tables_from(item.path, schema, batch_size, file_rows,
-                                  seek=skipped_before == 0, on_bad_row=on_bad_row,
-                                  stats=stats)
-        read_any = False
-        for table, last in with_last(tables):
-            read_any = True
-            current.append(table_to_batch(table, schema))
-            rows += table.num_rows
-            file_rows += table.num_rows
-            if item.key not in info.files:
-                info.files.append(item.key)
-            pos.advance(item, file_rows, last,
-                        skipped_before + stats.skipped - skipped_at_start)
-            if last:
-                info.finished.append(item.key)
-            if rows >= pass_rows or (last and per_file):
-                yield cut()
-        if not read_any:  # resumed at its end
-            pos.advance(item, file_rows, True, skipped_before)
-    if current:
-        yield cut()
+    return iter_position_passes(items, pass_rows, positions, steps, per_file=per_file)
 
 
 def prefetch(items: Iterator, depth: int = 1) -> Iterator:
