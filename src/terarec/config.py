@@ -293,6 +293,10 @@ class TrainConfig:
     seed: Annotated[int, Field(ge=0, lt=1 << 32)] = knob(0, "--seed")
     threads: Positive | None = knob(None, "--threads")
     device: Device = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
+    # docs/device.md: rows kept on the training device across passes, at most this much.
+    device_budget: MemorySize | None = knob(
+        None, "--device-budget", "device memory for hot rows and their optimizer state "
+        "kept on the device across passes, e.g. 40GB (one process)")
     on_bad_row: Literal["error", "skip"] = knob(
         "error", "--on-bad-row", "stop at the first bad row or skip and count bad rows",
         group=INPUT_FORMAT)

@@ -68,7 +68,8 @@ def test_every_config_flag_reaches_its_field(parser):
             argv, value = [flag.name, "cpu"], "cpu"
         else:
             kind = action.type if action.type in samples else str
-            size = path[-1] in ("memory_budget", "admit_sketch_bytes", "max_store_bytes")
+            size = path[-1] in ("memory_budget", "admit_sketch_bytes", "max_store_bytes",
+                                "device_budget")
             argv = [flag.name, "1GB" if size else samples[kind]]
             value = kind(argv[1]) if not size else "1GB"
         if path[-1] == "admit_sketch_bytes":  # a sketch counts toward a threshold

@@ -126,3 +126,17 @@ def test_keys_are_the_same_in_a_fresh_process():
                          check=True, env={"PYTHONHASHSEED": "12345", "PATH": ""})
     here = hash_values("C7", ["abc", "x" * 100, 42], SALT).tolist()
     assert out.stdout.strip() == str(here)
+
+
+def test_hash_segments_equal_one_hash_column_per_field():
+    """Several fields' values end to end, hashed in one call, give each field's keys."""
+    from terarec.data.hashing import hash_segments
+
+    parts = {"C1": ["a", None, "", "zz"], "C2": ["a"], "C3": [None, "é", "a"]}
+    values = pa.array([v for vals in parts.values() for v in vals], pa.string())
+    bounds = np.cumsum([0] + [len(v) for v in parts.values()])
+    got = hash_segments(list(parts), values, bounds, "salt")
+    want = np.concatenate([hash_column(f, pa.array(v, pa.string()), "salt")
+                           for f, v in parts.items()])
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got[[0, 4, 7]])) == 3  # "a" of three fields: three keys

@@ -161,3 +161,29 @@ def test_no_version_yet_means_not_ready(tmp_path):
         assert c.get("/v2/health/ready").status_code == 503
         r = c.post("/predict", json={"candidates": [{}]})
         assert r.status_code == 503 and "no model version" in r.json()["error"]
+
+
+@pytest.mark.parametrize("path", ["/predict", "/v2/models/terarec/infer"])
+def test_scoring_routes_refuse_other_methods_like_the_app(client, path):
+    """The scoring routes' plain handlers answer a wrong method as FastAPI would, in the
+    {"error": ...} shape, with the allowed method."""
+    r = client.get(path)
+    assert r.status_code == 405
+    assert r.json() == {"error": f"GET {path}: Method Not Allowed"}
+    assert r.headers["allow"] == "POST"
+    assert r.headers["content-type"] == "application/json"
+
+
+def test_scoring_routes_count_in_the_metrics(client, good):
+    """Answers of the plain handlers are timed and counted per route and status."""
+    def count(route: str, status: str) -> float:
+        text = client.get("/metrics").text
+        line = next((x for x in text.splitlines() if x.startswith(
+            f'terarec_requests_total{{code="{status}",route="{route}"}}')), None)
+        return 0.0 if line is None else float(line.split()[-1])
+
+    before_ok, before_bad = count("predict", "200"), count("predict", "422")
+    assert _post(client, "/predict", good)[0] == 200
+    assert _post(client, "/predict", {"candidates": [{"nope": 1}]})[0] == 422
+    assert count("predict", "200") == before_ok + 1
+    assert count("predict", "422") == before_bad + 1

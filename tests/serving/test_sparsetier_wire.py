@@ -3,6 +3,8 @@ included), pipelines built as arrays, replies parsed as they arrive."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from redis.crc import key_slot
@@ -46,3 +48,38 @@ def test_replies_parse_in_pieces_and_errors_are_raised():
     with pytest.raises(wire.ReplyError, match="MOVED 3999 127.0.0.1:7001"):
         wire.parse_replies(np.frombuffer(b"+OK\r\n-MOVED 3999 127.0.0.1:7001\r\n", np.uint8),
                            2)
+
+
+def test_chunks_written_two_in_flight_and_read_back(redis_cluster):
+    """Writes keep the next pipeline in flight while the previous one's replies are read
+    (replies of two pipelines can arrive in one recv); every row reads back."""
+    from terarec.sparsetier.tier import NodeConn, SparseTier
+
+    tier = SparseTier(redis_cluster.url, hedge=False)
+    try:
+        keys = wire.row_keys(b"wire/v000001/", np.arange(1000, dtype=np.int64) * 31)
+        values = np.random.default_rng(0).integers(0, 256, (1000, 24), dtype=np.uint8)
+        tier.write(keys, values, chunk=7)
+        for _ in range(2):  # the second time on the pooled connections
+            got, found, failed = tier.read(keys, 24, 5.0)
+            assert found.all() and not failed.any()
+            np.testing.assert_array_equal(got, values)
+        shard = tier.topology.shards[0]  # a replica answers once READONLY went first
+        mine = keys[tier.topology.slot_shard[wire.key_slots(keys)] == 0]
+        time.sleep(0.2)  # replication is asynchronous
+        for readonly, replies in ((False, "MOVED"), (True, None)):
+            conn = NodeConn(shard.replicas[0], readonly, 5.0)
+            try:
+                if replies:
+                    with pytest.raises(wire.ReplyError, match=replies):
+                        conn.call(wire.pack_gets(mine), len(mine))
+                else:
+                    buf, offsets, lengths = conn.call(wire.pack_gets(mine), len(mine))
+                    assert len(offsets) == len(mine) and (lengths == 24).all()
+            finally:
+                conn.close()
+        missing = wire.row_keys(b"wire/v000001/", np.array([-1, -2], np.int64))
+        got, found, failed = tier.read(missing, 24, 5.0)
+        assert not found.any() and not failed.any() and not got.any()
+    finally:
+        tier.close()

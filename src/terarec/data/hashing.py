@@ -157,6 +157,16 @@ def hash_columns(fields: Sequence[str], columns: Sequence[pa.Array], salt: str) 
     return _hash_bytes(arr, fields, bounds, salt)
 
 
+def hash_segments(fields: Sequence[str], values: pa.Array, bounds: np.ndarray,
+                  salt: str) -> np.ndarray:
+    """Keys of one string array whose values ``bounds[f]:bounds[f+1]`` belong to
+    ``fields[f]`` (nulls -> that field's missing key): several fields' values laid end to
+    end, hashed in one kernel call without building a column per field."""
+    if len(values) == 0:
+        return np.empty(0, dtype=np.int64)
+    return _hash_bytes(values, fields, bounds, salt)
+
+
 def hash_column(field: str, values: pa.Array | pa.ChunkedArray, salt: str) -> np.ndarray:
     """int64 keys for every value of one column, in order (nulls -> the missing key)."""
     if isinstance(values, pa.ChunkedArray):

@@ -46,6 +46,8 @@ class EmbeddingStore(Protocol):
     state_dim: int
     optimizer: SparseOptimizer
     config: StoreConfig
+    # A new key's row is ``store.init_rows(key, row_dim, config.init_std, seed)``.
+    seed: int
     # True when ``prefetch`` reads rows ahead (a disk tier); False: a no-op.
     prefetches: bool
     # What ``save`` writes: "arrays" (one to_arrays file) or "tiered" (slab snapshot).

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import RowBlock
 from terarec.types import Batch, KeyedIds
+
+if TYPE_CHECKING:
+    from terarec.embedding.device import DeviceRowCache
 
 
 def occurrence_labels(batch: Batch) -> np.ndarray:
@@ -108,6 +112,11 @@ class WorkingSet:
         self.column_mask: torch.Tensor | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and optimizer is not None else None)
+        # A device row cache the rows came from and go back to (embedding/device.py),
+        # with this pass's number and its keys' shows (the cache's LFU score).
+        self.cache: DeviceRowCache | None = None
+        self.pass_id = 0
+        self.pass_show: np.ndarray | None = None
 
     @property
     def trainable(self) -> bool:
@@ -115,13 +124,18 @@ class WorkingSet:
 
     @classmethod
     def stage(cls, store: EmbeddingStore, batches: list[Batch] | PassPlan, pass_id: int,
-              device: torch.device | str = "cpu", train: bool = True) -> WorkingSet:
+              device: torch.device | str = "cpu", train: bool = True,
+              cache: DeviceRowCache | None = None) -> WorkingSet:
         """Pull the rows of every key in ``batches`` and remap the batches to local ids.
 
         ``batches`` may be a ``PassPlan`` made ahead of time (off the training thread).
         ``train=False`` reads rows without counting or admitting keys (evaluation,
-        prediction): unknown keys score with the zero row.
+        prediction): unknown keys score with the zero row. With a device ``cache``, the
+        rows it holds come from it (they are newer than the store's) and training rows
+        go back to it (``write_back``).
         """
+        if cache is not None:
+            cache.bind(store)
         plan = batches if isinstance(batches, PassPlan) else plan_pass(batches, counts=train)
         uniq = plan.keys
         if train:
@@ -141,8 +155,15 @@ class WorkingSet:
             local[admitted] = np.arange(1, n_adm + 1)
             local_ids = torch.from_numpy(local[plan.inverse])
         state = None
-        if state_rows is not None:
+        weights = None
+        if cache is not None and train:
+            weights, state = cache.assemble(uniq[admitted], block, pass_id)
+        elif state_rows is not None:
             state = _with_zero_row(state_rows, state_rows.shape[1]).to(device)
+        if weights is None:
+            weights = _with_zero_row(rows, store.row_dim).to(device)
+            if cache is not None:
+                cache.overlay(uniq[admitted], weights)
         column_mask = None
         if train and block.widths is not None:
             dim = store.row_dim
@@ -154,16 +175,23 @@ class WorkingSet:
             ids = local_ids[start:start + n]
             start += n
             remapped.append(Batch(b.dense, b.sparse.with_values(ids), b.labels).to(device))
-        ws = cls(uniq[admitted], _with_zero_row(rows, store.row_dim).to(device), state,
-                 remapped, store.optimizer if train else None,
+        ws = cls(uniq[admitted], weights, state, remapped, store.optimizer if train else None,
                  StagingStats(len(plan.inverse), len(uniq), n_adm))
         ws.column_mask = column_mask
+        if cache is not None and train:
+            assert plan.show is not None
+            ws.cache, ws.pass_id, ws.pass_show = cache, pass_id, plan.show[admitted]
         return ws
 
     def write_back(self, store: EmbeddingStore) -> None:
         """Push trained rows and their optimizer state back to the store."""
         if not self.trainable or self.state is None:
             raise RuntimeError("only a training working set is written back")
+        if self.cache is not None:
+            assert self.pass_show is not None
+            self.cache.write_back(store, self.keys, self.weights, self.state, self.pass_show,
+                                  self.pass_id)
+            return
         store.push(self.keys, RowBlock(self.weights[1:].cpu().numpy(),
                                        self.state[1:].cpu().numpy()))
 

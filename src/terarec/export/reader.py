@@ -201,7 +201,7 @@ class VersionReader:
 
     def shows(self, manifest: Manifest) -> tuple[np.ndarray, np.ndarray] | None:
         """(keys, show counts) of the version's most-shown keys, most shown first; None
-        when the export lists none (an older export, or one written by several ranks)."""
+        when the export lists none (an older export)."""
         if SHOWS_FILE not in manifest.files:
             return None
         t = self.tensors(manifest, SHOWS_FILE, ("keys", "shows"))

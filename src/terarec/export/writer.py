@@ -162,10 +162,9 @@ class ModelExporter:
             return self._write(header, dense, keys, values, None, pass_id, extra, ctx)
         if row_dim is None:
             raise ValueError("write_full with streamed rows needs row_dim")
-        if ctx is None or ctx.world == 1:  # the show counts of one process's rows
-            rows = _listing_shows(rows, extra)
-        return self._write_rows(header, dense, ((c.keys, c.values) for c in rows), row_dim,
-                                None, pass_id, extra, ctx)
+        shows = _TopShows()  # each rank's most-shown keys, merged on rank 0
+        return self._write_rows(header, dense, ((c.keys, c.values) for c in shows.watch(rows)),
+                                row_dim, None, pass_id, extra, ctx, shows)
 
     def write_delta(self, *, dense: dict[str, torch.Tensor], keys: np.ndarray,
                     values: np.ndarray, deleted: np.ndarray, pass_id: int,
@@ -203,9 +202,11 @@ class ModelExporter:
                     rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int,
                     deleted: np.ndarray | None, pass_id: int,
                     extra: dict[str, bytes] | None = None,
-                    ctx: DistContext | None = None) -> ExportedVersion:
+                    ctx: DistContext | None = None,
+                    shows: _TopShows | None = None) -> ExportedVersion:
         """Write the version ``header`` describes (made on rank 0, or alone) from
-        key-ordered (keys, values) parts, shard by shard."""
+        key-ordered (keys, values) parts, shard by shard; with ``shows`` (watching the
+        parts), also SHOWS_FILE: the most-shown keys of every rank's rows."""
         t0 = time.perf_counter()
         ctx = ctx or DistContext.single(torch.device("cpu"))
         header = ctx.broadcast_object(header)
@@ -234,10 +235,14 @@ class ModelExporter:
             mine.append((i, {"file": shard_name(i), "rows": len(keys),
                              "first_key": int(keys[0]), "last_key": int(keys[-1])}))
         # past here, every rank's shard files are complete
-        every_rank = ctx.gather_object((mine, files, deleted))
+        top = (shows.keys, shows.shows) if shows is not None else None
+        every_rank = ctx.gather_object((mine, files, deleted, top))
         result = None
         if ctx.is_main:
             assert every_rank is not None
+            listed = [part[3] for part in every_rank if part[3] is not None]
+            if listed:  # ranks own disjoint keys: the global top is the top of theirs
+                extra = {**(extra or {}), SHOWS_FILE: _TopShows.merged(listed)}
             shards = [entry for _, entry in sorted((e for part in every_rank for e in part[0]),
                                                    key=lambda e: e[0])]
             files = {k: v for part in every_rank for k, v in part[1].items()}
@@ -283,25 +288,41 @@ class ModelExporter:
         return result
 
 
-def _listing_shows(rows: Iterable[RowChunk], extra: dict[str, bytes]) -> Iterator[RowChunk]:
-    """``rows`` passed through; once they are exhausted, ``extra`` gets SHOWS_FILE: the
-    SHOWS_LISTED most-shown keys, most shown first (a server's hot rows)."""
-    key_parts: list[np.ndarray] = [np.empty(0, np.int64)]
-    show_parts: list[np.ndarray] = [np.empty(0, np.float32)]
-    held = 0
-    for chunk in rows:
-        key_parts.append(np.asarray(chunk.keys, np.int64))
-        show_parts.append(np.asarray(chunk.show, np.float32))
-        held += len(chunk.keys)
-        if held > 2 * SHOWS_LISTED:  # keep the top SHOWS_LISTED so far
-            keys, shows = np.concatenate(key_parts), np.concatenate(show_parts)
-            top = np.argpartition(-shows, SHOWS_LISTED)[:SHOWS_LISTED]
-            key_parts, show_parts, held = [keys[top]], [shows[top]], SHOWS_LISTED
-        yield chunk
-    keys, shows = np.concatenate(key_parts), np.concatenate(show_parts)
-    order = np.lexsort((keys, -shows))[:SHOWS_LISTED]
-    extra[SHOWS_FILE] = save_numpy_bytes({"keys": np.ascontiguousarray(keys[order]),
-                                          "shows": np.ascontiguousarray(shows[order])})
+class _TopShows:
+    """The SHOWS_LISTED most-shown keys of the rows streamed through ``watch``, most shown
+    first (a server's hot rows), held in bounded memory."""
+
+    def __init__(self) -> None:
+        self.keys = np.empty(0, np.int64)
+        self.shows = np.empty(0, np.float32)
+
+    def watch(self, rows: Iterable[RowChunk]) -> Iterator[RowChunk]:
+        """``rows`` passed through; ``keys`` / ``shows`` are complete once exhausted."""
+        key_parts, show_parts = [self.keys], [self.shows]
+        held = 0
+        for chunk in rows:
+            key_parts.append(np.asarray(chunk.keys, np.int64))
+            show_parts.append(np.asarray(chunk.show, np.float32))
+            held += len(chunk.keys)
+            if held > 2 * SHOWS_LISTED:  # keep the top SHOWS_LISTED so far
+                keys, shows = np.concatenate(key_parts), np.concatenate(show_parts)
+                top = np.argpartition(-shows, SHOWS_LISTED)[:SHOWS_LISTED]
+                key_parts, show_parts, held = [keys[top]], [shows[top]], SHOWS_LISTED
+            yield chunk
+        self.keys, self.shows = self._top(np.concatenate(key_parts),
+                                          np.concatenate(show_parts))
+
+    @staticmethod
+    def _top(keys: np.ndarray, shows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        order = np.lexsort((keys, -shows))[:SHOWS_LISTED]
+        return np.ascontiguousarray(keys[order]), np.ascontiguousarray(shows[order])
+
+    @classmethod
+    def merged(cls, parts: list[tuple[np.ndarray, np.ndarray]]) -> bytes:
+        """SHOWS_FILE's bytes: the top of several (keys, shows) lists of disjoint keys."""
+        keys, shows = cls._top(np.concatenate([np.asarray(k, np.int64) for k, _ in parts]),
+                               np.concatenate([np.asarray(v, np.float32) for _, v in parts]))
+        return save_numpy_bytes({"keys": keys, "shows": shows})
 
 
 def _checked(rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int
@@ -520,6 +541,7 @@ class IncrementalExporter:
 
     def export(self, trainer, full: bool = False) -> ExportedVersion:
         """Write a version now (collective on N ranks: each passes the rows it owns)."""
+        trainer.sync_store()  # rows newer on the device are exported
         dense = trainer.model.state_dict()
         store = trainer.store
         if full or self._last_pass is None:

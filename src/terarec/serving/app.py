@@ -146,34 +146,21 @@ class _Timing:
             self.metrics.requests.labels(route, str(status)).inc()
 
 
-class _Shortcut:
-    """ASGI middleware: ``POST /predict`` goes straight to its handler, past FastAPI's
-    routing, dependency and exception layers (a sizeable part of a small request's
-    framework time); the handler's 4xx/503 errors answer as the app's handlers would.
-    Everything else passes on."""
-
-    def __init__(self, app: ASGIApp, path: str,
-                 handler: Callable[[Request], Awaitable[Response]]) -> None:
-        self.app = app
-        self.path = path
-        self.handler = handler
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
-            await self.app(scope, receive, send)
-            return
-        try:
-            response = await self.handler(Request(scope, receive))
-        except BadRequest as exc:
-            response = _json({"error": str(exc)}, exc.status)
-        except (NoVersionError, SparseReadError) as exc:
-            response = _json({"error": str(exc)}, 503)
-        await response(scope, receive, send)
+class _Disconnected(Exception):
+    """The client went away before its body arrived: nothing to answer."""
 
 
-async def _read_bytes(request: Request, max_bytes: int) -> bytes:
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The value of request header ``name`` (lower case, as ASGI servers give them)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
     """The request body, at most ``max_bytes`` (413 past it, 400 when empty)."""
-    declared = request.headers.get("content-length")
+    declared = _header(scope, b"content-length")
     if declared is not None:
         try:
             if int(declared) > max_bytes:
@@ -181,16 +168,77 @@ async def _read_bytes(request: Request, max_bytes: int) -> bytes:
                                  f"{max_bytes} bytes", 413)
         except ValueError:
             raise BadRequest(f"bad Content-Length header {declared!r}", 400) from None
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > max_bytes:
             raise BadRequest(f"request body exceeds the limit of {max_bytes} bytes", 413)
-        chunks.append(chunk)
+        if chunk:
+            chunks.append(chunk)
+        more = message.get("more_body", False)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if not body:
         raise BadRequest("empty request body; expected a JSON object", 400)
     return body
+
+
+# A scoring route: (scope, receive) -> the JSON answer of a 200.
+_Handler = Callable[[Scope, Receive], Awaitable[Any]]
+_JSON_TYPE = (b"content-type", b"application/json")
+
+
+class ServingApp(FastAPI):
+    """The FastAPI app, with its scoring routes (``POST /predict`` and ``POST
+    /v2/models/NAME/infer``) answered by plain ASGI handlers: they skip FastAPI's
+    routing, middleware, dependency and response layers, most of a small request's
+    framework time. They answer errors as the app's exception handlers do (``{"error":
+    ...}`` with the same statuses), and record the same latency and status metrics.
+    Every other request (and the lifespan) goes through FastAPI."""
+
+    def set_scoring_routes(self, routes: list[tuple[re.Pattern[str], str, _Handler]],
+                           metrics: ServingMetrics) -> None:
+        self._scoring = routes
+        self._latency = {label: metrics.latency.labels(label) for _, label, _ in routes}
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            for pattern, label, handler in getattr(self, "_scoring", ()):
+                if pattern.match(path):
+                    await self._answer(label, handler, scope, receive, send)
+                    return
+        await super().__call__(scope, receive, send)
+
+    async def _answer(self, label: str, handler: _Handler, scope: Scope, receive: Receive,
+                      send: Send) -> None:
+        start = time.perf_counter()
+        headers = [_JSON_TYPE]
+        try:
+            if scope["method"] != "POST":
+                raise BadRequest(f"{scope['method']} {scope['path']}: Method Not Allowed", 405)
+            status, body = 200, orjson.dumps(await handler(scope, receive))
+        except BadRequest as exc:
+            status, body = exc.status, orjson.dumps({"error": str(exc)})
+            if status == 405:
+                headers.append((b"allow", b"POST"))
+        except (NoVersionError, SparseReadError) as exc:
+            status, body = 503, orjson.dumps({"error": str(exc)})
+        except _Disconnected:
+            return
+        except Exception:
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            status, body = 500, orjson.dumps({"error": "internal server error"})
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self._latency[label].observe(time.perf_counter() - start)
+        self._metrics.requests.labels(label, str(status)).inc()
 
 
 def _parse(model: type[T], body: bytes) -> T:
@@ -298,14 +346,10 @@ async def _scores(batcher: DynamicBatcher, version: ServedVersion, batch: Batch,
     return scores.tolist()
 
 
-def _json(content: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(content), status_code=status, media_type="application/json")
-
-
 def create_app(engine: ServingEngine, *, model_name: str = "terarec",
                max_candidates: int = 1000, max_body_bytes: int = 4 << 20,
                poll_interval_s: float | None = None,
-               batcher: DynamicBatcher | None = None) -> FastAPI:
+               batcher: DynamicBatcher | None = None) -> ServingApp:
     """The ASGI app. With ``poll_interval_s`` the engine follows new versions while the
     app runs (started and stopped with the app's lifespan). Requests in flight together
     are scored in one pass by ``batcher`` (by default one over ``engine.score_batch``
@@ -321,7 +365,7 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
         finally:
             engine.close()
 
-    app = FastAPI(title="terarec", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = ServingApp(title="terarec", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
 
     @app.exception_handler(BadRequest)
@@ -387,11 +431,10 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
         ok = engine.current is not None
         return JSONResponse({"name": model_name, "ready": ok}, status_code=200 if ok else 503)
 
-    @app.post("/v2/models/{name}/infer")
-    async def infer(name: str, request: Request) -> Response:
-        version = served_model(name)
-        raw = await _read_bytes(request, max_body_bytes)
-        header = request.headers.get(binary.HEADER)
+    async def infer(scope: Scope, receive: Receive) -> dict[str, Any]:
+        version = served_model(scope["path"].split("/")[3])
+        raw = await _read_body(scope, receive, max_body_bytes)
+        header = _header(scope, binary.HEADER.encode())
         if header is None:
             body = _parse(InferRequest, raw)
             columns, rows = _kserve_columns(body, version, max_candidates)
@@ -407,24 +450,24 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
                          "data": scores}]}
         if request_id is not None:
             out["id"] = request_id
-        return _json(out)
+        return out
 
-    @app.post("/predict")
-    async def predict(request: Request) -> Response:
+    async def predict(scope: Scope, receive: Receive) -> dict[str, Any]:
         version = engine.served()
-        raw = await _read_bytes(request, max_body_bytes)
+        raw = await _read_body(scope, receive, max_body_bytes)
         context, candidates = _decode_predict(raw, version, max_candidates)
         batch = _request_batch(version, context, candidates, "candidates")
         scores = await _scores(batcher, version, batch, "candidates")
-        return _json({"model": model_name, "version": version.version, "scores": scores})
+        return {"model": model_name, "version": version.version, "scores": scores}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(_Shortcut, path="/predict", handler=predict)
-    app.add_middleware(_Timing, metrics=engine.metrics)  # outermost: times everything
+    app.add_middleware(_Timing, metrics=engine.metrics)  # times the other routes
+    app.set_scoring_routes([(_ROUTES[0][0], "infer", infer),
+                            (_ROUTES[3][0], "predict", predict)], engine.metrics)
     return app
 
 

@@ -31,6 +31,7 @@ from terarec.export.reader import IncompleteVersionError, VersionReader
 from terarec.export.storage import Storage
 from terarec.io import ScratchDir, atomic_write_text
 from terarec.models.base import CTRModel
+from terarec.serving.dense import Forward, OnnxForwards, torch_forward
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
 from terarec.serving.rows import FallbackRows, RowCache, RowSource, ShardedRows, VersionRows
@@ -58,6 +59,13 @@ class ServedVersion:
     # Rows the version's own do not hold (a cold tier): asked for the keys ``rows``
     # does not find. None: a key ``rows`` lacks is a zero row.
     cold_rows: RowSource | None = None
+    # The network's forward pass as served (``serving/dense.py``); None: ``model``.
+    forward: Forward | None = None
+
+    @cached_property
+    def logits(self) -> Forward:
+        """Logits ``[B]`` of (dense, pooled rows): ``forward``, else the network."""
+        return self.forward or torch_forward(self.model)
 
     @cached_property
     def source(self) -> RowSource:
@@ -115,14 +123,18 @@ class ServingEngine:
     manifest (``VersionReader.fetch``), so shards are memory-mapped from copies nobody
     else writes: the export can be truncated, rewritten or deleted underneath a running
     server. A version whose files are incomplete is retried for ``incomplete_timeout_s``.
+    With ``onnx`` each version's network runs on ONNX Runtime where its scores match
+    PyTorch's (``serving/dense.py``), else on PyTorch.
     """
 
     def __init__(self, uri: str | Path, *, storage_options: dict[str, Any] | None = None,
                  cache_rows: int = 1_000_000, cache_dir: str | Path | None = None,
                  metrics: ServingMetrics | None = None,
                  incomplete_timeout_s: float = 60.0,
-                 swap_notice: str | Path | None = None) -> None:
+                 swap_notice: str | Path | None = None, onnx: bool = True) -> None:
         self.storage = Storage(uri, storage_options)
+        # Run each version's network with ONNX Runtime where it agrees with PyTorch.
+        self._onnx = OnnxForwards() if onnx else None
         # Several servers of one export (``serve --workers``) share a notice file: each
         # writes it after a swap, and the others look for a new version as soon as it
         # changes, so all of them serve a new version within one poll of the first.
@@ -164,7 +176,13 @@ class ServingEngine:
             lookup, raw_schema = FeatureLookup(config.tables), config.base_schema
         return ServedVersion(manifest, schema, model, rows,
                              torch.tensor(mean) if any(mean) else None,
-                             features=lookup, raw_schema=raw_schema)
+                             features=lookup, raw_schema=raw_schema,
+                             forward=self._forward(model, schema, manifest.row_dim))
+
+    def _forward(self, model: CTRModel, schema: FeatureSchema, row_dim: int) -> Forward:
+        """The forward pass a new version serves with (built while it loads)."""
+        built = None if self._onnx is None else self._onnx.build(model, schema, row_dim)
+        return built or torch_forward(model)
 
     def _full_rows(self, manifest: Manifest) -> VersionRows:
         """The row source of a full version: its shards, memory-mapped."""
@@ -193,7 +211,8 @@ class ServingEngine:
         rows, changed = self._delta_rows(state, manifest)
         touched = np.concatenate([state.touched, changed])
         return ServedVersion(manifest, state.schema, model, rows, state.mean_fields,
-                             touched, state.features, state.raw_schema, state.cold_rows)
+                             touched, state.features, state.raw_schema, state.cold_rows,
+                             self._forward(model, state.schema, manifest.row_dim))
 
     def _manifest(self, name: str) -> Manifest:
         return self.reader.manifest(name)
@@ -252,7 +271,8 @@ class ServingEngine:
             state = ServedVersion(state.manifest, state.schema, state.model, state.rows,
                                   state.mean_fields, features=state.features,
                                   raw_schema=state.raw_schema,
-                                  cold_rows=state.cold_rows)  # touched: this refresh's
+                                  cold_rows=state.cold_rows,
+                                  forward=state.forward)  # touched: this refresh's
         else:
             base_created: float | None = None
             try:
@@ -468,13 +488,14 @@ class ServingEngine:
                         StagingStats(len(inverse), len(uniq), len(uniq)))
         return ws.lookup(local, version.mean_fields)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def score_batch(self, batch: Batch, version: ServedVersion | None = None) -> np.ndarray:
         """Click probabilities for a batch of global keys, as ``Trainer.predict_batches``
-        computes them (unknown keys pool as zero rows)."""
+        computes them (unknown keys pool as zero rows; to ``dense.TOLERANCE`` where ONNX
+        Runtime runs the network)."""
         version = version or self.served()
         emb = self.pooled(batch, version)
-        probs = torch.sigmoid(version.model(batch.dense, emb))
+        probs = torch.sigmoid(version.logits(batch.dense, emb))
         self.metrics.scored_rows.inc(len(batch))
         return probs.numpy()
 

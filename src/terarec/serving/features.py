@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from terarec.data.hashing import hash_columns
+from terarec.data.hashing import hash_columns, hash_segments
 from terarec.data.readers import (
     FLOAT32_MAX,
     DataError,
@@ -116,9 +116,11 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
         raise DataError("no candidates")
     row_names = frozenset().union(*candidates)
     if row_names.isdisjoint(context):
-        columns = _columns(candidates, schema, row_names)
-        fast = (None if columns is None
-                else _common_columns(columns, len(candidates), schema, context))
+        fast = _listed_batch(context, candidates, schema, row_names)
+        if fast is None:
+            columns = _columns(candidates, schema, row_names)
+            fast = (None if columns is None
+                    else _common_columns(columns, len(candidates), schema, context))
         if fast is not None:
             return fast
     if len(row_names) == len(schema.fields) or not schema.sparse_fields:
@@ -261,6 +263,12 @@ def _common_columns(columns: Mapping[str, pa.Array], n: int, schema: FeatureSche
         order = [k for k, _ in parts]
         lengths = [len(c) for _, c in parts]
         numeric[order] = x[_broadcast_index(lengths, n)]
+    return _assemble(ids, numeric, n, schema)
+
+
+def _assemble(ids: np.ndarray, numeric: np.ndarray, n: int, schema: FeatureSchema) -> Batch:
+    """The Batch of ``n`` rows from the categorical keys (field-major, ``[F * n]``) and
+    the clean float64 numeric values ``[fields, n]`` (NaN where missing)."""
     dense = dense_features(numeric, schema)
     buckets = numeric_bucket_keys(numeric, schema)  # slots after the categorical ones
     if buckets:
@@ -268,6 +276,98 @@ def _common_columns(columns: Mapping[str, pa.Array], n: int, schema: FeatureSche
     sparse = KeyedIds(schema.sparse_names, torch.from_numpy(ids),
                       torch.arange(len(ids) + 1, dtype=torch.int64))
     return Batch(torch.from_numpy(dense), sparse, torch.zeros(n))
+
+
+class _Layout:
+    """The field lists of a schema that ``_listed_batch`` walks, computed once."""
+
+    def __init__(self, schema: FeatureSchema) -> None:
+        self.cats = tuple(s.name for s in schema.categorical)
+        self.nums = tuple(s.name for s in schema.numeric)
+        self.single_valued = all(s.separator is None for s in schema.categorical)
+
+
+_LAYOUTS: dict[int, tuple[FeatureSchema, _Layout]] = {}
+
+
+def _layout(schema: FeatureSchema) -> _Layout:
+    hit = _LAYOUTS.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    if len(_LAYOUTS) >= 256:
+        _LAYOUTS.clear()
+    layout = _Layout(schema)
+    _LAYOUTS[id(schema)] = (schema, layout)
+    return layout
+
+
+def _gather(names: tuple[str, ...], context: Mapping[str, Any],
+            candidates: Sequence[Mapping[str, Any]], row_names: frozenset[str]
+            ) -> tuple[list[Any], list[int]]:
+    """Every value of fields ``names`` end to end: a candidate field's ``n`` values, a
+    context field's one; and each field's count."""
+    values: list[Any] = []
+    lengths: list[int] = []
+    for name in names:
+        if name in row_names:
+            values += [c.get(name) for c in candidates]
+            lengths.append(len(candidates))
+        else:
+            values.append(context.get(name))
+            lengths.append(1)
+    return values, lengths
+
+
+def _listed_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, Any]],
+                  schema: FeatureSchema, row_names: frozenset[str]) -> Batch | None:
+    """The most common request's Batch straight from its Python values: categorical
+    values all strings (or null), numeric ones all numbers or all numeric texts (or
+    null), every field single-valued. All categorical values of the request become one
+    Arrow array (one conversion in C++, no column per field) hashed in one kernel call,
+    all numeric ones another; the context's values are converted once and broadcast. Anything else
+    (integers as categories, strings and numbers mixed, a bad value) gives None and
+    takes ``_common_columns`` or the record path, which check each value and word the
+    error."""
+    layout = _layout(schema)
+    if not layout.single_valued:
+        return None
+    n = len(candidates)
+    cat_values, cat_lengths = _gather(layout.cats, context, candidates, row_names)
+    num_values, num_lengths = _gather(layout.nums, context, candidates, row_names)
+    try:
+        cats = pa.array(cat_values)
+        nums = pa.array(num_values)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None
+    if pa.types.is_null(cats.type):
+        cats = pa.nulls(len(cats), pa.string())
+    elif not pa.types.is_string(cats.type):  # integers, bytes or a mix: checked elsewhere
+        return None
+    bounds = np.zeros(len(cat_lengths) + 1, np.int64)
+    np.cumsum(cat_lengths, out=bounds[1:])
+    keys = hash_segments(layout.cats, cats, bounds, schema.hash_salt)
+    ids = keys[_broadcast_index(cat_lengths, n)].reshape(-1)
+    numeric = np.empty((len(layout.nums), n), dtype=np.float64)
+    if layout.nums:
+        if pa.types.is_null(nums.type):
+            numeric.fill(np.nan)
+            return _assemble(ids, numeric, n, schema)
+        if pa.types.is_string(nums.type):  # numeric texts, parsed as a file's are
+            if pc.any(pc.equal(nums, "")).as_py():  # a missing value, as in a file
+                return None
+            try:
+                x = pc.cast(nums, pa.float64()).to_numpy(zero_copy_only=False)
+            except pa.ArrowInvalid:  # text that is no number: the long way names it
+                return None
+        elif pa.types.is_integer(nums.type) or pa.types.is_floating(nums.type):
+            x = pc.cast(nums, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+        else:
+            return None  # booleans: the column path converts them
+        valid = ~nums.is_null().to_numpy(zero_copy_only=False) if nums.null_count else True
+        if np.any(valid & ~(np.abs(x) <= FLOAT32_MAX)):  # NaN, infinite or beyond float32
+            return None
+        numeric[:] = x[_broadcast_index(num_lengths, n)]
+    return _assemble(ids, numeric, n, schema)
 
 
 def _one_row(values: list[Any]) -> pa.Array | None:

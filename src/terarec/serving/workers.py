@@ -13,6 +13,7 @@ it change, so all of them serve a new version within one poll interval of each o
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import signal
@@ -89,6 +90,11 @@ def build_app(options: ServeOptions) -> FastAPI:
                                             options.uri, options.poll_seconds)
     batcher = DynamicBatcher(engine.score_batch, max_rows=options.max_batch_rows,
                              max_delay_s=options.max_delay_ms / 1e3)
+    # What startup loaded (torch, the network, the schema) stays alive for good: keep it
+    # out of the cyclic collector's generations, whose full passes would otherwise walk
+    # it all and show as latency spikes.
+    gc.collect()
+    gc.freeze()
     return create_app(engine, model_name=options.model_name,
                       max_candidates=options.max_candidates,
                       max_body_bytes=options.max_body_bytes,

@@ -215,8 +215,10 @@ class Publisher:
 
 class PublishingExporter(IncrementalExporter):
     """An IncrementalExporter that publishes each version it writes (``train
-    --publish-to``): deltas as the hot part, full versions as both parts. A publish that
-    fails is logged and training goes on (``terarec publish`` can catch up later)."""
+    --publish-to``, with ``--follow`` as files land). Every part of the version's chain
+    not yet in the cluster goes out (a delta's own rows only, once its full version is
+    in), so a publish that failed (logged; training goes on) is caught up by the next
+    export, or by ``terarec publish``."""
 
     def __init__(self, uri: str | Path, trainer: Any, *, publish_to: str,
                  namespace: str = "terarec", **kwargs: Any) -> None:
@@ -234,7 +236,7 @@ class PublishingExporter(IncrementalExporter):
                 try:
                     self.published.append(publisher.publish(
                         f"{self.uri.rstrip('/')}/{result.name}",
-                        part="all" if result.kind == "full" else "hot",
+                        part="all",
                         storage_options=self.storage_options))
                 finally:
                     publisher.close()

@@ -4,7 +4,8 @@ hedged to a replica, nodes that fail routed around.
 ::
 
     keys ──slot──> master of each slot (topology from CLUSTER SLOTS)
-      per node, in parallel:  GET pipeline ──> master
+      per node, all sent at once, the replies awaited together by the calling thread:
+                              GET pipeline ──> master
                               no answer after the hedge delay (p95 of that node, at least
                               ``hedge_floor_s``) or an error ──> the same pipeline to a
                               replica (READONLY); the first answer wins
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -89,32 +91,72 @@ class TierMetrics:
 
 
 class NodeConn:
-    """One socket to one node (READONLY when reading a replica); used by one thread at a
-    time."""
+    """One socket to one node; used by one thread at a time. Replies are parsed as their
+    bytes arrive (``begin`` then ``step`` until True), so one thread can wait on many
+    nodes at once; bytes past the replies asked for (of commands sent after them) are
+    kept for the next ``begin``. A replica's connection sends READONLY in front of its
+    first commands (nothing is waited for before them)."""
 
-    def __init__(self, address: Address, readonly: bool, timeout_s: float) -> None:
+    def __init__(self, address: Address, readonly: bool, timeout_s: float,
+                 connect_timeout_s: float | None = None) -> None:
         self.address = address
-        self.sock = socket.create_connection(address, timeout=timeout_s)
+        self.sock = socket.create_connection(address, timeout=connect_timeout_s or timeout_s)
+        self.sock.settimeout(timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if readonly:
-            self.call(wire.pack_command(b"READONLY"), 1)
+        self._left = bytearray()
+        self._buf = bytearray()
+        self._parser = wire.ReplyParser(0)
+        self._chunk = bytearray(1 << 18)
+        self._prefix = wire.pack_command(b"READONLY") if readonly else b""
+        self._skip = 0  # replies of the prefix, in front of the next ones asked for
+
+    def send(self, payload: bytes) -> None:
+        if self._prefix:
+            payload, self._prefix, self._skip = self._prefix + payload, b"", 1
+        self.sock.sendall(payload)
+
+    def begin(self, n: int) -> bool:
+        """Expect the replies of the next ``n`` commands sent; True if they are in."""
+        self._buf, self._left = self._left, bytearray()
+        self._parser = wire.ReplyParser(n + self._skip)
+        return self._parse()
+
+    def step(self) -> bool:
+        """Read what the socket holds (one ``recv``: blocks only when nothing has come);
+        True once the replies asked for are in."""
+        view = memoryview(self._chunk)
+        got = self.sock.recv_into(view)
+        if not got:
+            raise ConnectionError(f"{self.address}: connection closed")
+        self._buf += view[:got]
+        return self._parse()
+
+    def _parse(self) -> bool:
+        arr = np.frombuffer(self._buf, np.uint8)
+        done = self._parser.feed(arr)
+        del arr  # the buffer grows on the next recv
+        return done
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(reply buffer, offsets, lengths) of the replies ``begin`` asked for."""
+        used = self._parser.consumed
+        if used < len(self._buf):
+            self._left = self._buf[used:]
+        skip, self._skip = self._skip, 0
+        return (np.frombuffer(self._buf, np.uint8), self._parser.offsets[skip:],
+                self._parser.lengths[skip:])
+
+    def receive(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block for the replies of the next ``n`` commands sent."""
+        done = self.begin(n)
+        while not done:
+            done = self.step()
+        return self.result()
 
     def call(self, payload: bytes, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Send ``n`` pipelined commands; (reply buffer, offsets, lengths)."""
-        self.sock.sendall(payload)
-        parser = wire.ReplyParser(n)
-        buf = bytearray()
-        chunk = bytearray(1 << 18)
-        view = memoryview(chunk)
-        while True:
-            got = self.sock.recv_into(view)
-            if not got:
-                raise ConnectionError(f"{self.address}: connection closed")
-            buf += view[:got]
-            arr = np.frombuffer(buf, np.uint8)
-            if parser.feed(arr):
-                return arr, parser.offsets, parser.lengths
-            del arr  # the buffer grows on the next recv
+        self.send(payload)
+        return self.receive(n)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -263,12 +305,13 @@ class SparseTier:
         self._pool.submit(self.refresh_topology)
 
     # -- connections -------------------------------------------------------------------
-    def _take(self, address: Address, readonly: bool) -> NodeConn:
+    def _take(self, address: Address, readonly: bool,
+              connect_timeout_s: float | None = None) -> NodeConn:
         with self._conns_lock:
             free = self._conns.get((address, readonly))
             if free:
                 return free.pop()
-        return NodeConn(address, readonly, self.timeout_s)
+        return NodeConn(address, readonly, self.timeout_s, connect_timeout_s)
 
     def _give(self, conn: NodeConn, readonly: bool) -> None:
         with self._conns_lock:
@@ -325,19 +368,35 @@ class SparseTier:
 
     def _write_node(self, address: Address, keys: np.ndarray, values: np.ndarray,
                     idx: np.ndarray, chunk: int) -> np.ndarray:
-        """Write rows ``idx`` to one node; returns the indices not written."""
-        for lo in range(0, len(idx), chunk):
-            part = idx[lo:lo + chunk]
-            try:
-                buf, _, lengths = self._call(address, False,
-                                             wire.pack_sets(keys[part], values[part]),
-                                             len(part))
+        """Write rows ``idx`` to one node, the next chunk sent before the previous one's
+        replies are read (the node never waits for the client); returns the indices not
+        written."""
+        done = 0  # rows of idx[:done] acknowledged
+        conn: NodeConn | None = None
+        try:
+            conn = self._take(address, False)
+            sent: deque[int] = deque()  # rows of each chunk in flight
+            lo = 0
+            while lo < len(idx) or sent:
+                if lo < len(idx):
+                    part = idx[lo:lo + chunk]
+                    conn.send(wire.pack_sets(keys[part], values[part]))
+                    sent.append(len(part))
+                    lo += len(part)
+                    if len(sent) < 2 and lo < len(idx):
+                        continue
+                n = sent.popleft()
+                _, _, lengths = conn.receive(n)
                 if not bool((lengths == -2).all()):
                     raise wire.ReplyError("unexpected reply to SET")
-            except (OSError, wire.ReplyError) as exc:
-                self.metrics.node_errors.labels(f"{address[0]}:{address[1]}").inc()
-                log.warning("sparse tier: write to %s:%d failed (%s)", *address, exc)
-                return idx[lo:]
+                done += n
+        except (OSError, wire.ReplyError) as exc:
+            if conn is not None:
+                conn.close()
+            self.metrics.node_errors.labels(f"{address[0]}:{address[1]}").inc()
+            log.warning("sparse tier: write to %s:%d failed (%s)", *address, exc)
+            return idx[done:]
+        self._give(conn, False)
         return idx[:0]
 
     def delete(self, keys: list[bytes]) -> None:
@@ -375,20 +434,15 @@ class SparseTier:
         stats = self._latency.get(address)
         return max(self.hedge_floor_s, stats.p95 if stats else 0.0)
 
-    def _fetch(self, address: Address, readonly: bool, keys: np.ndarray, width: int
-               ) -> tuple[np.ndarray, np.ndarray]:
-        t0 = time.perf_counter()
-        buf, offsets, lengths = self._call(address, readonly, wire.pack_gets(keys), len(keys))
-        seconds = time.perf_counter() - t0
-        self._latency.setdefault(address, _Latency()).add(seconds)
-        self.metrics.node_latency.labels(f"{address[0]}:{address[1]}",
-                                         "replica" if readonly else "master").observe(seconds)
-        return wire.gather_values(buf, offsets, lengths, width)
-
     def read(self, keys: np.ndarray, width: int, deadline_s: float
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(values uint8 [n, width], found, failed) of row ``keys`` (uint8 [n, K]); a key
-        is failed when neither its master nor a replica answered within ``deadline_s``."""
+        is failed when neither its master nor a replica answered within ``deadline_s``.
+
+        The calling thread sends every node's pipeline, then waits on all their sockets
+        at once (no hand-off to other threads, so no wait for the GIL between a reply
+        and its parse); an attempt still out when its shard is answered is dropped with
+        its connection."""
         n = len(keys)
         values = np.zeros((n, width), np.uint8)
         found = np.zeros(n, np.bool_)
@@ -400,54 +454,35 @@ class SparseTier:
         deadline = start + deadline_s
         topo = self.topology
         shard_of = topo.slot_shard[wire.key_slots(keys)]
-        groups: list[_Group] = []
-        pending: dict[Future, tuple[_Group, Address, bool]] = {}
-        for s in np.unique(shard_of):
-            shard = topo.shards[s]
-            g = _Group(shard, np.flatnonzero(shard_of == s),
-                       start + self._delay(shard.master))
-            groups.append(g)
-            fut = self._pool.submit(self._fetch, shard.master, False, keys[g.idx], width)
-            pending[fut] = (g, shard.master, False)
-        while True:
-            open_groups = [g for g in groups if not g.done]
-            if not open_groups:
-                break
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            for g in open_groups:  # hedge the groups past their delay
-                if (self.hedge and not g.hedged and now >= g.hedge_at
-                        and self._hedge(g, keys, width, pending)):
-                    self.metrics.hedges_sent.inc()
-            live = [f for f in pending if not pending[f][0].done]
-            if not live and all(g.done or g.exhausted for g in open_groups):
-                break
-            waits = [g.hedge_at for g in open_groups if self.hedge and not g.hedged
-                     and not g.exhausted]
-            until = min([deadline, *waits])
-            finished, _ = wait(live, timeout=max(0.0, until - time.monotonic()),
-                               return_when=FIRST_COMPLETED)
-            for fut in finished:
-                g, address, readonly = pending.pop(fut)
-                if g.done:
-                    continue
-                try:
-                    vals, hit = fut.result()
-                except (OSError, wire.ReplyError) as exc:
-                    self.metrics.node_errors.labels(f"{address[0]}:{address[1]}").inc()
-                    log.debug("sparse tier: read from %s:%d failed (%s)", *address, exc)
-                    self._refresh_soon()
-                    g.master_failed = g.master_failed or not readonly
-                    # route around at once: the next replica, hedging or not
-                    if not self._hedge(g, keys, width, pending) and not any(
-                            p[0] is g for p in pending.values()):
-                        g.exhausted = True
-                    continue
-                values[g.idx], found[g.idx] = vals, hit
-                g.done = True
-                if readonly and not g.master_failed:
-                    self.metrics.hedges_won.inc()
+        order = np.argsort(shard_of, kind="stable")
+        bounds = np.flatnonzero(np.diff(shard_of[order])) + 1
+        groups = [_Group(topo.shards[int(shard_of[idx[0]])], idx, 0.0)
+                  for idx in np.split(order, bounds)]
+        sel = selectors.DefaultSelector()
+        try:
+            for g in groups:
+                g.keys = keys[g.idx]
+                g.hedge_at = start + self._delay(g.shard.master)
+                self._attempt(g, g.shard.master, False, sel, deadline)
+            while True:
+                open_groups = [g for g in groups if not g.done and not g.exhausted]
+                now = time.monotonic()
+                if not open_groups or now >= deadline:
+                    break
+                for g in open_groups:  # hedge the groups past their delay
+                    if self.hedge and not g.hedged and now >= g.hedge_at:
+                        g.hedged = True
+                        if self._next_replica(g, sel, deadline):
+                            self.metrics.hedges_sent.inc()
+                waits = [g.hedge_at for g in open_groups
+                         if self.hedge and not g.hedged and not g.done]
+                until = min([deadline, *waits])
+                for key, _ in sel.select(max(0.0, until - time.monotonic())):
+                    self._on_ready(key.data, sel, values, found, width, deadline)
+        finally:
+            for key in list(sel.get_map().values()):
+                key.data.conn.close()  # replies still due on it: not reusable
+            sel.close()
         for g in groups:
             if not g.done:
                 failed[g.idx] = True
@@ -455,17 +490,82 @@ class SparseTier:
             self.metrics.read_failures.inc(int(failed.sum()))
         return values, found, failed
 
-    def _hedge(self, g: _Group, keys: np.ndarray, width: int,
-               pending: dict[Future, tuple[_Group, Address, bool]]) -> bool:
+    def _attempt(self, g: _Group, address: Address, readonly: bool,
+                 sel: selectors.BaseSelector, deadline: float) -> None:
+        """Send group ``g``'s GETs to ``address``; a node that cannot be reached (a new
+        connection taking longer than its hedge delay) is routed around at once."""
+        g.tried.add(address)
+        conn: NodeConn | None = None
+        try:
+            connect_s = min(max(0.01, self._delay(address)), deadline - time.monotonic())
+            conn = self._take(address, readonly, max(0.001, connect_s))
+            started = time.perf_counter()
+            conn.send(wire.pack_gets(g.keys))
+            conn.begin(len(g.keys))
+        except (OSError, wire.ReplyError) as exc:
+            if conn is not None:
+                conn.close()
+            self._failed(g, address, readonly, exc, sel, deadline)
+            return
+        g.live += 1
+        sel.register(conn.sock, selectors.EVENT_READ, _Attempt(g, conn, readonly, started))
+
+    def _failed(self, g: _Group, address: Address, readonly: bool, exc: Exception,
+                sel: selectors.BaseSelector, deadline: float) -> None:
+        self.metrics.node_errors.labels(f"{address[0]}:{address[1]}").inc()
+        log.debug("sparse tier: read from %s:%d failed (%s)", *address, exc)
+        self._refresh_soon()
+        g.master_failed = g.master_failed or not readonly
+        # route around at once: the next replica, hedging or not
+        if not self._next_replica(g, sel, deadline) and not g.live:
+            g.exhausted = True
+
+    def _next_replica(self, g: _Group, sel: selectors.BaseSelector, deadline: float) -> bool:
         """Send group ``g`` to its next untried replica; False when none is left."""
-        g.hedged = True
         for replica in g.shard.replicas:
             if replica not in g.tried:
-                g.tried.add(replica)
-                fut = self._pool.submit(self._fetch, replica, True, keys[g.idx], width)
-                pending[fut] = (g, replica, True)
+                self._attempt(g, replica, True, sel, deadline)
                 return True
         return False
+
+    def _on_ready(self, attempt: _Attempt, sel: selectors.BaseSelector, values: np.ndarray,
+                  found: np.ndarray, width: int, deadline: float) -> None:
+        g, conn = attempt.group, attempt.conn
+        try:
+            if not conn.step():
+                return
+        except (OSError, wire.ReplyError) as exc:
+            sel.unregister(conn.sock)
+            conn.close()
+            g.live -= 1
+            self._failed(g, conn.address, attempt.readonly, exc, sel, deadline)
+            return
+        sel.unregister(conn.sock)
+        g.live -= 1
+        seconds = time.perf_counter() - attempt.started
+        address = conn.address
+        self._latency.setdefault(address, _Latency()).add(seconds)
+        self.metrics.node_latency.labels(f"{address[0]}:{address[1]}",
+                                         "replica" if attempt.readonly else "master"
+                                         ).observe(seconds)
+        buf, offsets, lengths = conn.result()
+        self._give(conn, attempt.readonly)
+        if g.done:
+            return
+        values[g.idx], found[g.idx] = wire.gather_values(buf, offsets, lengths, width)
+        g.done = True
+        if attempt.readonly and not g.master_failed:
+            self.metrics.hedges_won.inc()
+
+
+@dataclass
+class _Attempt:
+    """One group's GETs sent to one node, their replies awaited."""
+
+    group: _Group
+    conn: NodeConn
+    readonly: bool
+    started: float
 
 
 @dataclass
@@ -479,9 +579,11 @@ class _Group:
     hedged: bool = False
     exhausted: bool = False
     master_failed: bool = False
+    live: int = 0  # attempts sent, replies still due
 
     def __post_init__(self) -> None:
-        self.tried: set[Address] = {self.shard.master}
+        self.tried: set[Address] = set()
+        self.keys = np.empty((0, 0), np.uint8)
 
 
 def _slot(key: bytes) -> int:

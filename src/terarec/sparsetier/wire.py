@@ -185,6 +185,11 @@ class ReplyParser:
     def done(self) -> bool:
         return int(self._state[0]) >= self.n
 
+    @property
+    def consumed(self) -> int:
+        """Bytes of the replies parsed so far."""
+        return int(self._state[1])
+
     def feed(self, buf: np.ndarray) -> bool:
         """Parse what ``buf`` (every byte received so far) adds; True once all ``n``
         replies are in. Raises ReplyError on an error reply."""
@@ -202,7 +207,7 @@ def parse_replies(buf: np.ndarray, n: int) -> tuple[int, np.ndarray, np.ndarray]
     ``buf``; raises ReplyError on an error reply."""
     parser = ReplyParser(n)
     complete = parser.feed(buf)
-    return (int(parser._state[1]) if complete else -1), parser.offsets, parser.lengths
+    return (parser.consumed if complete else -1), parser.offsets, parser.lengths
 
 
 @numba.njit(nogil=True, cache=True)

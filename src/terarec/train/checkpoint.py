@@ -138,6 +138,7 @@ def _durable(path: Path, files: dict[str, str], rel: str | None = None) -> None:
 def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -> Path:
     """Commit the trainer's state after its last pass as a new checkpoint; collective
     when the trainer is one of N ranks."""
+    trainer.sync_store()  # rows newer on the device go into the checkpoint
     check_trainer_finite(trainer)  # a diverged model never replaces a good checkpoint
     ctx: DistContext = trainer.ctx
     model_dir = Path(model_dir)

@@ -59,6 +59,7 @@ from terarec.distributed.lookup import (
     plan_rank_pass,
 )
 from terarec.distributed.sharding import deal_batches, iter_rank_pass_inputs, iter_rank_passes
+from terarec.embedding.device import make_device_cache
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
@@ -129,6 +130,11 @@ class Trainer:
         self.store = store if store is not None else make_store(
             self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
         self.dense_optimizer = _dense_optimizer(self.model, config)
+        if config.device_budget is not None and self.ctx.world > 1:
+            raise ValueError("--device-budget keeps rows on the device of one process; "
+                             "under torchrun leave it out")
+        # Hot rows kept on the device across passes (embedding/device.py), or None.
+        self.device_cache = make_device_cache(config.device_budget, self.store, self.device)
         # The fused lookup's backward needs a graph input that requires grad.
         self._anchor = torch.zeros((), requires_grad=True, device=self.device)
         mean = [f.pooling == "mean" for f in schema.sparse_fields]
@@ -179,9 +185,12 @@ class Trainer:
         self.model.train()
         t0 = time.perf_counter()
         self._admitted_before = self.store.stats().admitted
-        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True)
+        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True,
+                              cache=self.device_cache)
         batches = ws.batches
         prefetcher = _start_prefetch(self.store, upcoming)
+        if self.device_cache is not None and upcoming is not None:
+            self.device_cache.read_ahead(self.store, upcoming, ws.keys, after=prefetcher)
         t1 = time.perf_counter()
         losses = []
         for batch in ws.batches:
@@ -289,7 +298,16 @@ class Trainer:
             prefetcher.join()
         wait_s = time.perf_counter() - start
         ws.write_back(self.store)
-        return wait_s, self.store.end_pass(self.pass_id)
+        evicted = self.store.end_pass(self.pass_id)
+        if self.device_cache is not None:
+            self.device_cache.end_pass(self.store, evicted)
+        return wait_s, evicted
+
+    def sync_store(self) -> None:
+        """Bring the store up to date with rows newer on the device (before anything
+        reads the store as a whole: checkpoints, exports)."""
+        if self.device_cache is not None:
+            self.device_cache.sync(self.store)
 
     @torch.no_grad()
     def predict_batches(self, batches: list[Batch] | PassPlan | ShardedPassPlan
@@ -304,7 +322,8 @@ class Trainer:
         assert not isinstance(batches, ShardedPassPlan)  # made by ranks only
         if not batches:
             return np.empty(0, np.float32)
-        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=False)
+        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=False,
+                              cache=self.device_cache)
         out = [torch.sigmoid(self._logits(ws, b, train=False)).cpu() for b in ws.batches]
         return torch.cat(out).numpy()
 
