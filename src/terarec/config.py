@@ -228,6 +228,10 @@ class StoreConfig:
                                  "tier (default: OUT/store for train)")
     cache_policy: Literal["lfu", "lru"] = knob(
         "lfu", "--cache-policy", "which rows the tiered store keeps in RAM")
+    key_index: Literal["ram", "disk"] = knob(
+        "ram", "--key-index", "where the tiered store indexes its keys: ram (a hash table, "
+        "36-68 B per key) or disk (sorted runs beside the slabs, about 1 B of RAM per key "
+        "plus the keys in play): docs/tiered-store.md")
     # Compression (docs/compression.md). ``precision`` is how row values are kept (the
     # optimizer state stays fp32); ``variable_dims`` are the widths of the rarer frequency
     # classes below the full row, ``promote_at`` the show counts that move a key up a class,

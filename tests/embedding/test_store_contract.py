@@ -33,6 +33,10 @@ CASES = {
     "tiered-spilling": ("tiered", "2MB", {}),
     "tiered-spilling-int8": ("tiered", "2MB", dict(precision="int8")),
     "tiered-spilling-varlen": ("tiered", "2MB", VARLEN),
+    "tiered-disk-index": ("tiered", None, dict(key_index="disk")),
+    "tiered-spilling-disk-index": ("tiered", "2MB", dict(key_index="disk")),
+    "tiered-spilling-int8-disk-index": ("tiered", "2MB", dict(precision="int8",
+                                                              key_index="disk")),
     # A view of a shared key side (hyperparameter search): its own rows, grown as the
     # key side's slots grow.
     "shared-rows": ("shared", None, {}),

@@ -94,12 +94,13 @@ def _kill_at_random_point(cmd: list[str], out: Path, rng: random.Random) -> None
         proc.wait()
 
 
-@pytest.mark.parametrize("store", ["memory", "tiered"])
+@pytest.mark.parametrize("store", ["memory", "tiered", "tiered-disk-index"])
 def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(
         data, reference, tmp_path, store):
-    """Both stores resume to the uninterrupted tiered run's model (which also shows the
-    tiered and in-memory stores train the same model)."""
-    extra = BUDGET if store == "tiered" else []
+    """Every store resumes to the uninterrupted tiered run's model (which also shows the
+    tiered and in-memory stores, and both key indexes, train the same model)."""
+    extra = {"memory": [], "tiered": BUDGET,
+             "tiered-disk-index": [*BUDGET, "--key-index", "disk"]}[store]
     seed = random.randrange(1 << 30)
     out = tmp_path / "model"
     _kill_at_random_point(_train_cmd(data, out, extra), out, random.Random(seed))
@@ -109,7 +110,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_uninterrupted(
     history = load_checkpoint(out).meta["history"]
     assert [h["pass_id"] for h in history] == list(range(8)), (seed, killed_at)
     assert load_checkpoint(out).meta["sparse_format"] == (
-        "tiered" if store == "tiered" else "arrays")
+        "arrays" if store == "memory" else "tiered")
     _assert_same_model(reference, out)
 
 

@@ -22,8 +22,10 @@ compact; growing the table adds a slab file and never moves a row. Writes mark t
 slab dirty, which is what lets a checkpoint copy only the slabs changed since the
 previous one (``snapshot``).
 
-RAM per key: the ``KeyIndex`` (16 B per bucket at 25-50 % load: 32-64 B per key) plus a
-4 B mirror of ``last_seen`` so TTL eviction never scans the files.
+RAM per key (``key_index="ram"``): the ``KeyIndex`` (16 B per bucket at 25-50 % load:
+32-64 B per key) plus a 4 B mirror of ``last_seen`` so TTL eviction never scans the files.
+With ``key_index="disk"`` the keys live in sorted run files next to the slabs
+(``keyindex.RunIndex``): about 1 B of RAM per key, plus the keys in play.
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ from safetensors.numpy import save_file as save_numpy
 
 from terarec.embedding.compression import CodedRows, FrequencyClasses
 from terarec.embedding.index import KeyIndex
+from terarec.embedding.keyindex import RunIndex, read_run_items
 from terarec.embedding.quant import decode_rows, encode_rows, row_bytes
 from terarec.io import sha256_file, try_lock_file
 from terarec.kernels import grown
 
 SLAB_BYTES = 64 << 20
 INDEX_FILE = "index.safetensors"
+KEY_INDEXES = ("ram", "disk")
 
 
 def record_width(row_dim: int, state_dim: int) -> int:
@@ -284,7 +288,10 @@ class DiskTier:
     """
 
     def __init__(self, path: str | Path, width: int, slab_bytes: int = SLAB_BYTES,
-                 mapped_bytes: int = 64 << 20, layout: RecordLayout | None = None) -> None:
+                 mapped_bytes: int = 64 << 20, layout: RecordLayout | None = None,
+                 key_index: str = "ram", buffer_keys: int = 1 << 20) -> None:
+        if key_index not in KEY_INDEXES:
+            raise ValueError(f"key_index {key_index!r}: expected one of {KEY_INDEXES}")
         self.path = Path(path)
         self.width = int(width)
         if layout is not None and layout.width != self.width:
@@ -305,6 +312,9 @@ class DiskTier:
             old.unlink()
         self.index = KeyIndex(16)
         self.last_seen = np.zeros(16, np.int32)
+        # key_index="disk": every key in sorted runs beside the slabs (no RAM index or
+        # last-seen mirror: ``index`` stays empty, ``last_seen`` unused).
+        self.runs = RunIndex(self.path, buffer_keys) if key_index == "disk" else None
         self._maps: list[np.memmap] = []
         self._bases = np.zeros(0, np.int64)  # address of each mapped slab, for the kernels
         self._dirty = np.zeros(0, np.bool_)
@@ -337,7 +347,8 @@ class DiskTier:
     def _ensure_slots(self, bound: int) -> None:
         while len(self._maps) * self.slab_rows < bound:
             self._open_slab(len(self._maps))
-        self.last_seen = grown(self.last_seen, bound)
+        if self.runs is None:
+            self.last_seen = grown(self.last_seen, bound)
 
     def close(self) -> None:
         """Unmap the slabs (the folder stays locked: ``restore`` maps them again)."""
@@ -345,6 +356,8 @@ class DiskTier:
         for mm in self._maps:
             _mapping(mm).close()
         self._maps = []
+        if self.runs is not None:
+            self.runs.close()
 
     def release(self) -> None:
         """Unmap the slabs and unlock the folder for another store."""
@@ -353,17 +366,30 @@ class DiskTier:
 
     # -- rows ---------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.index) if self.runs is None else len(self.runs)
+
+    @property
+    def slot_bound(self) -> int:
+        return self.index.slot_bound if self.runs is None else self.runs.slot_bound
+
+    def slots(self, keys: np.ndarray) -> np.ndarray:
+        """Slots of distinct ``keys`` (-1 where absent)."""
+        return self.index.lookup(keys) if self.runs is None else self.runs.lookup(keys)
+
+    def plan(self, keys: np.ndarray) -> np.ndarray:
+        """``slots`` of the next pass's keys, resolved ahead (the disk key index keeps
+        them in its hot level until that pass ends)."""
+        return self.index.lookup(keys) if self.runs is None else self.runs.plan(keys)
 
     def __contains__(self, key: int) -> bool:
-        return bool(self.index.lookup(np.array([key], np.int64))[0] >= 0)
+        return bool(self.slots(np.array([key], np.int64))[0] >= 0)
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
-        return self.index.lookup(keys) >= 0
+        return self.slots(keys) >= 0
 
     def read(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Records of ``keys`` (zeros where absent) and the found mask."""
-        slots = self.index.lookup(keys)
+        slots = self.slots(keys)
         return self.read_slots(slots), slots >= 0
 
     @property
@@ -412,34 +438,57 @@ class DiskTier:
         if not len(keys):
             return
         t0 = time.perf_counter()
-        slots = self.index.lookup(keys)
-        new = slots < 0
-        if new.any():  # insert only the new keys: the index reserves room per inserted key
-            slots[new], _ = self.index.lookup_or_insert(keys[new])
-        self._ensure_slots(self.index.slot_bound)
         records = np.ascontiguousarray(records, np.float32)
+        if self.runs is not None:
+            slots = self.runs.assign(keys, records[:, -1].view(np.int32))
+        else:
+            slots = self.index.lookup(keys)
+            new = slots < 0
+            if new.any():  # insert only the new keys: the index reserves room per new key
+                slots[new], _ = self.index.lookup_or_insert(keys[new])
+        self._ensure_slots(self.slot_bound)
         for part in self._chunks(slots):
             _scatter(self._bases, slots, part, self.shift, self.mask, records, self._dirty)
-        self.last_seen[slots] = records[:, -1].view(np.int32)
+        if self.runs is None:
+            self.last_seen[slots] = records[:, -1].view(np.int32)
         self.rows_written += len(keys)
         self.write_s += time.perf_counter() - t0
 
     def remove(self, keys: np.ndarray) -> np.ndarray:
         """Drop ``keys``; returns the mask of those that were present. Their slots are
         recycled, so the stale record is overwritten by the next key that takes it."""
+        if self.runs is not None:
+            return self.runs.remove(keys) >= 0
         slots = self.index.remove(keys)
         present = slots >= 0
         self.last_seen[slots[present]] = 0
         return present
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.index.items()
+        """Every (key, slot): bucket order (RAM index) or key order (disk index)."""
+        return self.index.items() if self.runs is None else self.runs.items()
+
+    def seen_items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every (key, slot, last_seen), from the mirror or the runs."""
+        if self.runs is not None:
+            return self.runs.items_seen()
+        keys, slots = self.index.items()
+        return keys, slots, self.last_seen[slots]
+
+    def end_pass(self) -> None:
+        """Pass end: the disk key index flushes its changes and forgets the keys not
+        planned for the next pass; slab pages are unmapped."""
+        if self.runs is not None:
+            self.runs.end_pass()
+        self.release_pages()
 
     def release_pages(self) -> None:
         """Unmap the slab pages this process touched (they stay in the page cache): keeps
         the process's resident set bounded by one pass of disk traffic, not the table."""
         for mm in self._maps:
             _mapping(mm).madvise(mmap.MADV_DONTNEED)
+        if self.runs is not None:
+            self.runs.release_pages()
 
     def flush(self) -> None:
         """Write dirty mapped pages to the files and wait for them (msync)."""
@@ -450,14 +499,24 @@ class DiskTier:
     @property
     def ram_bytes(self) -> int:
         """RAM this tier holds per key: its index and the last-seen mirror."""
+        if self.runs is not None:
+            return self.runs.nbytes
         return self.index.nbytes + self.last_seen.nbytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        """RAM the budget reserves for the key index: a RAM index twice (its size after
+        the next doubling) and its mirror; the disk index's directories and hot level."""
+        if self.runs is not None:
+            return self.runs.nbytes
+        return 2 * self.index.nbytes + self.last_seen.nbytes
 
     @property
     def file_bytes(self) -> int:
         return len(self._maps) * self.slab_rows * self.width * 4
 
     def stats(self) -> DiskStats:
-        return DiskStats(len(self.index), len(self._maps), self.file_bytes, self.ram_bytes,
+        return DiskStats(len(self), len(self._maps), self.file_bytes, self.ram_bytes,
                          self.rows_read, self.rows_written, self.read_s, self.write_s)
 
     # -- snapshots ----------------------------------------------------------------------
@@ -480,14 +539,25 @@ class DiskTier:
                 os.link(old, dst / name)
                 digests[name] = previous_digests[name]
             else:
-                used = min(self.slab_rows, self.index.slot_bound - i * self.slab_rows)
+                used = min(self.slab_rows, self.slot_bound - i * self.slab_rows)
                 _copy_prefix(self.slab_path(i), dst / name, max(0, used) * self.width * 4)
                 digests[name] = sha256_file(dst / name)
-        keys, slots = self.index.items()
-        save_numpy({"keys": keys, "slots": slots,
-                    "meta": np.array([self.width, self.slab_rows, len(self._maps)], np.int64)},
-                   str(dst / INDEX_FILE),
-                   metadata={"layout": self.layout.to_json()} if self.layout else None)
+        meta = np.array([self.width, self.slab_rows, len(self._maps)], np.int64)
+        metadata = {"layout": self.layout.to_json()} if self.layout else {}
+        if self.runs is not None:
+            # The immutable runs are hard-linked; the index file lists them.
+            arrays, manifest = self.runs.snapshot(dst)
+            metadata["key_runs"] = manifest
+            for run in self.runs.runs:
+                for name in run.files:
+                    digests[name] = previous_digests.get(name) or sha256_file(dst / name)
+            arrays = {"keys": np.empty(0, np.int64), "slots": np.empty(0, np.int64),
+                      **arrays}
+        else:
+            keys, slots = self.index.items()
+            arrays = {"keys": keys, "slots": slots}
+        save_numpy({**arrays, "meta": meta}, str(dst / INDEX_FILE),
+                   metadata=metadata or None)
         digests[INDEX_FILE] = sha256_file(dst / INDEX_FILE)
         return digests
 
@@ -520,11 +590,49 @@ class DiskTier:
             shutil.copyfile(src / self.slab_path(i).name, self.slab_path(i))
             self._open_slab(i)
         self._dirty[:] = False
-        keys, slots = arrays["keys"], arrays["slots"]
+        manifest = _key_runs(src)
+        if self.runs is not None and manifest is not None:
+            self.runs.restore(src, arrays, manifest)
+            return
+        keys, slots = snapshot_key_slots(src, arrays)
+        seen = np.zeros(len(slots), np.int32)
+        for lo in range(0, len(slots), 1 << 20):
+            part = slots[lo:lo + (1 << 20)]
+            seen[lo:lo + len(part)] = self.read_slots(part)[:, -1].view(np.int32)
+        self.release_pages()
+        if self.runs is not None:
+            self.runs.load_items(keys, slots, seen)
+            return
         self.index = KeyIndex.from_items(keys, slots)
         self.last_seen = np.zeros(max(16, self.index.slot_bound), np.int32)
-        if len(slots):
-            self.last_seen[slots] = self.read_slots(slots)[:, -1].view(np.int32)
+        self.last_seen[slots] = seen
+
+
+def _key_runs(src: Path) -> str | None:
+    """The run manifest of a snapshot written with the disk key index, else None."""
+    with safe_open(str(Path(src) / INDEX_FILE), "np") as fh:
+        return (fh.metadata() or {}).get("key_runs")
+
+
+def snapshot_key_slots(src: Path, arrays: dict[str, np.ndarray] | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Every (key, slot) of a disk snapshot, whichever key index wrote it (the runs are
+    merged: O(keys) RAM, for readers and restores into a RAM index)."""
+    arrays = arrays if arrays is not None else load_numpy(str(Path(src) / INDEX_FILE))
+    manifest = _key_runs(src)
+    if manifest is None:
+        return arrays["keys"], arrays["slots"]
+    keys, slots, _ = read_run_items(Path(src), manifest)
+    return keys, slots
+
+
+def snapshot_key_count(src: Path) -> int:
+    """Keys in a disk snapshot, without reading them."""
+    manifest = _key_runs(src)
+    if manifest is not None:
+        return int(json.loads(manifest)["size"])
+    with safe_open(str(Path(src) / INDEX_FILE), "np") as fh:
+        return int(fh.get_slice("keys").get_shape()[0])
 
 
 def _lock_folder(path: Path) -> int:
@@ -585,7 +693,7 @@ def read_snapshot_records(src: Path, chunk: int = 1 << 20):
     """Yield (keys, records) chunks of a disk snapshot without loading it whole."""
     arrays = load_numpy(str(src / INDEX_FILE))
     width, slab_rows, _ = (int(x) for x in arrays["meta"])
-    keys, slots = arrays["keys"], arrays["slots"]
+    keys, slots = snapshot_key_slots(src, arrays)
     order = np.argsort(slots, kind="stable")
     keys, slots = keys[order], slots[order]
     shift = int(slab_rows).bit_length() - 1
@@ -612,7 +720,7 @@ def iter_snapshot_sorted(src: Path, chunk_rows: int = 1 << 16):
     src = Path(src)
     arrays = load_numpy(str(src / INDEX_FILE))
     width, slab_rows, _ = (int(x) for x in arrays["meta"])
-    keys, slots = arrays["keys"], arrays["slots"]
+    keys, slots = snapshot_key_slots(src, arrays)
     order = np.argsort(keys, kind="stable")
     shift = int(slab_rows).bit_length() - 1
     for lo in range(0, len(order), max(1, chunk_rows)):

@@ -57,8 +57,9 @@ from terarec.embedding.disk import (
     read_snapshot_rows,
     snapshot_layout,
 )
-from terarec.embedding.eviction import RowView, apply_eviction, row_norms, store_bytes
+from terarec.embedding.eviction import TTL, RowView, apply_eviction, row_norms, store_bytes
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
+from terarec.embedding.keyindex import RunIndex
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import (
     CHUNK_ROWS,
@@ -152,8 +153,7 @@ class TieredStore(EvictionLog):
             path = tempfile.mkdtemp(prefix="terarec-store-")
             weakref.finalize(self, shutil.rmtree, path, True)
         self._slab_bytes = slab_bytes
-        self.disk = DiskTier(path, self.width, slab_bytes, mapped_bytes=self._mapped_bytes,
-                             layout=self.layout)
+        self.disk = self._new_disk_tier(path)
         if self.budget is not None:
             _return_freed_buffers_to_os()
         self._lock = threading.RLock()
@@ -172,6 +172,15 @@ class TieredStore(EvictionLog):
         # (and the memory tier's rows of the pass) for rows shrunk to zero.
         self._pushed_to_disk: list[np.ndarray] = []
         self._disk_only_pruned = 0
+
+    def _new_disk_tier(self, path: str | Path) -> DiskTier:
+        # The disk key index's hot level (about 70 B per key in play, charged to the
+        # budget) flushes and forgets unplanned keys once it holds half the budget's worth:
+        # a pass's keys kept in RAM save resolving them again at write-back.
+        hot = 1 << 20 if self.budget is None else max(1 << 14, self.budget // (2 * 80))
+        return DiskTier(path, self.width, self._slab_bytes, mapped_bytes=self._mapped_bytes,
+                        layout=self.layout, key_index=self.config.key_index,
+                        buffer_keys=hot)
 
     @property
     def _mapped_bytes(self) -> int:
@@ -192,7 +201,7 @@ class TieredStore(EvictionLog):
         memory tier over budget (during the rehash itself the old table is held too)."""
         m = getattr(self, "memory", None)
         cand = m.candidate_nbytes if m is not None else 0
-        return 2 * self.disk.index.nbytes + self.disk.last_seen.nbytes + cand
+        return self.disk.fixed_bytes + cand
 
     def memory_capacity(self) -> int:
         """Rows the memory tier may hold now (the budget less the fixed part)."""
@@ -318,7 +327,7 @@ class TieredStore(EvictionLog):
             cold = np.flatnonzero(~hot)
             ck = keys[cold]
             t0 = time.perf_counter()
-            dslots = self.disk.index.lookup(ck)
+            dslots = self.disk.slots(ck)
             on_disk = dslots >= 0
             rec = self.disk.read_slots(dslots, out=np.empty((len(ck), self.width), np.float32))
             self._pull_disk_s += time.perf_counter() - t0
@@ -487,7 +496,9 @@ class TieredStore(EvictionLog):
             keys = keys[self.memory.index.lookup(keys) < 0]
             if self._pending is not None:  # their newer rows arrive with push
                 keys = keys[self._pending[0].lookup(keys) < 0]
-            dslots = self.disk.index.lookup(keys)
+            # The whole next pass is resolved here, off the training path (with the disk
+            # key index, its keys stay in the index's hot level until that pass ends).
+            dslots = self.disk.plan(keys)
             keys, dslots = keys[dslots >= 0], dslots[dslots >= 0]
             n = min(len(keys), max(0, self.memory_capacity() - int(self._pinned.sum())))
             keys, dslots = keys[:n], dslots[:n]
@@ -509,14 +520,32 @@ class TieredStore(EvictionLog):
             evicted = self._prune_zero_rows(pass_id) if self.optimizer.config.group_lasso \
                 else 0
             self._pushed_to_disk = []
-            evicted += apply_eviction(self.memory.eviction, self.row_view, self.evict,
-                                      pass_id)
+            policies, runs = self.memory.eviction, self.disk.runs
+            if runs is not None and len(policies) == 1 and isinstance(policies[0], TTL):
+                evicted += self._expire(runs, pass_id - policies[0].passes)
+            else:
+                evicted += apply_eviction(policies, self.row_view, self.evict, pass_id)
             ttl = self.config.evict_after_passes
             if ttl is not None:
                 self.memory.expire_candidates(pass_id - ttl)
             self._fit_budget()
-            self.disk.release_pages()
+            self.disk.end_pass()
             return evicted
+
+    def _expire(self, runs: RunIndex, last: int) -> int:
+        """TTL alone over the disk key index: evict the keys last seen in pass ``last`` or
+        before (what ``TTL.select`` picks from ``row_view``), found by one streaming scan
+        of the runs, a key range at a time, and the memory tier's own last-seen passes
+        (authoritative for its rows)."""
+        m = self.memory
+        mkeys, mslots = m.index.items()
+        expired = [mkeys[m.last_seen[mslots] <= last]]
+        for keys, _, seen in runs.iter_items():
+            old = keys[seen <= last]
+            if len(old):
+                expired.append(old[m.index.lookup(old) < 0])
+        keys = np.concatenate(expired)
+        return self.evict(keys) if len(keys) else 0  # after the scan: evict changes runs
 
     def row_view(self) -> RowView:
         """Every row of both tiers for the eviction policies: hot rows, then rows only on
@@ -524,9 +553,9 @@ class TieredStore(EvictionLog):
         disk-only rows are read when a policy asks, a chunk of records at a time."""
         m = self.memory
         mkeys, mslots = m.index.items()
-        dkeys, dslots = self.disk.items()
+        dkeys, dslots, dseen = self.disk.seen_items()
         cold = m.index.lookup(dkeys) < 0
-        dkeys, dslots = dkeys[cold], dslots[cold]
+        dkeys, dslots, dseen = dkeys[cold], dslots[cold], dseen[cold]
 
         def disk_column(column: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
             out = np.empty(len(dslots), np.float32)
@@ -539,7 +568,7 @@ class TieredStore(EvictionLog):
         col = self.layout.show_col
         return RowView(
             np.concatenate([mkeys, dkeys]),
-            np.concatenate([m.last_seen[mslots], self.disk.last_seen[dslots]]),
+            np.concatenate([m.last_seen[mslots], dseen]),
             lambda: np.concatenate([m.show[mslots], disk_column(lambda rec: rec[:, col])]),
             lambda: np.concatenate([m.norms(mslots),
                                     disk_column(lambda rec: row_norms(self._decode(rec)))]),
@@ -634,8 +663,8 @@ class TieredStore(EvictionLog):
             mkeys, mslots = m.index.items()
             recent = m.last_seen[mslots] >= pass_id
             mkeys, mvalues = mkeys[recent], m.values[mslots[recent]]
-            dkeys, dslots = self.disk.items()
-            recent = self.disk.last_seen[dslots] >= pass_id
+            dkeys, dslots, dseen = self.disk.seen_items()
+            recent = dseen >= pass_id
             dkeys, dslots = dkeys[recent], dslots[recent]
             cold = m.index.lookup(dkeys) < 0
             dkeys, dslots = dkeys[cold], dslots[cold]
@@ -725,17 +754,41 @@ class TieredStore(EvictionLog):
         the tiers. The store must not change until the iteration ends.
         """
         chunk_rows = max(1, int(chunk_rows))
-        for keys in iter_sorted_keys([self.memory.index, self.disk.index]):
+        for keys, dslots in self._sorted_slots():
             for lo in range(0, len(keys), chunk_rows):
                 k = keys[lo:lo + chunk_rows]
                 with self._lock:
                     mslots = self.memory.index.lookup(k)
                     hot = mslots >= 0
                     # Disk records of the cold rows (zeros at the hot ones), read in place.
-                    rec = self.disk.read_slots(np.where(hot, -1, self.disk.index.lookup(k)))
+                    rec = self.disk.read_slots(np.where(hot, -1, dslots[lo:lo + chunk_rows]))
                     if hot.any():
                         rec[hot] = self._records(mslots[hot])
                 yield RowChunk(k, **self.layout.decode(rec))
+
+    def _sorted_slots(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every key of both tiers in increasing order, in parts, with its disk slot (-1
+        for rows only in RAM). The disk key index streams its runs in key order; the RAM
+        index is cut into key ranges (``iter_sorted_keys``)."""
+        runs = self.disk.runs
+        if runs is None:
+            for keys in iter_sorted_keys([self.memory.index, self.disk.index]):
+                yield keys, self.disk.slots(keys)
+            return
+        mkeys = np.sort(self.memory.index.items()[0])  # the hot rows: bounded by the budget
+        lo = 0
+        for dkeys, dslots, _ in runs.iter_items():
+            hi = int(np.searchsorted(mkeys, dkeys[-1], side="right"))
+            extra = mkeys[lo:hi][~np.isin(mkeys[lo:hi], dkeys, assume_unique=True)]
+            lo = hi
+            if len(extra):
+                keys = np.concatenate([dkeys, extra])
+                order = np.argsort(keys, kind="stable")
+                yield keys[order], np.concatenate([dslots, np.full(len(extra), -1)])[order]
+            else:
+                yield dkeys, dslots
+        if lo < len(mkeys):
+            yield mkeys[lo:], np.full(len(mkeys) - lo, -1, np.int64)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The whole store sorted by key, in RAM: for small tables and tests; checkpoints
@@ -764,6 +817,7 @@ class TieredStore(EvictionLog):
             for chunk in chunks:
                 if len(chunk):
                     self._write_rows(chunk)
+            self.disk.end_pass()  # the disk key index flushes what was written
             self._load_extras(extras)
 
     def _write_rows(self, chunk: RowChunk) -> None:
@@ -803,12 +857,12 @@ class TieredStore(EvictionLog):
             self._reset()
             for chunk in iter_arrays_file(path, self.disk._chunk_rows):
                 self._write_rows(chunk)
+            self.disk.end_pass()
             self._load_extras(store_extras(path))
 
     def _reset(self) -> None:
         self.disk.release()
-        self.disk = DiskTier(self.disk.path, self.width, self._slab_bytes,
-                             mapped_bytes=self._mapped_bytes, layout=self.layout)
+        self.disk = self._new_disk_tier(self.disk.path)
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._disk_only_pruned = 0
@@ -943,8 +997,5 @@ def iter_saved(src: Path, chunk_rows: int = CHUNK_ROWS, row_dim: int | None = No
     for keys, rec in iter_snapshot_sorted(Path(src), chunk_rows):
         yield RowChunk(keys, **layout.decode(rec))
 
-
-def snapshot_key_count(src: Path) -> int:
-    return len(load_numpy(str(Path(src) / "index.safetensors"))["keys"])
 
 
