@@ -354,3 +354,80 @@ def test_serve_workers_answer_on_one_port_and_swap_together(live_run, tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+# -- one write per answer -------------------------------------------------------------------
+
+class _RecordingTransport(asyncio.Transport):
+    """A connection's transport that keeps each write uvicorn makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": ("127.0.0.1", 9), "sockname": ("127.0.0.1", 8)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _answer_writes(app, request: bytes) -> tuple[list[bytes], bool]:
+    """The transport writes uvicorn's httptools protocol makes to answer ``request``."""
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    async def run() -> tuple[list[bytes], bool]:
+        config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False,
+                                log_level="warning")
+        config.load()
+        protocol = HttpToolsProtocol(config, ServerState(), app_state={})
+        transport = _RecordingTransport()
+        protocol.connection_made(transport)
+        protocol.data_received(request)
+        deadline = time.monotonic() + 30
+        while not any(b"\r\n\r\n" in w for w in transport.writes) or (
+                protocol.cycle is not None and not protocol.cycle.response_complete):
+            assert time.monotonic() < deadline, "no answer"
+            await asyncio.sleep(0.01)
+        closed = transport.closed
+        protocol.connection_lost(None)
+        return transport.writes, closed
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_scoring_answer_is_one_write(engine, live_run, keep_alive):
+    """Status line, headers and body of a scoring answer (a score or an error) leave in
+    one socket write; a closing connection is closed after it."""
+    app = create_app(engine)
+    body = json.dumps({"candidates": live_run.records[:4]}).encode()
+    connection = b"keep-alive" if keep_alive else b"close"
+    for path, payload, status in [(b"/predict", body, b"200"),
+                                  (b"/predict", b"{", b"400")]:
+        request = (b"POST " + path + b" HTTP/1.1\r\nhost: t\r\ncontent-type: application/json"
+                   b"\r\nconnection: " + connection + b"\r\ncontent-length: "
+                   + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        writes, closed = _answer_writes(app, request)
+        assert len(writes) == 1, writes
+        head, _, answer = writes[0].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 " + status), writes
+        assert int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]) == len(answer)
+        parsed = json.loads(answer)
+        assert ("scores" in parsed) if status == b"200" else ("error" in parsed)
+        assert closed is not keep_alive, (path, payload, head)

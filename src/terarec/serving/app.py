@@ -236,10 +236,59 @@ class ServingApp(FastAPI):
             log.exception("%s %s failed", scope["method"], scope["path"])
             status, body = 500, orjson.dumps({"error": "internal server error"})
         headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await _send_once(send, {"type": "http.response.start", "status": status,
+                                "headers": headers}, {"type": "http.response.body", "body": body})
         self._latency[label].observe(time.perf_counter() - start)
         self._metrics.requests.labels(label, str(status)).inc()
+
+
+class _CollectedWrites:
+    """Stands in for a connection's transport while one answer is sent: keeps what is
+    written (and a close) and hands it on in one write."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.parts: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+    def flush(self) -> None:
+        if self.parts:
+            self.transport.write(b"".join(self.parts))
+        if self.closed:
+            self.transport.close()
+
+
+async def _send_once(send: Send, start: Message, body: Message) -> None:
+    """Send an answer's start and body messages as one socket write.
+
+    uvicorn writes the status line and headers as soon as the start message comes and
+    the body with the next one: two system calls, two TCP segments, the client woken
+    twice (a tenth of a worker's time in a profile at one request in flight). Where
+    ``send`` is bound to a uvicorn request cycle, its transport is swapped for the two
+    messages; any other server gets the two messages as they are."""
+    cycle = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None)
+    if transport is None or not callable(getattr(transport, "write", None)):
+        await send(start)
+        await send(body)
+        return
+    collected = _CollectedWrites(transport)
+    cycle.transport = collected
+    try:
+        await send(start)
+        await send(body)
+    finally:
+        cycle.transport = transport
+        collected.flush()
 
 
 def _parse(model: type[T], body: bytes) -> T:
