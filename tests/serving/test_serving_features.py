@@ -53,6 +53,20 @@ def test_context_once_equals_every_merged_row(schema, data, n):
     _assert_same(request_batch(context, candidates, schema), batch_from_records(merged, schema))
 
 
+def test_candidates_of_any_mapping_type_score_like_dicts():
+    """Candidates that are Mappings but not dicts (and a mix) take the same values."""
+    from types import MappingProxyType
+    context = {"ctx": "c1", "n3": 2.5}
+    candidates = [{"user": "u1", "item": "i1", "n1": 3}, {"user": "u2", "n2": 1.5},
+                  {"item": "i3", "tags": "t1|t2", "n1": 7}]
+    merged = [{**context, **c} for c in candidates]
+    want = batch_from_records(merged, SINGLE_SCHEMA)
+    _assert_same(request_batch(context, [MappingProxyType(c) for c in candidates],
+                               SINGLE_SCHEMA), want)
+    mixed = [candidates[0], MappingProxyType(candidates[1]), candidates[2]]
+    _assert_same(request_batch(context, mixed, SINGLE_SCHEMA), want)
+
+
 def test_candidates_may_override_the_context_where_they_carry_a_field():
     context = {"user": "u1", "item": "i0", "n1": 3}
     candidates = [{"item": "i1"}, {}, {"item": "i2", "n1": 4}]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -308,10 +309,15 @@ def _gather(names: tuple[str, ...], context: Mapping[str, Any],
     context field's one; and each field's count."""
     values: list[Any] = []
     lengths: list[int] = []
+    n = len(candidates)
     for name in names:
         if name in row_names:
-            values += [c.get(name) for c in candidates]
-            lengths.append(len(candidates))
+            try:  # requests decode to plain dicts: dict.get mapped in C, no Python frame
+                column = list(map(dict.get, candidates, repeat(name, n)))
+            except TypeError:  # another Mapping
+                column = [c.get(name) for c in candidates]
+            values += column
+            lengths.append(n)
         else:
             values.append(context.get(name))
             lengths.append(1)
@@ -379,14 +385,30 @@ def _one_row(values: list[Any]) -> pa.Array | None:
         return None
 
 
+_INDEXES: dict[tuple[tuple[int, ...], int], np.ndarray] = {}
+
+
 def _broadcast_index(lengths: Sequence[int], n: int) -> np.ndarray:
     """``[len(lengths), n]`` positions into the concatenation of segments of
-    ``lengths`` (each ``n`` long, or 1 long and repeated)."""
+    ``lengths`` (each ``n`` long, or 1 long and repeated). Requests of one shape share
+    one (read-only) index, so it is built once per shape."""
+    key = (tuple(lengths), n)
+    index = _INDEXES.get(key)
+    if index is None:
+        if len(_INDEXES) >= 1024:  # many shapes (candidate counts): start over
+            _INDEXES.clear()
+        index = _INDEXES[key] = _build_broadcast_index(lengths, n)
+    return index
+
+
+def _build_broadcast_index(lengths: Sequence[int], n: int) -> np.ndarray:
     lengths_np = np.asarray(lengths, np.int64)
     starts = np.zeros(len(lengths_np), np.int64)
     np.cumsum(lengths_np[:-1], out=starts[1:])
     step = (lengths_np == n) if n > 1 else np.zeros(len(lengths_np), np.bool_)
-    return starts[:, None] + np.arange(n)[None, :] * step[:, None]
+    index = starts[:, None] + np.arange(n)[None, :] * step[:, None]
+    index.flags.writeable = False
+    return index
 
 
 _TYPES: dict[tuple[int, frozenset[str]], tuple[FeatureSchema, pa.DataType]] = {}
