@@ -275,7 +275,7 @@ async def _send_once(send: Send, start: Message, body: Message) -> None:
     twice (a tenth of a worker's time in a profile at one request in flight). Where
     ``send`` is bound to a uvicorn request cycle, its transport is swapped for the two
     messages; any other server gets the two messages as they are."""
-    cycle = getattr(send, "__self__", None)
+    cycle: Any = getattr(send, "__self__", None)
     transport = getattr(cycle, "transport", None)
     if transport is None or not callable(getattr(transport, "write", None)):
         await send(start)

@@ -302,6 +302,9 @@ def _layout(schema: FeatureSchema) -> _Layout:
     return layout
 
 
+_DICT_GET: Callable[[Any, str], Any] = dict.get
+
+
 def _gather(names: tuple[str, ...], context: Mapping[str, Any],
             candidates: Sequence[Mapping[str, Any]], row_names: frozenset[str]
             ) -> tuple[list[Any], list[int]]:
@@ -313,7 +316,7 @@ def _gather(names: tuple[str, ...], context: Mapping[str, Any],
     for name in names:
         if name in row_names:
             try:  # requests decode to plain dicts: dict.get mapped in C, no Python frame
-                column = list(map(dict.get, candidates, repeat(name, n)))
+                column = list(map(_DICT_GET, candidates, repeat(name, n)))
             except TypeError:  # another Mapping
                 column = [c.get(name) for c in candidates]
             values += column
