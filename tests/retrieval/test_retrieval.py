@@ -244,3 +244,99 @@ def test_wide_and_deep_slices_add_up_to_the_whole_model(trained, tmp_path):
         logits[name] = np.log(p / (1 - p))
     np.testing.assert_allclose(logits["wide"] + logits["deep"], logits[None], atol=1e-4)
     assert not np.allclose(logits["wide"], logits[None], atol=1e-4)
+
+
+def test_running_server_follows_new_index_generations(trained, tmp_path):
+    """`terarec index` writes a new generation while the server runs: /retrieve searches
+    it after the next poll, no request fails meanwhile, and a generation built from a
+    newer item tower waits until the matching user-tower version is served."""
+    import shutil
+    import threading
+    import time
+
+    import uvicorn
+
+    from terarec.retrieval.index import IndexWatcher, update_index
+
+    tmp, log, model = trained
+    users, items, out = tmp_path / "users", tmp_path / "items", tmp_path / "idx"
+    shutil.copytree(tmp / "user_tower", users)
+    shutil.copytree(tmp / "item_tower", items)
+    lines = catalog_path(log).read_text().splitlines(keepends=True)
+    first = tmp_path / "first.items"
+    first.write_text("".join(lines[:401]))  # header and the first 400 items
+    assert update_index(str(items), first, out)["generation"] == "g000001"
+
+    engine = ServingEngine(str(users), cache_dir=tmp_path / "cache")
+    assert engine.refresh()
+    app = create_app(engine, index=IndexWatcher(out), max_top_k=1000, poll_interval_s=0.1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    import http.client
+
+    def retrieve(user: int = 5, top_k: int = 1000) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/retrieve", body=json.dumps(
+                {"context": {"user": user}, "top_k": top_k}),
+                headers={"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            body = json.loads(reply.read())
+            assert reply.status == 200, body
+            return body
+        finally:
+            conn.close()
+
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                retrieve(user=int(np.random.default_rng().integers(USERS)), top_k=50)
+            except BaseException as exc:  # noqa: BLE001 - any failure fails the test
+                failures.append(exc)
+
+    def wait_for(generation: str) -> dict:
+        deadline = time.monotonic() + 30
+        while (body := retrieve())["index"] != generation:
+            assert time.monotonic() < deadline, body["index"]
+            time.sleep(0.05)
+        return body
+
+    clients = [threading.Thread(target=hammer) for _ in range(2)]
+    try:
+        for c in clients:
+            c.start()
+        before = retrieve()
+        old_ids = {line.split("\t")[0] for line in lines[1:401]}
+        assert before["index"] == "g000001" and set(before["items"]) <= old_ids
+        assert len(before["items"]) > 300
+        # the whole catalog: a rebuild from the same item tower; served at the next poll
+        assert update_index(str(items), catalog_path(log), out)["generation"] == "g000002"
+        after = wait_for("g000002")
+        assert len(after["items"]) > 400 and len(set(after["items"]) - old_ids) > 50
+        # an item tower exported from a newer version: its index waits for that version
+        assert main(["export", "--model", model, "--out", str(items), "--slice",
+                     "item_tower", "--keys-from", str(log)]) == 0
+        assert update_index(str(items), catalog_path(log), out)["version"] == "v000002"
+        time.sleep(0.5)  # several polls: the watcher has loaded g000003 by now
+        assert retrieve()["index"] == "g000002" and retrieve()["version"] == 1
+        assert main(["export", "--model", model, "--out", str(users), "--slice",
+                     "user_tower", "--keys-from", str(log)]) == 0
+        served = wait_for("g000003")
+        assert served["version"] == 2
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(timeout=30)
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not failures, failures[:3]

@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 
 from terarec.finite import NonFiniteError, check_scores
 from terarec.models.dssm import DSSM
-from terarec.retrieval.index import ItemIndex
+from terarec.retrieval.index import IndexWatcher, ItemIndex
 from terarec.serving.app import (
     BadRequest,
     _check_features,
@@ -83,6 +83,12 @@ def user_vector(engine: ServingEngine, version: ServedVersion,
     return out
 
 
+def watcher_of(index: ItemIndex | IndexWatcher) -> IndexWatcher:
+    """``serve --index`` passes a watcher (it follows new generations); a loaded
+    ``ItemIndex`` is searched as it is."""
+    return index if isinstance(index, IndexWatcher) else IndexWatcher.fixed(index)
+
+
 async def _search(engine: ServingEngine, index: ItemIndex, version: ServedVersion,
                   context: dict[str, Any], top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """(item positions, inner products) of the user's ``top_k`` nearest items."""
@@ -95,7 +101,7 @@ async def _search(engine: ServingEngine, index: ItemIndex, version: ServedVersio
     return items[0][keep], sims[0][keep]
 
 
-async def infer_top_k(engine: ServingEngine, index: ItemIndex | None,
+async def infer_top_k(engine: ServingEngine, index: ItemIndex | IndexWatcher | None,
                       version: ServedVersion, body: Any, model_name: str,
                       max_top_k: int) -> dict[str, Any]:
     """A v2 inference request with ``parameters.top_k``: one user's features as inputs
@@ -120,6 +126,7 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | None,
         value = tensor.data[0]
         context[tensor.name] = value[0] if isinstance(value, list) and len(value) == 1 \
             else value
+    index = watcher_of(index).for_version(version.name)
     found, scores = await _search(engine, index, version, context, top_k)
     try:
         check_scores(scores)
@@ -136,17 +143,24 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | None,
     return out
 
 
-def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *,
-                        model_name: str, max_body_bytes: int, max_top_k: int,
+def add_retrieve_routes(app: FastAPI, engine: ServingEngine,
+                        index: ItemIndex | IndexWatcher, *, model_name: str,
+                        max_body_bytes: int, max_top_k: int,
                         batcher: DynamicBatcher) -> None:
-    """Register ``POST /retrieve`` on ``app``, searching ``index``. Each search runs on
-    one thread: requests run side by side, and an OpenMP team per single query costs
-    more than it saves."""
+    """Register ``POST /retrieve`` on ``app``, searching ``index``; a watcher is
+    refreshed by the engine's version poller, right after each version check, so new
+    generations are picked up while the server runs. Each search runs on one thread:
+    requests run side by side, and an OpenMP team per single query costs more than it
+    saves."""
     faiss.omp_set_num_threads(1)
+    watcher = watcher_of(index)
+    if watcher.out is not None:
+        engine.poll_hooks.append(watcher.refresh)
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:
         version = engine.served()
+        index = watcher.for_version(version.name)  # one generation for the whole request
         raw = await _read_body(request.scope, request.receive, max_body_bytes)
         body = _parse(RetrieveRequest, raw)
         if body.top_k > max_top_k:
