@@ -246,15 +246,78 @@ def test_wide_and_deep_slices_add_up_to_the_whole_model(trained, tmp_path):
     assert not np.allclose(logits["wide"], logits[None], atol=1e-4)
 
 
-def test_running_server_follows_new_index_generations(trained, tmp_path):
-    """`terarec index` writes a new generation while the server runs: /retrieve searches
-    it after the next poll, no request fails meanwhile, and a generation built from a
-    newer item tower waits until the matching user-tower version is served."""
-    import shutil
+def _start(app):
+    """uvicorn serving ``app`` on a free loopback port in a thread: (server, thread, port)."""
     import threading
     import time
 
     import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+def test_schemathesis_on_retrieve_finds_no_5xx_and_no_answer_off_the_document(trained):
+    import urllib.request
+
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import (
+        content_type_conformance,
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    tmp, _, _ = trained
+    engine = ServingEngine(str(tmp / "user_tower"), cache_dir=tmp / "cache-s")
+    assert engine.refresh()
+    server, thread, port = _start(create_app(engine, index=load_index(tmp / "idx"),
+                                             max_top_k=50))
+    base = f"http://127.0.0.1:{port}"
+    codes: list[int] = []
+    try:
+        with urllib.request.urlopen(f"{base}/openapi.json") as r:
+            doc = json.loads(r.read())
+        context = doc["components"]["schemas"]["RetrieveRequest"]["properties"]["context"]
+        assert "user" in context["properties"] and context["additionalProperties"] is False
+        schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+        operation = next(op.ok() for op in schema.get_all_operations()
+                         if op.ok().label == "POST /retrieve")
+        for mode in (schemathesis.GenerationMode.POSITIVE,
+                     schemathesis.GenerationMode.NEGATIVE):
+            @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def run(case) -> None:
+                response = case.call(base_url=base)
+                case.validate_response(response, checks=[
+                    not_a_server_error, status_code_conformance, content_type_conformance,
+                    response_schema_conformance])
+                codes.append(response.status_code)
+
+            run()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert codes.count(200) >= 5 and all(code < 500 for code in codes)
+
+
+def test_running_server_follows_new_index_generations(trained, tmp_path):
+    """`terarec index` writes a new generation while the server runs: /retrieve searches
+    it after the next poll, no request fails meanwhile, and a generation built from a
+    newer item tower waits until the matching user-tower version is served."""
+    import http.client
+    import shutil
+    import threading
+    import time
 
     from terarec.retrieval.index import IndexWatcher, update_index
 
@@ -270,16 +333,7 @@ def test_running_server_follows_new_index_generations(trained, tmp_path):
     engine = ServingEngine(str(users), cache_dir=tmp_path / "cache")
     assert engine.refresh()
     app = create_app(engine, index=IndexWatcher(out), max_top_k=1000, poll_interval_s=0.1)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    import http.client
+    server, thread, port = _start(app)
 
     def retrieve(user: int = 5, top_k: int = 1000) -> dict:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

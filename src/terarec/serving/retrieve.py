@@ -44,6 +44,8 @@ from terarec.serving.batching import DynamicBatcher
 from terarec.serving.engine import ServedVersion, ServingEngine
 from terarec.validation import STRICT
 
+DEFAULT_TOP_K = 100
+
 
 @dataclass
 class RetrieveRequest:
@@ -52,7 +54,8 @@ class RetrieveRequest:
     __pydantic_config__ = STRICT
 
     context: Annotated[dict[str, Any], Field(description="the user's feature values")]
-    top_k: Annotated[int, Field(ge=1, description="how many items to return")] = 100
+    # None: DEFAULT_TOP_K, or the server's limit where that is lower
+    top_k: Annotated[int | None, Field(ge=1, description="how many items to return")] = None
     rank: bool = False
 
 
@@ -163,9 +166,10 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine,
         index = watcher.for_version(version.name)  # one generation for the whole request
         raw = await _read_body(request.scope, request.receive, max_body_bytes)
         body = _parse(RetrieveRequest, raw)
-        if body.top_k > max_top_k:
-            raise BadRequest(f"top_k: {body.top_k} exceeds the limit of {max_top_k}", 413)
-        found, scores = await _search(engine, index, version, body.context, body.top_k)
+        top_k = min(DEFAULT_TOP_K, max_top_k) if body.top_k is None else body.top_k
+        if top_k > max_top_k:
+            raise BadRequest(f"top_k: {top_k} exceeds the limit of {max_top_k}", 413)
+        found, scores = await _search(engine, index, version, body.context, top_k)
         out: dict[str, Any] = {"model": model_name, "version": version.version,
                                "index": index.folder.name}
         if body.rank:
