@@ -32,6 +32,7 @@ def _crc16_table() -> np.ndarray:
 
 
 _TABLE = _crc16_table()
+_CRLF = np.frombuffer(b"\r\n", np.uint8)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -77,8 +78,7 @@ def _bulk(data: np.ndarray) -> list[np.ndarray]:
     """``$len\\r\\n<data>\\r\\n`` columns for rows of equal-length ``data``."""
     n, width = data.shape
     head = np.frombuffer(f"${width}\r\n".encode(), np.uint8)
-    crlf = np.frombuffer(b"\r\n", np.uint8)
-    return [np.broadcast_to(head, (n, len(head))), data, np.broadcast_to(crlf, (n, 2))]
+    return [np.broadcast_to(head, (n, len(head))), data, np.broadcast_to(_CRLF, (n, 2))]
 
 
 def _pack(parts: list[np.ndarray]) -> bytes:
@@ -92,15 +92,18 @@ def _pack(parts: list[np.ndarray]) -> bytes:
     return out.tobytes()
 
 
-def _const(text: bytes, n: int) -> np.ndarray:
-    return np.broadcast_to(np.frombuffer(text, np.uint8), (n, len(text)))
-
-
 def pack_gets(keys: np.ndarray) -> bytes:
-    """A pipeline of one ``GET`` per row of ``keys``."""
-    if not len(keys):
+    """A pipeline of one ``GET`` per row of ``keys`` (filled in place: this runs for
+    every node of every request)."""
+    n, width = keys.shape
+    if not n:
         return b""
-    return _pack([_const(b"*2\r\n$3\r\nGET\r\n", len(keys)), *_bulk(keys)])
+    head = np.frombuffer(f"*2\r\n$3\r\nGET\r\n${width}\r\n".encode(), np.uint8)
+    out = np.empty((n, len(head) + width + 2), np.uint8)
+    out[:, :len(head)] = head
+    out[:, len(head):-2] = keys
+    out[:, -2:] = _CRLF
+    return out.tobytes()
 
 
 def mset_starts(slots: np.ndarray, most: int = MSET_KEYS) -> np.ndarray:
@@ -127,9 +130,10 @@ def pack_msets(keys: np.ndarray, values: np.ndarray, starts: np.ndarray) -> byte
     body = memoryview(_pack([*_bulk(keys), *_bulk(values)]))
     width = len(body) // n
     counts = np.diff(np.append(starts, n))
-    heads = {c: f"*{2 * c + 1}\r\n$4\r\nMSET\r\n".encode() for c in np.unique(counts).tolist()}
+    heads = {c: f"*{2 * c + 1}\r\n$4\r\nMSET\r\n".encode()
+             for c in np.unique(counts).tolist()}
     parts: list[bytes | memoryview] = []
-    for start, count in zip(starts.tolist(), counts.tolist()):
+    for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
         parts.append(heads[count])
         parts.append(body[start * width:(start + count) * width])
     return b"".join(parts)
