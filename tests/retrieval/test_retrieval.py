@@ -244,3 +244,153 @@ def test_wide_and_deep_slices_add_up_to_the_whole_model(trained, tmp_path):
         logits[name] = np.log(p / (1 - p))
     np.testing.assert_allclose(logits["wide"] + logits["deep"], logits[None], atol=1e-4)
     assert not np.allclose(logits["wide"], logits[None], atol=1e-4)
+
+
+def _start(app):
+    """uvicorn serving ``app`` on a free loopback port in a thread: (server, thread, port)."""
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.02)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+def test_schemathesis_on_retrieve_finds_no_5xx_and_no_answer_off_the_document(trained):
+    import urllib.request
+
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import (
+        content_type_conformance,
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    tmp, _, _ = trained
+    engine = ServingEngine(str(tmp / "user_tower"), cache_dir=tmp / "cache-s")
+    assert engine.refresh()
+    server, thread, port = _start(create_app(engine, index=load_index(tmp / "idx"),
+                                             max_top_k=50))
+    base = f"http://127.0.0.1:{port}"
+    codes: list[int] = []
+    try:
+        with urllib.request.urlopen(f"{base}/openapi.json") as r:
+            doc = json.loads(r.read())
+        context = doc["components"]["schemas"]["RetrieveRequest"]["properties"]["context"]
+        assert "user" in context["properties"] and context["additionalProperties"] is False
+        schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+        operation = next(op.ok() for op in schema.get_all_operations()
+                         if op.ok().label == "POST /retrieve")
+        for mode in (schemathesis.GenerationMode.POSITIVE,
+                     schemathesis.GenerationMode.NEGATIVE):
+            @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def run(case) -> None:
+                response = case.call(base_url=base)
+                case.validate_response(response, checks=[
+                    not_a_server_error, status_code_conformance, content_type_conformance,
+                    response_schema_conformance])
+                codes.append(response.status_code)
+
+            run()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert codes.count(200) >= 5 and all(code < 500 for code in codes)
+
+
+def test_running_server_follows_new_index_generations(trained, tmp_path):
+    """`terarec index` writes a new generation while the server runs: /retrieve searches
+    it after the next poll, no request fails meanwhile, and a generation built from a
+    newer item tower waits until the matching user-tower version is served."""
+    import http.client
+    import shutil
+    import threading
+    import time
+
+    from terarec.retrieval.index import IndexWatcher, update_index
+
+    tmp, log, model = trained
+    users, items, out = tmp_path / "users", tmp_path / "items", tmp_path / "idx"
+    shutil.copytree(tmp / "user_tower", users)
+    shutil.copytree(tmp / "item_tower", items)
+    lines = catalog_path(log).read_text().splitlines(keepends=True)
+    first = tmp_path / "first.items"
+    first.write_text("".join(lines[:401]))  # header and the first 400 items
+    assert update_index(str(items), first, out)["generation"] == "g000001"
+
+    engine = ServingEngine(str(users), cache_dir=tmp_path / "cache")
+    assert engine.refresh()
+    app = create_app(engine, index=IndexWatcher(out), max_top_k=1000, poll_interval_s=0.1)
+    server, thread, port = _start(app)
+
+    def retrieve(user: int = 5, top_k: int = 1000) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("POST", "/retrieve", body=json.dumps(
+                {"context": {"user": user}, "top_k": top_k}),
+                headers={"Content-Type": "application/json"})
+            reply = conn.getresponse()
+            body = json.loads(reply.read())
+            assert reply.status == 200, body
+            return body
+        finally:
+            conn.close()
+
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                retrieve(user=int(np.random.default_rng().integers(USERS)), top_k=50)
+            except BaseException as exc:  # noqa: BLE001 - any failure fails the test
+                failures.append(exc)
+
+    def wait_for(generation: str) -> dict:
+        deadline = time.monotonic() + 30
+        while (body := retrieve())["index"] != generation:
+            assert time.monotonic() < deadline, body["index"]
+            time.sleep(0.05)
+        return body
+
+    clients = [threading.Thread(target=hammer) for _ in range(2)]
+    try:
+        for c in clients:
+            c.start()
+        before = retrieve()
+        old_ids = {line.split("\t")[0] for line in lines[1:401]}
+        assert before["index"] == "g000001" and set(before["items"]) <= old_ids
+        assert len(before["items"]) > 300
+        # the whole catalog: a rebuild from the same item tower; served at the next poll
+        assert update_index(str(items), catalog_path(log), out)["generation"] == "g000002"
+        after = wait_for("g000002")
+        assert len(after["items"]) > 400 and len(set(after["items"]) - old_ids) > 50
+        # an item tower exported from a newer version: its index waits for that version
+        assert main(["export", "--model", model, "--out", str(items), "--slice",
+                     "item_tower", "--keys-from", str(log)]) == 0
+        assert update_index(str(items), catalog_path(log), out)["version"] == "v000002"
+        time.sleep(0.5)  # several polls: the watcher has loaded g000003 by now
+        assert retrieve()["index"] == "g000002" and retrieve()["version"] == 1
+        assert main(["export", "--model", model, "--out", str(users), "--slice",
+                     "user_tower", "--keys-from", str(log)]) == 0
+        served = wait_for("g000003")
+        assert served["version"] == 2
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(timeout=30)
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not failures, failures[:3]

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,6 +45,8 @@ from terarec.models.dssm import DSSM
 from terarec.retrieval.slices import iter_field_columns, slice_of
 from terarec.serving.engine import ServedVersion, ServingEngine
 from terarec.serving.features import columns_batch
+
+log = logging.getLogger(__name__)
 
 KINDS = ("hnsw", "ivfpq")
 CURRENT = "CURRENT"
@@ -225,6 +229,67 @@ def load_index(out: str | Path) -> ItemIndex:
     elif meta["kind"] == "ivfpq":
         faiss.extract_index_ivf(index).nprobe = meta["nprobe"]
     return ItemIndex(folder, index, ids, keys, slots, np.asarray(vectors), meta)
+
+
+class IndexWatcher:
+    """The generations of an index folder a server searches, following ``CURRENT``.
+
+    ``refresh`` (run by the engine's version poller, serving/retrieve.py) loads a
+    generation ``CURRENT`` newly names; the last ``keep`` loaded stay in memory. Each
+    request takes one generation (``for_version``): the newest built from the served
+    version (the item tower exported with the user tower being served), else the newest.
+    So a new generation is searched once the model version whose item tower built it is
+    served, and a request never sees a half-swapped index: the list is replaced whole.
+    """
+
+    def __init__(self, out: str | Path | None, first: ItemIndex | None = None,
+                 keep: int = 2) -> None:
+        self.out = None if out is None else Path(out)
+        self.keep = max(1, keep)
+        if first is None:
+            if self.out is None:
+                raise ValueError("IndexWatcher needs an index folder or a loaded index")
+            first = load_index(self.out)
+        self._loaded: tuple[ItemIndex, ...] = (first,)
+        self._failed: str | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def fixed(cls, index: ItemIndex) -> IndexWatcher:
+        """One loaded index, never swapped."""
+        return cls(None, index)
+
+    @property
+    def newest(self) -> ItemIndex:
+        return self._loaded[-1]
+
+    def for_version(self, version_name: str | None) -> ItemIndex:
+        """The generation to search for a request served by ``version_name``."""
+        loaded = self._loaded
+        for index in reversed(loaded):
+            if index.meta.get("version") == version_name:
+                return index
+        return loaded[-1]
+
+    def refresh(self) -> bool:
+        """Load the generation ``CURRENT`` names if it is new; whether one was loaded.
+        A generation that fails to load is logged once and the served ones kept."""
+        if self.out is None:
+            return False
+        with self._lock:
+            folder = current_generation(self.out)
+            if folder is None or folder.name in (self.newest.folder.name, self._failed):
+                return False
+            try:
+                index = load_index(self.out)
+            except IndexFolderError as exc:
+                self._failed = folder.name
+                log.warning("%s; still searching %s", exc, self.newest.folder.name)
+                return False
+            self._loaded = (*self._loaded, index)[-self.keep:]
+            log.info("item index %s loaded (%d items, built from %s)", index.folder.name,
+                     len(index), index.meta.get("version"))
+            return True
 
 
 def _catalog_blocks(path: Path, version: ServedVersion, fields: tuple[str, ...],

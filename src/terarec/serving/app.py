@@ -403,7 +403,8 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
 
         current = engine.current
         features = None if current is None else (current.raw_schema or current.schema).fields
-        return openapi_document(model_name, features, __version__)
+        return openapi_document(model_name, features, __version__,
+                                max_top_k=None if index is None else max_top_k)
 
     def served_model(name: str) -> ServedVersion:
         if name != model_name:

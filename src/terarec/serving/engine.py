@@ -14,7 +14,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -160,6 +160,8 @@ class ServingEngine:
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
+        # Run after each poll's refresh (the item index follows the served version).
+        self.poll_hooks: list[Callable[[], object]] = []
 
     # -- loading ------------------------------------------------------------------------
     def load_full(self, manifest: Manifest) -> ServedVersion:
@@ -432,6 +434,11 @@ class ServingEngine:
                     self.refresh()
                 except Exception:  # keep serving whatever happens to one refresh
                     log.exception("refresh failed; still serving the previous version")
+                for hook in self.poll_hooks:
+                    try:
+                        hook()
+                    except Exception:
+                        log.exception("poll hook %r failed", hook)
 
         self._poller = threading.Thread(target=loop, name="terarec-poll", daemon=True)
         self._poller.start()

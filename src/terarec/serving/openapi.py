@@ -1,7 +1,8 @@
 """The server's OpenAPI 3.1 document (``GET /openapi.json``).
 
 Request bodies are described by the JSON Schema of the same types the app validates them
-with (``PredictRequest``, ``InferRequest``), narrowed to the served model's features, so a
+with (``PredictRequest``, ``InferRequest``, and ``RetrieveRequest`` where the server
+has an item index), narrowed to the served model's features, so a
 client or a schema-driven test (schemathesis: tests/serving/test_serving_openapi.py) sees
 exactly what the server takes; every answer other than a 200 is ``{"error": ...}``.
 """
@@ -43,31 +44,47 @@ def _feature_value(spec: FieldSpec) -> dict[str, Any]:
     return {"type": ["string", "integer", "null"]}
 
 
-def _body_schemas(features: tuple[FieldSpec, ...] | None) -> dict[str, Any]:
+def _body_schemas(features: tuple[FieldSpec, ...] | None, max_top_k: int | None = None
+                  ) -> dict[str, Any]:
     """components/schemas: the request types' JSON Schema, feature objects narrowed to
     ``features`` (names and value types) when a version is served."""
     from terarec.serving.app import InferRequest, PredictRequest
 
+    types: list[type] = [PredictRequest, InferRequest]
+    if max_top_k is not None:
+        from terarec.serving.retrieve import RetrieveRequest
+
+        types.append(RetrieveRequest)
     out: dict[str, Any] = {}
-    for tp in (PredictRequest, InferRequest):
+    for tp in types:
         schema = TypeAdapter(tp).json_schema(ref_template="#/components/schemas/{model}")
         out.update(schema.pop("$defs", {}))
         out[tp.__name__] = schema
+    if max_top_k is not None:
+        from terarec.serving.retrieve import DEFAULT_TOP_K
+
+        out["RetrieveRequest"]["properties"]["top_k"] = {
+            "type": "integer", "minimum": 1, "maximum": max_top_k,
+            "default": min(DEFAULT_TOP_K, max_top_k), "description": "how many items"}
     if features is not None:
         row = {"type": "object", "additionalProperties": False,
                "properties": {f.name: _feature_value(f) for f in features}}
         props = out["PredictRequest"]["properties"]
         props["candidates"]["items"] = row
         props["context"] = {**props["context"], **row}
+        if max_top_k is not None:
+            retrieve_props = out["RetrieveRequest"]["properties"]
+            retrieve_props["context"] = {**retrieve_props["context"], **row}
         names = {"type": "string", "enum": [f.name for f in features]}
         out["InferInput"]["properties"]["name"] = names
     return out
 
 
 def openapi_document(model_name: str, features: tuple[FieldSpec, ...] | None = None,
-                     version: str = "") -> dict[str, Any]:
+                     version: str = "", max_top_k: int | None = None) -> dict[str, Any]:
     """The document for a server serving ``model_name`` whose requests carry
-    ``features`` (None before a version is loaded: any feature names)."""
+    ``features`` (None before a version is loaded: any feature names); ``max_top_k``
+    (None: no item index): ``POST /retrieve`` and ``parameters.top_k`` on infer."""
     name = {"name": "name", "in": "path", "required": True,
             "schema": {"type": "string", "enum": [model_name]}}
     ready = _object({"ready": {"type": "boolean"}})
@@ -88,6 +105,22 @@ def openapi_document(model_name: str, features: tuple[FieldSpec, ...] | None = N
                         {"id": {"type": "string"}})
     predict_out = _object({"model": {"type": "string"}, "version": {"type": "integer"},
                            "scores": _FINITE_SCORES})
+    finite = {"type": "array", "items": {"type": "number"}}  # inner products: unbounded
+    item_ids = {"type": "array", "items": {"type": "string"}}
+    retrieve_out = _object({"model": {"type": "string"}, "version": {"type": "integer"},
+                            "index": {"type": "string"}, "items": item_ids,
+                            "scores": finite}, {"rank_scores": _FINITE_SCORES})
+    if max_top_k is not None:  # parameters.top_k: item ids and their inner products
+        top_k_out = _object({"model_name": {"type": "string"},
+                             "model_version": {"type": "string"},
+                             "outputs": {"type": "array", "items": _object({
+                                 "name": {"type": "string", "enum": ["items", "scores"]},
+                                 "datatype": {"type": "string", "enum": ["BYTES", "FP32"]},
+                                 "shape": {"type": "array", "items": {"type": "integer"}},
+                                 "data": {"type": "array",
+                                          "items": {"type": ["string", "number"]}}})}},
+                            {"id": {"type": "string"}})
+        infer_out = {"anyOf": [infer_out, top_k_out]}
 
     def body(ref: str) -> dict[str, Any]:
         return {"required": True, "content": {"application/json": {
@@ -117,6 +150,9 @@ def openapi_document(model_name: str, features: tuple[FieldSpec, ...] | None = N
             "description": "Prometheus text format",
             "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
     }
+    if max_top_k is not None:
+        paths["/retrieve"] = {"post": {"requestBody": body("RetrieveRequest"),
+                                       "responses": {"200": _json(retrieve_out), **_ERRORS}}}
     return {"openapi": "3.1.0",
             "info": {"title": "terarec", "version": version or "0"},
-            "paths": paths, "components": {"schemas": _body_schemas(features)}}
+            "paths": paths, "components": {"schemas": _body_schemas(features, max_top_k)}}

@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 
 from terarec.finite import NonFiniteError, check_scores
 from terarec.models.dssm import DSSM
-from terarec.retrieval.index import ItemIndex
+from terarec.retrieval.index import IndexWatcher, ItemIndex
 from terarec.serving.app import (
     BadRequest,
     _check_features,
@@ -44,6 +44,8 @@ from terarec.serving.batching import DynamicBatcher
 from terarec.serving.engine import ServedVersion, ServingEngine
 from terarec.validation import STRICT
 
+DEFAULT_TOP_K = 100
+
 
 @dataclass
 class RetrieveRequest:
@@ -52,7 +54,8 @@ class RetrieveRequest:
     __pydantic_config__ = STRICT
 
     context: Annotated[dict[str, Any], Field(description="the user's feature values")]
-    top_k: Annotated[int, Field(ge=1, description="how many items to return")] = 100
+    # None: DEFAULT_TOP_K, or the server's limit where that is lower
+    top_k: Annotated[int | None, Field(ge=1, description="how many items to return")] = None
     rank: bool = False
 
 
@@ -83,6 +86,12 @@ def user_vector(engine: ServingEngine, version: ServedVersion,
     return out
 
 
+def watcher_of(index: ItemIndex | IndexWatcher) -> IndexWatcher:
+    """``serve --index`` passes a watcher (it follows new generations); a loaded
+    ``ItemIndex`` is searched as it is."""
+    return index if isinstance(index, IndexWatcher) else IndexWatcher.fixed(index)
+
+
 async def _search(engine: ServingEngine, index: ItemIndex, version: ServedVersion,
                   context: dict[str, Any], top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """(item positions, inner products) of the user's ``top_k`` nearest items."""
@@ -95,7 +104,7 @@ async def _search(engine: ServingEngine, index: ItemIndex, version: ServedVersio
     return items[0][keep], sims[0][keep]
 
 
-async def infer_top_k(engine: ServingEngine, index: ItemIndex | None,
+async def infer_top_k(engine: ServingEngine, index: ItemIndex | IndexWatcher | None,
                       version: ServedVersion, body: Any, model_name: str,
                       max_top_k: int) -> dict[str, Any]:
     """A v2 inference request with ``parameters.top_k``: one user's features as inputs
@@ -120,6 +129,7 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | None,
         value = tensor.data[0]
         context[tensor.name] = value[0] if isinstance(value, list) and len(value) == 1 \
             else value
+    index = watcher_of(index).for_version(version.name)
     found, scores = await _search(engine, index, version, context, top_k)
     try:
         check_scores(scores)
@@ -136,22 +146,30 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | None,
     return out
 
 
-def add_retrieve_routes(app: FastAPI, engine: ServingEngine, index: ItemIndex, *,
-                        model_name: str, max_body_bytes: int, max_top_k: int,
+def add_retrieve_routes(app: FastAPI, engine: ServingEngine,
+                        index: ItemIndex | IndexWatcher, *, model_name: str,
+                        max_body_bytes: int, max_top_k: int,
                         batcher: DynamicBatcher) -> None:
-    """Register ``POST /retrieve`` on ``app``, searching ``index``. Each search runs on
-    one thread: requests run side by side, and an OpenMP team per single query costs
-    more than it saves."""
+    """Register ``POST /retrieve`` on ``app``, searching ``index``; a watcher is
+    refreshed by the engine's version poller, right after each version check, so new
+    generations are picked up while the server runs. Each search runs on one thread:
+    requests run side by side, and an OpenMP team per single query costs more than it
+    saves."""
     faiss.omp_set_num_threads(1)
+    watcher = watcher_of(index)
+    if watcher.out is not None:
+        engine.poll_hooks.append(watcher.refresh)
 
     @app.post("/retrieve")
     async def retrieve(request: Request) -> Response:
         version = engine.served()
+        index = watcher.for_version(version.name)  # one generation for the whole request
         raw = await _read_body(request.scope, request.receive, max_body_bytes)
         body = _parse(RetrieveRequest, raw)
-        if body.top_k > max_top_k:
-            raise BadRequest(f"top_k: {body.top_k} exceeds the limit of {max_top_k}", 413)
-        found, scores = await _search(engine, index, version, body.context, body.top_k)
+        top_k = min(DEFAULT_TOP_K, max_top_k) if body.top_k is None else body.top_k
+        if top_k > max_top_k:
+            raise BadRequest(f"top_k: {top_k} exceeds the limit of {max_top_k}", 413)
+        found, scores = await _search(engine, index, version, body.context, top_k)
         out: dict[str, Any] = {"model": model_name, "version": version.version,
                                "index": index.folder.name}
         if body.rank:

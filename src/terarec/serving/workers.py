@@ -95,9 +95,9 @@ def build_app(options: ServeOptions) -> FastAPI:
                              max_delay_s=options.max_delay_ms / 1e3)
     index = None
     if options.index is not None:
-        from terarec.retrieval.index import load_index
+        from terarec.retrieval.index import IndexWatcher
 
-        index = load_index(options.index)
+        index = IndexWatcher(options.index)  # follows CURRENT with the version poller
     # What startup loaded (torch, the network, the schema) stays alive for good: keep it
     # out of the cyclic collector's generations, whose full passes would otherwise walk
     # it all and show as latency spikes.
