@@ -27,10 +27,18 @@ def test_pipelines_are_the_commands_redis_expects():
     values = np.array([[1, 2], [3, 4]], np.uint8)
     k1 = bytes(keys[0])
     assert wire.pack_gets(keys[:1]) == b"*2\r\n$3\r\nGET\r\n$10\r\n" + k1 + b"\r\n"
-    assert wire.pack_sets(keys[:1], values[:1]) == (
-        b"*3\r\n$3\r\nSET\r\n$10\r\n" + k1 + b"\r\n$2\r\n\x01\x02\r\n")
-    tombstone = wire.pack_sets(keys[:1], np.zeros((1, 0), np.uint8))
+    k2 = bytes(keys[1])
+    assert wire.pack_msets(keys, values, np.array([0, 1])) == (
+        b"*3\r\n$4\r\nMSET\r\n$10\r\n" + k1 + b"\r\n$2\r\n\x01\x02\r\n"
+        b"*3\r\n$4\r\nMSET\r\n$10\r\n" + k2 + b"\r\n$2\r\n\x03\x04\r\n")
+    assert wire.pack_msets(keys, values, np.array([0])) == (
+        b"*5\r\n$4\r\nMSET\r\n$10\r\n" + k1 + b"\r\n$2\r\n\x01\x02\r\n$10\r\n" + k2
+        + b"\r\n$2\r\n\x03\x04\r\n")
+    tombstone = wire.pack_msets(keys[:1], np.zeros((1, 0), np.uint8), np.array([0]))
     assert tombstone.endswith(b"$0\r\n\r\n")
+    # one command per run of a slot, at most `most` rows each
+    np.testing.assert_array_equal(wire.mset_starts(np.array([3, 3, 3, 3, 3, 5, 9, 9]), 2),
+                                  [0, 2, 4, 5, 6])
     assert wire.pack_command(b"READONLY") == b"*1\r\n$8\r\nREADONLY\r\n"
 
 
@@ -51,14 +59,16 @@ def test_replies_parse_in_pieces_and_errors_are_raised():
 
 
 def test_chunks_written_two_in_flight_and_read_back(redis_cluster):
-    """Writes keep the next pipeline in flight while the previous one's replies are read
-    (replies of two pipelines can arrive in one recv); every row reads back."""
+    """Writes keep further pipelines in flight while the oldest one's replies are read
+    (replies of several pipelines can arrive in one recv); every row reads back, also
+    when many rows share a slot (MSETs of several rows)."""
     from terarec.sparsetier.tier import NodeConn, SparseTier
 
     tier = SparseTier(redis_cluster.url, hedge=False)
     try:
-        keys = wire.row_keys(b"wire/v000001/", np.arange(1000, dtype=np.int64) * 31)
-        values = np.random.default_rng(0).integers(0, 256, (1000, 24), dtype=np.uint8)
+        keys = wire.row_keys(b"wire/v000001/", np.arange(40_000, dtype=np.int64) * 31)
+        values = np.random.default_rng(0).integers(0, 256, (40_000, 24), dtype=np.uint8)
+        assert np.bincount(wire.key_slots(keys)).max() > 1
         tier.write(keys, values, chunk=7)
         for _ in range(2):  # the second time on the pooled connections
             got, found, failed = tier.read(keys, 24, 5.0)

@@ -68,6 +68,13 @@ class ClusterRows(VersionRows):
     def overlay_rows(self) -> int:
         return len(self.keys)
 
+    def hot(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mask of ``keys`` among the hot rows, their positions in ``hot_keys``)."""
+        if not len(self.hot_keys) or not len(keys):
+            return np.zeros(len(keys), np.bool_), np.zeros(len(keys), np.int64)
+        pos = np.minimum(np.searchsorted(self.hot_keys, keys), len(self.hot_keys) - 1)
+        return self.hot_keys[pos] == keys, pos
+
     def read(self, keys: np.ndarray, deadline_s: float | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, found, failed) of unique ``keys``: zero rows where absent, deleted or
@@ -80,15 +87,12 @@ class ClusterRows(VersionRows):
         failed = np.zeros(n, np.bool_)
         metrics = self.tier.metrics
         metrics.lookups.inc(n)
-        if len(self.hot_keys) and n:
-            pos = np.minimum(np.searchsorted(self.hot_keys, keys), len(self.hot_keys) - 1)
-            hot = self.hot_keys[pos] == keys
+        hot, pos = self.hot(keys)
+        if hot.any():
             out[hot] = self.hot_values[pos[hot]]
             found[hot] = True
             metrics.hot_hits.inc(int(hot.sum()))
-            cold = np.flatnonzero(~hot)
-        else:
-            cold = np.arange(n)
+        cold = np.flatnonzero(~hot)
         if not len(cold):
             return out, found, failed
         which = np.zeros(len(cold), np.int64)
@@ -281,7 +285,9 @@ class ClusterEngine(ServingEngine):
     # -- scoring ------------------------------------------------------------------------
     def _rows_for(self, version: ServedVersion, keys: np.ndarray) -> np.ndarray:
         """Rows of unique ``keys``: the cache, then the version's rows (cluster reads
-        happen outside the engine's lock; rows that failed are not cached)."""
+        happen outside the engine's lock). Only rows read from the cluster are cached:
+        hot rows are in local memory already, and rows that failed are not cached, so
+        the cache's room goes to the cold rows a request would otherwise wait for."""
         rows_source = version.rows
         if not isinstance(rows_source, ClusterRows):
             return super()._rows_for(version, keys)
@@ -300,7 +306,7 @@ class ClusterEngine(ServingEngine):
                 raise SparseReadError(f"{int(failed.sum())} of {len(keys)} rows could not be "
                                       f"read from the sparse tier within "
                                       f"{self.deadline_s * 1000:.0f} ms")
-            good = miss[~failed]
+            good = miss[~failed & ~rows_source.hot(keys[miss])[0]]
             with self._lock:  # a version swapped in meanwhile may have changed these rows
                 if (cache is not None and cache is self.cache and version is self.current
                         and len(good)):

@@ -37,6 +37,8 @@ from terarec.sparsetier import wire
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
+WRITE_CHUNK = 16384  # rows per pipeline
+WRITE_DEPTH = 3      # pipelines in flight per master
 NODE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25,
                 0.5, 1.0)
 
@@ -338,10 +340,11 @@ class SparseTier:
             self._conns.clear()
 
     # -- writes -------------------------------------------------------------------------
-    def write(self, keys: np.ndarray, values: np.ndarray, chunk: int = 8192,
-              attempts: int = 5) -> None:
-        """``SET`` each ``keys[i]`` (uint8 [n, K]) to ``values[i]`` (uint8 [n, M]): one
-        pipeline per master at a time, the masters written in parallel. A chunk refused
+    def write(self, keys: np.ndarray, values: np.ndarray, chunk: int = WRITE_CHUNK,
+              attempts: int = 5, depth: int = WRITE_DEPTH) -> None:
+        """Set each ``keys[i]`` (uint8 [n, K]) to ``values[i]`` (uint8 [n, M]): one
+        connection per master, ``depth`` pipelines of about ``chunk`` rows in flight on
+        it (an MSET per slot), the masters written in parallel. A pipeline refused
         (MOVED, a master down) is retried after a topology refresh."""
         if not len(keys):
             return
@@ -351,8 +354,8 @@ class SparseTier:
             shard_of = self.topology.slot_shard[slots]
             groups = [(self.topology.shards[s].master, idx[shard_of[idx] == s])
                       for idx in todo for s in np.unique(shard_of[idx])]
-            futures = [self._pool.submit(self._write_node, address, keys, values, idx, chunk)
-                       for address, idx in groups]
+            futures = [self._pool.submit(self._write_node, address, keys, values, slots, idx,
+                                         chunk, depth) for address, idx in groups]
             failed = []
             for fut in futures:
                 left = fut.result()
@@ -367,29 +370,40 @@ class SparseTier:
                         f"{self.url} after {attempts} attempts")
 
     def _write_node(self, address: Address, keys: np.ndarray, values: np.ndarray,
-                    idx: np.ndarray, chunk: int) -> np.ndarray:
-        """Write rows ``idx`` to one node, the next chunk sent before the previous one's
-        replies are read (the node never waits for the client); returns the indices not
-        written."""
+                    slots: np.ndarray, idx: np.ndarray, chunk: int, depth: int
+                    ) -> np.ndarray:
+        """Write rows ``idx`` to one node in MSETs of one slot's rows, ``chunk`` rows a
+        pipeline, up to ``depth`` pipelines sent before the oldest one's replies are read
+        (the node never waits for the client); returns the indices not written."""
+        order = np.argsort(slots[idx], kind="stable")
+        idx = idx[order]
+        starts = wire.mset_starts(slots[idx])
+        # pipelines end at command boundaries, about every ``chunk`` rows
+        cuts = [*starts[np.flatnonzero(np.diff(starts // max(1, chunk))) + 1].tolist(),
+                len(idx)]
         done = 0  # rows of idx[:done] acknowledged
         conn: NodeConn | None = None
         try:
             conn = self._take(address, False)
-            sent: deque[int] = deque()  # rows of each chunk in flight
-            lo = 0
+            sent: deque[tuple[int, int]] = deque()  # (rows, commands) of each pipeline
+            lo, cut = 0, 0
             while lo < len(idx) or sent:
                 if lo < len(idx):
-                    part = idx[lo:lo + chunk]
-                    conn.send(wire.pack_sets(keys[part], values[part]))
-                    sent.append(len(part))
-                    lo += len(part)
-                    if len(sent) < 2 and lo < len(idx):
+                    hi = cuts[cut]
+                    cut += 1
+                    first, last = np.searchsorted(starts, [lo, hi])
+                    part = idx[lo:hi]
+                    conn.send(wire.pack_msets(keys[part], values[part],
+                                              starts[first:last] - lo))
+                    sent.append((hi - lo, int(last - first)))
+                    lo = hi
+                    if len(sent) < depth and lo < len(idx):
                         continue
-                n = sent.popleft()
-                _, _, lengths = conn.receive(n)
+                rows, commands = sent.popleft()
+                _, _, lengths = conn.receive(commands)
                 if not bool((lengths == -2).all()):
-                    raise wire.ReplyError("unexpected reply to SET")
-                done += n
+                    raise wire.ReplyError("unexpected reply to MSET")
+                done += rows
         except (OSError, wire.ReplyError) as exc:
             if conn is not None:
                 conn.close()

@@ -1,13 +1,15 @@
 """Redis wire format for many fixed-size rows at once: cluster slots of binary keys,
-pipelined ``SET`` / ``GET`` commands built as numpy arrays, and their replies parsed
+pipelined ``MSET`` / ``GET`` commands built as numpy arrays, and their replies parsed
 without a Python loop per row.
 
 Every row key has the same length (a prefix plus the 8 key bytes) and every value of a
-version the same length (one encoded row), so a pipeline of N commands is an
-``uint8[N, width]`` array filled column by column::
+version the same length (one encoded row), so a pipeline of N rows is an
+``uint8[N, width]`` array filled column by column (an MSET's header in front of its
+slot's rows)::
 
     GET   *2\\r\\n$3\\r\\nGET\\r\\n$L\\r\\n<key>\\r\\n
-    SET   *3\\r\\n$3\\r\\nSET\\r\\n$L\\r\\n<key>\\r\\n$M\\r\\n<value>\\r\\n
+    MSET  *<2m+1>\\r\\n$4\\r\\nMSET\\r\\n then m times $L\\r\\n<key>\\r\\n$M\\r\\n<value>\\r\\n
+          (the m rows of one cluster slot)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numba
 import numpy as np
 
 SLOTS = 16384
+MSET_KEYS = 64  # rows per MSET at most
 
 
 def _crc16_table() -> np.ndarray:
@@ -29,6 +32,7 @@ def _crc16_table() -> np.ndarray:
 
 
 _TABLE = _crc16_table()
+_CRLF = np.frombuffer(b"\r\n", np.uint8)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -74,8 +78,7 @@ def _bulk(data: np.ndarray) -> list[np.ndarray]:
     """``$len\\r\\n<data>\\r\\n`` columns for rows of equal-length ``data``."""
     n, width = data.shape
     head = np.frombuffer(f"${width}\r\n".encode(), np.uint8)
-    crlf = np.frombuffer(b"\r\n", np.uint8)
-    return [np.broadcast_to(head, (n, len(head))), data, np.broadcast_to(crlf, (n, 2))]
+    return [np.broadcast_to(head, (n, len(head))), data, np.broadcast_to(_CRLF, (n, 2))]
 
 
 def _pack(parts: list[np.ndarray]) -> bytes:
@@ -89,23 +92,51 @@ def _pack(parts: list[np.ndarray]) -> bytes:
     return out.tobytes()
 
 
-def _const(text: bytes, n: int) -> np.ndarray:
-    return np.broadcast_to(np.frombuffer(text, np.uint8), (n, len(text)))
-
-
 def pack_gets(keys: np.ndarray) -> bytes:
-    """A pipeline of one ``GET`` per row of ``keys``."""
-    if not len(keys):
+    """A pipeline of one ``GET`` per row of ``keys`` (filled in place: this runs for
+    every node of every request)."""
+    n, width = keys.shape
+    if not n:
         return b""
-    return _pack([_const(b"*2\r\n$3\r\nGET\r\n", len(keys)), *_bulk(keys)])
+    head = np.frombuffer(f"*2\r\n$3\r\nGET\r\n${width}\r\n".encode(), np.uint8)
+    out = np.empty((n, len(head) + width + 2), np.uint8)
+    out[:, :len(head)] = head
+    out[:, len(head):-2] = keys
+    out[:, -2:] = _CRLF
+    return out.tobytes()
 
 
-def pack_sets(keys: np.ndarray, values: np.ndarray) -> bytes:
-    """A pipeline of one ``SET key value`` per row (``values``: ``uint8[n, M]``; M may be
-    0, a tombstone)."""
-    if not len(keys):
+def mset_starts(slots: np.ndarray, most: int = MSET_KEYS) -> np.ndarray:
+    """First row of each ``MSET`` for rows sorted by cluster slot (``slots``): a command
+    holds rows of one slot only (Redis Cluster refuses keys of several), at most
+    ``most`` of them."""
+    n = len(slots)
+    if not n:
+        return np.empty(0, np.int64)
+    new = np.ones(n, np.bool_)
+    new[1:] = slots[1:] != slots[:-1]
+    run_start = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+    return np.flatnonzero(new | ((np.arange(n) - run_start) % most == 0))
+
+
+def pack_msets(keys: np.ndarray, values: np.ndarray, starts: np.ndarray) -> bytes:
+    """A pipeline of ``MSET k1 v1 k2 v2 ...``: command i sets rows ``starts[i]`` up to
+    the next start (rows of one slot; ``mset_starts``). ``values``: ``uint8[n, M]``, M
+    may be 0 (a tombstone). One command per slot rather than per row: the nodes (master
+    and replica) parse, apply and propagate many rows a command, and answer one ``+OK``."""
+    n = len(keys)
+    if not n:
         return b""
-    return _pack([_const(b"*3\r\n$3\r\nSET\r\n", len(keys)), *_bulk(keys), *_bulk(values)])
+    body = memoryview(_pack([*_bulk(keys), *_bulk(values)]))
+    width = len(body) // n
+    counts = np.diff(np.append(starts, n))
+    heads = {c: f"*{2 * c + 1}\r\n$4\r\nMSET\r\n".encode()
+             for c in np.unique(counts).tolist()}
+    parts: list[bytes | memoryview] = []
+    for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
+        parts.append(heads[count])
+        parts.append(body[start * width:(start + count) * width])
+    return b"".join(parts)
 
 
 def pack_command(*args: bytes) -> bytes:
