@@ -30,14 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _baselines as baselines  # noqa: E402
-from train_throughput import benchmark_schema, synthetic_inputs  # noqa: E402
+from train_throughput import benchmark_schema, pass_groups, synthetic_inputs  # noqa: E402
 
 from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig  # noqa: E402
 from terarec.embedding.device import codec_bytes  # noqa: E402
 from terarec.embedding.working_set import plan_pass  # noqa: E402
 from terarec.train.passes import prefetch  # noqa: E402
 from terarec.train.trainer import Trainer  # noqa: E402
-from terarec.types import Batch, KeyedIds  # noqa: E402
 
 
 def terarec_run(dense, ids, labels, *, device: str, budget: int, batch_size: int,
@@ -52,14 +51,8 @@ def terarec_run(dense, ids, labels, *, device: str, budget: int, batch_size: int
     trainer = Trainer(benchmark_schema(), config)
     cache = trainer.device_cache
     assert cache is not None
-    names = benchmark_schema().sparse_names
-    batches = [Batch(dense[s:s + batch_size], KeyedIds.from_dense(names, ids[s:s + batch_size]),
-                     labels[s:s + batch_size])
-               for s in range(0, len(labels) - batch_size + 1, batch_size)]
-    need = pass_batches * (passes + 1)
-    if len(batches) < need:
-        raise SystemExit(f"need {need * batch_size} rows for {passes + 1} passes")
-    groups = [batches[p * pass_batches:(p + 1) * pass_batches] for p in range(passes + 1)]
+    groups = pass_groups(dense, ids, labels, benchmark_schema().sparse_names,
+                         batch_size=batch_size, pass_batches=pass_batches, passes=passes)
     plans = list(prefetch(plan_pass(g) for g in groups))
     trainer.train_pass(plans[0], upcoming=plans[1])  # warm-up: compilation, allocator
     if trainer.device.type == "cuda":

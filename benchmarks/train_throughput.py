@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,19 @@ def benchmark_schema() -> FeatureSchema:
     return FeatureSchema(label="label", fields=numeric + cats, missing_flags=False)
 
 
+def pass_groups(dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
+                names: Sequence[str], *, batch_size: int, pass_batches: int,
+                passes: int) -> list[list[Batch]]:
+    """The rows cut into whole batches and grouped into a warm-up pass plus ``passes``."""
+    batches = [Batch(dense[s:s + batch_size], KeyedIds.from_dense(names, ids[s:s + batch_size]),
+                     labels[s:s + batch_size])
+               for s in range(0, len(labels) - batch_size + 1, batch_size)]
+    need = pass_batches * (passes + 1)
+    if len(batches) < need:
+        raise SystemExit(f"need {need * batch_size} rows for {passes + 1} passes")
+    return [batches[p * pass_batches:(p + 1) * pass_batches] for p in range(passes + 1)]
+
+
 def terarec_run(dense, ids, labels, *, batch_size: int, pass_batches: int,
                 passes: int) -> tuple[float, float]:
     """(samples/s, staging share) over ``passes`` timed passes after one warm-up pass.
@@ -67,14 +81,8 @@ def terarec_run(dense, ids, labels, *, batch_size: int, pass_batches: int,
                           top_mlp=baselines.TOP_MLP),
         sparse_optimizer=SparseOptimizerConfig(name="adagrad", lr=baselines.EMBEDDING_LR))
     trainer = Trainer(schema, config)
-    names = schema.sparse_names
-    batches = [Batch(dense[s:s + batch_size], KeyedIds.from_dense(names, ids[s:s + batch_size]),
-                     labels[s:s + batch_size])
-               for s in range(0, len(labels) - batch_size + 1, batch_size)]
-    need = pass_batches * (passes + 1)
-    if len(batches) < need:
-        raise SystemExit(f"need {need * batch_size} rows for {passes + 1} passes")
-    groups = [batches[p * pass_batches:(p + 1) * pass_batches] for p in range(passes + 1)]
+    groups = pass_groups(dense, ids, labels, schema.sparse_names, batch_size=batch_size,
+                         pass_batches=pass_batches, passes=passes)
     trainer.train_pass(groups[0])  # warm-up: compilation, allocator
     rows = staging = 0.0
     start = time.perf_counter()
