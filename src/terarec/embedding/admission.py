@@ -88,16 +88,11 @@ def no_candidates() -> dict[str, np.ndarray]:
             "cand_click": _nothing(0), "cand_seen": np.empty(0, np.int32)}
 
 
-class AdmitAll:
-    """Every key is admitted on first sight; nothing kept."""
+class _Stateless:
+    """A policy that remembers nothing between passes: nothing to expire or checkpoint."""
 
-    admits_all = True
     nbytes = 0
     candidate_count = 0
-
-    def admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
-              pass_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return keys, _nothing(len(keys)), _nothing(len(keys))
 
     def expire(self, cutoff: int) -> None:
         pass
@@ -107,6 +102,16 @@ class AdmitAll:
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         pass
+
+
+class AdmitAll(_Stateless):
+    """Every key is admitted on first sight; nothing kept."""
+
+    admits_all = True
+
+    def admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
+              pass_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return keys, _nothing(len(keys)), _nothing(len(keys))
 
 
 class ExactCount:
@@ -308,15 +313,13 @@ class SketchCount:
         self._cells[:] = np.bitwise_or.reduce(parts, axis=2)
 
 
-class Probability:
+class Probability(_Stateless):
     """Each show of a new key admits it with probability ``p`` (Monolith's and DeepRec's
     probabilistic filter): a key with ``s`` shows in a pass is admitted with probability
     ``1 - (1 - p)^s``. The draw is a hash of (key, pass, seed), so nothing is kept per
     key and every shard or resumed run draws alike."""
 
     admits_all = False
-    nbytes = 0
-    candidate_count = 0
 
     def __init__(self, p: float, seed: int = 0) -> None:
         self.p = p
@@ -331,14 +334,6 @@ class Probability:
         ok = u < 1.0 - (1.0 - self.p) ** np.asarray(show, np.float64)
         return keys[ok], _nothing(int(ok.sum())), _nothing(int(ok.sum()))
 
-    def expire(self, cutoff: int) -> None:
-        pass
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return no_candidates()
-
-    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        pass
 
 
 def make_admission(config: StoreConfig, seed: int = 0) -> Admission:
