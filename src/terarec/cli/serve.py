@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from terarec.io import ScratchDir
     from terarec.serving.workers import (
         SWAP_NOTICE,
+        UVICORN_OPTIONS,
         ServeOptions,
         WorkerError,
         build_app,
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         max_delay_ms=args.max_delay_ms,
         index=None if args.index is None else str(args.index), max_top_k=args.max_top_k)
     serve = {"host": args.host, "port": args.port, "log_level": args.log_level,
-             "access_log": False}
+             **UVICORN_OPTIONS}
     if args.sparse_tier:
         for flag in ("hot_rows", "hot_bytes", "sparse_deadline_ms", "hedge_floor_ms"):
             value = getattr(args, flag)

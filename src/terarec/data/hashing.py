@@ -37,18 +37,26 @@ _MISSING_TAG = np.uint64(0x6D697373696E6721)  # "missing!" in ASCII
 
 @numba.njit(cache=True, nogil=True)
 def _hash_strings(data: np.ndarray, offsets: np.ndarray, seeds: np.ndarray,
-                  missing: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+                  missing: np.ndarray, bounds: np.ndarray, valid: np.ndarray,
+                  valid_offset: int) -> np.ndarray:
     """Hash each ``data[offsets[i]:offsets[i+1]]``; values ``bounds[f]:bounds[f+1]``
-    belong to field ``f`` (seed ``seeds[f]``; empty ranges give ``missing[f]``), so the
-    columns of several fields hash in one call."""
+    belong to field ``f`` (seed ``seeds[f]``; empty ranges, and nulls in the Arrow
+    validity bitmap ``valid`` read from bit ``valid_offset``, give ``missing[f]``), so
+    the columns of several fields hash in one call."""
     n = offsets.shape[0] - 1
     out = np.empty(n, dtype=np.int64)
+    check = valid.shape[0] > 0
     for f in range(bounds.shape[0] - 1):
         seed = seeds[f]
         miss = missing[f]
         for i in range(bounds[f], bounds[f + 1]):
             lo = offsets[i]
             hi = offsets[i + 1]
+            if check:
+                bit = valid_offset + i
+                if (valid[bit >> 3] >> (bit & 7)) & 1 == 0:
+                    out[i] = miss
+                    continue
             if hi == lo:
                 out[i] = miss
                 continue
@@ -132,12 +140,13 @@ def _hash_bytes(arr: pa.Array, fields: Sequence[str], bounds: np.ndarray,
     offsets = offsets[arr.offset:arr.offset + n + 1]
     data = (np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None
             else np.empty(0, dtype=np.uint8))
-    keys = _hash_strings(data, offsets, seeds, missing, bounds)
-    if arr.null_count:
-        null = arr.is_null().to_numpy(zero_copy_only=False)
-        keys[null] = (missing[0] if len(fields) == 1
-                      else np.repeat(missing, np.diff(bounds))[null])
-    return keys
+    # Nulls are read from the validity bitmap inside the kernel (no mask array).
+    valid = (np.frombuffer(buffers[0], dtype=np.uint8) if arr.null_count
+             and buffers[0] is not None else _NO_BITMAP)
+    return _hash_strings(data, offsets, seeds, missing, bounds, valid, arr.offset)
+
+
+_NO_BITMAP = np.empty(0, dtype=np.uint8)
 
 
 def hash_columns(fields: Sequence[str], columns: Sequence[pa.Array], salt: str) -> np.ndarray:

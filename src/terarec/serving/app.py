@@ -206,6 +206,7 @@ class ServingApp(FastAPI):
         self._scoring = routes
         self._latency = {label: metrics.latency.labels(label) for _, label, _ in routes}
         self._metrics = metrics
+        self._counted: dict[tuple[str, int], Any] = {}  # (route, status) -> its counter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -239,7 +240,11 @@ class ServingApp(FastAPI):
         await _send_once(send, {"type": "http.response.start", "status": status,
                                 "headers": headers}, {"type": "http.response.body", "body": body})
         self._latency[label].observe(time.perf_counter() - start)
-        self._metrics.requests.labels(label, str(status)).inc()
+        counter = self._counted.get((label, status))
+        if counter is None:
+            counter = self._counted[label, status] = self._metrics.requests.labels(
+                label, str(status))
+        counter.inc()
 
 
 class _CollectedWrites:

@@ -125,6 +125,11 @@ class _Graph:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # Idle pool threads sleep instead of spinning: on cores shared with the event
+        # loop and the other workers, a spinning thread takes the time requests need.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         options.log_severity_level = 3
         from onnx import numpy_helper
 
@@ -138,10 +143,13 @@ class _Graph:
         session = ort.InferenceSession(self.proto.SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
 
+        run = session.run
+        outputs = ["logit"]
+
         def forward(d: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-            out = session.run(None, {"dense": np.ascontiguousarray(d.numpy()),
-                                     "emb": np.ascontiguousarray(e.numpy())})[0]
-            return torch.from_numpy(np.asarray(out)).reshape(d.shape[0])
+            out = run(outputs, {"dense": np.ascontiguousarray(d.numpy()),
+                                "emb": np.ascontiguousarray(e.numpy())})[0]
+            return torch.from_numpy(out.reshape(d.shape[0]))
 
         return forward
 

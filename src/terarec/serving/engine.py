@@ -353,8 +353,28 @@ class ServingEngine:
                 log.warning("%s was recreated (served version %s is gone or was "
                             "re-exported); switching to its version %s", self.storage.uri,
                             current.name, state.name)
+            if current is None:
+                self._warm_up(state)
             self._swap(state, reuse_cache=continues)
             return True
+
+    def _warm_up(self, state: ServedVersion) -> None:
+        """Run the request path on two one-row requests (every value missing; every
+        value ``"1"``) before the first version is served: compiled kernels (hashing,
+        unique keys, the hot cache's index) are loaded or compiled here, not on the
+        first client's request. ``state`` is not served yet, so no cache or metric is
+        touched."""
+        try:
+            for record in ({}, dict.fromkeys(state.feature_names, "1")):
+                batch = state.batch({}, [record])
+                state.logits(batch.dense, self.pooled(batch, state))
+            cache, row = RowCache(1, state.rows.row_dim), np.zeros((1, state.rows.row_dim),
+                                                                   np.float32)
+            for key in (1, 2):  # the second evicts the first
+                cache.put(np.full(1, key, np.int64), row)
+                cache.get(np.full(1, key, np.int64))
+        except Exception:  # a failed warm-up only costs the first request its compile
+            log.exception("warm-up of version %s failed", state.name)
 
     def _target(self, newest: str) -> Manifest | None:
         """The manifest of version ``newest``; when it is unreadable (refused), that of
@@ -485,9 +505,17 @@ class ServingEngine:
 
     def pooled(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
         """``[B, F, row_dim]``: the batch's keys looked up once each (unique keys of the
-        whole batch) and pooled per field with the training lookup code."""
+        whole batch) and pooled per field with the training lookup code.
+
+        With one key per (field, sample), the usual request, pooling is the row itself
+        (sum or mean of one), so the rows are gathered straight into ``[B, F, row_dim]``
+        in numpy: no padded weight table, no torch calls."""
         sparse = batch.sparse
         uniq, inverse = unique_inverse(sparse.values.numpy())
+        if sparse.one_per_slot:
+            fields, b = sparse.num_fields, sparse.batch_size
+            where = inverse.reshape(fields, b).T  # [B, F] positions among ``uniq``
+            return torch.from_numpy(self._rows_for(version, uniq)[where])
         weights = torch.zeros(len(uniq) + 1, version.rows.row_dim)
         weights[1:] = torch.from_numpy(self._rows_for(version, uniq))
         local = sparse.with_values(torch.from_numpy(inverse + 1))

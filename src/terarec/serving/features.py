@@ -269,14 +269,34 @@ def _common_columns(columns: Mapping[str, pa.Array], n: int, schema: FeatureSche
 
 def _assemble(ids: np.ndarray, numeric: np.ndarray, n: int, schema: FeatureSchema) -> Batch:
     """The Batch of ``n`` rows from the categorical keys (field-major, ``[F * n]``) and
-    the clean float64 numeric values ``[fields, n]`` (NaN where missing)."""
+    the clean float64 numeric values ``[fields, n]`` (NaN where missing), or ``[fields,
+    1]`` when every row shares them (a request whose numeric values are all context):
+    those are transformed once and broadcast."""
     dense = dense_features(numeric, schema)
     buckets = numeric_bucket_keys(numeric, schema)  # slots after the categorical ones
+    if numeric.shape[1] != n:
+        dense = np.repeat(dense, n, axis=0)
+        buckets = [np.repeat(b, n) for b in buckets]
     if buckets:
         ids = np.concatenate([ids, *buckets]).astype(np.int64, copy=False)
-    sparse = KeyedIds(schema.sparse_names, torch.from_numpy(ids),
-                      torch.arange(len(ids) + 1, dtype=torch.int64))
+    sparse = KeyedIds(_layout(schema).sparse_names, torch.from_numpy(ids),
+                      _slot_offsets(len(ids)))
+    sparse.__dict__["one_per_slot"] = True  # one key per slot, by construction
     return Batch(torch.from_numpy(dense), sparse, torch.zeros(n))
+
+
+_OFFSETS: dict[int, torch.Tensor] = {}
+
+
+def _slot_offsets(slots: int) -> torch.Tensor:
+    """``arange(slots + 1)``: the offsets of one key per slot, built once per size (read
+    only: a KeyedIds never writes its offsets)."""
+    offsets = _OFFSETS.get(slots)
+    if offsets is None:
+        if len(_OFFSETS) >= 1024:
+            _OFFSETS.clear()
+        offsets = _OFFSETS[slots] = torch.arange(slots + 1, dtype=torch.int64)
+    return offsets
 
 
 class _Layout:
@@ -286,6 +306,7 @@ class _Layout:
         self.cats = tuple(s.name for s in schema.categorical)
         self.nums = tuple(s.name for s in schema.numeric)
         self.single_valued = all(s.separator is None for s in schema.categorical)
+        self.sparse_names = schema.sparse_names
 
 
 _LAYOUTS: dict[int, tuple[FeatureSchema, _Layout]] = {}
@@ -316,10 +337,10 @@ def _gather(names: tuple[str, ...], context: Mapping[str, Any],
     for name in names:
         if name in row_names:
             try:  # requests decode to plain dicts: dict.get mapped in C, no Python frame
-                column = list(map(_DICT_GET, candidates, repeat(name, n)))
+                values.extend(map(_DICT_GET, candidates, repeat(name, n)))
             except TypeError:  # another Mapping
-                column = [c.get(name) for c in candidates]
-            values += column
+                del values[sum(lengths):]  # what the failed map appended
+                values.extend([c.get(name) for c in candidates])
             lengths.append(n)
         else:
             values.append(context.get(name))
@@ -352,17 +373,17 @@ def _listed_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
         cats = pa.nulls(len(cats), pa.string())
     elif not pa.types.is_string(cats.type):  # integers, bytes or a mix: checked elsewhere
         return None
-    bounds = np.zeros(len(cat_lengths) + 1, np.int64)
-    np.cumsum(cat_lengths, out=bounds[1:])
-    keys = hash_segments(layout.cats, cats, bounds, schema.hash_salt)
+    keys = hash_segments(layout.cats, cats, _bounds(cat_lengths), schema.hash_salt)
     ids = keys[_broadcast_index(cat_lengths, n)].reshape(-1)
-    numeric = np.empty((len(layout.nums), n), dtype=np.float64)
+    # Numeric values all from the context: one row, transformed once and broadcast.
+    shared = all(k == 1 for k in num_lengths)
+    numeric = np.empty((len(layout.nums), 1 if shared else n), dtype=np.float64)
     if layout.nums:
         if pa.types.is_null(nums.type):
             numeric.fill(np.nan)
             return _assemble(ids, numeric, n, schema)
         if pa.types.is_string(nums.type):  # numeric texts, parsed as a file's are
-            if pc.any(pc.equal(nums, "")).as_py():  # a missing value, as in a file
+            if "" in num_values:  # a missing value, as in a file: the long way
                 return None
             try:
                 x = pc.cast(nums, pa.float64()).to_numpy(zero_copy_only=False)
@@ -372,11 +393,38 @@ def _listed_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
             x = pc.cast(nums, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
         else:
             return None  # booleans: the column path converts them
-        valid = ~nums.is_null().to_numpy(zero_copy_only=False) if nums.null_count else True
-        if np.any(valid & ~(np.abs(x) <= FLOAT32_MAX)):  # NaN, infinite or beyond float32
+        fine = np.abs(x) <= FLOAT32_MAX  # False for NaN (a null too), inf, beyond float32
+        if not fine.all() and not np.all(fine | ~_valid(nums)):
             return None
-        numeric[:] = x[_broadcast_index(num_lengths, n)]
+        numeric[:] = x[:, None] if shared else x[_broadcast_index(num_lengths, n)]
     return _assemble(ids, numeric, n, schema)
+
+
+def _valid(values: pa.Array) -> np.ndarray:
+    """Bool ``[len(values)]``: not null, read from the Arrow validity bitmap."""
+    bitmap = values.buffers()[0]
+    if bitmap is None:
+        return np.ones(len(values), np.bool_)
+    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=values.offset + len(values),
+                         bitorder="little")
+    return bits[values.offset:].view(np.bool_)
+
+
+_BOUNDS: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _bounds(lengths: Sequence[int]) -> np.ndarray:
+    """``[0, cumsum(lengths)]``: segment bounds, built once per shape (read only)."""
+    key = tuple(lengths)
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        if len(_BOUNDS) >= 1024:
+            _BOUNDS.clear()
+        bounds = np.zeros(len(key) + 1, np.int64)
+        np.cumsum(key, out=bounds[1:])
+        bounds.flags.writeable = False
+        _BOUNDS[key] = bounds
+    return bounds
 
 
 def _one_row(values: list[Any]) -> pa.Array | None:

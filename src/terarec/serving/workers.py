@@ -28,6 +28,12 @@ from fastapi import FastAPI
 
 log = logging.getLogger(__name__)
 SWAP_NOTICE = "SERVED"
+# uvicorn settings of every server process: uvloop and the httptools parser; no access
+# log, no X-Forwarded-* rewriting (a middleware layer on every request; the server
+# does not log client addresses) and no Server header.
+UVICORN_OPTIONS: dict[str, Any] = {"loop": "uvloop", "http": "httptools",
+                                   "access_log": False, "proxy_headers": False,
+                                   "server_header": False}
 # A worker that dies sooner than this after starting is not restarted (it would only
 # fail again: a port in use, an unreadable export): the server stops instead.
 MIN_WORKER_LIFE_S = 10.0
@@ -168,5 +174,5 @@ def _worker(options: ServeOptions, host: str, port: int, log_level: str) -> None
     sock.bind((host, port))
     app = build_app(options)  # before listening: no connection waits for a load
     sock.listen(2048)
-    config = uvicorn.Config(app, log_level=log_level, access_log=False)
+    config = uvicorn.Config(app, log_level=log_level, **UVICORN_OPTIONS)
     uvicorn.Server(config).run(sockets=[sock])
