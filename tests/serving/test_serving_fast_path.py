@@ -431,3 +431,26 @@ def test_scoring_answer_is_one_write(engine, live_run, keep_alive):
         parsed = json.loads(answer)
         assert ("scores" in parsed) if status == b"200" else ("error" in parsed)
         assert closed is not keep_alive, (path, payload, head)
+
+
+def test_single_valued_pooling_gathers_each_slot_row(live_run):
+    """One key per (field, row): the pooled input is every slot's own row, read from the
+    version's rows, cold cache or warm, in [rows, fields, dim] order."""
+    engine = ServingEngine(live_run.export, cache_rows=1500, onnx=False)
+    try:
+        engine.refresh()
+        version = engine.served()
+        batch = version.batch({}, live_run.records[:16])
+        assert batch.sparse.one_per_slot
+        keys = batch.sparse.values.numpy()
+        fields, n = batch.sparse.num_fields, len(batch)
+        rows = version.source.lookup(keys)[0]  # field-major, like the keys
+        want = torch.from_numpy(rows.reshape(fields, n, -1).transpose(1, 0, 2).copy())
+        assert engine.cache is not None and len(engine.cache) == 0
+        for _ in range(2):  # cache misses, then hits
+            got = engine.pooled(batch, version)
+            assert got.shape == (n, fields, version.rows.row_dim)
+            assert torch.equal(got, want)
+        assert len(engine.cache) > 0
+    finally:
+        engine.close()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from terarec.data.hashing import hash_segments, hash_values, missing_key
 from terarec.data.readers import DataError, batch_from_records, csv_schema
 from terarec.serving.features import request_batch
 
@@ -92,3 +95,18 @@ def test_errors_name_the_context_or_the_candidate():
         request_batch({"n1": "many"}, [{"user": "a"}], SCHEMA)
     with pytest.raises(DataError, match=r"^candidates\[1\]: field 'item'"):
         request_batch({}, [{"item": "a"}, {"item": 1.5}], SCHEMA)
+
+
+def test_a_null_hashes_to_the_missing_key_whatever_bytes_its_slot_holds():
+    """Arrow leaves a null slot's bytes to the writer: the hashing kernel goes by the
+    validity bitmap (sliced arrays too), not by the slot being empty."""
+    values = pa.array(["ab", "cd", "ef"])
+    validity = pa.array([True, False, True]).buffers()[1]  # bits 1, 0, 1
+    masked = pa.Array.from_buffers(pa.string(), 3, [validity, *values.buffers()[1:]],
+                                   null_count=1)
+    keys = hash_segments(("f", "g"), masked, np.array([0, 2, 3]), "salt")
+    assert keys.tolist() == [hash_values("f", ["ab"], "salt")[0], missing_key("f", "salt"),
+                             hash_values("g", ["ef"], "salt")[0]]
+    tail = masked.slice(1, 2)
+    keys = hash_segments(("g",), tail, np.array([0, 2]), "salt")
+    assert keys.tolist() == [missing_key("g", "salt"), hash_values("g", ["ef"], "salt")[0]]

@@ -322,8 +322,9 @@ _PREDICT_DECODER = msgspec.json.Decoder(_PredictBody)
 
 
 def _decode_predict(body: bytes, version: ServedVersion, max_candidates: int
-                    ) -> tuple[Mapping[str, Any], list[dict[str, Any]]]:
-    """The body's context and candidates, checked against the served model.
+                    ) -> tuple[Mapping[str, Any], list[dict[str, Any]], frozenset[str] | None]:
+    """The body's context and candidates, checked against the served model, and the
+    candidates' feature names where the check found them (the conversion needs them).
 
     msgspec decodes a well-formed body in one pass and whole-request set operations
     check its feature names; anything either refuses (or that msgspec reads differently
@@ -334,12 +335,12 @@ def _decode_predict(body: bytes, version: ServedVersion, max_candidates: int
     except (msgspec.DecodeError, msgspec.ValidationError):
         fast = None
     if fast is not None and 0 < len(fast.candidates) <= max_candidates:
-        names = set().union(*fast.candidates)
+        names = frozenset().union(*fast.candidates)
         allowed = version.feature_set
         if names <= allowed and fast.context.keys() <= allowed \
                 and names.isdisjoint(fast.context):
-            return fast.context, fast.candidates
-    return _predict_request(_parse(PredictRequest, body), version, max_candidates)
+            return fast.context, fast.candidates, names
+    return (*_predict_request(_parse(PredictRequest, body), version, max_candidates), None)
 
 
 def _check_features(features: Mapping[str, Any], where: str,
@@ -352,9 +353,10 @@ def _check_features(features: Mapping[str, Any], where: str,
 
 
 def _request_batch(version: ServedVersion, context: Mapping[str, Any],
-                   candidates: list[dict[str, Any]], where: str) -> Batch:
+                   candidates: list[dict[str, Any]], where: str,
+                   row_names: frozenset[str] | None = None) -> Batch:
     try:
-        return version.batch(context, candidates)
+        return version.batch(context, candidates, row_names)
     except (DataError, ValueError, TypeError, pa.ArrowException) as exc:
         message = str(exc).replace("candidates[", f"{where}[", 1)
         raise BadRequest(message) from None
@@ -529,8 +531,8 @@ def create_app(engine: ServingEngine, *, model_name: str = "terarec",
         version = engine.served()
         require_route(version, "predict")
         raw = await _read_body(scope, receive, max_body_bytes)
-        context, candidates = _decode_predict(raw, version, max_candidates)
-        batch = _request_batch(version, context, candidates, "candidates")
+        context, candidates, names = _decode_predict(raw, version, max_candidates)
+        batch = _request_batch(version, context, candidates, "candidates", names)
         scores = await _scores(batcher, version, batch, "candidates")
         return {"model": model_name, "version": version.version, "scores": scores}
 

@@ -86,10 +86,12 @@ class ServedVersion:
         """What a request may send: the raw fields (features are computed, not sent)."""
         return tuple(f.name for f in (self.raw_schema or self.schema).fields)
 
-    def batch(self, context: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> Batch:
-        """Raw request values -> the Batch training would have built from the same row."""
+    def batch(self, context: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
+              row_names: frozenset[str] | None = None) -> Batch:
+        """Raw request values -> the Batch training would have built from the same row
+        (``row_names``: the records' keys, where the caller has them)."""
         if self.features is None:
-            return request_batch(context, records, self.schema)
+            return request_batch(context, records, self.schema, row_names)
         rows = self.features.apply_records([{**context, **r} for r in records])
         return request_batch({}, rows, self.schema)
 

@@ -108,14 +108,16 @@ def _plan(schema: FeatureSchema, row_names: frozenset[str]) -> _Plan:
 
 
 def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, Any]],
-                  schema: FeatureSchema) -> Batch:
-    """The Batch of rows ``{**context, **c}`` for every candidate ``c``.
+                  schema: FeatureSchema, row_names: frozenset[str] | None = None) -> Batch:
+    """The Batch of rows ``{**context, **c}`` for every candidate ``c`` (``row_names``:
+    every key of the candidates, where the caller has them).
 
     Errors are ``DataError``s naming ``context`` or ``candidates[i]`` and the field.
     """
     if not candidates:
         raise DataError("no candidates")
-    row_names = frozenset().union(*candidates)
+    if row_names is None:
+        row_names = frozenset().union(*candidates)
     if row_names.isdisjoint(context):
         fast = _listed_batch(context, candidates, schema, row_names)
         if fast is None:
