@@ -15,6 +15,7 @@ from terarec.train.defaults import (
     estimate_rows,
     sized_admission,
     sized_defaults,
+    sized_embedding_dim,
 )
 
 
@@ -61,7 +62,7 @@ def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
         args = _args(argv)
         explicit = explicit_config_keys(args)
         config, sized = apply_sized_defaults(config_from_args(args), [data], explicit)
-        assert set(sized) <= {"estimated_rows", "store.admit_min_count"}
+        assert set(sized) <= {"estimated_rows", "store.admit_min_count", "model.embedding_dim"}
         assert config.epochs == 1 and config.sparse_optimizer.lr == 0.05
         assert config.store.admit_min_count == 2  # admission is sized on its own
     assert explicit == {"dense_optimizer.lr"}
@@ -96,3 +97,29 @@ def test_admission_by_probability_is_not_given_a_sized_count(tmp_path: Path) -> 
                                          explicit_config_keys(args))
     assert config.store.admit_min_count == 1 and "store.admit_min_count" not in sized
     assert config.store.admit_probability == 0.5 and config.batch_size == 256
+
+
+def test_small_data_deepfm_is_narrower_and_its_dense_part_slower(tmp_path: Path) -> None:
+    data = tmp_path / "d.csv"
+    data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
+    sized_lr = TrainConfig().dense_optimizer.lr * (256 / 4096) ** 0.5
+
+    def sized(argv: list[str]) -> tuple[TrainConfig, dict]:
+        args = _args(argv)
+        return apply_sized_defaults(config_from_args(args), [data], explicit_config_keys(args))
+
+    config, chosen = sized([])  # deepfm is the default model
+    assert config.model.embedding_dim == 8 and chosen["model.embedding_dim"] == 8
+    assert config.dense_optimizer.lr == pytest.approx(sized_lr * 0.5)
+    config, chosen = sized(["--embedding-dim", "16"])  # a given width is kept
+    assert config.model.embedding_dim == 16 and "model.embedding_dim" not in chosen
+    assert config.dense_optimizer.lr == pytest.approx(sized_lr * 0.5)
+    config, chosen = sized(["--dense-lr", "0.001"])  # the width is sized on its own
+    assert config.model.embedding_dim == 8 and config.dense_optimizer.lr == 0.001
+    for model in ("lr", "widedeep", "dlrm"):  # other models: measured at the fixed shape
+        config, chosen = sized(["--model", model])
+        assert config.model.embedding_dim == TrainConfig().model.embedding_dim
+        assert config.dense_optimizer.lr == pytest.approx(sized_lr)
+    large = sized_defaults(10**9, "deepfm")
+    assert large["dense_optimizer.lr"] == TrainConfig().dense_optimizer.lr
+    assert sized_embedding_dim(10**9, "deepfm") == TrainConfig().model.embedding_dim

@@ -13,6 +13,11 @@ follow it::
     admit_min_count 2 below 100,000 rows, else 1               (a key seen once gets no
                                                                  row of its own)
 
+    DeepFM below 100,000 rows: embedding_dim 8 instead of 16 and half the dense learning
+    rate (``SMALL_DATA_DEEPFM``): keys seen a few times each fit fewer factors, and the
+    deep part, which overfits the first (DeepFM stops after one to three epochs while
+    its first-order part alone improves for ten), learns more slowly
+
 At 131,072 rows and above every value is the fixed default, so large runs are unchanged.
 
 With a validation set the epoch count is only an upper bound (patience stops training);
@@ -21,7 +26,9 @@ optimizer steps: on small data a linear model still improving after ten short ep
 was cut off by the bound, not by its validation loss.
 A run that gives any of the first four (flag or config file) gets the fixed defaults for
 the rest: they are tuned together. Admission is separate: it is sized unless
-``store.admit_min_count`` itself is given. On few rows a key seen once has one label to
+``store.admit_min_count`` itself is given; so is the embedding width, unless
+``model.embedding_dim`` is given (a checkpoint fixes the width: a resumed run keeps its
+own, ``config.resumed_config``). On few rows a key seen once has one label to
 fit, so its own row learns noise; unadmitted keys share the store's zero row.
 With a validation set on small data the run is refit (``refit_by_default``): once
 validation has picked the best epoch count, a fresh model trains that many epochs on
@@ -53,6 +60,10 @@ SMALL_DATA_ADMIT = 2
 # The epoch upper bound with a validation set: room for this many steps, within limits.
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
+DIM_KEY = "model.embedding_dim"
+# Per model, below SMALL_DATA_ROWS: the embedding width and the dense learning rate's
+# factor (docs/models.md: measured on the three real samples and the synthetic data).
+SMALL_DATA_DEEPFM = {"deepfm": (8, 0.5)}
 
 
 def estimate_rows(paths: Iterable[str | Path]) -> int | None:
@@ -82,16 +93,25 @@ def estimate_rows(paths: Iterable[str | Path]) -> int | None:
     return total
 
 
-def sized_defaults(rows: int) -> dict[str, float | int]:
-    """The data-sized values of ``SIZED_KEYS`` for ``rows`` training rows."""
+def sized_defaults(rows: int, model: str = "") -> dict[str, float | int]:
+    """The data-sized values of ``SIZED_KEYS`` for ``rows`` training rows of ``model``."""
     batch = 2 ** round(math.log2(max(rows, 1) / STEPS_PER_EPOCH))
     batch = int(min(MAX_BATCH, max(MIN_BATCH, batch)))
     scale = math.sqrt(batch / MAX_BATCH)
+    small = rows < SMALL_DATA_ROWS
+    dense_factor = SMALL_DATA_DEEPFM[model][1] if small and model in SMALL_DATA_DEEPFM else 1.0
     base = TrainConfig()
     return {"batch_size": batch,
-            "epochs": SMALL_DATA_EPOCHS if rows < SMALL_DATA_ROWS else base.epochs,
+            "epochs": SMALL_DATA_EPOCHS if small else base.epochs,
             "sparse_optimizer.lr": base.sparse_optimizer.lr * scale,
-            "dense_optimizer.lr": base.dense_optimizer.lr * scale}
+            "dense_optimizer.lr": base.dense_optimizer.lr * scale * dense_factor}
+
+
+def sized_embedding_dim(rows: int, model: str) -> int:
+    """The data-sized ``model.embedding_dim`` of ``model`` for ``rows`` training rows."""
+    if rows < SMALL_DATA_ROWS and model in SMALL_DATA_DEEPFM:
+        return SMALL_DATA_DEEPFM[model][0]
+    return TrainConfig().model.embedding_dim
 
 
 def max_epochs(rows: int | None, batch_size: int) -> int:
@@ -123,12 +143,14 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
     """``config`` with the data-sized values, unless ``explicit`` (the keys given by a flag
     or a config file) holds any of ``SIZED_KEYS``: batch size, learning rates and epochs
     belong together, so a run that sets one of them keeps the fixed defaults for the
-    others. The admission count is sized unless ``ADMIT_KEY`` is explicit. Returns the
-    config and what was set (empty when nothing was)."""
+    others. The admission count is sized unless ``ADMIT_KEY`` is explicit, the embedding
+    width unless ``DIM_KEY`` is. Returns the config and what was set (empty when nothing
+    was)."""
     sized_schedule = not explicit & set(SIZED_KEYS)
     # A probability admits by draws, not counts: no count to size next to it.
     sized_admit = ADMIT_KEY not in explicit and config.store.admit_probability is None
-    if not (sized_schedule or sized_admit):
+    sized_dim = DIM_KEY not in explicit
+    if not (sized_schedule or sized_admit or sized_dim):
         return config, {}
     rows = estimate_rows(paths)
     if rows is None:
@@ -139,9 +161,14 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
         if admit != config.store.admit_min_count:
             config = replace(config, store=replace(config.store, admit_min_count=admit))
             set_[ADMIT_KEY] = admit
+    if sized_dim:
+        dim = sized_embedding_dim(rows, config.model.name)
+        if dim != config.model.embedding_dim:
+            config = replace(config, model=replace(config.model, embedding_dim=dim))
+            set_[DIM_KEY] = dim
     if not sized_schedule:
         return config, set_ if len(set_) > 1 else {}
-    chosen = sized_defaults(rows)
+    chosen = sized_defaults(rows, config.model.name)
     sparse, dense = config.sparse_optimizer, config.dense_optimizer
     if "sparse_optimizer.lr" in chosen:
         sparse = replace(sparse, lr=chosen["sparse_optimizer.lr"])
