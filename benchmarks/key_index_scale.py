@@ -27,7 +27,7 @@ Prints ONE JSON line: per key count the figures above, ``sps_ratio_vs_ram_index`
 budget), and the per-key RAM extrapolated to 10^9 and 10^10 keys for both indexes.
 
 Usage: ``python benchmarks/key_index_scale.py --keys 10000000 [--keys 100000000]
-[--pass-draws 2000000] [--passes 5] [--hot-rows 200000] [--arms ram,disk,disk-equal]
+[--pass-draws 2000000] [--passes 5] [--hot-rows 200000] [--arms index,ram,disk,disk-equal]
 [--store-max-keys 1e7]``.
 """
 
@@ -56,6 +56,7 @@ from terarec.kernels import splitmix64_array
 
 ROW_DIM = 16  # 64 B of fp32 values per row
 LOAD_CHUNK = 1 << 20
+STORE_ARMS = ("ram", "disk", "disk-equal")
 
 
 def _vmhwm() -> int:
@@ -205,7 +206,13 @@ def _ram_index_bytes(n: int) -> int:
     return 2 * 16 * cap + 4 * mirror
 
 
+def _folder_bytes(folder: Path) -> int:
+    """Disk space the arm's files take (allocated blocks: slabs may be sparse)."""
+    return sum(f.stat().st_blocks * 512 for f in folder.rglob("*") if f.is_file())
+
+
 def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
+    start = time.perf_counter()
     passes = _passes(n, args.passes + 1, args.pass_draws, args.zipf, args.seed + 1)
     optimizer = SparseOptimizer(SparseOptimizerConfig(name="adagrad"))
     row_bytes = 4 * (ROW_DIM + optimizer.state_dim(ROW_DIM) + 3) + 8 + 2 + 96
@@ -246,8 +253,10 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
             timed_s += time.perf_counter() - t0
             samples += args.pass_draws / args.features
     tiers = store.tier_stats()
+    folder_bytes = _folder_bytes(folder)
     store.close()
     return {"arm": arm, "sps": int(samples / timed_s), "load_rows_per_s": int(n / load_s),
+            "seconds": round(time.perf_counter() - start, 1), "folder_bytes": folder_bytes,
             "memory_budget_bytes": budget, "memory_capacity": tiers.memory_capacity,
             "hit_rate": round(tiers.hits / max(tiers.hits + tiers.misses, 1), 3),
             "index_bytes": tiers.index_bytes, "peak_rss_bytes": _vmhwm()}
@@ -272,7 +281,9 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--features", type=int, default=26, help="keys per sample, for sps")
     p.add_argument("--hot-rows", type=int, default=200_000)
-    p.add_argument("--arms", default="ram,disk,disk-equal")
+    p.add_argument("--arms", default="index,ram,disk,disk-equal",
+                   help="parts to run, each in its own process (at 10^8 keys an arm takes "
+                   "minutes: run them one invocation each)")
     p.add_argument("--baseline-max-keys", type=float, default=1e8,
                    help="skip the in-RAM baselines above this many keys (RAM)")
     p.add_argument("--store-max-keys", type=float, default=1e7,
@@ -298,10 +309,15 @@ def main() -> None:
         return
     start = time.perf_counter()
     results = {}
+    parts = [a for a in args.arms.split(",") if a]
+    unknown = set(parts) - {"index", *STORE_ARMS}
+    if unknown:
+        raise SystemExit(f"--arms: unknown {sorted(unknown)}; expected index, "
+                         f"{', '.join(STORE_ARMS)}")
     for n in sizes:
-        r = _child(args, "index", n)
-        arms = {a: _child(args, a, n) for a in args.arms.split(",")
-                if a and n <= args.store_max_keys}
+        r = _child(args, "index", n) if "index" in parts else {"keys": n}
+        arms = {a: _child(args, a, n) for a in parts
+                if a in STORE_ARMS and n <= args.store_max_keys}
         if "disk" in arms:
             r.update({"sps_disk_index": arms["disk"]["sps"],
                       "peak_rss_bytes": arms["disk"]["peak_rss_bytes"],
@@ -318,8 +334,8 @@ def main() -> None:
         r["arms"] = arms
         results[str(n)] = r
     big = results[str(max(sizes))]
-    cold = big["ram_bytes_per_cold_key"]
-    extrapolated = {f"1e{e}": {
+    cold = big.get("ram_bytes_per_cold_key")
+    extrapolated = {} if cold is None else {f"1e{e}": {
         "disk_index_ram_bytes": int(cold * 10 ** e),
         "disk_index_file_bytes": 20 * 10 ** e,
         **({"ram_index_ram_bytes": int(big["ram_index_bytes_per_key"] * 10 ** e)}
