@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.index import KeyIndex
@@ -72,16 +74,20 @@ def _key(ranks: np.ndarray) -> np.ndarray:
     return splitmix64_array(ranks.astype(np.uint64)).view(np.int64)
 
 
-def _passes(n_keys: int, passes: int, draws: int, zipf: float, seed: int
-            ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per pass: its unique keys (shuffled) and their show counts (Zipf draws)."""
+def _passes(n_keys: int, passes: int, draws: int, zipf: float, seed: int, features: int
+            ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per pass: its unique keys (shuffled), their show counts (Zipf draws) and its
+    samples: ``draws // features`` rows of ``features`` positions into the unique keys."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(passes):
         ranks = (rng.zipf(zipf, draws) - 1) % n_keys
-        uniq, counts = np.unique(ranks, return_counts=True)
+        uniq, inverse, counts = np.unique(ranks, return_inverse=True, return_counts=True)
         order = rng.permutation(len(uniq))
-        out.append((_key(uniq[order]), counts[order].astype(np.float32)))
+        where = np.empty(len(uniq), np.int32)
+        where[order] = np.arange(len(uniq), dtype=np.int32)
+        samples = where[inverse[:draws // features * features]].reshape(-1, features)
+        out.append((_key(uniq[order]), counts[order].astype(np.float32), samples))
     return out
 
 
@@ -101,7 +107,7 @@ def _rate(fn, keys: np.ndarray) -> float:
 
 
 def run_index(args: argparse.Namespace, n: int, folder: Path) -> dict:
-    passes = _passes(n, 4, args.pass_draws, args.zipf, args.seed)
+    passes = _passes(n, 4, args.pass_draws, args.zipf, args.seed, args.features)
     runs = RunIndex(folder)
     t0 = time.perf_counter()
     for lo in range(0, n, LOAD_CHUNK):
@@ -112,7 +118,7 @@ def run_index(args: argparse.Namespace, n: int, folder: Path) -> dict:
     build_s = time.perf_counter() - t0
     runs.plan(passes[0][0])  # compile and warm the page cache
     warm = []
-    for keys, _ in passes[1:3]:
+    for keys, _, _ in passes[1:3]:
         runs.end_pass()
         runs.end_pass()  # nothing planned: the hot level is empty, every key is cold
         warm.append(_rate(runs.plan, keys))
@@ -126,7 +132,7 @@ def run_index(args: argparse.Namespace, n: int, folder: Path) -> dict:
     out = {"keys": n, "runs": len(runs.runs), "run_file_bytes": runs.file_bytes,
            "ram_bytes_per_cold_key": round(runs.nbytes / n, 3),
            "ram_bytes_per_hot_key": round(hot_bytes, 1),
-           "pass_unique_keys": int(np.mean([len(k) for k, _ in passes])),
+           "pass_unique_keys": int(np.mean([len(k) for k, _, _ in passes])),
            "resolve_keys_per_s_warm": int(np.median(warm)),
            "resolve_keys_per_s_cold": int(cold),
            "build_keys_per_s": int(n / build_s),
@@ -142,7 +148,7 @@ def run_index(args: argparse.Namespace, n: int, folder: Path) -> dict:
         out.update({
             "ram_index_bytes_per_key": round((index.nbytes + 4 * n) / n, 1),
             "resolve_keys_per_s_warm_ram_index": int(np.median(
-                [_rate(index.lookup, k) for k, _ in passes[1:3]])),
+                [_rate(index.lookup, k) for k, _, _ in passes[1:3]])),
             "build_keys_per_s_ram_index": int(n / build_s)})
         del index
     if n <= args.engine_max_keys:
@@ -180,7 +186,7 @@ def run_lmdb(n: int, passes: list, folder: Path) -> dict:
     build_s = time.perf_counter() - t0
     del keys, be_keys, slots
     rates = []
-    for q, _ in passes[1:3]:
+    for q, _, _ in passes[1:3]:
         q = np.sort(q & np.int64(0x7FFFFFFFFFFFFFFF)).astype(">i8")
         t0 = time.perf_counter()
         with env.begin() as txn, txn.cursor() as cur:
@@ -191,6 +197,53 @@ def run_lmdb(n: int, passes: list, folder: Path) -> dict:
     env.close()
     return {"resolve_keys_per_s_warm_lmdb": int(np.median(rates)),
             "build_keys_per_s_lmdb": int(n / build_s), "lmdb_file_bytes": size}
+
+
+class _DeepFM:
+    """A pass of real training over the pulled rows: DeepFM (15-wide factors plus the
+    linear weight: the 16 values of a row) in batches of ``--batch`` samples, the rows
+    updated by the store's sparse optimizer at every step and the network by Adam, as
+    the trainer does. Labels are random: the cost, not the model, is measured."""
+
+    def __init__(self, args: argparse.Namespace, rng: np.random.Generator) -> None:
+        from terarec.config import ModelConfig
+        from terarec.models.fm import DeepFM
+        from terarec.types import FeatureSchema, FieldSpec
+
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(args.seed)
+        schema = FeatureSchema(label="label", missing_flags=False, fields=tuple(
+            FieldSpec(f"C{i}", "categorical") for i in range(args.features)))
+        self.model = DeepFM(schema, ModelConfig(name="deepfm", embedding_dim=ROW_DIM - 1))
+        self.dense_opt = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.sparse = SparseOptimizer(SparseOptimizerConfig(name="adagrad"))
+        self.batch, self.rng = args.batch, rng
+
+    def train(self, block: RowBlock, admitted: np.ndarray, samples: np.ndarray) -> None:
+        n = len(admitted)  # working-set rows: 0 is the zero row of keys not admitted
+        row = np.zeros(n, np.int64)
+        row[admitted] = np.arange(1, int(admitted.sum()) + 1)
+        weights = torch.zeros(len(block.values) + 1, ROW_DIM)
+        state = torch.zeros(len(block.values) + 1, block.state.shape[1])
+        weights[1:] = torch.from_numpy(block.values)
+        state[1:] = torch.from_numpy(block.state)
+        ids = torch.from_numpy(row[samples])
+        labels = torch.from_numpy((self.rng.random(len(samples)) < 0.2).astype(np.float32))
+        dense = torch.zeros(self.batch, 0)
+        scratch = np.full(len(weights), -1, np.int64)
+        for lo in range(0, len(ids), self.batch):
+            b_ids = ids[lo:lo + self.batch]
+            emb = weights[b_ids].requires_grad_()
+            logits = self.model(dense[:len(b_ids)], emb)
+            loss = F.binary_cross_entropy_with_logits(logits, labels[lo:lo + self.batch])
+            self.dense_opt.zero_grad()
+            loss.backward()
+            self.dense_opt.step()
+            assert emb.grad is not None
+            self.sparse.step(weights, state, b_ids.reshape(-1),
+                             emb.grad.reshape(-1, ROW_DIM), scratch)
+        block.values[:] = weights[1:].numpy()
+        block.state[:] = state[1:].numpy()
 
 
 def _ram_index_bytes(n: int) -> int:
@@ -213,13 +266,14 @@ def _folder_bytes(folder: Path) -> int:
 
 def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
     start = time.perf_counter()
-    passes = _passes(n, args.passes + 1, args.pass_draws, args.zipf, args.seed + 1)
+    passes = _passes(n, args.warmup_passes + args.passes + 1, args.pass_draws, args.zipf,
+                     args.seed + 1, args.features)
     optimizer = SparseOptimizer(SparseOptimizerConfig(name="adagrad"))
     row_bytes = 4 * (ROW_DIM + optimizer.state_dim(ROW_DIM) + 3) + 8 + 2 + 96
     # The same budget for both arms: what the in-RAM index needs plus ``hot_rows`` rows;
     # "disk-equal": the disk index's own needs (directories; a hot level holding this
     # pass's and the planned next pass's keys, about 70 B each) plus ``hot_rows`` rows.
-    uniq = max(len(k) for k, _ in passes)
+    uniq = max(len(k) for k, _, _ in passes)
     budget = args.hot_rows * row_bytes + (
         int(1.1 * n + 200 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
     arm_index = "disk" if arm == "disk-equal" else arm
@@ -238,24 +292,28 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
     t0 = time.perf_counter()
     store.load_rows(chunks(), {})
     load_s = time.perf_counter() - t0
-    timed_s, samples = 0.0, 0.0
-    for pass_id, (keys, show) in enumerate(passes[:-1]):
+    trainer = _DeepFM(args, rng) if args.model == "deepfm" else None
+    rates = []
+    for pass_id, (keys, show, samples) in enumerate(passes[:-1]):
         t0 = time.perf_counter()
         block, admitted = store.pull(keys, show, np.zeros_like(show), pass_id)
         prefetch = threading.Thread(target=store.prefetch, args=(passes[pass_id + 1][0],))
         prefetch.start()
-        block.values *= np.float32(0.999)  # the pass's update of its rows
-        block.state += np.float32(1.0)
+        if trainer is not None:
+            trainer.train(block, admitted, samples)
+        else:  # the store's share of a step alone: a fixed update of the pulled rows
+            block.values *= np.float32(0.999)
+            block.state += np.float32(1.0)
         prefetch.join()
         store.push(keys[admitted], RowBlock(block.values, block.state))
         store.end_pass(pass_id)
-        if pass_id:  # the first pass compiles and warms up
-            timed_s += time.perf_counter() - t0
-            samples += args.pass_draws / args.features
+        if pass_id >= args.warmup_passes:  # the first passes compile and warm up
+            rates.append(len(samples) / (time.perf_counter() - t0))
     tiers = store.tier_stats()
     folder_bytes = _folder_bytes(folder)
     store.close()
-    return {"arm": arm, "sps": int(samples / timed_s), "load_rows_per_s": int(n / load_s),
+    return {"arm": arm, "sps": int(np.median(rates)), "sps_passes": [int(r) for r in rates],
+            "load_rows_per_s": int(n / load_s),
             "seconds": round(time.perf_counter() - start, 1), "folder_bytes": folder_bytes,
             "memory_budget_bytes": budget, "memory_capacity": tiers.memory_capacity,
             "hit_rate": round(tiers.hits / max(tiers.hits + tiers.misses, 1), 3),
@@ -270,6 +328,12 @@ def _child(args: argparse.Namespace, what: str, n: int) -> dict:
         if done.returncode:
             raise SystemExit(f"{what} at {n} keys failed:\n{done.stderr[-3000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _paired_ratio(a: list[dict], b: list[dict]) -> float:
+    """Median over the repeats of each repeat's sps ratio (paired: run under the same
+    load, one after the other)."""
+    return round(float(np.median([x["sps"] / y["sps"] for x, y in zip(a, b, strict=True)])), 3)
 
 
 def main() -> None:
@@ -291,6 +355,16 @@ def main() -> None:
                    "80 B records takes minutes at 10^8)")
     p.add_argument("--engine-max-keys", type=float, default=1e7,
                    help="measure LMDB (if installed) up to this many keys")
+    p.add_argument("--model", choices=("deepfm", "none"), default="deepfm",
+                   help="the dense model trained in each store pass (none: the store's "
+                   "share of a step alone, a fixed update of the pulled rows)")
+    p.add_argument("--batch", type=int, default=4096, help="samples per training step")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--warmup-passes", type=int, default=2,
+                   help="untimed store passes first (compilation, page cache)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the store arms this many times, interleaved; sps and "
+                   "ratios are medians over the repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="scratch folder (default: the system's)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -299,6 +373,9 @@ def main() -> None:
     args.pass_through = ["--pass-draws", str(args.pass_draws), "--passes", str(args.passes),
                          "--zipf", str(args.zipf), "--features", str(args.features),
                          "--hot-rows", str(args.hot_rows), "--seed", str(args.seed),
+                         "--model", args.model, "--batch", str(args.batch),
+                         "--threads", str(args.threads),
+                         "--warmup-passes", str(args.warmup_passes),
                          "--baseline-max-keys", str(args.baseline_max_keys),
                          "--engine-max-keys", str(args.engine_max_keys)]
     if args.child:
@@ -316,21 +393,31 @@ def main() -> None:
                          f"{', '.join(STORE_ARMS)}")
     for n in sizes:
         r = _child(args, "index", n) if "index" in parts else {"keys": n}
-        arms = {a: _child(args, a, n) for a in parts
-                if a in STORE_ARMS and n <= args.store_max_keys}
+        names = [a for a in parts if a in STORE_ARMS and n <= args.store_max_keys]
+        runs: dict[str, list[dict]] = {a: [] for a in names}
+        for _ in range(args.repeats):  # interleaved: a load change hits every arm
+            for a in names:
+                runs[a].append(_child(args, a, n))
+        arms = {a: {**max(rs, key=lambda x: x["peak_rss_bytes"]),
+                    "sps": int(np.median([x["sps"] for x in rs])),
+                    "sps_repeats": [x["sps"] for x in rs]} for a, rs in runs.items()}
+
         if "disk" in arms:
             r.update({"sps_disk_index": arms["disk"]["sps"],
                       "peak_rss_bytes": arms["disk"]["peak_rss_bytes"],
                       "memory_budget_bytes": arms["disk"]["memory_budget_bytes"],
                       "rss_target_bytes": (2 << 30) + arms["disk"]["memory_budget_bytes"]})
+        if "disk-equal" in arms:
+            r.update({"peak_rss_disk_equal_bytes": arms["disk-equal"]["peak_rss_bytes"],
+                      "rss_target_disk_equal_bytes":
+                          (2 << 30) + arms["disk-equal"]["memory_budget_bytes"]})
         if "ram" in arms:
             r.update({"sps_ram_index": arms["ram"]["sps"],
                       "peak_rss_ram_index_bytes": arms["ram"]["peak_rss_bytes"]})
         if "ram" in arms and "disk" in arms:
-            r["sps_ratio_vs_ram_index"] = round(arms["disk"]["sps"] / arms["ram"]["sps"], 3)
+            r["sps_ratio_vs_ram_index"] = _paired_ratio(runs["disk"], runs["ram"])
         if "ram" in arms and "disk-equal" in arms:
-            r["sps_ratio_equal_hot_rows"] = round(
-                arms["disk-equal"]["sps"] / arms["ram"]["sps"], 3)
+            r["sps_ratio_equal_hot_rows"] = _paired_ratio(runs["disk-equal"], runs["ram"])
         r["arms"] = arms
         results[str(n)] = r
     big = results[str(max(sizes))]
@@ -342,7 +429,8 @@ def main() -> None:
            if "ram_index_bytes_per_key" in big else {})} for e in (9, 10)}
     print(json.dumps({"benchmark": "key_index_scale", "sizes": results,
                       "extrapolated": extrapolated, "pass_draws": args.pass_draws,
-                      "zipf": args.zipf, "hot_rows": args.hot_rows,
+                      "zipf": args.zipf, "hot_rows": args.hot_rows, "model": args.model,
+                      "repeats": args.repeats, "warmup_passes": args.warmup_passes,
                       "loadavg": [round(x, 2) for x in os.getloadavg()],
                       "seconds": round(time.perf_counter() - start, 1)}))
 
