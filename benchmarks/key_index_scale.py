@@ -11,16 +11,20 @@ disk), one process per part below, so that each peak resident set (VmHWM) is its
   ``KeyIndex`` over the same keys with its 4 B last-seen mirror, on the same passes.
 * ``ram`` / ``disk``: a ``TieredStore`` (16 fp32 values = 64 B per row, Adagrad) loaded
   with the N rows, then store passes driven as the trainer drives them: ``pull`` the pass's
-  unique keys, ``prefetch`` the next pass's keys in a thread while the pass "trains" (a
-  fixed update of the pulled rows, no dense model: the store's share of a training step,
-  so the ratio is a lower bound of what a model's compute would dilute), ``push``,
-  ``end_pass``. Both arms get the same budget: what the in-RAM index needs plus
+  unique keys, ``prefetch`` the next pass's keys in a thread while the pass trains
+  (``--model deepfm``: DeepFM over the pass's samples, ``--features`` keys each, in
+  batches of ``--batch``, rows updated by Adagrad and the network by Adam at every step;
+  ``--model none``: a fixed update of the pulled rows, the store's share alone),
+  ``push``, ``end_pass``. Both arms get the same budget: what the in-RAM index needs plus
   ``--hot-rows`` rows; the disk index spends the RAM it saves on more hot rows.
 * ``disk-equal``: the disk index with a budget for only ``--hot-rows`` rows plus its own
   needs (directories and a hot level for a pass's keys): the index's own cost, without
   the extra hot rows (``sps_ratio_equal_hot_rows``).
 
-``sps`` counts samples of ``--features`` keys.
+``sps`` counts samples of ``--features`` keys: the median over the timed passes (after
+``--warmup-passes``). ``--repeats R`` runs the store arms R times, interleaved (ram,
+disk, disk-equal, ram, ...), so that a change of the machine's load hits every arm; an
+arm's ``sps`` is the median of its repeats and a ratio the median of the repeats' ratios.
 
 Prints ONE JSON line: per key count the figures above, ``sps_ratio_vs_ram_index``
 (target >= 0.8), ``peak_rss_bytes`` of the disk arm (target at 10^8 keys: <= 2 GB + its
@@ -28,7 +32,9 @@ budget), and the per-key RAM extrapolated to 10^9 and 10^10 keys for both indexe
 
 Usage: ``python benchmarks/key_index_scale.py --keys 10000000 [--keys 100000000]
 [--pass-draws 2000000] [--passes 5] [--hot-rows 200000] [--arms index,ram,disk,disk-equal]
-[--store-max-keys 1e7]``.
+[--store-max-keys 1e7] [--model deepfm] [--repeats 3]``. At 10^8 keys an arm loads
+10^8 rows (10 GB of slabs and runs, removed after each arm) for minutes: run the arms
+one invocation each (``--arms disk --store-max-keys 1e8``).
 """
 
 from __future__ import annotations
