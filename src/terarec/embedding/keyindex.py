@@ -17,10 +17,14 @@ runs, newest first: a merge of the sorted queries with each run's fences, one bi
 search inside a 4 KB block per query that passes the Bloom filter (sequential reads, no
 per-key random I/O beyond the block). Resolved keys (and known-absent ones) enter the hot
 level for the rest of the pass. Changed entries are flushed as a new run at pass end (or
-when the hot level passes ``buffer_keys``); runs are merged size-tiered (the newer of two
-runs is merged into the older while the older is at most twice its size), so there are
+when the hot level passes ``buffer_keys``); runs are merged size-tiered (the newest runs
+are merged into the one before them while it is at most twice their size), so there are
 O(log n) runs and each entry is rewritten O(log n) times. A merge keeps the newest entry
 of each key and drops removed keys (tombstones: slot -1) once it reaches the oldest run.
+Merges run in a background thread (``background=True``): their inputs are immutable, so
+lookups go on against them and the merged run replaces them in one step when written;
+only that swap waits for a resolution in flight. Evicting keys (any policy) writes
+tombstones in the next flushed run, never a merge of its own.
 
 The last-seen pass lives with the key in the runs (no RAM mirror). Checkpoints list the
 runs in ``index.safetensors`` and hard-link their files: runs are never written again.
@@ -33,6 +37,7 @@ import json
 import mmap
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -226,7 +231,8 @@ class RunIndex:
     ``end_pass`` flushes, merges and forgets the keys not planned for the next pass.
     """
 
-    def __init__(self, folder: str | Path, buffer_keys: int = BUFFER_KEYS) -> None:
+    def __init__(self, folder: str | Path, buffer_keys: int = BUFFER_KEYS,
+                 background: bool = True) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         for old in self.folder.glob("run-*"):
@@ -234,6 +240,13 @@ class RunIndex:
         self.buffer_keys = int(buffer_keys)
         self._limit = self.buffer_keys  # raised while this pass's own keys need more
         self.runs: list[Run] = []  # oldest first
+        # Guards the runs list and keeps its runs' files open: held by resolutions and
+        # scans, and by a merge only to swap its output in (re-entrant: a scan may flush).
+        self._lock = threading.RLock()
+        self.background = background
+        self._merger: threading.Thread | None = None
+        self._merge_error: BaseException | None = None
+        self.merges = 0  # merges done (stats)
         self._run_id = 0
         self._next_slot = 0
         self._free = np.empty(16, np.int64)
@@ -282,16 +295,18 @@ class RunIndex:
         """RAM held: run directories, the hot level and the free-slot list."""
         hot = (self._hot.nbytes + self._h_slot.nbytes + self._h_seen.nbytes
                + self._h_dirty.nbytes + self._h_gen.nbytes)
-        return sum(r.nbytes for r in self.runs) + hot + self._free.nbytes
+        return self.directory_bytes + hot + self._free.nbytes
 
     @property
     def directory_bytes(self) -> int:
         """RAM of the runs' directories alone: what every key costs."""
-        return sum(r.nbytes for r in self.runs)
+        with self._lock:
+            return sum(r.nbytes for r in self.runs)
 
     @property
     def file_bytes(self) -> int:
-        return sum(20 * r.n for r in self.runs)
+        with self._lock:
+            return sum(20 * r.n for r in self.runs)
 
     # -- lookups ------------------------------------------------------------------------
     def _resolve(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -301,6 +316,13 @@ class RunIndex:
         seen = np.zeros(n, np.int32)
         if not n or not self.runs:
             return slots, seen
+        with self._lock:  # a merge finishing meanwhile swaps its output in after this
+            self._resolve_sorted(keys, slots, seen)
+        self.resolved += n
+        return slots, seen
+
+    def _resolve_sorted(self, keys: np.ndarray, slots: np.ndarray, seen: np.ndarray) -> None:
+        n = len(keys)
         order = np.argsort(keys)
         q = keys[order]
         todo = np.arange(n, dtype=np.int64)
@@ -328,8 +350,6 @@ class RunIndex:
             todo = todo[~hit]
         slots[order] = s_sorted
         seen[order] = t_sorted
-        self.resolved += n
-        return slots, seen
 
     def _entries(self, keys: np.ndarray, gen: int) -> np.ndarray:
         """Hot positions of distinct ``keys``, resolving the misses in one sorted batch."""
@@ -406,12 +426,15 @@ class RunIndex:
 
     # -- runs ---------------------------------------------------------------------------
     def _new_name(self) -> str:
-        self._run_id += 1
-        return f"run-{self._run_id:06d}"
+        with self._lock:
+            self._run_id += 1
+            return f"run-{self._run_id:06d}"
 
     def flush(self, items: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """Write the changed hot entries as a new run (then merge size-tiered);
-        ``items``: the hot level's (keys, positions) when the caller has them."""
+        """Write the changed hot entries as a new run (then merge size-tiered, in the
+        background unless ``background`` is off); ``items``: the hot level's (keys,
+        positions) when the caller has them."""
+        self._check()
         keys, pos = self._hot.items() if items is None else items
         dirty = self._h_dirty[pos]
         if not dirty.any():
@@ -421,30 +444,85 @@ class RunIndex:
         keys, pos = keys[order], pos[order]
         writer = _RunWriter(self.folder, self._new_name())
         writer.append(keys, self._h_slot[pos], self._h_seen[pos])
-        self.runs.append(writer.close())
+        run = writer.close()
+        with self._lock:
+            self.runs.append(run)
         self._h_dirty[pos] = False
-        while len(self.runs) >= 2 and self.runs[-2].n <= MERGE_RATIO * self.runs[-1].n:
-            self._merge(len(self.runs) - 2)
+        self._schedule()
 
-    def _merge(self, first: int) -> None:
-        """Merge runs[first:] into one run, chunk by chunk in key order."""
-        inputs = self.runs[first:]
-        oldest = first == 0
+    def _plan(self) -> list[Run] | None:
+        """The newest runs a size-tiered merge folds together (None: none due): the
+        newest, then each run before while it is at most ``MERGE_RATIO`` times what is
+        gathered so far."""
+        with self._lock:
+            runs = self.runs
+            if len(runs) < 2 or runs[-2].n > MERGE_RATIO * runs[-1].n:
+                return None
+            total, i = runs[-1].n, len(runs) - 2
+            while i >= 0 and runs[i].n <= MERGE_RATIO * total:
+                total += runs[i].n
+                i -= 1
+            return runs[i + 1:]
+
+    def _schedule(self) -> None:
+        """Start the due merges: in a thread (one at a time; it looks for more work when
+        done), or here when ``background`` is off."""
+        if not self.background:
+            while (inputs := self._plan()) is not None:
+                self._merge(inputs)
+            return
+        if self._merger is not None and self._merger.is_alive():
+            return
+        if self._plan() is None:
+            return
+        self._merger = threading.Thread(target=self._merge_loop, name="run-index-merge",
+                                        daemon=True)
+        self._merger.start()
+
+    def _merge_loop(self) -> None:
+        try:
+            while (inputs := self._plan()) is not None:
+                self._merge(inputs)
+        except BaseException as e:  # re-raised by the next call that changes the runs
+            self._merge_error = e
+
+    def _check(self) -> None:
+        if self._merge_error is not None:
+            e, self._merge_error = self._merge_error, None
+            raise RuntimeError(f"merging the key index runs in {self.folder} failed") from e
+
+    def wait(self) -> None:
+        """Wait for the background merges due now (and raise a failed one's error)."""
+        while self._merger is not None and self._merger.is_alive():
+            self._merger.join()
+            if self._plan() is not None and self._merge_error is None:
+                self._schedule()  # runs added while the merger was finishing
+        self._check()
+
+    def _merge(self, inputs: list[Run]) -> None:
+        """Merge ``inputs`` (consecutive runs, oldest first) into one run, chunk by chunk
+        in key order, then swap it in: the inputs stay readable until then."""
+        with self._lock:
+            oldest = self.runs[0] is inputs[0]
         writer = _RunWriter(self.folder, self._new_name())
         for parts in _ranges(inputs):
             writer.append(*_newest(parts, drop_removed=oldest))
         merged = writer.close()
-        for run in inputs:
-            run.close()
-            for name in run.files:
-                (self.folder / name).unlink()
-        self.runs[first:] = [merged]
+        with self._lock:
+            at = next(i for i, r in enumerate(self.runs) if r is inputs[0])
+            self.runs[at:at + len(inputs)] = [merged]
+            for run in inputs:
+                run.close()
+                for name in run.files:
+                    (self.folder / name).unlink()
+            self.merges += 1
 
     def compact(self) -> None:
         """Merge every run into one (dropping removed keys and shadowed entries)."""
         self.flush()
+        self.wait()
         if len(self.runs) > 1 or (self.runs and self.runs[0].n > self._size):
-            self._merge(0)
+            self._merge(list(self.runs))
 
     def _shrink(self, incoming: int) -> None:
         """The hot level is full: flush it and forget every key not planned for the next
@@ -474,8 +552,9 @@ class RunIndex:
         self._limit = max(self.buffer_keys, 2 * len(self._hot))
 
     def release_pages(self) -> None:
-        for run in self.runs:
-            run.release()
+        with self._lock:
+            for run in self.runs:
+                run.release()
 
     # -- scans --------------------------------------------------------------------------
     def iter_items(self, chunk: int | None = None
@@ -483,11 +562,12 @@ class RunIndex:
         """Live (keys, slots, seen) in increasing key order, about ``chunk`` (default
         ``MERGE_CHUNK``) per part."""
         self.flush()
-        for parts in _ranges(self.runs, chunk):
-            k, s, t = _newest(parts, drop_removed=True)
-            if len(k):
-                yield k, s, t
-        self.release_pages()
+        with self._lock:  # no merge swaps runs out while they are read
+            for parts in _ranges(list(self.runs), chunk):
+                k, s, t = _newest(parts, drop_removed=True)
+                if len(k):
+                    yield k, s, t
+            self.release_pages()
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         keys, slots, _ = self.items_seen()
@@ -505,11 +585,13 @@ class RunIndex:
         """Hard-link the runs into ``dst`` (copied when the filesystems differ); returns
         the arrays and the manifest (JSON) the snapshot's index file records."""
         self.flush()
-        for run in self.runs:
-            for name in run.files:
-                _link_or_copy(self.folder / name, dst / name)
-        manifest = json.dumps({"runs": [r.name for r in self.runs], "run_id": self._run_id,
-                               "next_slot": self._next_slot, "size": self._size})
+        with self._lock:  # the listed runs' files exist while they are linked
+            for run in self.runs:
+                for name in run.files:
+                    _link_or_copy(self.folder / name, dst / name)
+            manifest = json.dumps({"runs": [r.name for r in self.runs],
+                                   "run_id": self._run_id, "next_slot": self._next_slot,
+                                   "size": self._size})
         return {"free": self._free[:self._n_free].copy()}, manifest
 
     def restore(self, src: Path, arrays: dict[str, np.ndarray], manifest: str) -> None:
@@ -550,9 +632,14 @@ class RunIndex:
         self._new_hot()
 
     def close(self) -> None:
-        for run in self.runs:
-            run.close()
-        self.runs = []
+        """Wait for the merges in flight, then close the runs' files."""
+        if self._merger is not None:
+            self._merger.join()
+        self._merge_error = None
+        with self._lock:
+            for run in self.runs:
+                run.close()
+            self.runs = []
 
 
 def _ranges(runs: list[Run], chunk: int | None = None

@@ -863,6 +863,7 @@ class TieredStore(EvictionLog):
     def _reset(self) -> None:
         self.disk.release()
         self.disk = self._new_disk_tier(self.disk.path)
+        del self.memory  # freed before its successor is allocated: not two at the peak
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._disk_only_pruned = 0
