@@ -14,8 +14,10 @@ Same synthetic Criteo-format data, same global batch and passes. Two measurement
   a user sees it; each rank reads only its share of the input. ``phases_cli_1rank`` /
   ``phases_cli_2ranks``: where the best run of each side spent its wall time (the
   run's ``phase_seconds`` from ``metrics.json``, rank 0's, plus ``wall`` and
-  ``other``: the launcher, the report, exiting); ``load_avg_start`` / ``load_avg``:
-  the machine's load around the measurement (other work skews every ratio).
+  ``other``: the launcher, the report, exiting; ``rows_trained`` and ``passes``: the
+  run stops on validation patience, so both sides must show the same);
+  ``load_avg_start`` / ``load_avg``: the machine's load around the measurement (other
+  work skews every ratio).
 
 The scaling pair runs ``--repeats`` times, interleaved; ``scaling`` compares the best
 runs (other processes on a shared machine only ever slow a run down), ``scaling_median``
@@ -88,9 +90,12 @@ def train_cli(args: argparse.Namespace, ranks: int) -> tuple[float, dict]:
         "--batch-size", str(args.batch_size), "--pass-rows", str(args.pass_rows),
         "--model", args.model, "--threads", "1", "--no-progress", "--seed", "0",
         "--no-refit"])  # the training run itself, not a second one on train + valid
-    phases = json.loads((out / "metrics.json").read_text()).get("phase_seconds", {})
+    metrics = json.loads((out / "metrics.json").read_text())
+    phases = metrics.get("phase_seconds", {})
     phases = {**phases, "wall": seconds, "other": seconds - sum(phases.values())}
-    return args.rows / seconds, {k: round(v, 2) for k, v in phases.items()}
+    # Validation-driven epochs: both sides must train the same passes to compare.
+    return args.rows / seconds, {**{k: round(v, 2) for k, v in phases.items()},
+                                 "rows_trained": metrics["rows"], "passes": metrics["passes"]}
 
 
 def cli_pair(args: argparse.Namespace) -> dict:

@@ -44,4 +44,7 @@ def test_benchmark_prints_scaling_per_batch_and_dense_bytes_per_hook(tmp_path):
         phases = result[side]
         assert {"start", "setup", "train", "checkpoint", "wall", "other"} <= set(phases)
         assert phases["train"] > 0 and phases["wall"] >= phases["train"]
+    # both sides trained the same rows (the same passes before patience stopped them)
+    assert result["phases_cli_1rank"]["rows_trained"] == result["phases_cli_2ranks"]["rows_trained"]
+    assert result["phases_cli_1rank"]["passes"] == result["phases_cli_2ranks"]["passes"]
     assert result["load_avg"] >= 0 and result["load_avg_start"] >= 0

@@ -145,6 +145,8 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
     start = Positions.from_dict(reader.inputs) if reader.inputs else None
     skip = 0 if start is not None else skip_passes
     epochs = max(r.trainer.config.epochs for r in runs)
+    # A pass waits for the next one to be read only where its training uses it.
+    lookahead = stream.lookahead and any(r.trainer.reads_ahead for r in runs)
     bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc="train" if len(runs) == 1 else f"train x{len(runs)}")
     seen = 0
@@ -162,7 +164,7 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
             passes = prefetch(reader.iter_passes(
                 train_paths, stats if epoch == first_epoch else None, seen, skip, positions,
                 per_file=stream.per_file))
-            pairs = _with_next(passes) if stream.lookahead else ((p, None) for p in passes)
+            pairs = _with_next(passes) if lookahead else ((p, None) for p in passes)
             for item, upcoming in pairs:
                 if isinstance(item, Idle):
                     if stream.on_idle is not None:

@@ -11,7 +11,10 @@ on from exactly there whatever its files, pass size or batch size.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -73,6 +76,23 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
     return iter_position_passes(items, pass_rows, positions, steps, per_file=per_file)
 
 
+READ_AHEAD_NICE = 5  # how much lower than the training thread the read-ahead runs
+
+
+def _yield_to_training() -> None:
+    """Lower the calling thread's scheduling priority by ``READ_AHEAD_NICE`` (Linux
+    schedules threads on their own). The read-ahead is a pass ahead, so it can wait;
+    the training step cannot: on N ranks a step preempted on one rank stalls every
+    rank at the step's next exchange, and on a machine with a core per rank the
+    read-ahead then runs in the time the ranks wait in exchanges anyway."""
+    if sys.platform != "linux":  # elsewhere the call would lower the whole process
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):  # not permitted here: the priority stays
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid)
+                       + READ_AHEAD_NICE)
+
+
 def prefetch(items: Iterator, depth: int = 1) -> Iterator:
     """Run ``items`` in a background thread, ``depth`` items ahead; re-raise its errors.
 
@@ -81,6 +101,7 @@ def prefetch(items: Iterator, depth: int = 1) -> Iterator:
     consumer goes on. So the items computed are the same on every torchrun rank however
     the threads are scheduled: items whose making is collective (a rank's pass plan,
     exchanged with the others) never leave one rank in an exchange the others skipped.
+    The thread runs at a lower priority than its consumer (``_yield_to_training``).
     """
     q: queue.Queue = queue.Queue()
     done = object()
@@ -89,6 +110,7 @@ def prefetch(items: Iterator, depth: int = 1) -> Iterator:
 
     def worker() -> None:
         try:
+            _yield_to_training()
             while True:
                 while not allowed.acquire(timeout=0.1):
                     if stop.is_set():

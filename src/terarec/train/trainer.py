@@ -165,6 +165,13 @@ class Trainer:
     def rank(self) -> int:
         return self.ctx.rank
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether ``train_pass`` uses the next pass (``upcoming``): a store with a disk
+        tier or a device row cache reads its rows while this pass trains. Otherwise the
+        pass loop need not wait for the next pass to be read before training this one."""
+        return self.store.prefetches or self.device_cache is not None
+
     # -- one step / one pass ------------------------------------------------------------
     def _logits(self, ws: WorkingSet, batch: Batch, train: bool) -> torch.Tensor:
         emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
