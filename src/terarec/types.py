@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -147,6 +147,16 @@ class KeyedIds:
         return KeyedIds(self.fields, self.values.to(device, non_blocking=non_blocking),
                         self.offsets.to(device, non_blocking=non_blocking))
 
+    @classmethod
+    def one_per_slot_of(cls, fields: tuple[str, ...] | list[str], values: torch.Tensor
+                        ) -> KeyedIds:
+        """One key per (field, sample): ``values`` field-major ``[F * B]``. The offsets
+        (``arange``) are shared per size, since no KeyedIds writes its offsets, and the fast
+        path is known without checking them."""
+        out = cls(fields, values, _slot_offsets(values.numel()))
+        out.__dict__["one_per_slot"] = True  # the cached_property, known by construction
+        return out
+
     @staticmethod
     def concat(parts: list[KeyedIds]) -> KeyedIds:
         """Concatenate along the batch dimension (same fields in the same order)."""
@@ -155,8 +165,7 @@ class KeyedIds:
         fields_ = parts[0].fields
         if all(p.fields == fields_ and p.one_per_slot for p in parts):  # [F, B] blocks
             ids = torch.cat([p.values.view(len(fields_), -1) for p in parts], dim=1)
-            return KeyedIds(fields_, ids.reshape(-1),
-                            torch.arange(ids.numel() + 1, dtype=torch.int64))
+            return KeyedIds.one_per_slot_of(fields_, ids.reshape(-1))
         values, lengths = [], []
         for f in range(len(fields_)):
             for p in parts:
@@ -171,6 +180,12 @@ class KeyedIds:
         return (f"KeyedIds(fields={len(self.fields)}, batch={self.batch_size}, "
                 f"keys={self.values.numel()})")
 
+
+
+@lru_cache(maxsize=1024)
+def _slot_offsets(slots: int) -> torch.Tensor:
+    """``arange(slots + 1)``: the offsets of one key per slot, built once per size."""
+    return torch.arange(slots + 1, dtype=torch.int64)
 
 @dataclass
 class Batch:

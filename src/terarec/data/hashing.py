@@ -128,6 +128,9 @@ def _hash_array(field: str, values: pa.Array, salt: str) -> np.ndarray:
     return _hash_bytes(arr, [field], np.array([0, len(arr)], np.int64), salt)
 
 
+_NO_BITMAP = np.empty(0, dtype=np.uint8)  # the kernel's "no nulls" bitmap
+
+
 def _hash_bytes(arr: pa.Array, fields: Sequence[str], bounds: np.ndarray,
                 salt: str) -> np.ndarray:
     """Keys of a (large_)string/binary array whose values ``bounds[f]:bounds[f+1]``
@@ -145,8 +148,6 @@ def _hash_bytes(arr: pa.Array, fields: Sequence[str], bounds: np.ndarray,
              and buffers[0] is not None else _NO_BITMAP)
     return _hash_strings(data, offsets, seeds, missing, bounds, valid, arr.offset)
 
-
-_NO_BITMAP = np.empty(0, dtype=np.uint8)
 
 
 def hash_columns(fields: Sequence[str], columns: Sequence[pa.Array], salt: str) -> np.ndarray:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import lru_cache
 from itertools import repeat
 from typing import Any
 
@@ -152,8 +153,7 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
         if rows is not None:
             row_keys = rows.sparse.values.view(len(plan.row.sparse_fields), n)
             ids = torch.where(plan.sparse_from_row.unsqueeze(1), row_keys[plan.row_index], ids)
-        sparse = KeyedIds(schema.sparse_names, ids.reshape(-1).contiguous(),
-                          torch.arange(ids.numel() + 1, dtype=torch.int64))
+        sparse = KeyedIds.one_per_slot_of(schema.sparse_names, ids.reshape(-1).contiguous())
         return Batch(dense, sparse, torch.zeros(n))
 
     values, lengths = [], []
@@ -281,24 +281,8 @@ def _assemble(ids: np.ndarray, numeric: np.ndarray, n: int, schema: FeatureSchem
         buckets = [np.repeat(b, n) for b in buckets]
     if buckets:
         ids = np.concatenate([ids, *buckets]).astype(np.int64, copy=False)
-    sparse = KeyedIds(_layout(schema).sparse_names, torch.from_numpy(ids),
-                      _slot_offsets(len(ids)))
-    sparse.__dict__["one_per_slot"] = True  # one key per slot, by construction
+    sparse = KeyedIds.one_per_slot_of(_layout(schema).sparse_names, torch.from_numpy(ids))
     return Batch(torch.from_numpy(dense), sparse, torch.zeros(n))
-
-
-_OFFSETS: dict[int, torch.Tensor] = {}
-
-
-def _slot_offsets(slots: int) -> torch.Tensor:
-    """``arange(slots + 1)``: the offsets of one key per slot, built once per size (read
-    only: a KeyedIds never writes its offsets)."""
-    offsets = _OFFSETS.get(slots)
-    if offsets is None:
-        if len(_OFFSETS) >= 1024:
-            _OFFSETS.clear()
-        offsets = _OFFSETS[slots] = torch.arange(slots + 1, dtype=torch.int64)
-    return offsets
 
 
 class _Layout:
@@ -375,7 +359,7 @@ def _listed_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
         cats = pa.nulls(len(cats), pa.string())
     elif not pa.types.is_string(cats.type):  # integers, bytes or a mix: checked elsewhere
         return None
-    keys = hash_segments(layout.cats, cats, _bounds(cat_lengths), schema.hash_salt)
+    keys = hash_segments(layout.cats, cats, _bounds(tuple(cat_lengths)), schema.hash_salt)
     ids = keys[_broadcast_index(cat_lengths, n)].reshape(-1)
     # Numeric values all from the context: one row, transformed once and broadcast.
     shared = all(k == 1 for k in num_lengths)
@@ -412,20 +396,12 @@ def _valid(values: pa.Array) -> np.ndarray:
     return bits[values.offset:].view(np.bool_)
 
 
-_BOUNDS: dict[tuple[int, ...], np.ndarray] = {}
-
-
-def _bounds(lengths: Sequence[int]) -> np.ndarray:
+@lru_cache(maxsize=1024)
+def _bounds(lengths: tuple[int, ...]) -> np.ndarray:
     """``[0, cumsum(lengths)]``: segment bounds, built once per shape (read only)."""
-    key = tuple(lengths)
-    bounds = _BOUNDS.get(key)
-    if bounds is None:
-        if len(_BOUNDS) >= 1024:
-            _BOUNDS.clear()
-        bounds = np.zeros(len(key) + 1, np.int64)
-        np.cumsum(key, out=bounds[1:])
-        bounds.flags.writeable = False
-        _BOUNDS[key] = bounds
+    bounds = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    bounds.flags.writeable = False
     return bounds
 
 
