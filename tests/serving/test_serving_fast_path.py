@@ -103,6 +103,29 @@ def test_listed_path_takes_the_usual_request_and_equals_the_record_path(data, n,
     _same(request_batch(context, candidates, SINGLE), expected)
 
 
+context_text = st.one_of(
+    st.none(), st.from_regex(r"-?[0-9]{1,40}(\.[0-9]{1,40})?", fullmatch=True),
+    st.sampled_from(["", "+1", " 3", "1e5", "1.", ".5", "-0", "0x10", "inf", "nan",
+                     "1_0", "1" * 40]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(n1=context_text, n2=context_text)
+def test_context_numeric_texts_equal_the_record_path(n1, n2):
+    """Numeric texts that all come from the context (parsed in Python when they are
+    plain decimals, else by Arrow or the record path) give exactly the record path's
+    dense values and bucket keys, or its error."""
+    context = {"ctx": "c", **{k: v for k, v in (("n1", n1), ("n2", n2)) if v is not None}}
+    candidates = [{"user": "a", "item": "x"}, {"user": "b"}]
+    try:
+        expected = batch_from_records([{**context, **c} for c in candidates], SINGLE)
+    except DataError:
+        with pytest.raises(DataError):
+            request_batch(context, candidates, SINGLE)
+        return
+    _same(request_batch(context, candidates, SINGLE), expected)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e39, True, 4.5])
 def test_listed_path_leaves_bad_values_to_the_checked_path(bad):
     """A value the record path refuses (or converts) is not taken by the one-array path:

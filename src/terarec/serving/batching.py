@@ -61,6 +61,8 @@ class DynamicBatcher:
         self.max_queue = max_queue
         self._queue: list[_Pending] = []
         self._running = False
+        self._deadline = 0.0
+        self._seen = 0
         # Sizes of the passes run (requests per pass), for metrics and tests.
         self.passes = 0
         self.requests = 0
@@ -70,30 +72,40 @@ class DynamicBatcher:
         requests are waiting."""
         if len(self._queue) >= self.max_queue:
             raise QueueFull(f"{len(self._queue)} requests already waiting to be scored")
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._queue.append(_Pending(version, batch, future))
         if not self._running:
             self._running = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._gather(loop)
         return await future
 
-    async def _drain(self) -> None:
-        try:
-            while self._queue:
-                await self._gather()
-                self._run(self._take())
-        finally:
-            self._running = False
+    def _gather(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Look at the queue again after one loop turn (``_tick``). Plain callbacks, not
+        a task that sleeps: a task and its wake-ups cost a request at one in flight
+        about as much as its JSON encoding."""
+        self._deadline = time.perf_counter() + self.max_delay_s
+        self._seen = len(self._queue)
+        loop.call_soon(self._tick, loop)
 
-    async def _gather(self) -> None:
-        """Let the loop run while requests keep arriving, within the limits."""
-        deadline = time.perf_counter() + self.max_delay_s
-        while True:
-            before = len(self._queue)
-            await asyncio.sleep(0)
-            if (len(self._queue) == before or time.perf_counter() >= deadline
-                    or sum(len(p.batch) for p in self._queue) >= self.max_rows):
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One loop turn later: wait one more turn while requests keep arriving, within
+        the limits; else score a pass, and gather again for whatever is left."""
+        try:
+            waiting = len(self._queue)
+            if (waiting > self._seen and time.perf_counter() < self._deadline
+                    and sum(len(p.batch) for p in self._queue) < self.max_rows):
+                self._seen = waiting
+                loop.call_soon(self._tick, loop)
                 return
+            self._run(self._take())
+        except BaseException:
+            self._running = False
+            raise
+        if self._queue:
+            self._gather(loop)
+        else:
+            self._running = False
 
     def _take(self) -> list[_Pending]:
         """The next pass: waiting requests of the first one's version, up to max_rows
