@@ -494,22 +494,13 @@ class ServingEngine:
             raise NoVersionError(f"no model version loaded from {self.storage.uri} yet")
         return current
 
-    def _rows_for(self, version: ServedVersion, keys: np.ndarray,
-                  where: np.ndarray | None = None) -> np.ndarray:
-        """Rows of unique ``keys`` from the hot cache, then the version's row source;
-        with ``where`` (positions among ``keys``), ``rows[where]``: when every key is
-        cached, gathered from the cache in one step, without the rows of ``keys``
-        (``take``: several times faster than fancy indexing with a 2-d index)."""
+    def _rows_for(self, version: ServedVersion, keys: np.ndarray) -> np.ndarray:
+        """Rows of unique ``keys`` from the hot cache, then the version's row source."""
         with self._lock:
             cache = self.cache if version is self.current else None
             if cache is None:
-                rows = version.source.lookup(keys)[0]
-                return rows if where is None else _take(rows, where)
+                return version.source.lookup(keys)[0]
             slots, hit = cache.get(keys)
-            if where is not None and len(keys) and hit.all():
-                gathered = _take(cache.values, slots[where])  # a copy, under the lock
-                self.metrics.cache_counts(len(keys), len(keys))
-                return gathered
             rows = np.empty((len(keys), version.rows.row_dim), np.float32)
             rows[hit] = cache.values[slots[hit]]
             miss = np.flatnonzero(~hit)
@@ -517,7 +508,23 @@ class ServingEngine:
                 rows[miss] = version.source.lookup(keys[miss])[0]
                 cache.put(keys[miss], rows[miss])
         self.metrics.cache_counts(len(keys), len(keys) - len(miss))
-        return rows if where is None else _take(rows, where)
+        return rows
+
+    def _slot_rows(self, version: ServedVersion, keys: np.ndarray, where: np.ndarray
+                   ) -> np.ndarray:
+        """``rows[where]`` for the rows of unique ``keys`` (``where``: positions among
+        them). When every key is cached (the usual request), gathered from the cache in
+        one step, without the rows of ``keys``; else from ``_rows_for``'s. Gathered with
+        ``take``, several times faster than fancy indexing with a 2-d index."""
+        with self._lock:
+            cache = self.cache if version is self.current else None
+            if cache is not None and len(keys):
+                slots, hit = cache.get(keys)
+                if hit.all():
+                    gathered = _take(cache.values, slots[where])  # a copy, under the lock
+                    self.metrics.cache_counts(len(keys), len(keys))
+                    return gathered
+        return _take(self._rows_for(version, keys), where)
 
     def pooled(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
         """``[B, F, row_dim]``: the batch's keys looked up once each (unique keys of the
@@ -531,7 +538,7 @@ class ServingEngine:
         if sparse.one_per_slot:
             fields, b = sparse.num_fields, sparse.batch_size
             where = inverse.reshape(fields, b).T  # [B, F] positions among ``uniq``
-            return torch.from_numpy(self._rows_for(version, uniq, where))
+            return torch.from_numpy(self._slot_rows(version, uniq, where))
         weights = torch.zeros(len(uniq) + 1, version.rows.row_dim)
         weights[1:] = torch.from_numpy(self._rows_for(version, uniq))
         local = sparse.with_values(torch.from_numpy(inverse + 1))
