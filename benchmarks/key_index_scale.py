@@ -300,12 +300,12 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
     row_bytes = TieredStore(ROW_DIM, optimizer)._row_bytes  # what the budget charges a row
     # The same budget for both arms: what the in-RAM index needs plus ``hot_rows`` rows;
     # "disk-equal": the disk index's own needs plus ``hot_rows`` rows. Its needs are the
-    # directories (about 1.1 B per key) and the hot level's reservation: half the budget
-    # (``RunIndex.reserved_bytes``), or more while it holds this pass's and the planned
-    # next pass's keys (about 70-100 B each).
+    # directories (about 1.1 B per key) and the hot level's reservation: a quarter of
+    # the budget (``RunIndex.reserved_bytes``), or more while it holds this pass's and
+    # the planned next pass's keys (about 70-100 B each).
     uniq = max(len(k) for k, _, _ in passes)
     rest = args.hot_rows * row_bytes + int(1.1 * n)
-    budget = rest + (max(rest, 200 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
+    budget = rest + (max(rest // 3, 200 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
     arm_index = "disk" if arm == "disk-equal" else arm
     store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget=budget, key_index=arm_index),
                         seed=1, path=folder)

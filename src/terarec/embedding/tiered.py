@@ -175,12 +175,13 @@ class TieredStore(EvictionLog):
 
     def _new_disk_tier(self, path: str | Path) -> DiskTier:
         # The disk key index's hot level flushes and forgets unplanned keys once it holds
-        # half the budget's worth of entries at their peak size (HOT_ENTRY_PEAK_BYTES,
-        # flush copies included); that half is reserved for it (``reserved_bytes``), so a
-        # bulk load that fills it does not take the memory tier's share. A pass's keys
-        # kept in RAM save resolving them again at write-back.
+        # a quarter of the budget's worth of entries at their peak size
+        # (HOT_ENTRY_PEAK_BYTES, flush copies included); that quarter is reserved for it
+        # (``RunIndex.reserved_bytes``), so a bulk load that fills it does not take the
+        # memory tier's share, and admission candidates keep room beside it. A pass's
+        # keys kept in RAM save resolving them again at write-back.
         hot = 1 << 20 if self.budget is None else max(
-            1 << 10, self.budget // (2 * HOT_ENTRY_PEAK_BYTES))
+            1 << 10, self.budget // (4 * HOT_ENTRY_PEAK_BYTES))
         return DiskTier(path, self.width, self._slab_bytes, mapped_bytes=self._mapped_bytes,
                         layout=self.layout, key_index=self.config.key_index,
                         buffer_keys=hot)
