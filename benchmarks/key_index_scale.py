@@ -18,8 +18,11 @@ disk), one process per part below, so that each peak resident set (VmHWM) is its
   ``push``, ``end_pass``. Both arms get the same budget: what the in-RAM index needs plus
   ``--hot-rows`` rows; the disk index spends the RAM it saves on more hot rows.
 * ``disk-equal``: the disk index with a budget for only ``--hot-rows`` rows plus its own
-  needs (directories and a hot level for a pass's keys): the index's own cost, without
+  needs (directories and the hot level's reservation): the index's own cost, without
   the extra hot rows (``sps_ratio_equal_hot_rows``).
+
+Each store arm reports ``rss_phases``: the peak RSS of its setup, load and each pass
+phase (pull, train_prefetch, push, end_pass), so an overshoot can be placed.
 
 ``sps`` counts samples of ``--features`` keys: the median over the timed passes (after
 ``--warmup-passes``). ``--repeats R`` runs the store arms R times, interleaved (ram,
