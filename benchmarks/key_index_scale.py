@@ -18,8 +18,11 @@ disk), one process per part below, so that each peak resident set (VmHWM) is its
   ``push``, ``end_pass``. Both arms get the same budget: what the in-RAM index needs plus
   ``--hot-rows`` rows; the disk index spends the RAM it saves on more hot rows.
 * ``disk-equal``: the disk index with a budget for only ``--hot-rows`` rows plus its own
-  needs (directories and a hot level for a pass's keys): the index's own cost, without
+  needs (directories and the hot level's reservation): the index's own cost, without
   the extra hot rows (``sps_ratio_equal_hot_rows``).
+
+Each store arm reports ``rss_phases``: the peak RSS of its setup, load and each pass
+phase (pull, train_prefetch, push, end_pass), so an overshoot can be placed.
 
 ``sps`` counts samples of ``--features`` keys: the median over the timed passes (after
 ``--warmup-passes``). ``--repeats R`` runs the store arms R times, interleaved (ram,
@@ -73,6 +76,28 @@ def _vmhwm() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _PhasePeaks:
+    """Peak RSS per phase of a store arm (load, pull, train, push, end_pass): the kernel's
+    high-water mark is read at each phase's end and reset (``/proc/self/clear_refs`` 5),
+    so each figure is that phase's own peak. Where the reset is refused (not Linux), every
+    phase reports the process peak so far."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, int] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+        except OSError:
+            pass
+
+    def end(self, phase: str) -> None:
+        self.peaks[phase] = max(self.peaks.get(phase, 0), _vmhwm())
+        self._reset()
 
 
 def _key(ranks: np.ndarray) -> np.ndarray:
@@ -275,13 +300,15 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
     passes = _passes(n, args.warmup_passes + args.passes + 1, args.pass_draws, args.zipf,
                      args.seed + 1, args.features)
     optimizer = SparseOptimizer(SparseOptimizerConfig(name="adagrad"))
-    row_bytes = 4 * (ROW_DIM + optimizer.state_dim(ROW_DIM) + 3) + 8 + 2 + 96
+    row_bytes = TieredStore(ROW_DIM, optimizer)._row_bytes  # what the budget charges a row
     # The same budget for both arms: what the in-RAM index needs plus ``hot_rows`` rows;
-    # "disk-equal": the disk index's own needs (directories; a hot level holding this
-    # pass's and the planned next pass's keys, about 70 B each) plus ``hot_rows`` rows.
+    # "disk-equal": the disk index's own needs plus ``hot_rows`` rows. Its needs are the
+    # directories (about 1.1 B per key) and the hot level's reservation: a quarter of
+    # the budget (``RunIndex.reserved_bytes``), or more while it holds this pass's and
+    # the planned next pass's keys (about 70-100 B each).
     uniq = max(len(k) for k, _, _ in passes)
-    budget = args.hot_rows * row_bytes + (
-        int(1.1 * n + 200 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
+    rest = args.hot_rows * row_bytes + int(1.1 * n)
+    budget = rest + (max(rest // 3, 200 * uniq) if arm == "disk-equal" else _ram_index_bytes(n))
     arm_index = "disk" if arm == "disk-equal" else arm
     store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget=budget, key_index=arm_index),
                         seed=1, path=folder)
@@ -295,14 +322,18 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
                            np.ones((m, 1), np.float32), np.ones(m, np.float32),
                            np.zeros(m, np.float32), np.zeros(m, np.int32))
 
+    phases = _PhasePeaks()
+    phases.end("setup")
     t0 = time.perf_counter()
     store.load_rows(chunks(), {})
     load_s = time.perf_counter() - t0
+    phases.end("load")
     trainer = _DeepFM(args, rng) if args.model == "deepfm" else None
     rates = []
     for pass_id, (keys, show, samples) in enumerate(passes[:-1]):
         t0 = time.perf_counter()
         block, admitted = store.pull(keys, show, np.zeros_like(show), pass_id)
+        phases.end("pull")
         prefetch = threading.Thread(target=store.prefetch, args=(passes[pass_id + 1][0],))
         prefetch.start()
         if trainer is not None:
@@ -311,8 +342,11 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
             block.values *= np.float32(0.999)
             block.state += np.float32(1.0)
         prefetch.join()
+        phases.end("train_prefetch")
         store.push(keys[admitted], RowBlock(block.values, block.state))
+        phases.end("push")
         store.end_pass(pass_id)
+        phases.end("end_pass")
         if pass_id >= args.warmup_passes:  # the first passes compile and warm up
             rates.append(len(samples) / (time.perf_counter() - t0))
     tiers = store.tier_stats()
@@ -323,7 +357,8 @@ def run_store(args: argparse.Namespace, n: int, arm: str, folder: Path) -> dict:
             "seconds": round(time.perf_counter() - start, 1), "folder_bytes": folder_bytes,
             "memory_budget_bytes": budget, "memory_capacity": tiers.memory_capacity,
             "hit_rate": round(tiers.hits / max(tiers.hits + tiers.misses, 1), 3),
-            "index_bytes": tiers.index_bytes, "peak_rss_bytes": _vmhwm()}
+            "index_bytes": tiers.index_bytes, "memory_keys": tiers.memory_keys,
+            "peak_rss_bytes": max(phases.peaks.values()), "rss_phases": phases.peaks}
 
 
 def _child(args: argparse.Namespace, what: str, n: int) -> dict:

@@ -506,9 +506,10 @@ class DiskTier:
     @property
     def fixed_bytes(self) -> int:
         """RAM the budget reserves for the key index: a RAM index twice (its size after
-        the next doubling) and its mirror; the disk index's directories and hot level."""
+        the next doubling) and its mirror; the disk index's directories and its hot level's
+        reservation (``RunIndex.reserved_bytes``)."""
         if self.runs is not None:
-            return self.runs.nbytes
+            return self.runs.reserved_bytes
         return 2 * self.index.nbytes + self.last_seen.nbytes
 
     @property

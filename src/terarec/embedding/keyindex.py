@@ -51,6 +51,13 @@ RUN_BLOCK = 512  # keys per fence: one 4 KB page of keys per binary search
 BLOOM_BITS_PER_KEY = 8
 MERGE_RATIO = 2
 BUFFER_KEYS = 1 << 20
+# RAM a hot-level entry can take at its peak: the KeyIndex bucket share (32-64 B, plus the
+# old table during a doubling: up to 112 B with the items it reinserts) or, at a flush,
+# the steady 32-64 B plus the flush's sorted copies (~72 B: keys, positions, argsort,
+# gathered slots and last-seen), and the four per-entry columns (17 B, grown by doubling:
+# up to 34 B). Measured at 10^7 keys: a bulk load with the hot level at its limit held
+# about 124 B per entry above the rest of the process.
+HOT_ENTRY_PEAK_BYTES = 168
 MERGE_CHUNK = 1 << 20
 MAPPED_BYTES = 64 << 20  # run pages a resolution maps at once
 _COLUMNS = (("keys", np.int64), ("slots", np.int64), ("seen", np.int32))
@@ -295,6 +302,20 @@ class RunIndex:
         """RAM held: run directories, the hot level and the free-slot list."""
         hot = (self._hot.nbytes + self._h_slot.nbytes + self._h_seen.nbytes
                + self._h_dirty.nbytes + self._h_gen.nbytes)
+        return self.directory_bytes + hot + self._free.nbytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the budget must keep for this index: the directories and free list as
+        they are, and the hot level at the larger of its current size and its flush
+        limit (``buffer_keys``) at ``HOT_ENTRY_PEAK_BYTES`` per entry, so that filling
+        the hot level up to its limit and flushing it (sorted copies included) never
+        takes RAM the memory tier was given. A pass whose own keys outgrow the limit
+        holds them (the limit rises to twice the batch): that part, and its flush
+        copies, are counted as they are, like the pass's other buffers."""
+        hot = (self._hot.nbytes + self._h_slot.nbytes + self._h_seen.nbytes
+               + self._h_dirty.nbytes + self._h_gen.nbytes)
+        hot = max(hot, self.buffer_keys * HOT_ENTRY_PEAK_BYTES)
         return self.directory_bytes + hot + self._free.nbytes
 
     @property

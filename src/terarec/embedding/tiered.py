@@ -59,7 +59,7 @@ from terarec.embedding.disk import (
 )
 from terarec.embedding.eviction import TTL, RowView, apply_eviction, row_norms, store_bytes
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
-from terarec.embedding.keyindex import RunIndex
+from terarec.embedding.keyindex import HOT_ENTRY_PEAK_BYTES, RunIndex
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import (
     CHUNK_ROWS,
@@ -174,10 +174,14 @@ class TieredStore(EvictionLog):
         self._disk_only_pruned = 0
 
     def _new_disk_tier(self, path: str | Path) -> DiskTier:
-        # The disk key index's hot level (about 70 B per key in play, charged to the
-        # budget) flushes and forgets unplanned keys once it holds half the budget's worth:
-        # a pass's keys kept in RAM save resolving them again at write-back.
-        hot = 1 << 20 if self.budget is None else max(1 << 14, self.budget // (2 * 80))
+        # The disk key index's hot level flushes and forgets unplanned keys once it holds
+        # a quarter of the budget's worth of entries at their peak size
+        # (HOT_ENTRY_PEAK_BYTES, flush copies included); that quarter is reserved for it
+        # (``RunIndex.reserved_bytes``), so a bulk load that fills it does not take the
+        # memory tier's share, and admission candidates keep room beside it. A pass's
+        # keys kept in RAM save resolving them again at write-back.
+        hot = 1 << 20 if self.budget is None else max(
+            1 << 10, self.budget // (4 * HOT_ENTRY_PEAK_BYTES))
         return DiskTier(path, self.width, self._slab_bytes, mapped_bytes=self._mapped_bytes,
                         layout=self.layout, key_index=self.config.key_index,
                         buffer_keys=hot)
@@ -191,9 +195,12 @@ class TieredStore(EvictionLog):
     # -- memory tier --------------------------------------------------------------------
     @property
     def _row_bytes(self) -> int:
-        """RAM per hot row: record (values as encoded, at the widest class), LRU tick,
-        flags, class and pool position (variable-length rows), and its index share."""
-        return 4 * self.width + 8 + 2 + self._slot_overhead + _INDEX_BYTES_PER_ROW
+        """RAM per hot row: per slot the record (values as encoded, at the widest class),
+        LRU tick, three flags, class and pool position (variable-length rows) and a
+        free-list entry, for 9/8 slots per row (rows may sit in slots up to an eighth past
+        the capacity before ``_compact``), plus the row's share of the index."""
+        slot = 4 * self.width + 8 + 3 + self._slot_overhead + 8
+        return -(-9 * slot // 8) + _INDEX_BYTES_PER_ROW
 
     def _fixed_bytes(self) -> int:
         """RAM that grows with the key count, not the hot set. The disk index counts
@@ -634,6 +641,7 @@ class TieredStore(EvictionLog):
             sel = moved[start:start + 8192]
             for a in arrays:
                 a[target[sel]] = a[slots[sel]]
+        m.index = KeyIndex(16)  # the old table goes before the new one is allocated
         index = KeyIndex(cap + cap // 2)
         index.lookup_or_insert(keys)  # slots 0..n-1 in this order: no free slots yet
         m.index = index
