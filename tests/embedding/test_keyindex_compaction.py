@@ -167,3 +167,55 @@ def test_eviction_writes_tombstones_and_leaves_the_big_run_alone(tmp_path):
     runs.compact()  # the tombstones leave the files when a merge reaches the oldest run
     assert len(runs.runs) == 1 and runs.runs[0].n == n_before - 1000
     assert (runs.runs[0].cols["slots"] >= 0).all()
+
+
+@pytest.mark.parametrize("settings", [
+    {"evict_after_passes": 2, "evict_show_below": 2.0, "max_keys": 2500},
+    {"evict_l2_below": 0.8, "max_keys": 2800, "evict_score": "l2"},
+    {"evict_after_passes": 1, "max_store_bytes": "200KB", "evict_score": "lru"},
+])
+def test_chained_policies_over_the_disk_index_match_the_ram_index(tmp_path, settings):
+    disk = _store(tmp_path / "d", "disk", **settings)
+    ram = _store(tmp_path / "r", "ram", **settings)
+    evicted = _train(disk, 5)
+    assert evicted == _train(ram, 5)
+    assert sum(evicted) > 0
+    a, b = disk.to_arrays(), ram.to_arrays()
+    for name in ("keys", "values", "show", "last_seen"):
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_capacity_eviction_over_the_disk_index_holds_parts_not_every_key(
+        tmp_path, monkeypatch):
+    # numpy reports its buffers to tracemalloc: selecting the 500 lowest of 200 k keys
+    # (almost all only on disk) holds key ranges and candidates, not a 20 B-per-key view
+    # of every key as the RAM index's selection does.
+    import tracemalloc
+
+    from terarec.embedding import tiered
+
+    monkeypatch.setattr(keyindex, "MERGE_CHUNK", 8192)
+    monkeypatch.setattr(tiered, "MERGE_CHUNK", 8192)
+    n, dim = 200_000, 8
+    keys = np.arange(1, n + 1, dtype=np.int64) * 13
+    show = (keys % 1000).astype(np.float32) + 1
+    store = TieredStore(dim, SparseOptimizer(SparseOptimizerConfig(name="adagrad")),
+                        StoreConfig(memory_budget="8MB", key_index="disk", max_keys=n - 500),
+                        seed=0, path=tmp_path / "s")
+    store.load_rows(iter([RowChunk(keys, np.full((n, dim), 0.1, np.float32),
+                                   np.ones((n, 1), np.float32), show,
+                                   np.zeros(n, np.float32), np.zeros(n, np.int32))]), {})
+    store.disk.runs.wait()
+    expected = keys[np.lexsort((keys, np.zeros(n, np.int32), show))[:500]]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        store.track_evictions()
+        assert store.end_pass(1) == 500
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(np.sort(store.take_evicted()), np.sort(expected))
+    assert len(store) == n - 500
+    assert peak < n * 20, peak  # the whole view alone is n x 20 B (8 MB held in all)
+    store.close()

@@ -20,7 +20,7 @@ encoded, optimizer state, show, click, last-seen and the key, 8 B; no index over
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -125,11 +125,14 @@ class Capacity:
     score: str = "lfu"
 
     def keep(self, rows: RowView) -> int:
-        n = len(rows)
+        return self.keep_of(len(rows), rows.bytes_per_row)
+
+    def keep_of(self, n: int, bytes_per_row: float) -> int:
+        """How many of ``n`` rows of ``bytes_per_row`` store bytes each may stay."""
         if self.max_keys is not None:
             n = min(n, self.max_keys)
-        if self.max_bytes is not None and rows.bytes_per_row > 0:
-            n = min(n, int(self.max_bytes // rows.bytes_per_row))
+        if self.max_bytes is not None and bytes_per_row > 0:
+            n = min(n, int(self.max_bytes // bytes_per_row))
         return n
 
     def scores(self, rows: RowView) -> tuple[np.ndarray, ...]:
@@ -194,3 +197,93 @@ def apply_eviction(policies: list[EvictionPolicy], view: Callable[[], RowView],
                 break
             total += evict(rows.keys[drop])
     return total
+
+
+def apply_eviction_streamed(policies: list[EvictionPolicy],
+                            parts: Callable[[], Iterator[RowView]],
+                            size: Callable[[], tuple[int, int]],
+                            evict: Callable[[np.ndarray], int], pass_id: int) -> int:
+    """``apply_eviction`` over rows seen a part at a time (a disk key index's key ranges),
+    selecting exactly the same keys, so RAM holds one part, the keys selected and, for
+    ``Capacity``, its best candidates so far instead of every row at once.
+
+    ``parts()`` yields every row once, in any order, each call; ``size()`` is the store's
+    (rows, store bytes). The per-row policies (TTL, L2, shows) are decided part by part;
+    ``Capacity``, which must come last, keeps the lowest-scored rows over a second scan of
+    the rows the others leave. Keys are evicted after the scans, which they do not change.
+    """
+    if not policies:
+        return 0
+    last = policies[-1]
+    capacity = last if isinstance(last, Capacity) else None
+    per_row = policies[:-1] if capacity is not None else policies
+    if any(isinstance(p, Capacity) for p in per_row):
+        raise ValueError("Capacity must be the last eviction policy")
+    rows, total_bytes = size()
+    bytes_per_row = total_bytes / max(rows, 1)
+
+    def survivors(part: RowView) -> tuple[RowView, np.ndarray]:
+        drop = np.zeros(len(part), np.bool_)
+        for policy in per_row:  # per-row decisions: the order of the policies is moot
+            drop |= policy.select(part, pass_id)
+        return part.without(drop), part.keys[drop]
+
+    dropped, left = [], 0
+    for part in parts():
+        kept, gone = survivors(part)
+        dropped.append(gone)
+        left += len(kept)
+    total = 0
+    chosen = np.concatenate(dropped) if dropped else np.empty(0, np.int64)
+    if capacity is not None:
+        out = left - capacity.keep_of(left, bytes_per_row)
+        if out > 0:
+            chosen = np.concatenate([chosen, _lowest(capacity, parts, out, survivors)])
+    if len(chosen):
+        total += evict(chosen)
+    if capacity is None or capacity.max_bytes is None:
+        return total
+    for _ in range(3):  # rows of variable length: check the byte target again
+        rows, total_bytes = size()
+        if not rows or total_bytes <= capacity.max_bytes:
+            break
+        out = rows - capacity.keep_of(rows, total_bytes / rows)
+        if out <= 0:
+            break
+        total += evict(_lowest(capacity, parts, out, lambda p: (p, p.keys[:0])))
+    return total
+
+
+def _lowest(capacity: Capacity, parts: Callable[[], Iterator[RowView]], out: int,
+            survivors: Callable[[RowView], tuple[RowView, np.ndarray]]) -> np.ndarray:
+    """Keys of the ``out`` lowest-scored surviving rows in ``capacity``'s order (the rows
+    ``np.lexsort(capacity.scores(...))[:out]`` picks over all of them at once): candidates
+    are merged part by part, and once there are ``out`` of them a part's rows are first
+    filtered against the worst one kept."""
+    best: tuple[np.ndarray, ...] | None = None
+    for part in parts():
+        kept, _ = survivors(part)
+        if not len(kept):
+            continue
+        cols = capacity.scores(kept)
+        if best is not None and len(best[0]) == out:
+            better = _before(cols, tuple(c[-1] for c in best))
+            if not better.any():
+                continue
+            cols = tuple(c[better] for c in cols)
+        if best is not None:
+            cols = tuple(np.concatenate([b, c]) for b, c in zip(best, cols, strict=True))
+        order = np.lexsort(cols)[:out]
+        best = tuple(c[order] for c in cols)
+    return best[0] if best is not None else np.empty(0, np.int64)
+
+
+def _before(cols: tuple[np.ndarray, ...], worst: tuple[object, ...]) -> np.ndarray:
+    """Rows that sort before ``worst`` in ``np.lexsort(cols)`` order (the last column most
+    significant; the first, the keys, unique)."""
+    before = np.zeros(len(cols[0]), np.bool_)
+    equal = np.ones(len(cols[0]), np.bool_)
+    for col, w in zip(reversed(cols), reversed(worst), strict=True):
+        before |= equal & (col < w)
+        equal &= col == w
+    return before

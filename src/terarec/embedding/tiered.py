@@ -57,9 +57,15 @@ from terarec.embedding.disk import (
     read_snapshot_rows,
     snapshot_layout,
 )
-from terarec.embedding.eviction import TTL, RowView, apply_eviction, row_norms, store_bytes
+from terarec.embedding.eviction import (
+    RowView,
+    apply_eviction,
+    apply_eviction_streamed,
+    row_norms,
+    store_bytes,
+)
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
-from terarec.embedding.keyindex import HOT_ENTRY_PEAK_BYTES, RunIndex
+from terarec.embedding.keyindex import HOT_ENTRY_PEAK_BYTES, MERGE_CHUNK, RunIndex
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import (
     CHUNK_ROWS,
@@ -528,8 +534,10 @@ class TieredStore(EvictionLog):
                 else 0
             self._pushed_to_disk = []
             policies, runs = self.memory.eviction, self.disk.runs
-            if runs is not None and len(policies) == 1 and isinstance(policies[0], TTL):
-                evicted += self._expire(runs, pass_id - policies[0].passes)
+            if runs is not None:
+                evicted += apply_eviction_streamed(
+                    policies, lambda: self._row_parts(runs),
+                    lambda: (len(self), store_bytes(self)), self.evict, pass_id)
             else:
                 evicted += apply_eviction(policies, self.row_view, self.evict, pass_id)
             ttl = self.config.evict_after_passes
@@ -539,20 +547,38 @@ class TieredStore(EvictionLog):
             self.disk.end_pass()
             return evicted
 
-    def _expire(self, runs: RunIndex, last: int) -> int:
-        """TTL alone over the disk key index: evict the keys last seen in pass ``last`` or
-        before (what ``TTL.select`` picks from ``row_view``), found by one streaming scan
-        of the runs, a key range at a time, and the memory tier's own last-seen passes
-        (authoritative for its rows)."""
+    def _row_parts(self, runs: RunIndex) -> Iterator[RowView]:
+        """The rows of both tiers for streamed eviction, a part at a time: hot rows (their
+        last-seen pass, show and norm from RAM, authoritative for them), then each key
+        range of the disk key index's runs less the hot keys, shows and norms read from
+        the records only when a policy asks."""
         m = self.memory
         mkeys, mslots = m.index.items()
-        expired = [mkeys[m.last_seen[mslots] <= last]]
-        for keys, _, seen in runs.iter_items():
-            old = keys[seen <= last]
-            if len(old):
-                expired.append(old[m.index.lookup(old) < 0])
-        keys = np.concatenate(expired)
-        return self.evict(keys) if len(keys) else 0  # after the scan: evict changes runs
+        step = MERGE_CHUNK
+        for lo in range(0, len(mkeys), step):
+            keys, slots = mkeys[lo:lo + step], mslots[lo:lo + step]
+            yield self._part(keys, m.last_seen[slots],
+                             functools.partial(m.show.__getitem__, slots),
+                             functools.partial(m.norms, slots))
+        for keys, slots, seen in runs.iter_items(step):
+            cold = m.index.lookup(keys) < 0
+            if cold.any():
+                dslots = slots[cold]
+                yield self._part(keys[cold], seen[cold],
+                                 functools.partial(self._disk_shows, dslots),
+                                 functools.partial(self._disk_norms, dslots))
+        self.disk.release_pages()
+
+    @staticmethod
+    def _part(keys: np.ndarray, seen: np.ndarray, show: Callable[[], np.ndarray],
+              norm: Callable[[], np.ndarray]) -> RowView:
+        return RowView(keys, seen, show, norm, 0.0)  # bytes per row: the whole store's
+
+    def _disk_shows(self, slots: np.ndarray) -> np.ndarray:
+        return self.disk.read_slots(slots)[:, self.layout.show_col].copy()
+
+    def _disk_norms(self, slots: np.ndarray) -> np.ndarray:
+        return row_norms(self._decode(self.disk.read_slots(slots)))
 
     def row_view(self) -> RowView:
         """Every row of both tiers for the eviction policies: hot rows, then rows only on
@@ -663,17 +689,31 @@ class TieredStore(EvictionLog):
             return n + disk_only
 
     # -- change tracking for incremental export (as MemoryStore) ------------------------
+    def _disk_seen_since(self, pass_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, slots) of the disk tier last seen in pass ``pass_id`` or later; over a
+        disk key index one streaming scan of its runs, holding a key range at a time."""
+        runs = self.disk.runs
+        if runs is None:
+            keys, slots, seen = self.disk.seen_items()
+            recent = seen >= pass_id
+            return keys[recent], slots[recent]
+        keys_found, slots_found = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+        for keys, slots, seen in runs.iter_items():
+            recent = seen >= pass_id
+            keys_found.append(keys[recent])
+            slots_found.append(slots[recent])
+        return np.concatenate(keys_found), np.concatenate(slots_found)
+
     def changed_since(self, pass_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Sorted keys (and values) of rows touched in pass ``pass_id`` or later, from both
-        tiers: the disk tier's last-seen mirror finds them without reading the files."""
+        tiers: the disk tier's last-seen mirror, or its key index's runs, finds them without
+        reading the row files."""
         with self._lock:
             m = self.memory
             mkeys, mslots = m.index.items()
             recent = m.last_seen[mslots] >= pass_id
             mkeys, mvalues = mkeys[recent], m.values[mslots[recent]]
-            dkeys, dslots, dseen = self.disk.seen_items()
-            recent = dseen >= pass_id
-            dkeys, dslots = dkeys[recent], dslots[recent]
+            dkeys, dslots = self._disk_seen_since(pass_id)
             cold = m.index.lookup(dkeys) < 0
             dkeys, dslots = dkeys[cold], dslots[cold]
             dvalues = self._decode(self.disk.read_slots(dslots))
