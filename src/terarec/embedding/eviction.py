@@ -11,7 +11,9 @@ Policies are applied in a fixed order, each to the rows the ones before it left:
 
 A store hands the policies a ``RowView`` of its rows: keys and last-seen pass at once,
 shows and norms only when a policy asks (a tiered store reads its disk-only rows for
-them, a chunk at a time). The store evicts what they select as it evicts anything:
+them, a chunk at a time); a store over a disk key index hands them its rows a key
+range at a time instead (``apply_eviction_streamed``: the same keys selected, RAM for a
+range, not for every key). The store evicts what they select as it evicts anything:
 evicted keys go into the next incremental export as deletions.
 
 Store bytes (``store_bytes``) count what a row costs wherever it lives: its values as
