@@ -219,3 +219,39 @@ def test_capacity_eviction_over_the_disk_index_holds_parts_not_every_key(
     assert len(store) == n - 500
     assert peak < n * 20, peak  # the whole view alone is n x 20 B (8 MB held in all)
     store.close()
+
+
+def test_a_snapshot_lists_the_runs_it_linked_when_a_merge_swaps_them_right_after(
+        tmp_path, monkeypatch):
+    # A background merge can finish between linking the runs and hashing them: the
+    # snapshot must hash (and list) the runs it linked, not the merged one.
+    store = TieredStore(8, SparseOptimizer(SparseOptimizerConfig(name="adagrad")),
+                        StoreConfig(memory_budget="1MB", key_index="disk"), seed=3,
+                        path=tmp_path / "d")
+    runs = store.disk.runs
+    rng = np.random.default_rng(0)
+    for pass_id in range(3):  # a run flushed per pass (most rows spill to disk)
+        keys = np.unique(rng.integers(0, 60_000, 8000)) * 11
+        block, admitted = store.pull(keys, np.ones(len(keys), np.float32),
+                                     np.zeros(len(keys), np.float32), pass_id)
+        store.push(keys[admitted], RowBlock(block.values + 0.5, block.state + 1))
+        store.end_pass(pass_id)
+        runs.flush()
+        runs.wait()
+    assert len(runs.runs) > 1
+    linked = RunIndex.snapshot
+
+    def snapshot_then_merge(self, dst):
+        out = linked(self, dst)
+        self.compact()  # what a merge finishing at that moment does
+        return out
+
+    monkeypatch.setattr(RunIndex, "snapshot", snapshot_then_merge)
+    digests = store.save(tmp_path / "saved")
+    assert len(runs.runs) == 1 and runs.runs[0].files[0] not in digests
+    loaded = _store(tmp_path / "l", "disk")
+    loaded.load(tmp_path / "saved")
+    assert len(loaded) == len(store) > 0
+    a, b = store.to_arrays(), loaded.to_arrays()
+    for name in ("keys", "values", "show", "last_seen"):
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

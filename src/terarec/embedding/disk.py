@@ -549,9 +549,8 @@ class DiskTier:
             # The immutable runs are hard-linked; the index file lists them.
             arrays, manifest = self.runs.snapshot(dst)
             metadata["key_runs"] = manifest
-            for run in self.runs.runs:
-                for name in run.files:
-                    digests[name] = previous_digests.get(name) or sha256_file(dst / name)
+            for name in self.runs.snapshot_files(manifest):  # not ``runs.runs``: merged since
+                digests[name] = previous_digests.get(name) or sha256_file(dst / name)
             arrays = {"keys": np.empty(0, np.int64), "slots": np.empty(0, np.int64),
                       **arrays}
         else:

@@ -64,6 +64,11 @@ _COLUMNS = (("keys", np.int64), ("slots", np.int64), ("seen", np.int32))
 _GAMMA = np.uint64(GOLDEN_GAMMA)
 
 
+def run_files(name: str) -> list[str]:
+    """The file names of run ``name``: one per column."""
+    return [f"{name}.{c}" for c, _ in _COLUMNS]
+
+
 @numba.njit(inline="always")
 def _bloom_hash(key):
     return splitmix64(np.uint64(key) + _GAMMA)
@@ -163,7 +168,7 @@ class Run:
 
     @property
     def files(self) -> list[str]:
-        return [f"{self.name}.{c}" for c, _ in _COLUMNS]
+        return run_files(self.name)
 
     @property
     def nbytes(self) -> int:
@@ -604,7 +609,8 @@ class RunIndex:
     # -- persistence --------------------------------------------------------------------
     def snapshot(self, dst: Path) -> tuple[dict[str, np.ndarray], str]:
         """Hard-link the runs into ``dst`` (copied when the filesystems differ); returns
-        the arrays and the manifest (JSON) the snapshot's index file records."""
+        the arrays and the manifest (JSON) the snapshot's index file records. Its run
+        names are the runs linked: a background merge may swap ``runs`` right after."""
         self.flush()
         with self._lock:  # the listed runs' files exist while they are linked
             for run in self.runs:
@@ -615,6 +621,11 @@ class RunIndex:
                                    "size": self._size})
         return {"free": self._free[:self._n_free].copy()}, manifest
 
+    @staticmethod
+    def snapshot_files(manifest: str) -> list[str]:
+        """The file names of the runs a snapshot's ``manifest`` lists."""
+        return [f for name in json.loads(manifest)["runs"] for f in run_files(name)]
+
     def restore(self, src: Path, arrays: dict[str, np.ndarray], manifest: str) -> None:
         """Replace the content by a snapshot (run files hard-linked from ``src``)."""
         self.close()
@@ -622,8 +633,8 @@ class RunIndex:
             old.unlink()
         m = json.loads(manifest)
         for name in m["runs"]:
-            for c, _ in _COLUMNS:
-                _link_or_copy(Path(src) / f"{name}.{c}", self.folder / f"{name}.{c}")
+            for file in run_files(name):
+                _link_or_copy(Path(src) / file, self.folder / file)
             self.runs.append(Run(self.folder, name))
         self._run_id, self._next_slot, self._size = m["run_id"], m["next_slot"], m["size"]
         free = arrays["free"]
