@@ -217,7 +217,9 @@ def test_capacity_eviction_over_the_disk_index_holds_parts_not_every_key(
         tracemalloc.stop()
     np.testing.assert_array_equal(np.sort(store.take_evicted()), np.sort(expected))
     assert len(store) == n - 500
-    assert peak < n * 20, peak  # the whole view alone is n x 20 B (8 MB held in all)
+    # The whole-row view alone is n x 20 B (4 MB; 8.4 MB at its peak); streamed, a
+    # peak of 1.5-2.7 MB, plus up to 1.3 MB for a background merge's key range.
+    assert peak < 6_000_000, peak
     store.close()
 
 
