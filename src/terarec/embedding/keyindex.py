@@ -305,9 +305,12 @@ class RunIndex:
     @property
     def nbytes(self) -> int:
         """RAM held: run directories, the hot level and the free-slot list."""
-        hot = (self._hot.nbytes + self._h_slot.nbytes + self._h_seen.nbytes
-               + self._h_dirty.nbytes + self._h_gen.nbytes)
-        return self.directory_bytes + hot + self._free.nbytes
+        return self.directory_bytes + self._hot_bytes + self._free.nbytes
+
+    @property
+    def _hot_bytes(self) -> int:
+        return (self._hot.nbytes + self._h_slot.nbytes + self._h_seen.nbytes
+                + self._h_dirty.nbytes + self._h_gen.nbytes)
 
     @property
     def reserved_bytes(self) -> int:
@@ -318,9 +321,7 @@ class RunIndex:
         takes RAM the memory tier was given. A pass whose own keys outgrow the limit
         holds them (the limit rises to twice the batch): that part, and its flush
         copies, are counted as they are, like the pass's other buffers."""
-        hot = (self._hot.nbytes + self._h_slot.nbytes + self._h_seen.nbytes
-               + self._h_dirty.nbytes + self._h_gen.nbytes)
-        hot = max(hot, self.buffer_keys * HOT_ENTRY_PEAK_BYTES)
+        hot = max(self._hot_bytes, self.buffer_keys * HOT_ENTRY_PEAK_BYTES)
         return self.directory_bytes + hot + self._free.nbytes
 
     @property
