@@ -36,6 +36,29 @@ def test_buckets_only_where_the_label_departs_from_a_linear_effect() -> None:
     assert departs_from_linear(t, window, edges)
 
 
+def test_coarser_buckets_see_a_curve_the_sized_ones_spread_too_thin() -> None:
+    """On few rows a smooth curve spread over the data-sized count of buckets has too few
+    rows per bucket to show; the test also tries half as many, sharing its p between the
+    two counts, so a linear column stays unbucketed about as often as before."""
+    from terarec.data.numeric import COARSE_FACTOR, departs_from_linear, tested_edges
+
+    rng = np.random.default_rng(7)
+    sized_found = tested_found = false_found = 0
+    for _ in range(60):
+        t = rng.normal(size=4000)
+        curved = (rng.random(len(t)) < 1 / (1 + np.exp(1.4 - 0.15 * t * t))).astype(float)
+        linear = (rng.random(len(t)) < 1 / (1 + np.exp(1.4 - 0.5 * t))).astype(float)
+        sized = bucket_edges(t)
+        sized_found += departs_from_linear(t, curved, sized)
+        edges = tested_edges(t, curved)
+        if edges is not None:
+            tested_found += 1
+            assert edges in (sized, bucket_edges(t, (len(t) // ROWS_PER_BUCKET) // COARSE_FACTOR))
+        false_found += tested_edges(t, linear) is not None
+    assert tested_found > sized_found + 3
+    assert false_found <= 3
+
+
 def test_edges_give_a_point_mass_its_own_bucket_and_follow_the_data_size() -> None:
     rng = np.random.default_rng(0)
     values = np.where(rng.random(5000) < 0.7, 0.0, rng.exponential(3.0, 5000))

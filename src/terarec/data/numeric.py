@@ -38,6 +38,8 @@ _BUCKET_SAMPLE = 100_000
 # Data-sized buckets are kept only where the label departs from a linear effect at this
 # significance (``departs_from_linear``).
 BUCKET_TEST_P = 0.01
+# ``tested_edges`` also tries this many times fewer buckets than the data-sized count.
+COARSE_FACTOR = 2
 
 
 def transform_values(x: np.ndarray, transform: str) -> np.ndarray:
@@ -81,12 +83,13 @@ def _log_likelihood(y: np.ndarray, logit: np.ndarray) -> float:
     return float(np.sum(y * logit - np.logaddexp(0.0, logit)))
 
 
-def departs_from_linear(values: np.ndarray, labels: np.ndarray, edges: Sequence[float],
-                        ) -> bool:
-    """Whether the label's dependence on ``values`` is visibly not the logistic-linear
-    one the standardised dense input already gives: a likelihood-ratio test of one rate
-    per bucket against ``logit = a + b * value``, at ``BUCKET_TEST_P``. A column whose
-    effect is linear gets no buckets: their weights would only add variance."""
+def departure_z(values: np.ndarray, labels: np.ndarray, edges: Sequence[float],
+                ) -> float | None:
+    """How far the label's dependence on ``values`` departs from the logistic-linear one
+    the standardised dense input already gives: the likelihood-ratio statistic of one
+    rate per bucket against ``logit = a + b * value``, as the standard-normal z its
+    chi-square (Wilson-Hilferty) corresponds to, so tests with different bucket counts
+    compare; None when the buckets leave no degree of freedom."""
     y = labels.astype(np.float64)
     z = (values - values.mean()) / (values.std() or 1.0)
     a = b = 0.0
@@ -110,17 +113,43 @@ def departs_from_linear(values: np.ndarray, labels: np.ndarray, edges: Sequence[
     per_bucket = float(np.sum(y * np.log(rate) + (1 - y) * np.log1p(-rate)))
     dof = int((shows > 0).sum()) - 2
     if dof < 1:
-        return False
-    return 2.0 * (per_bucket - linear) > _chi2_quantile(1.0 - BUCKET_TEST_P, dof)
+        return None
+    stat = 2.0 * (per_bucket - linear)
+    c = 2.0 / (9.0 * dof)
+    return float((np.cbrt(max(stat, 0.0) / dof) - 1.0 + c) / np.sqrt(c))
 
 
-def _chi2_quantile(q: float, dof: int) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (no scipy needed)."""
+def departs_from_linear(values: np.ndarray, labels: np.ndarray, edges: Sequence[float],
+                        p: float = BUCKET_TEST_P) -> bool:
+    """Whether the label's dependence on ``values`` is visibly not linear (``departure_z``
+    at significance ``p``). A column whose effect is linear gets no buckets: their
+    weights would only add variance."""
     from statistics import NormalDist
 
-    z = NormalDist().inv_cdf(q)
-    c = 2.0 / (9.0 * dof)
-    return dof * (1.0 - c + z * np.sqrt(c)) ** 3
+    z = departure_z(values, labels, edges)
+    return z is not None and z > NormalDist().inv_cdf(1.0 - p)
+
+
+def tested_edges(values: np.ndarray, labels: np.ndarray) -> tuple[float, ...] | None:
+    """The data-sized buckets of a column, or ``COARSE_FACTOR`` times fewer, whichever
+    departs from linear more significantly; None when neither passes the test at
+    ``BUCKET_TEST_P`` (shared between the counts tried, Bonferroni). On few rows a step
+    spread over many buckets has too few rows per bucket to show; fewer, wider ones see
+    it (docs/models.md)."""
+    sized = bucket_edges(values)
+    if sized is None:
+        return None
+    wanted = min(MAX_BUCKETS, len(values) // ROWS_PER_BUCKET) // COARSE_FACTOR
+    coarse = bucket_edges(values, wanted) if wanted >= 2 else None
+    tried = [sized] if coarse is None or coarse == sized else [sized, coarse]
+    scored = [(z, edges) for edges in tried
+              if (z := departure_z(values, labels, edges)) is not None]
+    if not scored:
+        return None
+    from statistics import NormalDist
+
+    z, edges = max(scored, key=lambda t: t[0])
+    return edges if z > NormalDist().inv_cdf(1.0 - BUCKET_TEST_P / len(tried)) else None
 
 
 def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
@@ -247,10 +276,8 @@ def _with_moments(schema: FeatureSchema, parts: list[Part], standardize: bool,
         if buckets != 0:
             values = np.concatenate([s[spec.name][0] for _, s in parts if spec.name in s])
             labels = np.concatenate([s[spec.name][1] for _, s in parts if spec.name in s])
-            edges = bucket_edges(values, buckets)
-            if buckets is None and edges is not None and not departs_from_linear(
-                    values, labels, edges):
-                edges = None
+            edges = (tested_edges(values, labels) if buckets is None
+                     else bucket_edges(values, buckets))
             spec = replace(spec, buckets=edges)
         if standardize:
             if len(got) == 1:
