@@ -14,7 +14,9 @@ the model gets a first-order weight and an embedding per value range on top of t
 standardised value, which a linear term (or an MLP over few inputs) cannot bend into a
 step or a peak. The edges are stored in the schema too. Their number follows the data:
 about ``ROWS_PER_BUCKET`` sampled values per bucket, at most ``MAX_BUCKETS``, so a
-bucket has rows enough to fit its weight.
+bucket has rows enough to fit its weight; a column keeps them only where the label
+departs from a linear effect, tested at that count and at ``COARSE_FACTOR`` times fewer
+(``tested_edges``).
 """
 
 from __future__ import annotations
