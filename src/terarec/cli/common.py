@@ -79,7 +79,8 @@ def check_format_args(args: argparse.Namespace) -> None:
 
 def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
     check_format_args(args)
-    if (args.format or "criteo") == "criteo":
+    fmt = args.format or "criteo"
+    if fmt == "criteo":
         return _criteo_schema(args)
     numeric = _split(args.numeric)
     default: NumericTransform = getattr(args, "numeric_transform", None) or "log1p"
