@@ -291,3 +291,18 @@ def test_numeric_transform_applies_to_criteo(data, tmp_path):
     fields = json.loads((out / "schema.json").read_text())["fields"]
     numeric = [f for f in fields if f["kind"] == "numeric"]
     assert len(numeric) == 13 and {f["transform"] for f in numeric} == {"none"}
+
+
+def test_csv_without_its_columns_fails_before_any_work(tmp_path, capsys):
+    """A CSV needs its label and feature columns named: the error comes first, before the
+    data is sized (no "data-sized defaults" line) and before anything is written."""
+    csv = tmp_path / "clicks.csv"
+    csv.write_text("click,site\n" + "".join(f"{i % 2},s{i % 7}\n" for i in range(200)))
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(csv), "--format", "csv", "--label", "click",
+                     "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data-sized defaults" not in err
+    assert err.strip().splitlines()[-1].endswith(
+        "--format csv needs --label and --numeric and/or --categorical")
+    assert not (out / "checkpoints").exists()

@@ -70,12 +70,18 @@ def _split(text: str | None) -> list[str]:
     return [c.strip() for c in (text or "").split(",") if c.strip()]
 
 
+def check_format_args(args: argparse.Namespace) -> None:
+    """The input-format flags a new schema needs, checked before any work is done."""
+    fmt = args.format or "criteo"
+    if fmt != "criteo" and (not args.label or not (args.numeric or args.categorical)):
+        raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
+
+
 def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
+    check_format_args(args)
     fmt = args.format or "criteo"
     if fmt == "criteo":
         return _criteo_schema(args)
-    if not args.label or not (args.numeric or args.categorical):
-        raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
     numeric = _split(args.numeric)
     default: NumericTransform = getattr(args, "numeric_transform", None) or "log1p"
     transform: dict[str, NumericTransform] = {c: default for c in numeric}

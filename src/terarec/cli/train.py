@@ -18,6 +18,7 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_training_args,
+    check_format_args,
     config_from_args,
     explicit_config_keys,
     report_skipped,
@@ -286,6 +287,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                 on_commit: Callable[[Trainer], None] | None) -> int:
     if args.follow is not None:
         return _follow_run(args, config, ctx, on_commit)
+    if not args.features and not _resuming(args):  # the flags make the schema: check now
+        check_format_args(args)
     features = _features(args, ctx)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \

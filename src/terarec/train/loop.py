@@ -220,8 +220,10 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     if run.selection is not None and run.selection.observe(record).stop:
         run.stop(STOP_PATIENCE)
     trainer.history.append(record)
-    bar.set_postfix(loss=f"{result.train_loss:.4f}",
-                    auc=f"{record.get('valid_auc', float('nan')):.4f}")
+    shown = {"loss": f"{result.train_loss:.4f}"}
+    if "valid_auc" in record:  # a run without --valid (a refit) has no AUC to show
+        shown["auc"] = f"{record['valid_auc']:.4f}"
+    bar.set_postfix(shown)
     if run.on_pass_end is not None:
         run.on_pass_end(trainer, record)
 
