@@ -140,6 +140,14 @@ class ModelConfig:
     tower_similarity: Literal["cosine", "dot"] = "cosine"
     cosine_scale: Rate = 10.0
 
+    def with_embedding_dim(self, dim: int) -> ModelConfig:
+        """This shape at width ``dim``. DLRM's bottom MLP must end at the width (its
+        output is dotted with the rows), so where it did, it ends at the new one."""
+        bottom = self.bottom_mlp
+        if self.name == "dlrm" and bottom and bottom[-1] == self.embedding_dim:
+            bottom = (*bottom[:-1], dim)
+        return dataclasses.replace(self, embedding_dim=dim, bottom_mlp=bottom)
+
 
 @dataclass
 class SparseOptimizerConfig:

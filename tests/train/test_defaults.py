@@ -10,6 +10,7 @@ import pytest
 
 from terarec.cli.common import add_train_args, config_from_args, explicit_config_keys
 from terarec.config import TrainConfig
+from terarec.models.registry import build_model
 from terarec.train.defaults import (
     apply_sized_defaults,
     estimate_rows,
@@ -17,6 +18,7 @@ from terarec.train.defaults import (
     sized_defaults,
     sized_embedding_dim,
 )
+from terarec.types import FeatureSchema
 
 
 def test_row_estimate_of_small_and_large_text_files(tmp_path: Path) -> None:
@@ -99,7 +101,8 @@ def test_admission_by_probability_is_not_given_a_sized_count(tmp_path: Path) -> 
     assert config.store.admit_probability == 0.5 and config.batch_size == 256
 
 
-def test_small_data_deepfm_is_narrower_and_its_dense_part_slower(tmp_path: Path) -> None:
+def test_small_data_deep_models_are_narrower_and_their_dense_part_slower(tmp_path: Path
+                                                                        ) -> None:
     data = tmp_path / "d.csv"
     data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
     sized_lr = TrainConfig().dense_optimizer.lr * (256 / 4096) ** 0.5
@@ -116,7 +119,19 @@ def test_small_data_deepfm_is_narrower_and_its_dense_part_slower(tmp_path: Path)
     assert config.dense_optimizer.lr == pytest.approx(sized_lr * 0.5)
     config, chosen = sized(["--dense-lr", "0.001"])  # the width is sized on its own
     assert config.model.embedding_dim == 8 and config.dense_optimizer.lr == 0.001
-    for model in ("lr", "widedeep", "dlrm"):  # other models: measured at the fixed shape
+    for model in ("widedeep", "dlrm"):  # measured to gain from it too (docs/models.md)
+        config, chosen = sized(["--model", model])
+        assert config.model.embedding_dim == 8 and chosen["model.embedding_dim"] == 8
+        assert config.dense_optimizer.lr == pytest.approx(sized_lr * 0.5)
+    config, _ = sized(["--model", "dlrm"])  # its bottom MLP ends at the sized width
+    assert config.model.bottom_mlp == (*TrainConfig().model.bottom_mlp[:-1], 8)
+    build_model(FeatureSchema.criteo(), config.model)  # the shapes fit together
+    cfg = tmp_path / "dlrm.json"  # a bottom MLP the user gave keeps the width it ends at
+    cfg.write_text(json.dumps({"model": {"name": "dlrm", "bottom_mlp": [64, 16]}}))
+    config, chosen = sized(["--config", str(cfg)])
+    assert config.model.embedding_dim == 16 and config.model.bottom_mlp == (64, 16)
+    assert "model.embedding_dim" not in chosen
+    for model in ("lr", "fm", "dcnv2"):  # other models: measured at the fixed shape
         config, chosen = sized(["--model", model])
         assert config.model.embedding_dim == TrainConfig().model.embedding_dim
         assert config.dense_optimizer.lr == pytest.approx(sized_lr)

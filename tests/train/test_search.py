@@ -14,12 +14,19 @@ import pytest
 from safetensors.torch import load_file
 
 from terarec.cli.main import main
-from terarec.config import TrainConfig
+from terarec.config import ModelConfig, TrainConfig
 from terarec.data.numeric import with_numeric_stats
 from terarec.data.synth import generate
 from terarec.embedding.shared import SharedRowsStore
+from terarec.models.registry import build_model
 from terarec.train.passes import iter_file_batches
-from terarec.train.search import apply_params, check_space, grid_space, run_search
+from terarec.train.search import (
+    apply_params,
+    check_space,
+    default_space,
+    grid_space,
+    run_search,
+)
 from terarec.types import FeatureSchema
 
 COMMON = ["--batch-size", "500", "--pass-rows", "2000", "--threads", "1", "--no-progress",
@@ -193,6 +200,20 @@ def test_space_errors_name_the_parameter(tmp_path):
     assert main(["search", "--train", str(bad), "--valid", str(bad), "--out",
                  str(tmp_path / "o"), "--space", str(bad)]) == 2
     assert apply_params(config, {"model.embedding_dim": 32}).model.embedding_dim == 32
+
+
+def test_a_width_from_the_space_keeps_dlrms_bottom_mlp_ending_at_it():
+    """DLRM dots its bottom MLP's output with the rows: every width of its default space
+    must build (it failed with 4 and 8 against the (64, 16) bottom MLP)."""
+    base = TrainConfig(model=ModelConfig(name="dlrm"))
+    for width in default_space("dlrm")["model.embedding_dim"]["choices"]:
+        config = apply_params(base, {"model.embedding_dim": width})
+        assert config.model.bottom_mlp == (64, width)
+        build_model(FeatureSchema.criteo(), config.model)
+    given = apply_params(base, {"model.embedding_dim": 8, "model.bottom_mlp": [32, 8]})
+    assert given.model.bottom_mlp == (32, 8)  # a bottom MLP from the space is its own
+    deepfm = apply_params(TrainConfig(), {"model.embedding_dim": 8})
+    assert deepfm.model.bottom_mlp == TrainConfig().model.bottom_mlp  # not dlrm: untouched
 
 
 def test_grid_sampler_from_a_yaml_space_tries_each_point_once(files, tmp_path):

@@ -13,10 +13,11 @@ follow it::
     admit_min_count 2 below 100,000 rows, else 1               (a key seen once gets no
                                                                  row of its own)
 
-    DeepFM below 100,000 rows: embedding_dim 8 instead of 16 and half the dense learning
-    rate (``SMALL_DATA_DEEPFM``): keys seen a few times each fit fewer factors, and the
-    deep part, which overfits the first (DeepFM stops after one to three epochs while
-    its first-order part alone improves for ten), learns more slowly
+    DeepFM, Wide&Deep and DLRM below 100,000 rows: embedding_dim 8 instead of 16 and
+    half the dense learning rate (``SMALL_DATA_SHAPE``; DLRM's bottom MLP ends at the
+    width): keys seen a few times each fit fewer factors, and the deep part, which
+    overfits the first (DeepFM stops after one to three epochs while its first-order
+    part alone improves for ten), learns more slowly
 
 At 131,072 rows and above every value is the fixed default, so large runs are unchanged.
 
@@ -61,9 +62,10 @@ SMALL_DATA_ADMIT = 2
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
 DIM_KEY = "model.embedding_dim"
+BOTTOM_KEY = "model.bottom_mlp"  # dlrm: it ends at the width
 # Per model, below SMALL_DATA_ROWS: the embedding width and the dense learning rate's
 # factor (docs/models.md: measured on the three real samples and the synthetic data).
-SMALL_DATA_DEEPFM = {"deepfm": (8, 0.5)}
+SMALL_DATA_SHAPE = {"deepfm": (8, 0.5), "widedeep": (8, 0.5), "dlrm": (8, 0.5)}
 
 
 def estimate_rows(paths: Iterable[str | Path]) -> int | None:
@@ -99,7 +101,7 @@ def sized_defaults(rows: int, model: str = "") -> dict[str, float | int]:
     batch = int(min(MAX_BATCH, max(MIN_BATCH, batch)))
     scale = math.sqrt(batch / MAX_BATCH)
     small = rows < SMALL_DATA_ROWS
-    dense_factor = SMALL_DATA_DEEPFM[model][1] if small and model in SMALL_DATA_DEEPFM else 1.0
+    dense_factor = SMALL_DATA_SHAPE[model][1] if small and model in SMALL_DATA_SHAPE else 1.0
     base = TrainConfig()
     return {"batch_size": batch,
             "epochs": SMALL_DATA_EPOCHS if small else base.epochs,
@@ -109,8 +111,8 @@ def sized_defaults(rows: int, model: str = "") -> dict[str, float | int]:
 
 def sized_embedding_dim(rows: int, model: str) -> int:
     """The data-sized ``model.embedding_dim`` of ``model`` for ``rows`` training rows."""
-    if rows < SMALL_DATA_ROWS and model in SMALL_DATA_DEEPFM:
-        return SMALL_DATA_DEEPFM[model][0]
+    if rows < SMALL_DATA_ROWS and model in SMALL_DATA_SHAPE:
+        return SMALL_DATA_SHAPE[model][0]
     return TrainConfig().model.embedding_dim
 
 
@@ -163,8 +165,11 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
             set_[ADMIT_KEY] = admit
     if sized_dim:
         dim = sized_embedding_dim(rows, config.model.name)
-        if dim != config.model.embedding_dim:
-            config = replace(config, model=replace(config.model, embedding_dim=dim))
+        model = config.model.with_embedding_dim(dim)
+        if BOTTOM_KEY in explicit and model.bottom_mlp != config.model.bottom_mlp:
+            model = config.model  # a bottom MLP the user gave ends at the width it fixes
+        if model != config.model:
+            config = replace(config, model=model)
             set_[DIM_KEY] = dim
     if not sized_schedule:
         return config, set_ if len(set_) > 1 else {}

@@ -191,7 +191,12 @@ def apply_params(base: TrainConfig, params: Mapping[str, Any]) -> TrainConfig:
         for part in parents:
             node = node[part]
         node[leaf] = list(value) if isinstance(value, tuple) else value
-    return from_dict(TrainConfig, data)
+    config = from_dict(TrainConfig, data)
+    if "model.embedding_dim" in params and "model.bottom_mlp" not in params:
+        # dlrm's bottom MLP ends at base's width: a width from the space moves it along
+        bottom = base.model.with_embedding_dim(config.model.embedding_dim).bottom_mlp
+        config = replace(config, model=replace(config.model, bottom_mlp=bottom))
+    return config
 
 
 def grid_space(space: Mapping[str, Mapping[str, Any]]) -> dict[str, list]:
