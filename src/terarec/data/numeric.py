@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 
@@ -58,6 +59,12 @@ Samples = dict[str, tuple[np.ndarray, np.ndarray]]
 Part = tuple[Moments, Samples]  # what one process or rank gathered
 
 
+def sized_bucket_count(n: int) -> int:
+    """The data-sized bucket count of ``n`` sampled values: one per ``ROWS_PER_BUCKET``,
+    at most ``MAX_BUCKETS``."""
+    return min(MAX_BUCKETS, n // ROWS_PER_BUCKET)
+
+
 def bucket_edges(values: np.ndarray, max_buckets: int | None = None,
                  ) -> tuple[float, ...] | None:
     """Quantile edges cutting ``values`` (transformed, non-missing) into at most
@@ -66,7 +73,7 @@ def bucket_edges(values: np.ndarray, max_buckets: int | None = None,
     so a value repeated often (a point mass at 0) is a bucket of its own; values below
     the sample's minimum share the lowest bucket."""
     if max_buckets is None:
-        max_buckets = min(MAX_BUCKETS, len(values) // ROWS_PER_BUCKET)
+        max_buckets = sized_bucket_count(len(values))
     if max_buckets < 2 or not len(values):
         return None
     levels = np.arange(1, max_buckets) / max_buckets
@@ -126,8 +133,6 @@ def departs_from_linear(values: np.ndarray, labels: np.ndarray, edges: Sequence[
     """Whether the label's dependence on ``values`` is visibly not linear (``departure_z``
     at significance ``p``). A column whose effect is linear gets no buckets: their
     weights would only add variance."""
-    from statistics import NormalDist
-
     z = departure_z(values, labels, edges)
     return z is not None and z > NormalDist().inv_cdf(1.0 - p)
 
@@ -141,15 +146,13 @@ def tested_edges(values: np.ndarray, labels: np.ndarray) -> tuple[float, ...] | 
     sized = bucket_edges(values)
     if sized is None:
         return None
-    wanted = min(MAX_BUCKETS, len(values) // ROWS_PER_BUCKET) // COARSE_FACTOR
+    wanted = sized_bucket_count(len(values)) // COARSE_FACTOR
     coarse = bucket_edges(values, wanted) if wanted >= 2 else None
     tried = [sized] if coarse is None or coarse == sized else [sized, coarse]
     scored = [(z, edges) for edges in tried
               if (z := departure_z(values, labels, edges)) is not None]
     if not scored:
         return None
-    from statistics import NormalDist
-
     z, edges = max(scored, key=lambda t: t[0])
     return edges if z > NormalDist().inv_cdf(1.0 - BUCKET_TEST_P / len(tried)) else None
 

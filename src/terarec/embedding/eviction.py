@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 # Bytes per row besides its values and optimizer state: show, click, last seen, key.
 ROW_OVERHEAD_BYTES = 4 + 4 + 4 + 8
+# Rows of variable length differ in size: a byte target is checked again this many times.
+BYTE_TARGET_ROUNDS = 3
 
 
 def store_bytes(store: EmbeddingStore) -> int:
@@ -190,7 +192,7 @@ def apply_eviction(policies: list[EvictionPolicy], view: Callable[[], RowView],
             rows = rows.without(drop)
     last = policies[-1]
     if isinstance(last, Capacity) and last.max_bytes is not None:
-        for _ in range(3):
+        for _ in range(BYTE_TARGET_ROUNDS):
             rows = view()
             if not len(rows) or len(rows) * rows.bytes_per_row <= last.max_bytes:
                 break
@@ -245,7 +247,7 @@ def apply_eviction_streamed(policies: list[EvictionPolicy],
         total += evict(chosen)
     if capacity is None or capacity.max_bytes is None:
         return total
-    for _ in range(3):  # rows of variable length: check the byte target again
+    for _ in range(BYTE_TARGET_ROUNDS):  # rows of variable length: check again
         rows, total_bytes = size()
         if not rows or total_bytes <= capacity.max_bytes:
             break
