@@ -138,3 +138,36 @@ def test_small_data_deep_models_are_narrower_and_their_dense_part_slower(tmp_pat
     large = sized_defaults(10**9, "deepfm")
     assert large["dense_optimizer.lr"] == TrainConfig().dense_optimizer.lr
     assert sized_embedding_dim(10**9, "deepfm") == TrainConfig().model.embedding_dim
+
+
+def test_config_file_without_epochs_keeps_the_validation_epoch_bound(tmp_path: Path) -> None:
+    """With --valid the epoch count is an upper bound sized to the data unless the user
+    set it: a config file that only reshapes the model does not set it."""
+    from terarec.cli.common import add_selection_args, selection_from_args
+    from terarec.train.defaults import max_epochs
+    from terarec.train.selection import DEFAULT_PATIENCE
+
+    data = tmp_path / "d.csv"
+    data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
+    parser = argparse.ArgumentParser()
+    add_train_args(parser)
+    add_selection_args(parser)
+    parser.add_argument("--train", nargs="+", type=Path)
+    parser.add_argument("--valid", nargs="+", type=Path)
+
+    def epochs(argv: list[str]) -> int:
+        args = parser.parse_args(["--train", str(data), "--valid", str(data), *argv])
+        config, _ = apply_sized_defaults(config_from_args(args), args.train,
+                                         explicit_config_keys(args))
+        selection_from_args(args, config)
+        return config.epochs
+
+    bound = max_epochs(5000, 256) + DEFAULT_PATIENCE
+    assert epochs([]) == bound
+    shape = tmp_path / "shape.json"
+    shape.write_text(json.dumps({"model": {"deep_mlp": [64, 32]}}))
+    assert epochs(["--config", str(shape)]) == bound
+    fixed = tmp_path / "epochs.json"
+    fixed.write_text(json.dumps({"epochs": 3}))
+    assert epochs(["--config", str(fixed)]) == 3
+    assert epochs(["--config", str(shape), "--epochs", "4"]) == 4

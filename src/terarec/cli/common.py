@@ -257,7 +257,7 @@ def selection_from_args(args: argparse.Namespace,
         if args.eval_every < 1:
             raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")
         config.pass_rows = min(config.pass_rows, args.eval_every * config.batch_size)
-    if args.epochs is None and args.config is None:
+    if "epochs" not in explicit_config_keys(args):  # neither --epochs nor the config file
         config.epochs = max_epochs(estimate_rows(args.train), config.batch_size) + args.patience
     return SelectionTracker(args.select_by, args.patience)
 
