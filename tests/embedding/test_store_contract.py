@@ -247,6 +247,18 @@ def test_merge_sorted_interleaves_disjoint_streams_in_bounded_chunks():
                                   keys.astype(np.float32))
 
 
+def test_a_closed_store_frees_its_folder_for_the_next(case, tmp_path):
+    """``close`` releases what outlives the object's use (a tiered store's folder lock):
+    a new store of the same settings can take the folder at once, starting empty."""
+    name, store, _, _, _ = case
+    kind, budget, settings = CASES[name]
+    store.close()
+    store.close()  # twice is harmless
+    again = _make(kind, budget, settings, tmp_path / "store")
+    assert len(again) == 0 and list(again.iter_sorted()) == []
+    again.close()
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_an_empty_store_saves_and_loads(name, tmp_path):
     kind, budget, settings = CASES[name]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from terarec.cli.main import main
@@ -99,6 +100,54 @@ def test_refit_needs_valid_and_skips_cut_passes(files, tmp_path):
     metrics = _train(files, tmp_path / "b", "--pass-rows", "1000")
     assert "skipped" in metrics["refit"]
     assert (tmp_path / "b" / "BEST").read_text() == f"pass-{metrics['best_pass']:06d}"
+
+
+def test_refit_of_a_tiered_run_takes_over_its_store_folder(files, tmp_path):
+    """Under --memory-budget the refit's tiered store opens the folder the training
+    store held (it failed as "store folder in use"); it trains and becomes BEST."""
+    out = tmp_path / "m"
+    metrics = _train(files, out, "--memory-budget", "4MB")
+    refit = metrics["refit"]
+    assert refit["epochs"] == metrics["best_pass"] and (out / "BEST").read_text() == \
+        refit["checkpoint"] == metrics["checkpoint"]
+    assert load_checkpoint(out, refit["checkpoint"]).tiered
+    _, valid = files
+    assert _eval(out, valid)["logloss"] < metrics["logloss"]  # the refit has seen valid
+
+
+def _served(uri: Path, model: Path, data: Path) -> tuple[str, np.ndarray, np.ndarray]:
+    """(newest version, its scores of ``data``, ``terarec predict``'s scores of it)."""
+    from terarec.export import latest_version
+    from terarec.export.storage import Storage
+    from terarec.serving.engine import ServingEngine
+
+    scores = model / "scores.txt"
+    assert main(["predict", "--model", str(model), "--data", str(data), "--out",
+                 str(scores)]) == 0
+    engine = ServingEngine(uri)
+    try:
+        assert engine.refresh()
+        names = [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+        records = [{n: v or None for n, v in zip(names, line.rstrip("\n").split("\t")[1:],
+                                                 strict=True)}
+                   for line in data.read_text().splitlines(keepends=True)[:300]]
+        served, _ = engine.score_records(records)
+    finally:
+        engine.close()
+    return latest_version(Storage(str(uri))), np.asarray(served), np.loadtxt(scores)[:300]
+
+
+@pytest.mark.parametrize("refit", [True, False])
+def test_live_versions_end_on_the_model_validation_selected(files, tmp_path, refit):
+    """With --valid and --export-to the versions follow the passes, overfit ones too;
+    the last one written is the model BEST names (the refit, or the best pass), so a
+    server ends on the scores eval and predict give."""
+    out, uri = tmp_path / "m", tmp_path / "live"
+    metrics = _train(files, out, "--export-to", str(uri), *([] if refit else ["--no-refit"]))
+    assert metrics["passes"] > metrics["best_pass"]  # patience ran out: later passes exist
+    name, served, offline = _served(uri, out, files[1])
+    assert metrics["selected_version"] == name
+    np.testing.assert_allclose(served, offline, rtol=1e-5, atol=1e-6)
 
 
 def test_search_refits_its_best_trial(files, tmp_path):

@@ -123,7 +123,9 @@ def refit_best(best_dir: Path, args: argparse.Namespace, ctx) -> None:
     schema, config = read_model_meta(best_dir)
     run = TrainRun(train=list(args.train), valid=list(args.valid), out=best_dir,
                    progress=not args.no_progress)
-    refit = refit_model(run, schema, config, history, metrics.get("best_pass"), ctx)
+    refit, model = refit_model(run, schema, config, history, metrics.get("best_pass"), ctx)
+    if model is not None:
+        model.store.close()
     metrics["refit"] = refit
     if refit.get("checkpoint"):
         metrics.update(selected_checkpoint=metrics.get("checkpoint"),

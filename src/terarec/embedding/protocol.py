@@ -101,3 +101,9 @@ class EmbeddingStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def tier_stats(self) -> TierStats | None: ...
+
+    def close(self) -> None:
+        """Release what the store holds beyond its Python objects (a tiered store's
+        folder lock and mapped slabs), so another store can use its folder; the store
+        is not used afterwards."""
+        ...

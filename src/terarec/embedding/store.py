@@ -348,6 +348,9 @@ class MemoryStore(EvictionLog):
         """No tiers: every row is in RAM."""
         return None
 
+    def close(self) -> None:
+        """Nothing outside the heap to release: the rows go with the object."""
+
     def stats(self) -> StoreStats:
         return StoreStats(keys=len(self.index), candidates=self.candidate_count,
                           admitted=self.admitted_total, evicted=self.evicted_total,

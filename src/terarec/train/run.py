@@ -217,15 +217,25 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
                        files_trained=Positions.from_dict(trainer.inputs).done_files)
     if selection is not None:
         metrics.update(selection.summary())
+        selected = scorer  # the model BEST names
         if run.refit and valid and following is None:
+            # Its checkpoints are committed: the training store makes way for the refit's
+            # (a tiered store's folder and its share of the memory budget).
+            trainer.store.close()
             with clock.phase("refit"):
-                metrics["refit"] = refit_model(run, trainer.schema, trainer.config,
-                                               trainer.history, selection.best_pass, ctx,
-                                               dense_comm)
-            if metrics["refit"].get("checkpoint"):
+                metrics["refit"], refit = refit_model(
+                    run, trainer.schema, trainer.config, trainer.history,
+                    selection.best_pass, ctx, dense_comm)
+            if refit is not None:
+                selected = refit
                 metrics.update(selected_checkpoint=evaluated,
                                checkpoint=metrics["refit"]["checkpoint"])
-            metrics["phase_seconds"] = clock.rounded()
+        if versions is not None and selected is not trainer and following is None:
+            # The live versions followed the passes; the last one published is the model
+            # eval and predict score, so that serving ends on it too.
+            with clock.phase("export"):
+                metrics["selected_version"] = versions.export(selected, full=True).name
+        metrics["phase_seconds"] = clock.rounded()
     if ctx.is_main:
         atomic_write_text(run.out / "metrics.json", json.dumps(metrics, indent=2))
         records = [*trainer.history[:-1], {**trainer.history[-1],
@@ -237,7 +247,7 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
 
 def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
                 history: list[dict], best_pass: int | None, ctx: DistContext,
-                dense_comm: DenseCommConfig | None = None) -> dict:
+                dense_comm: DenseCommConfig | None = None) -> tuple[dict, Trainer | None]:
     """Train a fresh model (``schema``, ``config`` and its seed, as the selection run had
     them) on ``run``'s training and validation rows for as many epochs as the selected
     pass had trained (``refit_epochs`` of the run's ``history``), commit it after the
@@ -245,10 +255,10 @@ def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
     use. On small data the validation rows are a real share of what there is to learn
     from; validation has done its job once it has picked the epoch count. Collective on
     N ranks. Returns what metrics.json says under ``refit`` (``skipped`` with a reason
-    when the selection gives no epoch count)."""
+    when the selection gives no epoch count) and the refit model (None when skipped)."""
     epochs = refit_epochs(history, best_pass)
     if epochs is None:
-        return {"skipped": "no whole-epoch best pass to refit to"}
+        return {"skipped": "no whole-epoch best pass to refit to"}, None
     model = Trainer(schema, replace(config, epochs=epochs), ctx=ctx, dense_comm=dense_comm)
     done = list_checkpoints(run.out)  # the refit's checkpoint comes after them
     model.pass_id = int(done[0].name.split("-")[1]) if done else 0
@@ -262,7 +272,7 @@ def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
         mark_best(run.out, name)
     return {"epochs": epochs, "rows": sum(h["rows"] for h in trained),
             "train_loss": trained[-1]["train_loss"] if trained else None,
-            "checkpoint": name}
+            "checkpoint": name}, model
 
 
 def _no_rows(what: str, paths: list[Path], stats: ReadStats) -> str:

@@ -252,8 +252,7 @@ def free_rows(trainer: Trainer) -> None:
     a pruned or finished trial trains no more."""
     store = trainer.store
     path = getattr(getattr(store, "disk", None), "path", None)
-    if hasattr(store, "close"):
-        store.close()
+    store.close()
     trainer.store = make_store(trainer.model.row_dim, trainer.sparse_optimizer,
                                _in_ram(trainer.config))
     if path is not None:
