@@ -45,12 +45,12 @@ def published(tmp_path_factory):
     tables = compute_tables(FEATURES, data.train, data.schema, root / "all")
     FeatureConfig(data.schema, tables).save(root / "features.json")
     model, live = root / "model", root / "live"
-    # No --valid: validation-driven training would have predict score the best pass,
-    # while the live versions follow the latest one.
+    # With --valid: the versions follow the passes, then the selected model (the best
+    # pass: passes cut from epochs are not refit) is written last, the one predict scores.
     torchrun(["--features", str(root / "features.json"), "--train", str(data.train),
-              "--out", str(model), "--model", "deepfm",
+              "--valid", str(data.valid), "--out", str(model), "--model", "deepfm",
               "--embedding-dim", "4", "--batch-size", "500", "--pass-rows", "2000",
-              "--threads", "1", "--no-progress", "--memory-budget", "450KB",
+              "--threads", "1", "--no-progress", "--memory-budget", "600KB",
               "--export-to", str(live)])
     table = pa_csv.read_csv(data.valid, convert_options=pa_csv.ConvertOptions(
         column_types={n: pa.string() for n in NAMES}))
@@ -81,10 +81,16 @@ def test_two_ranks_with_tiered_stores_write_one_shard_each(published):
 def test_versions_published_by_the_ranks_serve_the_scores_of_predict(published):
     _, _, live, records, offline, _ = published
     storage = Storage(str(live))
-    manifest = read_manifest(storage, latest_version(storage))
-    assert manifest.kind == "delta" and manifest.data["features"] == "features"
-    full = read_manifest(storage, manifest.base)
-    assert full.kind == "full" and full.data["sparse"]["rows"] > 1000
+    name = latest_version(storage)
+    metrics = json.loads((published[1] / "metrics.json").read_text())
+    assert metrics["passes"] > metrics["best_pass"]  # later passes were published too
+    assert metrics["selected_version"] == name
+    manifest = read_manifest(storage, name)
+    assert manifest.kind == "full" and manifest.data["features"] == "features"
+    assert manifest.pass_id == metrics["best_pass"]
+    assert manifest.data["sparse"]["rows"] > 1000
+    trained = read_manifest(storage, f"v{int(name[1:]) - 1:06d}")  # the last pass's
+    assert trained.kind == "delta" and read_manifest(storage, trained.base).kind == "full"
     engine = ServingEngine(live)
     try:
         assert engine.refresh()
@@ -114,7 +120,7 @@ def test_export_and_eval_read_the_distributed_model(published):
     finally:
         engine.close()
     metrics = json.loads(terarec("eval", "--model", str(model), "--data",
-                                 str(data.train)).splitlines()[-1])
+                                 str(data.valid)).splitlines()[-1])
     trained = json.loads((model / "metrics.json").read_text())
-    assert trained["world_size"] == 2 and trained["evaluated_on"] == "train"
+    assert trained["world_size"] == 2 and trained["evaluated_on"] == "valid"
     assert metrics["auc"] == pytest.approx(trained["auc"], abs=1e-6)
