@@ -19,6 +19,7 @@ from terarec.data.numeric import with_numeric_stats
 from terarec.data.synth import generate
 from terarec.embedding.shared import SharedRowsStore
 from terarec.models.registry import build_model
+from terarec.train.checkpoint import read_model_meta
 from terarec.train.passes import iter_file_batches
 from terarec.train.search import (
     apply_params,
@@ -180,6 +181,10 @@ def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
             live = sum(seen[n][i][0] == "running" for n in seen if i < len(seen[n]))
             if state == "running" and b is not None and live:
                 assert b == budget // live
+    # out/best is a model directory of its own: the run's budget, not a trial's share
+    _, best_config = read_model_meta(result.best_dir)
+    assert best_config.store.memory_budget in ("32MB", budget)
+    assert best_config.store.disk_path is None
     gc.collect()
     later = [t for t in pruned if seen[t.number][0][0] == "running"]
     assert all(refs[t.number]() is None for t in later), "pruned rows still referenced"

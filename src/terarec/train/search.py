@@ -416,7 +416,7 @@ def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Pa
     best_dir = out_dir / "best" if best is not None else None
     if ctx.is_main:
         if best is not None and (best.model_dir / "checkpoints").exists():
-            _write_best(best, out_dir)  # else out/best holds it already (resumed)
+            _write_best(best, out_dir, base)  # else out/best holds it (resumed)
         for t in done:  # only the best trial keeps its checkpoints (in out/best)
             shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
             for pointer in ("BEST", "LATEST"):
@@ -790,12 +790,20 @@ def _write_trial_files(t: SearchTrial) -> None:
     atomic_write_text(t.model_dir / "metrics.json", json.dumps(metrics, indent=2))
 
 
-def _write_best(best: SearchTrial, out_dir: Path) -> Path:
-    """Copy the best trial's directory (less its live store folder) to ``out/best``."""
+def _write_best(best: SearchTrial, out_dir: Path, base: TrainConfig) -> Path:
+    """Copy the best trial's directory (less its live store folder) to ``out/best``. Its
+    configuration keeps base's store budget and folder, not the trial's share of the
+    budget and folder under trials/: ``out/best`` is an ordinary model directory, which
+    a refit, ``train --resume`` or ``eval`` uses alone."""
     target = out_dir / "best"
     tmp = out_dir / ".best.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(best.model_dir, tmp, ignore=shutil.ignore_patterns("store"))
+    store = replace(best.config.store, memory_budget=base.store.memory_budget,
+                    disk_path=base.store.disk_path)
+    config_file = tmp / "train_config.json"
+    atomic_write_text(config_file, json.dumps(to_dict(replace(best.config, store=store)),
+                                              indent=2))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
