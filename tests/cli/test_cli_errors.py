@@ -329,3 +329,22 @@ def test_serve_refuses_out_of_range_flags_before_starting(tmp_path, capsys, extr
     limit of 0 refused every request: each is refused at once, naming the flag."""
     assert cli_main(["serve", str(tmp_path / "export"), *extra]) == 2
     assert _one_line(capsys) == f"terarec serve: error: {message}"
+
+
+QUICKSTART_ERRORS = [
+    (["--model", "bogus"], "--model: unknown model 'bogus'; known models: lr, fm"),
+    (["--rows", "0"], "--rows must be >= 1, got 0"),
+    (["--valid-rows", "0"], "--valid-rows must be >= 1, got 0"),
+    (["--seed", "-1"], "--seed: seed: -1 must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("extra,message", QUICKSTART_ERRORS,
+                         ids=[" ".join(a) for a, _ in QUICKSTART_ERRORS])
+def test_quickstart_checks_its_flags_before_synthesising(tmp_path, capsys, extra, message):
+    """A bad --model or --seed failed only after the (default: a million) rows were
+    synthesised; --valid-rows 0 was reported as "rows must be positive"."""
+    work = tmp_path / "work"
+    assert cli_main(["quickstart", "--workdir", str(work), "--no-progress", *extra]) == 2
+    assert _one_line(capsys).startswith(f"terarec quickstart: error: {message}")
+    assert not work.exists()
