@@ -348,3 +348,16 @@ def test_quickstart_checks_its_flags_before_synthesising(tmp_path, capsys, extra
     assert cli_main(["quickstart", "--workdir", str(work), "--no-progress", *extra]) == 2
     assert _one_line(capsys).startswith(f"terarec quickstart: error: {message}")
     assert not work.exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "predict"])
+def test_scoring_out_that_is_a_folder_is_refused_before_scoring(data, lr_model, tmp_path,
+                                                                capsys, command):
+    """It failed with an IsADirectoryError traceback once every row was scored."""
+    folder = tmp_path / "scores"
+    folder.mkdir()
+    assert cli_main([command, "--model", str(lr_model), "--data", str(data),
+                     "--out", str(folder)]) == 2
+    assert _one_line(capsys) == f"terarec {command}: error: --out {folder} is a folder, " \
+                                "not a file"
+    assert list(folder.iterdir()) == [] and not list(tmp_path.glob(".scores.*"))
