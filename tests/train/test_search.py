@@ -248,6 +248,19 @@ def test_an_unreadable_or_broken_space_file_is_one_line_naming_it(tmp_path):
     assert str(err.value).startswith(f"{bad}: not valid YAML (line 2: expected ','")
 
 
+@pytest.mark.parametrize("parallel", ["0", "-1"])
+def test_parallel_below_one_is_refused(files, tmp_path, capsys, parallel):
+    """--parallel 0 silently trained every trial at once; -1 failed with "run_passes needs
+    at least one trial"."""
+    train, valid = files
+    out = tmp_path / "s"
+    assert main(["search", "--train", str(train), "--valid", str(valid), "--out", str(out),
+                 *COMMON, "--trials", "2", "--parallel", parallel]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"parallel {parallel}: must be >= 1 (leave it out for all)")
+    assert not (out / "study.journal").exists()
+
+
 def test_a_width_from_the_space_keeps_dlrms_bottom_mlp_ending_at_it():
     """DLRM dots its bottom MLP's output with the rows: every width of its default space
     must build (it failed with 4 and 8 against the (64, 16) bottom MLP)."""

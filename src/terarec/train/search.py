@@ -393,6 +393,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
         raise ValueError("search needs a validation set (--valid)")
     if trials < 1:
         raise ValueError(f"trials {trials}: must be >= 1")
+    if parallel is not None and parallel < 1:  # 0 meant "all", a negative one no trial
+        raise ValueError(f"parallel {parallel}: must be >= 1 (leave it out for all)")
     space = dict(space) if space is not None else default_space(base.model.name, base)
     if sampler == "grid":  # each grid point once
         trials = min(trials, math.prod(len(v) for v in grid_space(space).values()))
