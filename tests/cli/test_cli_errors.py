@@ -306,3 +306,58 @@ def test_csv_without_its_columns_fails_before_any_work(tmp_path, capsys):
     assert err.strip().splitlines()[-1].endswith(
         "--format csv needs --label and --numeric and/or --categorical")
     assert not (out / "checkpoints").exists()
+
+
+SERVE_ERRORS = [
+    (["--poll-seconds", "0"], "--poll-seconds must be > 0, got 0.0"),
+    (["--poll-seconds", "-1"], "--poll-seconds must be > 0, got -1.0"),
+    (["--max-candidates", "0"], "--max-candidates must be >= 1, got 0"),
+    (["--max-body-bytes", "-5"], "--max-body-bytes must be >= 1, got -5"),
+    (["--max-top-k", "0"], "--max-top-k must be >= 1, got 0"),
+    (["--incomplete-seconds", "-1"], "--incomplete-seconds must be >= 0, got -1.0"),
+    (["--max-batch-rows", "0"], "--max-batch-rows must be >= 1, got 0"),
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--port", "70000"], "--port must be <= 65535, got 70000"),
+    (["--hot-rows", "-1"], "--hot-rows must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("extra,message", SERVE_ERRORS,
+                         ids=[" ".join(a) for a, _ in SERVE_ERRORS])
+def test_serve_refuses_out_of_range_flags_before_starting(tmp_path, capsys, extra, message):
+    """A poll interval of 0 re-listed the export in a busy loop, a body limit or candidate
+    limit of 0 refused every request: each is refused at once, naming the flag."""
+    assert cli_main(["serve", str(tmp_path / "export"), *extra]) == 2
+    assert _one_line(capsys) == f"terarec serve: error: {message}"
+
+
+QUICKSTART_ERRORS = [
+    (["--model", "bogus"], "--model: unknown model 'bogus'; known models: lr, fm"),
+    (["--rows", "0"], "--rows must be >= 1, got 0"),
+    (["--valid-rows", "0"], "--valid-rows must be >= 1, got 0"),
+    (["--seed", "-1"], "--seed: seed: -1 must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("extra,message", QUICKSTART_ERRORS,
+                         ids=[" ".join(a) for a, _ in QUICKSTART_ERRORS])
+def test_quickstart_checks_its_flags_before_synthesising(tmp_path, capsys, extra, message):
+    """A bad --model or --seed failed only after the (default: a million) rows were
+    synthesised; --valid-rows 0 was reported as "rows must be positive"."""
+    work = tmp_path / "work"
+    assert cli_main(["quickstart", "--workdir", str(work), "--no-progress", *extra]) == 2
+    assert _one_line(capsys).startswith(f"terarec quickstart: error: {message}")
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "predict"])
+def test_scoring_out_that_is_a_folder_is_refused_before_scoring(data, lr_model, tmp_path,
+                                                                capsys, command):
+    """It failed with an IsADirectoryError traceback once every row was scored."""
+    folder = tmp_path / "scores"
+    folder.mkdir()
+    assert cli_main([command, "--model", str(lr_model), "--data", str(data),
+                     "--out", str(folder)]) == 2
+    assert _one_line(capsys) == f"terarec {command}: error: --out {folder} is a folder, " \
+                                "not a file"
+    assert list(folder.iterdir()) == [] and not list(tmp_path.glob(".scores.*"))

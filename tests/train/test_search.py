@@ -26,6 +26,7 @@ from terarec.train.search import (
     check_space,
     default_space,
     grid_space,
+    load_space,
     run_search,
 )
 from terarec.types import FeatureSchema
@@ -205,6 +206,64 @@ def test_space_errors_name_the_parameter(tmp_path):
     assert main(["search", "--train", str(bad), "--valid", str(bad), "--out",
                  str(tmp_path / "o"), "--space", str(bad)]) == 2
     assert apply_params(config, {"model.embedding_dim": 32}).model.embedding_dim == 32
+
+
+SPACE_VALUE_ERRORS = [
+    ({"model.embedding_dim": [4, "8"]},
+     "model.embedding_dim: choice '8': model.embedding_dim must be an integer"),
+    ({"model.dropout": [0.0, 1.5]}, "model.dropout: choice 1.5: model.dropout: 1.5 must be < 1"),
+    ({"batch_size": {"type": "float", "low": 256, "high": 1024}},
+     "batch_size: a value inside the range 640.768: batch_size must be an integer"),
+    ({"sparse_optimizer.lr": {"type": "float", "low": 0.01, "high": float("inf")}},
+     "sparse_optimizer.lr: float needs a finite number 'high', got inf"),
+    ({"sparse_optimizer.lr": {"type": "float", "low": 0.01, "high": 0.1, "lgo": True}},
+     "sparse_optimizer.lr: unknown key(s) ['lgo'] for type float"),
+    ({"sparse_optimizer.lr": {"type": "float", "low": 0.01, "high": 0.1, "step": 0}},
+     "sparse_optimizer.lr: step must be a number > 0, got 0"),
+    ({"batch_size": {"type": "int", "low": 256.5, "high": 1024}},
+     "batch_size: int needs integer low, high and step"),
+    ({"model": [1, 2]}, "model: a section, not a field; name one of its fields: model.name"),
+]
+
+
+@pytest.mark.parametrize("data,message", SPACE_VALUE_ERRORS,
+                         ids=[next(iter(d)) + str(i) for i, (d, _) in
+                              enumerate(SPACE_VALUE_ERRORS)])
+def test_space_values_are_checked_like_a_config_file(tmp_path, data, message):
+    """Every value a trial can get is validated when the space is read: a bad choice, a
+    float range on an integer field or an infinite bound failed mid-search (after the
+    data was read and the study journal written) without naming the space file, or with
+    a traceback from optuna."""
+    path = tmp_path / "space.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as err:
+        load_space(path, TrainConfig())
+    assert str(err.value).startswith(f"{path}: {message}")
+
+
+def test_an_unreadable_or_broken_space_file_is_one_line_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=f"^{tmp_path}: cannot read search space: Is a "
+                       "directory$"):
+        load_space(tmp_path, TrainConfig())
+    bad = tmp_path / "space.yaml"
+    bad.write_text("model.embedding_dim: [4, 8\n")
+    with pytest.raises(ValueError) as err:
+        load_space(bad, TrainConfig())
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith(f"{bad}: not valid YAML (line 2: expected ','")
+
+
+@pytest.mark.parametrize("parallel", ["0", "-1"])
+def test_parallel_below_one_is_refused(files, tmp_path, capsys, parallel):
+    """--parallel 0 silently trained every trial at once; -1 failed with "run_passes needs
+    at least one trial"."""
+    train, valid = files
+    out = tmp_path / "s"
+    assert main(["search", "--train", str(train), "--valid", str(valid), "--out", str(out),
+                 *COMMON, "--trials", "2", "--parallel", parallel]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"parallel {parallel}: must be >= 1 (leave it out for all)")
+    assert not (out / "study.journal").exists()
 
 
 def test_a_width_from_the_space_keeps_dlrms_bottom_mlp_ending_at_it():

@@ -332,12 +332,16 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
     """(trainer restored from ``--model``, batches of ``--data``, their ReadStats).
 
     A model trained with AutoFeature tables has them joined onto the raw rows first, so
-    new rows get exactly the features training computed.
+    new rows get exactly the features training computed. The command's ``--out`` file is
+    checked first: a folder there failed only once every row was scored.
     """
     from terarec.autofeature.features import model_inputs
     from terarec.train.checkpoint import checkpoint_name, restore_trainer
     from terarec.train.passes import iter_file_batches
 
+    out = getattr(args, "out", None)
+    if out is not None and Path(out).is_dir():
+        raise ValueError(f"--out {out} is a folder, not a file")
     with scoring_scratch(args.model) as scratch:
         trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
             args.model, getattr(args, "checkpoint", "best")))

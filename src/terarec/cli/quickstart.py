@@ -12,11 +12,12 @@ import json
 import time
 from pathlib import Path
 
-from terarec.config import ModelConfig, TrainConfig
+from terarec.config import TrainConfig, from_dict
 from terarec.data.numeric import with_numeric_stats
 from terarec.data.readers import ReadStats
 from terarec.data.synth import generate
 from terarec.io import atomic_write_text
+from terarec.models.registry import model_class
 from terarec.train.checkpoint import save_checkpoint
 from terarec.train.passes import iter_file_batches
 from terarec.train.trainer import Trainer
@@ -36,7 +37,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _config(args: argparse.Namespace) -> TrainConfig:
+    """The run's training config, checked with the flags before anything is synthesised
+    (a million rows take minutes): an error names the flag."""
+    for flag, value in (("--rows", args.rows), ("--valid-rows", args.valid_rows)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    try:
+        model_class(args.model)
+        return from_dict(TrainConfig, {"seed": args.seed, "pass_rows": 100_000,
+                                       "model": {"name": args.model, "embedding_dim": 16}})
+    except ValueError as exc:
+        flag = "--seed" if str(exc).startswith("seed") else "--model"
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    config = _config(args)
     work: Path = args.workdir
     data_dir, model_dir = work / "data", work / "model"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -50,8 +67,6 @@ def run(args: argparse.Namespace) -> int:
           f"{valid_info.ceiling_auc:.4f} (the true model's)")
 
     schema = with_numeric_stats(FeatureSchema.criteo(), [data_dir / "train.tsv"])
-    config = TrainConfig(seed=args.seed, pass_rows=100_000,
-                         model=ModelConfig(name=args.model, embedding_dim=16))
     trainer = Trainer(schema, config)
     valid = list(iter_file_batches([data_dir / "valid.tsv"], schema, config.batch_size))
     print(f"[2/4] training {args.model} pass by pass ({config.pass_rows:,} rows a pass)")

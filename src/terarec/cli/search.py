@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)
     selection_from_args(args, config)  # epoch upper bound, --eval-every
+    space = load_space(args.space, config) if args.space else None  # before reading data
     schema = train_schema_from_args(args)
-    space = load_space(args.space, config) if args.space else None
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
                                    on_bad_row=config.on_bad_row, stats=stats))

@@ -81,7 +81,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# Flags whose values have a floor (attribute, lowest allowed, whether the floor itself is
+# allowed): a poll interval of 0 re-lists the export in a busy loop, a body limit of 0
+# refuses every request. None (not given) is left to the option's own default.
+_BOUNDS = (("port", 0, True), ("poll_seconds", 0, False), ("cache_rows", 0, True),
+           ("max_candidates", 1, True), ("max_body_bytes", 1, True),
+           ("wait_seconds", 0, True), ("incomplete_seconds", 0, True), ("threads", 1, True),
+           ("workers", 1, True), ("max_batch_rows", 1, True), ("max_delay_ms", 0, True),
+           ("max_top_k", 1, True), ("hot_rows", 0, True), ("hot_bytes", 0, True),
+           ("sparse_deadline_ms", 0, True), ("hedge_ms", 0, True),
+           ("hedge_floor_ms", 0, True))
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, or a UserError naming the flag and its value."""
+    from terarec.cli.main import UserError
+
+    for attr, low, inclusive in _BOUNDS:
+        value = getattr(args, attr, None)
+        if value is None or (value >= low if inclusive else value > low):
+            continue
+        raise UserError(f"--{attr.replace('_', '-')} must be {'>=' if inclusive else '>'} "
+                        f"{low}, got {value}")
+    if args.port > 65535:
+        raise UserError(f"--port must be <= 65535, got {args.port}")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_serve_args(args)
     import uvicorn
 
     from terarec.io import ScratchDir
@@ -96,8 +123,6 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.workers < 1:
-        raise SystemExit(f"--workers must be >= 1, got {args.workers}")
     options = ServeOptions(
         uri=str(args.uri), storage_options=storage_options_from_args(args),
         model_name=args.name, poll_seconds=args.poll_seconds, cache_rows=args.cache_rows,
@@ -110,10 +135,6 @@ def run(args: argparse.Namespace) -> int:
     serve = {"host": args.host, "port": args.port, "log_level": args.log_level,
              **UVICORN_OPTIONS}
     if args.sparse_tier:
-        for flag in ("hot_rows", "hot_bytes", "sparse_deadline_ms", "hedge_floor_ms"):
-            value = getattr(args, flag)
-            if value is not None and value < 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {value}")
         options.sparse_tier = {
             "url": args.sparse_tier, "ns": args.namespace, "hot_rows": args.hot_rows,
             "hot_bytes": args.hot_bytes, "strict": args.strict_sparse,

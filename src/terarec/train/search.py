@@ -112,14 +112,21 @@ def load_space(path: str | Path, base: TrainConfig) -> dict[str, dict[str, Any]]
     spec is ``{type: float|int, low, high[, log, step]}`` or ``{type: categorical,
     choices: [...]}`` (``[a, b, c]`` alone means categorical)."""
     path = Path(path)
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not a text file"
+        raise ValueError(f"{path}: cannot read search space: {why}") from None
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml  # type: ignore[import-untyped]
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML ({exc})") from None
+            mark = getattr(exc, "problem_mark", None)
+            at = f"line {mark.line + 1}: " if mark is not None else ""
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(f"{path}: not valid YAML ({at}{what})") from None
     else:
         try:
             data = json.loads(text)
@@ -129,9 +136,22 @@ def load_space(path: str | Path, base: TrainConfig) -> dict[str, dict[str, Any]]
     return check_space(data, base, str(path))
 
 
+_SPEC_KEYS = {"categorical": {"type", "choices"},
+              "float": {"type", "low", "high", "log", "step"},
+              "int": {"type", "low", "high", "log", "step"}}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
 def check_space(data: Any, base: TrainConfig, where: str = "space"
                 ) -> dict[str, dict[str, Any]]:
-    """Validate a space against the config it modifies; errors name the parameter."""
+    """Validate a space against the config it modifies; errors name the parameter. Every
+    value a trial can get is checked like a config file's: each choice, and a range's
+    bounds (``low`` and ``high`` as the field's type), so a bad value is an error here,
+    not in the middle of a search."""
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where}: expected a non-empty mapping of config paths to specs")
     config = to_dict(base)
@@ -144,22 +164,50 @@ def check_space(data: Any, base: TrainConfig, where: str = "space"
                 raise ValueError(f"{at}: no such config field (e.g. model.embedding_dim, "
                                  f"sparse_optimizer.lr, batch_size)")
             node = node[part]
+        if isinstance(node, dict):
+            raise ValueError(f"{at}: a section, not a field; name one of its fields: "
+                             + ", ".join(f"{name}.{k}" for k in node))
         if isinstance(spec, list):
             spec = {"type": "categorical", "choices": spec}
         if not isinstance(spec, dict) or spec.get("type") not in _KINDS:
             raise ValueError(f"{at}: expected a list of choices or a mapping with type "
                              f"one of {', '.join(_KINDS)}")
+        unknown = sorted(set(spec) - _SPEC_KEYS[spec["type"]])
+        if unknown:
+            raise ValueError(f"{at}: unknown key(s) {unknown} for type {spec['type']}; "
+                             f"known: {', '.join(sorted(_SPEC_KEYS[spec['type']]))}")
         if spec["type"] == "categorical":
             if not isinstance(spec.get("choices"), list) or not spec["choices"]:
                 raise ValueError(f"{at}: categorical needs a non-empty list 'choices'")
+            values = [("choice", c) for c in spec["choices"]]
         else:
             for bound in ("low", "high"):
-                if not isinstance(spec.get(bound), (int, float)):
-                    raise ValueError(f"{at}: {spec['type']} needs a number '{bound}'")
+                if not _number(spec.get(bound)):
+                    raise ValueError(f"{at}: {spec['type']} needs a finite number "
+                                     f"'{bound}', got {spec.get(bound)!r}")
             if spec["low"] > spec["high"]:
                 raise ValueError(f"{at}: low {spec['low']} > high {spec['high']}")
+            if not isinstance(spec.get("log", False), bool):
+                raise ValueError(f"{at}: log must be true or false, got {spec['log']!r}")
             if spec.get("log") and spec["low"] <= 0:
                 raise ValueError(f"{at}: log scale needs low > 0")
+            step = spec.get("step")
+            if step is not None and not (_number(step) and step > 0):
+                raise ValueError(f"{at}: step must be a number > 0, got {step!r}")
+            if spec["type"] == "int" and not all(
+                    isinstance(spec.get(k), int) for k in ("low", "high", "step")
+                    if k in spec):
+                raise ValueError(f"{at}: int needs integer low, high and step")
+            values = [("low", spec["low"]), ("high", spec["high"])]
+            if spec["type"] == "float" and spec["low"] < spec["high"]:
+                # a value between the bounds: a float range on an integer field fails here
+                values.append(("a value inside the range", spec["low"] + 0.501 * (
+                    spec["high"] - spec["low"])))
+        for label, value in values:
+            try:
+                apply_params(base, {str(name): value})
+            except ValueError as exc:
+                raise ValueError(f"{at}: {label} {value!r}: {exc}") from None
         out[str(name)] = dict(spec)
     return out
 
@@ -344,6 +392,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
         raise ValueError("search needs a validation set (--valid)")
     if trials < 1:
         raise ValueError(f"trials {trials}: must be >= 1")
+    if parallel is not None and parallel < 1:  # 0 meant "all", a negative one no trial
+        raise ValueError(f"parallel {parallel}: must be >= 1 (leave it out for all)")
     space = dict(space) if space is not None else default_space(base.model.name, base)
     if sampler == "grid":  # each grid point once
         trials = min(trials, math.prod(len(v) for v in grid_space(space).values()))
