@@ -52,17 +52,16 @@ def run(tmp_path_factory):
         for r in records:
             fh.write(",".join(["0", *[r.get(n) or "" for n in names[1:]]]) + "\n")
     scores = root / "scores.txt"
-    # The live export follows every pass: compare with the latest checkpoint, not BEST.
+    # The live export follows every pass and ends on the model BEST names.
     assert main(["predict", "--model", str(model), "--data", str(rows),
-                 "--checkpoint", "latest", "--out", str(scores)]) == 0
+                 "--out", str(scores)]) == 0
     return model, live, records, np.loadtxt(scores), root
 
 
 def test_exported_version_carries_the_tables_and_scores_like_predict(run):
     model, _, records, offline, root = run
     uri = root / "export"
-    assert main(["export", "--model", str(model), "--out", str(uri),
-                 "--checkpoint", "latest"]) == 0
+    assert main(["export", "--model", str(model), "--out", str(uri)]) == 0
     engine = ServingEngine(uri)
     try:
         assert engine.refresh()
