@@ -45,11 +45,13 @@ def _config(args: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     try:
         model_class(args.model)
+    except ValueError as exc:
+        raise ValueError(f"--model: {exc}") from None
+    try:  # the model is known: only the seed can be out of range
         return from_dict(TrainConfig, {"seed": args.seed, "pass_rows": 100_000,
                                        "model": {"name": args.model, "embedding_dim": 16}})
     except ValueError as exc:
-        flag = "--seed" if str(exc).startswith("seed") else "--model"
-        raise ValueError(f"{flag}: {exc}") from None
+        raise ValueError(f"--seed: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

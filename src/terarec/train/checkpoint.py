@@ -108,6 +108,11 @@ def _fsync_file(path: Path) -> None:
 def write_model_meta(model_dir: Path, schema: FeatureSchema, config: TrainConfig) -> None:
     model_dir.mkdir(parents=True, exist_ok=True)
     schema.save(model_dir / "schema.json")
+    write_train_config(model_dir, config)
+
+
+def write_train_config(model_dir: Path, config: TrainConfig) -> None:
+    """``model_dir/train_config.json``, what ``read_model_meta`` reads back."""
     atomic_write_text(model_dir / "train_config.json", json.dumps(to_dict(config), indent=2))
 
 

@@ -54,7 +54,7 @@ from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
-from terarec.train.checkpoint import mark_best, save_checkpoint
+from terarec.train.checkpoint import mark_best, save_checkpoint, write_train_config
 from terarec.train.loop import TrialRun, run_passes
 from terarec.train.passes import group_passes
 from terarec.train.selection import STOP_PRUNED, SelectionTracker, higher_is_better
@@ -851,9 +851,7 @@ def _write_best(best: SearchTrial, out_dir: Path, base: TrainConfig) -> Path:
     shutil.copytree(best.model_dir, tmp, ignore=shutil.ignore_patterns("store"))
     store = replace(best.config.store, memory_budget=base.store.memory_budget,
                     disk_path=base.store.disk_path)
-    config_file = tmp / "train_config.json"
-    atomic_write_text(config_file, json.dumps(to_dict(replace(best.config, store=store)),
-                                              indent=2))
+    write_train_config(tmp, replace(best.config, store=store))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
