@@ -361,3 +361,34 @@ def test_scoring_out_that_is_a_folder_is_refused_before_scoring(data, lr_model, 
     assert _one_line(capsys) == f"terarec {command}: error: --out {folder} is a folder, " \
                                 "not a file"
     assert list(folder.iterdir()) == [] and not list(tmp_path.glob(".scores.*"))
+
+
+def test_scoring_takes_delimiter_and_refuses_column_flags(tmp_path, capsys):
+    """The model's schema fixes the columns: --label / --numeric-transform on eval were
+    silently ignored, and so was --delimiter unless --format named another container, so
+    a csv model could not score a file written with another delimiter."""
+    rows = "".join(f"{i % 2},{i % 13},s{i % 7}\n" for i in range(300))
+    comma, semi = tmp_path / "comma.csv", tmp_path / "semi.csv"
+    comma.write_text("click,n,site\n" + rows)
+    semi.write_text(("click,n,site\n" + rows).replace(",", ";"))
+    model = tmp_path / "model"
+    assert cli_main(["train", "--train", str(comma), "--format", "csv", "--label", "click",
+                     "--numeric", "n", "--categorical", "site", "--out", str(model),
+                     *TRAIN, "--model", "lr"]) == 0
+    capsys.readouterr()
+
+    def scored(*extra: str) -> list[str]:
+        out = tmp_path / "scores.txt"
+        assert cli_main(["predict", "--model", str(model), "--out", str(out), *extra]) == 0
+        return out.read_text().splitlines()
+
+    expected = scored("--data", str(comma))
+    assert len(expected) == 300
+    assert scored("--data", str(semi), "--delimiter", ";") == expected
+    assert scored("--data", str(semi), "--delimiter", ";", "--format", "csv") == expected
+    for extra, flags in ((["--label", "n"], "--label"),
+                         (["--numeric-transform", "none"], "--numeric-transform"),
+                         (["--numeric", "n", "--log1p", "n"], "--numeric, --log1p")):
+        assert cli_main(["eval", "--model", str(model), "--data", str(comma), *extra]) == 2
+        assert _one_line(capsys).startswith(
+            f"terarec eval: error: {flags}: the model's schema fixes its columns")

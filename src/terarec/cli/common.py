@@ -51,7 +51,8 @@ def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> N
     g.add_argument("--label", help="label column (csv/parquet)")
     g.add_argument("--numeric", default="", help="comma-separated numeric columns")
     g.add_argument("--categorical", default="", help="comma-separated categorical columns")
-    g.add_argument("--delimiter", default=",", help="csv delimiter (default ',')")
+    g.add_argument("--delimiter", default=None,
+                   help="csv delimiter (default ','; for eval/predict the model's own)")
     g.add_argument("--multi-sep", default=None,
                    help="separator inside multi-valued categorical cells, e.g. '|'")
     g.add_argument("--multi-valued", default=None,
@@ -96,13 +97,14 @@ def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
         transform = {c: ("log1p" if c in log_cols else "none") for c in numeric}
     multi = _split(args.multi_valued) if args.multi_valued is not None else None
     return csv_schema(args.label, numeric, _split(args.categorical),
-                      delimiter=args.delimiter, separator=args.multi_sep, multi_valued=multi,
+                      delimiter=args.delimiter if args.delimiter is not None else ",",
+                      separator=args.multi_sep, multi_valued=multi,
                       transform=transform, format=fmt)
 
 
 # Flags that describe the columns of a csv / parquet file (attribute, flag, default).
 _COLUMN_FLAGS = (("label", "--label", None), ("numeric", "--numeric", ""),
-                 ("categorical", "--categorical", ""), ("delimiter", "--delimiter", ","),
+                 ("categorical", "--categorical", ""), ("delimiter", "--delimiter", None),
                  ("multi_sep", "--multi-sep", None), ("multi_valued", "--multi-valued", None),
                  ("log1p", "--log1p", None))
 
@@ -164,13 +166,28 @@ def train_schema_from_args(args: argparse.Namespace,
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:
-    """The model's schema, read with another container format if ``--format`` says so."""
-    if args.format in (None, model_schema.format):
-        return model_schema
-    if args.format == "criteo":
+    """The model's schema, read with another container format if ``--format`` says so and
+    another csv delimiter if ``--delimiter`` does. The schema fixes the columns and their
+    transforms: a flag naming them is an error rather than ignored."""
+    given = [flag for attr, flag, default in _COLUMN_FLAGS
+             if attr != "delimiter" and getattr(args, attr, default) != default]
+    if getattr(args, "numeric_transform", None) is not None:
+        given.append("--numeric-transform")
+    if given:
+        raise ValueError(f"{', '.join(given)}: the model's schema fixes its columns and "
+                         "their transforms; leave them out (--format and --delimiter say "
+                         "how the file is written)")
+    fmt = args.format or model_schema.format
+    delimiter = getattr(args, "delimiter", None)
+    if delimiter is not None and fmt != "csv":
+        raise ValueError(f"--delimiter: only for csv data; this data is {fmt}")
+    if fmt == model_schema.format:
+        return model_schema if delimiter is None else replace(model_schema,
+                                                              delimiter=delimiter)
+    if fmt == "criteo":
         raise ValueError("--format criteo only fits models trained on Criteo data")
-    return replace(model_schema, format=args.format,
-                   delimiter=args.delimiter if args.format == "csv" else model_schema.delimiter,
+    return replace(model_schema, format=fmt,
+                   delimiter=(delimiter or ",") if fmt == "csv" else model_schema.delimiter,
                    has_header=True, column_names=())
 
 
