@@ -32,6 +32,7 @@ BAD = [
     ({"sparse_optimizer": {"lr": 0}}, "sparse_optimizer.lr: 0 must be > 0"),
     ({"sparse_optimizer": {"lr": math.nan}}, "sparse_optimizer.lr: nan is not a finite number"),
     ({"dense_optimizer": {"lr": math.inf}}, "dense_optimizer.lr: inf is not a finite number"),
+    ({"dense_optimizer": {"lr": 1e300}}, "dense_optimizer.lr: 1e+300 must be <= 1000.0"),
     ({"sparse_optimizer": {"beta1": 1.0}}, "sparse_optimizer.beta1: 1.0 must be < 1"),
     ({"model": {"top_mlp": [8, -4]}}, "model.top_mlp[1]: -4 must be > 0"),
     ({"model": {"dropout": -0.1}}, "model.dropout: -0.1 must be >= 0"),

@@ -14,7 +14,7 @@ from terarec.data.readers import DataError, ReadStats, csv_schema, iter_batches
 from terarec.data.synth import generate
 from terarec.export.writer import ModelExporter
 from terarec.finite import NonFiniteError, check_finite, check_finite_loss, check_scores
-from terarec.train.checkpoint import list_checkpoints, save_checkpoint
+from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
@@ -126,3 +126,34 @@ def test_nan_learning_rate_cannot_write_a_checkpoint(tmp_path: Path, data: Path,
     assert not list_checkpoints(out)
     with pytest.raises(NonFiniteError, match="training loss is nan"):
         check_finite_loss(history[-1]["train_loss"], "pass 2")
+
+
+def test_overflowing_finite_weights_stop_scoring(tmp_path: Path, data: Path, capsys) -> None:
+    """Learning rates far too high leave finite weights whose forward pass overflows:
+    scoring (validation in training, eval, predict) stops naming the cause instead of
+    writing NaN metrics or 'nan' scores (it did)."""
+    config = TrainConfig(batch_size=500, pass_rows=1500, threads=1,
+                         model=ModelConfig(name="deepfm", embedding_dim=4, deep_mlp=(8,)),
+                         sparse_optimizer=SparseOptimizerConfig(lr=1e30))
+    trainer = Trainer(FeatureSchema.criteo(), config)  # built in code: not bounded
+    trainer.fit([data], progress=False)
+    with pytest.raises(NonFiniteError, match="scores are not finite.*lower the learning"):
+        trainer.evaluate(iter_batches(data, FeatureSchema.criteo(), 500))
+    model = tmp_path / "model"
+    assert main(["train", "--train", str(data), "--out", str(model), "--no-progress",
+                 "--threads", "1", "--embedding-dim", "4"]) == 0
+    trainer = restore_trainer(model)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.mul_(1e30)  # finite (float32 holds 3.4e38), overflowing once multiplied
+    trainer.pass_id += 1
+    save_checkpoint(model, trainer)  # the weights are finite: the checkpoint guard passes
+    capsys.readouterr()
+    scores = tmp_path / "scores.txt"
+    assert main(["predict", "--model", str(model), "--data", str(data), "--out",
+                 str(scores)]) == 2
+    assert "scores are not finite" in capsys.readouterr().err and not scores.exists()
+    assert main(["eval", "--model", str(model), "--data", str(data), "--out",
+                 str(tmp_path / "m.json")]) == 2
+    assert "scores are not finite" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()

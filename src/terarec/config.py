@@ -27,6 +27,9 @@ T = TypeVar("T")
 Positive = Annotated[int, Field(gt=0)]
 NonNegative = Annotated[int, Field(ge=0)]
 Rate = Annotated[float, Field(gt=0)]  # finite too: STRICT refuses NaN and infinity
+# A step above 1000 is a typo, never a setting; beyond float32 (3.4e38) the optimizers
+# fail mid-pass with an overflow traceback.
+LearningRate = Annotated[float, Field(gt=0, le=1000)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0, lt=1)]
 
@@ -156,7 +159,7 @@ class SparseOptimizerConfig:
     __pydantic_config__ = STRICT
 
     name: SparseOptimizerName = knob("adagrad", "--sparse-optimizer")
-    lr: Rate = knob(0.05, "--sparse-lr")
+    lr: LearningRate = knob(0.05, "--sparse-lr")
     eps: Rate = 1e-8
     initial_accumulator: NonNegativeFloat = 0.0
     beta1: Fraction = 0.9
@@ -185,7 +188,7 @@ class DenseOptimizerConfig:
     __pydantic_config__ = STRICT
 
     name: Literal["adam", "adagrad", "sgd"] = "adam"
-    lr: Rate = knob(1e-3, "--dense-lr")
+    lr: LearningRate = knob(1e-3, "--dense-lr")
     weight_decay: NonNegativeFloat = knob(0.0, "--dense-weight-decay",
                                           "weight decay of the dense optimizer",
                                           group=REGULARISATION, metavar="WD")

@@ -59,6 +59,16 @@ def check_trainer_finite(trainer: Any) -> None:
         check_finite({"embedding rows": values[slots]}, f"pass {trainer.pass_id} store")
 
 
+def check_model_scores(probs: np.ndarray, where: str) -> None:
+    """Finite weights can still overflow in the forward pass (learning rates far too
+    high): such a model's metrics and scores are NaN, so scoring stops instead."""
+    bad = _bad_count(probs)
+    if bad:
+        raise NonFiniteError(f"{where}: {bad} of {len(probs)} scores are not finite (the "
+                             "weights overflow the network): training diverged; lower the "
+                             "learning rates or check the input values")
+
+
 def check_scores(scores: np.ndarray | torch.Tensor) -> None:
     """A response never carries NaN (JSON ``null``) as a score."""
     check_finite({"scores": scores}, "model output")

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from terarec.cli.common import add_model_data_args, model_data, report_skipped
+from terarec.finite import check_model_scores
 from terarec.io import atomic_open
 
 
@@ -24,9 +25,11 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             with atomic_open(args.out, "w") as fh:
                 for probs, _ in trainer.predict_stream(batches):
+                    check_model_scores(probs, f"{args.model}")
                     np.savetxt(fh, probs, fmt="%.8f")
         else:
             for probs, _ in trainer.predict_stream(batches):
+                check_model_scores(probs, f"{args.model}")
                 np.savetxt(sys.stdout, probs, fmt="%.8f")
     report_skipped(stats)
     return 0

@@ -66,6 +66,7 @@ from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
+from terarec.finite import check_model_scores
 from terarec.models import build_model
 from terarec.models.dssm import DSSM
 from terarec.train.metrics import evaluate_scores
@@ -413,6 +414,7 @@ class Trainer:
             np.concatenate(probs) if probs else np.empty(0, np.float32))
         if not len(all_labels):
             raise ValueError("no rows to evaluate")
+        check_model_scores(all_probs, f"pass {self.pass_id} model")  # same on every rank
         metrics = evaluate_scores(all_labels, all_probs)
         metrics["rows"] = int(len(all_labels))
         metrics["samples_per_s"] = metrics["rows"] / seconds if seconds > 0 else 0.0
