@@ -363,6 +363,18 @@ def test_scoring_out_that_is_a_folder_is_refused_before_scoring(data, lr_model, 
     assert list(folder.iterdir()) == [] and not list(tmp_path.glob(".scores.*"))
 
 
+@pytest.mark.parametrize("command", ["eval", "predict"])
+def test_scoring_a_folder_that_is_not_a_model_leaves_it_untouched(data, tmp_path, capsys,
+                                                                   command):
+    """It was refused, but a .scratch folder was left inside it."""
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    assert cli_main([command, "--model", str(folder), "--data", str(data)]) == 2
+    assert _one_line(capsys) == f"terarec {command}: error: {folder}: not a terarec model " \
+                                "directory (no schema.json)"
+    assert list(folder.iterdir()) == []
+
+
 def test_scoring_takes_delimiter_and_refuses_column_flags(tmp_path, capsys):
     """The model's schema fixes the columns: --label / --numeric-transform on eval were
     silently ignored, and so was --delimiter unless --format named another container, so

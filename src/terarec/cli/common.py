@@ -379,7 +379,7 @@ def scoring_scratch(model_dir: Path) -> Iterator[Path]:
     that a run killed with -9 leaves nothing elsewhere (the next run removes it); in the
     temp folder when the model directory is read-only. Removed on exit."""
     try:
-        if not model_dir.is_dir():
+        if not (model_dir / "schema.json").is_file():  # not a model: leave it untouched
             raise NotADirectoryError(model_dir)  # restore_trainer says what is wrong
         scratch = ScratchDir(model_dir / SCRATCH_DIR, "store")
     except OSError:
