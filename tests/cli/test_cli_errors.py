@@ -79,6 +79,8 @@ FLAG_ERRORS = [
                                "that move a key up a class: promote_at (--promote-at)"),
     (["--variable-dims", "1,2", "--promote-at", "5"], "promote_at [5.0] (--promote-at) needs "
                                                       "one width per threshold"),
+    (["--patience", "5"], "--patience needs --valid"),
+    (["--select-by", "auc", "--eval-every", "4"], "--eval-every, --select-by needs --valid"),
 ]
 
 

@@ -267,8 +267,12 @@ def selection_from_args(args: argparse.Namespace,
     """The run's selection tracker (None without --valid); with --valid, fixes the epoch
     upper bound and the pass length --eval-every asks for."""
     if not args.valid:
-        if args.eval_every is not None:
-            raise ValueError("--eval-every needs --valid")
+        given = [flag for flag, value, default in (
+            ("--eval-every", args.eval_every, None), ("--patience", args.patience,
+                                                      DEFAULT_PATIENCE),
+            ("--select-by", args.select_by, "logloss")) if value != default]
+        if given:  # each was silently ignored without a validation set
+            raise ValueError(f"{', '.join(given)} needs --valid")
         return None
     if args.eval_every is not None:
         if args.eval_every < 1:
