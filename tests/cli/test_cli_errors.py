@@ -321,6 +321,8 @@ SERVE_ERRORS = [
     (["--workers", "0"], "--workers must be >= 1, got 0"),
     (["--port", "70000"], "--port must be <= 65535, got 70000"),
     (["--hot-rows", "-1"], "--hot-rows must be >= 0, got -1"),
+    (["--name", ""], "--name '': a model name is letters, digits"),
+    (["--name", "a/b"], "--name 'a/b': a model name is letters, digits"),
 ]
 
 
@@ -330,7 +332,30 @@ def test_serve_refuses_out_of_range_flags_before_starting(tmp_path, capsys, extr
     """A poll interval of 0 re-listed the export in a busy loop, a body limit or candidate
     limit of 0 refused every request: each is refused at once, naming the flag."""
     assert cli_main(["serve", str(tmp_path / "export"), *extra]) == 2
-    assert _one_line(capsys) == f"terarec serve: error: {message}"
+    assert _one_line(capsys).startswith(f"terarec serve: error: {message}")
+
+
+def test_serve_refuses_a_version_folder_a_model_and_a_bad_cache_dir(lr_model, tmp_path,
+                                                                      capsys):
+    """Each used to start a server that polled for versions that never come (or failed
+    later): refused at once, saying what to serve instead."""
+    version = tmp_path / "export" / "v000001"
+    version.mkdir(parents=True)
+    (version / "manifest.json").write_text("{}")
+    assert cli_main(["serve", str(version)]) == 2
+    assert _one_line(capsys) == (
+        f"terarec serve: error: {version} is one exported version (it holds manifest.json): "
+        f"serve the export folder above it ({tmp_path / 'export'}), which names the newest "
+        "version")
+    assert cli_main(["serve", str(lr_model)]) == 2
+    assert f"{lr_model} is a model directory, not an export" in _one_line(capsys)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli_main(["serve", str(tmp_path / "export"), "--cache-dir", str(afile)]) == 2
+    assert _one_line(capsys) == f"terarec serve: error: --cache-dir {afile}: a file, not a folder"
+    assert cli_main(["serve", str(tmp_path / "export"), "--cache-dir",
+                     str(afile / "sub")]) == 2
+    assert _one_line(capsys).startswith(f"terarec serve: error: --cache-dir {afile / 'sub'}: ")
 
 
 QUICKSTART_ERRORS = [

@@ -306,6 +306,21 @@ def test_fallback_rows_ask_the_second_source_for_what_the_first_lacks():
         FallbackRows(first, ShardedRows([(keys, np.ones((3, 4), np.float32))], 4))
 
 
+def test_a_poll_interval_of_inf_keeps_the_poller_alive(live_run, tmp_path):
+    """``--poll-seconds inf`` (never look again) overflowed the poller's wait, which died
+    with a traceback; its waits are capped, so it lives and stops promptly."""
+    engine = ServingEngine(live_run.export, cache_dir=tmp_path / "cache")
+    try:
+        assert engine.refresh()
+        engine.start_polling(float("inf"))
+        time.sleep(0.3)
+        assert engine._poller is not None and engine._poller.is_alive()
+    finally:
+        start = time.monotonic()
+        engine.close()
+    assert time.monotonic() - start < 5
+
+
 # -- several workers ------------------------------------------------------------------------
 
 def test_engines_sharing_a_swap_notice_follow_the_first_to_swap(live_run, tmp_path):

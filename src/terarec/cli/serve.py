@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 from pathlib import Path
 
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -105,10 +109,47 @@ def check_serve_args(args: argparse.Namespace) -> None:
                         f"{low}, got {value}")
     if args.port > 65535:
         raise UserError(f"--port must be <= 65535, got {args.port}")
+    if not _MODEL_NAME.fullmatch(args.name):
+        raise UserError(f"--name {args.name!r}: a model name is letters, digits, '.', '_' "
+                        "and '-', starting with a letter or digit (it is a URL path segment)")
+    if args.cache_dir is not None:
+        if args.cache_dir.exists() and not args.cache_dir.is_dir():
+            raise UserError(f"--cache-dir {args.cache_dir}: a file, not a folder")
+        try:
+            args.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--cache-dir {args.cache_dir}: {exc.strerror or exc}") from None
+        if not os.access(args.cache_dir, os.W_OK | os.X_OK):
+            raise UserError(f"--cache-dir {args.cache_dir}: not writable")
+
+
+def check_serve_source(uri: str, storage_options: dict | None) -> None:
+    """Refuse a URI that is one version folder or a model directory rather than an export
+    root: the server would poll it for versions that never appear."""
+    from terarec.cli.main import UserError
+    from terarec.export.storage import Storage
+
+    try:
+        storage = Storage(uri, storage_options)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        version, model = (storage.exists("manifest.json"),
+                          storage.exists("train_config.json") and storage.exists("checkpoints"))
+    except Exception:  # a store unreachable now: the version poller retries it
+        return
+    if version:
+        parent = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") else "its parent"
+        raise UserError(f"{uri} is one exported version (it holds manifest.json): serve the "
+                        f"export folder above it ({parent}), which names the newest version")
+    if model:
+        raise UserError(f"{uri} is a model directory, not an export: publish it with "
+                        f"`terarec export --model {uri} --out URI` and serve URI")
 
 
 def run(args: argparse.Namespace) -> int:
     check_serve_args(args)
+    check_serve_source(str(args.uri), storage_options_from_args(args))
     import uvicorn
 
     from terarec.io import ScratchDir

@@ -40,6 +40,9 @@ from terarec.types import Batch, FeatureSchema
 log = logging.getLogger(__name__)
 # How often a server sharing a swap notice with others checks it (a stat of one file).
 NOTICE_POLL_S = 0.05
+# The poller's longest single wait: an interval of inf (never look again) or 1e12 s would
+# overflow the wait's timeout.
+MAX_POLL_WAIT_S = 60.0
 
 
 @dataclass
@@ -447,7 +450,7 @@ class ServingEngine:
             return
         self._stop.clear()
 
-        step = interval_s if self.swap_notice is None else min(interval_s, NOTICE_POLL_S)
+        step = min(interval_s, MAX_POLL_WAIT_S if self.swap_notice is None else NOTICE_POLL_S)
 
         def loop() -> None:
             notice = self._notice_stamp()
