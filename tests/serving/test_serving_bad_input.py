@@ -61,6 +61,8 @@ PREDICT_CASES = [
      "candidates[0]: field 'I2': not a finite number, got nan"),
     ("numeric -Infinity", b'{"context": {"I3": -Infinity}, "candidates": [{}]}', 422,
      "context: field 'I3': not a finite number"),
+    ("numeric with an underscore", {"candidates": [{"I2": "1_000"}]}, 422,
+     "candidates[0]: field 'I2': not a finite number, got '1_000'"),
     ("numeric beyond float32", {"candidates": [{"I2": 1e39}]}, 422,
      "candidates[0]: field 'I2': outside the float32 range"),
     ("float categorical", {"candidates": [{"C4": 2.5}]}, 422, "field 'C4'"),

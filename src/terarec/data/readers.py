@@ -375,8 +375,18 @@ class _Cleaner:
         return clean.filter(pa.array(~any_bad))
 
 
+# A number as the columnar parser reads one; Python's float() is looser (it takes '1_000'
+# and ' 3'), so it cannot tell why the parser refused a cell.
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _numeric_problem(value: Any) -> str:
     """Why a numeric cell was refused, in the words a user can act on."""
+    if isinstance(value, str):
+        if value.strip() != value and value.strip():
+            return "not a number (it has spaces around it)"
+        if not _DECIMAL.fullmatch(value):
+            return "not a finite number"
     try:
         x = float(value)
     except (TypeError, ValueError):
