@@ -80,13 +80,17 @@ FLAG_ERRORS = [
     (["--variable-dims", "1,2", "--promote-at", "5"], "promote_at [5.0] (--promote-at) needs "
                                                       "one width per threshold"),
     (["--patience", "5"], "--patience needs --valid"),
+    (["--patience", "0", "--valid", "VALID"], "--patience 0: must be >= 1"),
+    (["--dgc-ratio", "0.1"], "--dgc-ratio applies only with --dense-comm dgc (got "
+                             "--dense-comm none)"),
     (["--select-by", "auc", "--eval-every", "4"], "--eval-every, --select-by needs --valid"),
 ]
 
 
 @pytest.mark.parametrize("extra,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
 def test_nonsense_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, message):
-    extra = [str(tmp_path / "export") if a == "EXPORT" else a for a in extra]
+    names = {"EXPORT": str(tmp_path / "export"), "VALID": str(data)}
+    extra = [names.get(a, a) for a in extra]
     out = tmp_path / "model"
     assert _train(data, out, *extra) == 2
     assert message in _one_line(capsys)

@@ -81,3 +81,34 @@ def test_residuals_follow_parameters_whatever_the_bucket_layout():
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         DenseCommConfig(**bad)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(dense_comm="dgc", dgc_ratio=2.0), "--dgc-ratio must be in (0, 1], got 2.0"),
+    (dict(dense_comm="dgc", dgc_momentum=1.0), "--dgc-momentum must be in [0, 1), got 1.0"),
+    (dict(dense_comm="dgc", dgc_warmup_steps=-1), "--dgc-warmup-steps must be >= 0, got -1"),
+    (dict(dense_comm="fp16", dgc_momentum=0.9),
+     "--dgc-momentum applies only with --dense-comm dgc (got --dense-comm fp16)")])
+def test_dgc_flags_are_checked_naming_the_flag(flags, message):
+    """A DGC knob was ignored unless --dense-comm dgc, and a bad one was named by its
+    config field: both are refused naming the flag."""
+    import argparse
+
+    from terarec.cli.main import UserError
+    from terarec.cli.train import dense_comm_from_args
+
+    args = argparse.Namespace(**{"dgc_ratio": None, "dgc_momentum": None,
+                                 "dgc_warmup_steps": None, **flags})
+    with pytest.raises(UserError) as err:
+        dense_comm_from_args(args)
+    assert str(err.value) == message
+
+
+def test_dgc_flags_left_out_take_the_config_defaults():
+    import argparse
+
+    from terarec.cli.train import dense_comm_from_args
+
+    args = argparse.Namespace(dense_comm="dgc", dgc_ratio=0.01, dgc_momentum=None,
+                              dgc_warmup_steps=None)
+    assert dense_comm_from_args(args) == DenseCommConfig(mode="dgc", dgc_ratio=0.01)

@@ -274,6 +274,8 @@ def selection_from_args(args: argparse.Namespace,
         if given:  # each was silently ignored without a validation set
             raise ValueError(f"{', '.join(given)} needs --valid")
         return None
+    if args.patience < 1:
+        raise ValueError(f"--patience {args.patience}: must be >= 1")
     if args.eval_every is not None:
         if args.eval_every < 1:
             raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")

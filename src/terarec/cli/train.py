@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from terarec.autofeature.features import (
     FeatureConfig,
@@ -139,12 +140,14 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dense-comm", choices=DENSE_COMMS, default="none",
                    help="dense gradient exchange: none (all-reduce), fp16, or dgc "
                         "(Deep Gradient Compression)")
-    g.add_argument("--dgc-ratio", type=float, default=0.001,
+    # None (not given) takes DenseCommConfig's default; given without --dense-comm dgc,
+    # a DGC flag is refused rather than ignored.
+    g.add_argument("--dgc-ratio", type=float,
                    help="DGC: share of gradient entries sent per step (default 0.001)")
-    g.add_argument("--dgc-momentum", type=float, default=0.5,
+    g.add_argument("--dgc-momentum", type=float,
                    help="DGC: momentum of the local momentum correction (default 0.5: "
                         "the dense optimizer adds its own)")
-    g.add_argument("--dgc-warmup-steps", type=int, default=100,
+    g.add_argument("--dgc-warmup-steps", type=int,
                    help="DGC: steps over which sparsity rises from 75%% to its target")
 
 
@@ -152,10 +155,28 @@ LOCK_FILE = ".lock"  # in --out: held by the one run training that model directo
 RANKS_LOCK_FILE = ".lock-ranks"  # in --out: shared by every rank of that run
 
 
+# The DGC flags: attribute, the range a value must fall in, and that range in words.
+_DGC_FLAGS: tuple[tuple[str, Callable[[float], bool], str], ...] = (
+    ("dgc_ratio", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    ("dgc_momentum", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("dgc_warmup_steps", lambda v: v >= 0, ">= 0"))
+
+
 def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
-    return DenseCommConfig(mode=args.dense_comm, dgc_ratio=args.dgc_ratio,
-                           dgc_momentum=args.dgc_momentum,
-                           dgc_warmup_steps=args.dgc_warmup_steps)
+    """The dense exchange the flags ask for; a DGC knob given without ``--dense-comm dgc``
+    or out of its range is a UserError naming the flag."""
+    given: dict[str, Any] = {}
+    for attr, ok, span in _DGC_FLAGS:
+        value, flag = getattr(args, attr), "--" + attr.replace("_", "-")
+        if value is None:
+            continue
+        if args.dense_comm != "dgc":
+            raise UserError(f"{flag} applies only with --dense-comm dgc (got --dense-comm "
+                            f"{args.dense_comm})")
+        if not ok(value):
+            raise UserError(f"{flag} must be {span}, got {value}")
+        given[attr] = value
+    return DenseCommConfig(mode=args.dense_comm, **given)
 
 
 def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = None) -> int:
@@ -166,6 +187,7 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         # A single process has no dense gradients to exchange: say so, don't ignore it.
         raise ValueError(f"--dense-comm {args.dense_comm} needs several ranks: launch with "
                          "torchrun --nproc_per_node N -m terarec train ...")
+    dense_comm_from_args(args)  # a stray or out-of-range DGC flag, before any work
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
     _check_follow_args(args)
