@@ -22,7 +22,7 @@ def test_unknown_keys_are_rejected_with_their_path():
 BAD = [
     ({"batch_size": "4096"}, "batch_size must be an integer, got string '4096'"),
     ({"batch_size": 4096.0}, "batch_size must be an integer, got number 4096.0"),
-    ({"batch_size": True}, "batch_size must be an integer, got boolean True"),
+    ({"batch_size": True}, "batch_size must be an integer, got boolean true"),
     ({"batch_size": -1}, "batch_size: -1 must be > 0"),
     ({"epochs": 0}, "epochs: 0 must be > 0"),
     ({"store": {"precision": "int3"}},

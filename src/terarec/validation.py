@@ -96,6 +96,15 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _got(value: Any) -> str:
+    """A wrong-typed value as an error shows it: its JSON type, then the value itself
+    unless it is a container or null ("string 'x'", "boolean true", "null", "object")."""
+    if value is None or isinstance(value, (dict, list, tuple)):
+        return json_type(value)
+    shown = json.dumps(value) if isinstance(value, bool) else _show(value)
+    return f"{json_type(value)} {shown}"
+
+
 _REQUIRED_MARKS = {typing_extensions.NotRequired, typing_extensions.Required,
                    getattr(typing, "NotRequired", None), getattr(typing, "Required", None)} - {None}
 
@@ -224,8 +233,8 @@ def problems(exc: ValidationError, tp: Any, root: str = "") -> list[Problem]:
         wanted = " or ".join(dict.fromkeys(
             _EXPECTED.get(e["type"][:-len("_type")], e["type"]) for e in errs))
         value = errs[0]["input"]
-        out.append(Problem(path, "union_type", f"{path or root}: expected {wanted}, got "
-                                               f"{json_type(value)} {_show(value)}"))
+        out.append(Problem(path, "union_type",
+                           f"{path or root}: expected {wanted}, got {_got(value)}"))
     return out
 
 
@@ -258,6 +267,5 @@ def _describe(err: ErrorDetails, path: str, leaf: Any, info: FieldInfo | None) -
     if kind.endswith("_type"):
         base = kind[:-len("_type")]
         wanted = desc or _EXPECTED.get(base, base)
-        shown = "" if isinstance(value, (dict, list)) else f" {_show(value)}"
-        return f"{subject} must be {wanted}, got {json_type(value)}{shown}"
+        return f"{subject} must be {wanted}, got {_got(value)}"
     return f"{subject}: {err['msg']} (got {_show(value)})"

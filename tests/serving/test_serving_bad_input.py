@@ -41,6 +41,9 @@ PREDICT_CASES = [
     ("empty body", b"", 400, "empty request body"),
     ("nested too deeply", b"[" * 5000 + b"]" * 5000, 400, "nested too deeply"),
     ("not an object", [1, 2], 422, "request must be an object, got array"),
+    ("null body", b"null", 422, "request must be an object, got null"),
+    ("null candidate", {"candidates": [{}, None]}, 422,
+     "candidates[1] must be an object, got null"),
     ("two problems at once", {"candidates": "x", "user": 1}, 422,
      "candidates must be an array of feature objects, one per item to score, got string "
      "'x'; unknown field(s) ['user']; known: candidates, context"),
@@ -81,6 +84,7 @@ def test_bad_predict_requests_get_a_4xx_naming_the_problem(client, good, case):
     got_status, error = _post(client, "/predict", body)
     assert got_status == status, error
     assert message in error
+    assert "None" not in error  # values are shown as JSON spells them
     # The server is unharmed: the next good request scores.
     ok, _ = _post(client, "/predict", good)
     assert ok == 200
