@@ -90,6 +90,11 @@ def test_bad_predict_requests_get_a_4xx_naming_the_problem(client, good, case):
     assert ok == 200
 
 
+def _kserve_typed(datatype: str, data: list) -> dict:
+    return {"inputs": [{"name": "I1", "shape": [len(data)], "datatype": datatype,
+                        "data": data}]}
+
+
 def _kserve(n: int = 2, **override) -> dict:
     tensor = {"name": "C1", "shape": [n], "datatype": "BYTES", "data": ["a"] * n}
     tensor.update(override)
@@ -98,6 +103,14 @@ def _kserve(n: int = 2, **override) -> dict:
 
 
 INFER_CASES = [
+    ("float in an INT64 tensor", _kserve_typed("INT64", [1, 1.5]), 422,
+     "input 'I1': data[1] is number 1.5, not a INT64 value"),
+    ("negative UINT8", _kserve_typed("UINT8", [-1, 2]), 422,
+     "input 'I1': data[0] is integer -1, not a UINT8 value"),
+    ("string in an FP32 tensor", _kserve_typed("FP32", [1.0, "x"]), 422,
+     "input 'I1': data[1] is string \"x\", not a FP32 value"),
+    ("number in a BOOL tensor", _kserve_typed("BOOL", [True, 3]), 422,
+     "input 'I1': data[1] is integer 3, not a BOOL value"),
     ("no inputs", {"id": "a"}, 422, "missing field 'inputs'"),
     ("inputs not a list", {"inputs": {}}, 422, "non-empty array"),
     ("extra field", {**_kserve(), "priority": 1}, 422, "['priority']"),
@@ -112,7 +125,7 @@ INFER_CASES = [
                                        "data": [1, 2, 3]}]}, 422, "3 rows, other inputs have 2"),
     ("input twice", {"inputs": [_kserve()["inputs"][0]] * 2}, 422, "given twice"),
     ("wrong value type", _kserve(name="I2", datatype="FP32", data=["x", "y"]), 422,
-     "field 'I2'"),
+     "input 'I2': data[0] is string \"x\""),
     ("unknown output", {**_kserve(), "outputs": [{"name": "logit"}]}, 422, "'score'"),
     ("shape of strings", _kserve(shape=["2"]), 422,
      "inputs[0].shape[0] must be an integer, got string '2'"),

@@ -47,7 +47,7 @@ from terarec.serving.features import columns_batch, relabel
 from terarec.serving.metrics import ServingMetrics
 from terarec.serving.openapi import openapi_document
 from terarec.types import Batch
-from terarec.validation import STRICT, InvalidInput, validate_json
+from terarec.validation import STRICT, InvalidInput, json_type, validate_json
 
 log = logging.getLogger(__name__)
 
@@ -586,6 +586,7 @@ def _kserve_columns(body: InferRequest, version: ServedVersion, max_candidates: 
             data = [row[0] for row in data]
         if shape[0] != len(data):
             raise BadRequest(f"{where}: shape {shape} does not match {len(data)} values")
+        _check_data(where, tensor.datatype, data)
         rows = _check_rows(where, shape[0], rows, max_candidates)
         columns[name] = data
     assert rows is not None  # InferRequest holds one input at least
@@ -612,6 +613,27 @@ def _check_tensor(i: int, name: str, datatype: str, shape: list[int],
     if not shape or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
         raise BadRequest(f"{where}: shape must be [N] or [N, 1], got {shape!r}")
     return where
+
+
+# The JSON values each datatype's 'data' may hold (null: a missing value). An INT64 tensor
+# holding 1.5 or a BOOL one holding 3 was read as the number it held.
+_DATA_TYPES: dict[str, frozenset[type]] = {
+    **{d: frozenset({int, type(None)}) for d in KSERVE_DATATYPES if "INT" in d},
+    "BOOL": frozenset({bool, type(None)}),
+    **{d: frozenset({int, float, type(None)}) for d in ("FP16", "FP32", "FP64")},
+    "BYTES": frozenset({str, int, type(None)})}
+
+
+def _check_data(where: str, datatype: str, data: list[Any]) -> None:
+    """Every value of a JSON tensor is of its datatype (unsigned ones not negative)."""
+    allowed = _DATA_TYPES[datatype]
+    if {type(v) for v in data} <= allowed and not (
+            datatype.startswith("UINT") and any(v is not None and v < 0 for v in data)):
+        return
+    i, v = next((i, v) for i, v in enumerate(data) if type(v) not in allowed
+                or (datatype.startswith("UINT") and v is not None and v < 0))
+    raise BadRequest(f"{where}: data[{i}] is {json_type(v)} {orjson.dumps(v).decode()[:60]}, "
+                     f"not a {datatype} value")
 
 
 def _check_rows(where: str, n: int, rows: int | None, max_candidates: int) -> int:
