@@ -435,3 +435,27 @@ def test_scoring_takes_delimiter_and_refuses_column_flags(tmp_path, capsys):
         assert cli_main(["eval", "--model", str(model), "--data", str(comma), *extra]) == 2
         assert _one_line(capsys).startswith(
             f"terarec eval: error: {flags}: the model's schema fixes its columns")
+
+
+def test_publish_checks_its_source_and_grace_before_connecting(lr_model, tmp_path, capsys):
+    """A missing version or a bad grace period was reported only after connecting to the
+    cluster (here: nothing listens, so its connection error hid them)."""
+    nowhere = "redis://127.0.0.1:1"
+    export = tmp_path / "export"
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(export)]) == 0
+    capsys.readouterr()
+    cases = [
+        ([str(export), "--gc-grace-seconds", "-1"],
+         "--gc-grace-seconds must be a finite number >= 0, got -1.0"),
+        ([str(export), "--gc-grace-seconds", "inf"],
+         "--gc-grace-seconds must be a finite number >= 0, got inf"),
+        ([str(export / "v000009")], f"{export / 'v000009'}: no such version (no "
+                                    "manifest.json in it)"),
+        ([str(lr_model)], f"{lr_model}: no version to publish (not an export written by "
+                          "`terarec export` or `train --export-to`)"),
+    ]
+    for extra, message in cases:
+        assert cli_main(["publish", *extra, "--to", nowhere]) == 2
+        assert _one_line(capsys) == f"terarec publish: error: {message}"
+    assert cli_main(["publish", str(export), "--to", nowhere]) == 2  # now the cluster
+    assert "no cluster node answered" in _one_line(capsys)

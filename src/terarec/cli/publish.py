@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 
@@ -36,11 +37,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_publish_args(args: argparse.Namespace) -> None:
+    """The grace period in range and the source an export with a version, before any
+    connection to the cluster (whose errors would otherwise hide these)."""
+    from terarec.cli.main import UserError
+    from terarec.export.format import MANIFEST, latest_version
+    from terarec.export.storage import Storage, StorageError
+    from terarec.sparsetier.publish import split_version_uri
+
+    grace = args.gc_grace_seconds
+    if not (math.isfinite(grace) and grace >= 0):
+        raise UserError(f"--gc-grace-seconds must be a finite number >= 0, got {grace}")
+    export, name = split_version_uri(args.version_uri)
+    try:
+        storage = Storage(export, storage_options_from_args(args))
+        if name is not None and not storage.exists(f"{name}/{MANIFEST}"):
+            raise UserError(f"{args.version_uri}: no such version (no {MANIFEST} in it)")
+        if name is None and latest_version(storage) is None:
+            raise UserError(f"{export}: no version to publish (not an export written by "
+                            "`terarec export` or `train --export-to`)")
+    except (ValueError, StorageError) as exc:
+        raise UserError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from terarec.cli.main import UserError
     from terarec.sparsetier.publish import Publisher, PublishError
     from terarec.sparsetier.tier import TierError
 
+    check_publish_args(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
