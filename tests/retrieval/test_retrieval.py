@@ -182,6 +182,30 @@ def test_slice_errors_name_the_problem(trained, tmp_path):
                  "user,nope", "--keys-from", str(log)]) == 2
 
 
+INDEX_ERRORS = [
+    (["--nlist", "8"], "--nlist applies only with --kind ivfpq (got --kind hnsw)"),
+    (["--kind", "ivfpq", "--ef-search", "64"],
+     "--ef-search applies only with --kind hnsw (got --kind ivfpq)"),
+    (["--kind", "ivfpq", "--pq-m", "0"], "--pq-m must be >= 1, got 0"),
+    (["--kind", "ivfpq", "--nlist", "-3"], "--nlist must be >= 1, got -3"),
+    (["--kind", "ivfpq", "--nlist", "100000"],
+     f"--nlist 100000: more clusters than the {ITEMS} items sampled to train them"),
+]
+
+
+@pytest.mark.parametrize("extra,message", INDEX_ERRORS, ids=[" ".join(a) for a, _ in INDEX_ERRORS])
+def test_index_flags_of_the_other_kind_or_out_of_range_are_refused(trained, tmp_path, capsys,
+                                                                    extra, message):
+    """A knob of the other kind was ignored, --nlist 0 / --pq-m 0 meant "sized from the
+    data" without saying so, and more clusters than items ended in a faiss traceback."""
+    tmp, log, _ = trained
+    capsys.readouterr()
+    assert main(["index", str(tmp / "item_tower"), "--items", str(catalog_path(log)),
+                 "--out", str(tmp_path / "idx"), *extra]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"terarec index: error: {message}"
+    assert not (tmp_path / "idx").exists()
+
+
 @pytest.mark.parametrize("kind", ["ivfpq", "hnsw"])
 def test_delta_reembeds_only_changed_items(trained, tmp_path, kind):
     import shutil

@@ -25,20 +25,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebuild", action="store_true",
                    help="build afresh even when the index can follow the export's deltas")
     p.add_argument("--batch-rows", type=int, default=8192, help="items embedded at a time")
-    p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per node (32)")
-    p.add_argument("--ef-construction", type=int, default=80, help="hnsw: build beam (80)")
-    p.add_argument("--ef-search", type=int, default=256, help="hnsw: search beam (256)")
-    p.add_argument("--nlist", type=int, default=0,
-                   help="ivfpq: clusters (default about sqrt(items))")
-    p.add_argument("--pq-m", type=int, default=0,
+    # The kind's own knobs default to None (IndexOptions' defaults), so that a knob of the
+    # other kind is refused rather than ignored.
+    p.add_argument("--hnsw-m", type=int, help="hnsw: links per node (32)")
+    p.add_argument("--ef-construction", type=int, help="hnsw: build beam (80)")
+    p.add_argument("--ef-search", type=int, help="hnsw: search beam (256)")
+    p.add_argument("--nlist", type=int, help="ivfpq: clusters (default about sqrt(items))")
+    p.add_argument("--pq-m", type=int,
                    help="ivfpq: bytes per vector (default 16, or the largest of 8/4/2/1 "
                    "dividing the vector size)")
-    p.add_argument("--nprobe", type=int, default=64, help="ivfpq: clusters searched (64)")
-    p.add_argument("--refine", type=int, default=16,
+    p.add_argument("--nprobe", type=int, help="ivfpq: clusters searched (64)")
+    p.add_argument("--refine", type=int,
                    help="ivfpq: candidates re-scored with the exact vectors, per item asked "
                    "for (default 16)")
     add_storage_args(p)
     p.set_defaults(func=run)
+
+
+_KIND_KNOBS = {"hnsw": ("hnsw_m", "ef_construction", "ef_search"),
+               "ivfpq": ("nlist", "pq_m", "nprobe", "refine")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,10 +51,19 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_rows < 1:
         raise ValueError(f"--batch-rows must be >= 1, got {args.batch_rows}")
-    options = IndexOptions(kind=args.kind, hnsw_m=args.hnsw_m,
-                           ef_construction=args.ef_construction, ef_search=args.ef_search,
-                           nlist=args.nlist, pq_m=args.pq_m, nprobe=args.nprobe,
-                           refine=args.refine)
+    knobs: dict[str, int] = {}
+    for kind, names in _KIND_KNOBS.items():
+        for name in names:
+            value, flag = getattr(args, name), "--" + name.replace("_", "-")
+            if value is None:
+                continue
+            if kind != args.kind:
+                raise ValueError(f"{flag} applies only with --kind {kind} (got --kind "
+                                 f"{args.kind})")
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+            knobs[name] = value
+    options = IndexOptions(kind=args.kind, **knobs)
     build = build_index if args.rebuild else update_index
     result = build(args.uri, args.items, args.out, options, id_field=args.id_field,
                    storage_options=storage_options_from_args(args), rows=args.batch_rows)

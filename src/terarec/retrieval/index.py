@@ -75,6 +75,10 @@ class IndexOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
+        for name in ("nlist", "pq_m"):  # 0: sized from the data
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, name)}")
 
 
 def _tower(version: ServedVersion) -> DSSM:
@@ -123,6 +127,9 @@ def _new_index(dim: int, options: IndexOptions, sample: np.ndarray,
     pq_m = options.pq_m or next(m for m in (16, 8, 4, 2, 1) if dim % m == 0)
     if pq_m < 1 or dim % pq_m:
         raise ValueError(f"--pq-m {options.pq_m} must divide the vector size {dim}")
+    if nlist > len(sample):  # faiss's k-means needs a training vector per cluster at least
+        raise ValueError(f"--nlist {nlist}: more clusters than the {len(sample)} items "
+                         "sampled to train them")
     quantizer = faiss.IndexFlatIP(dim)
     index = faiss.IndexIVFPQ(quantizer, dim, nlist, pq_m, 8,
                              faiss.METRIC_INNER_PRODUCT)
