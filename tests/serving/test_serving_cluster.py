@@ -217,7 +217,12 @@ def test_tier_urls_that_cannot_work_are_clear_errors(command, tmp_path, capsys):
     assert cli_main([command, str(tmp_path), flag, "http://127.0.0.1:1"]) == 2
     assert "expected redis://HOST:PORT" in capsys.readouterr().err
     dead = f"redis://127.0.0.1:{free_port()}"
-    assert cli_main([command, str(tmp_path), flag, dead]) == 2
+    source = tmp_path
+    if command == "publish":  # publish checks its source first: give it a version
+        source = tmp_path / "v000001"
+        source.mkdir()
+        (source / "manifest.json").write_text("{}")
+    assert cli_main([command, str(source), flag, dead]) == 2
     assert "no cluster node answered" in capsys.readouterr().err
 
 

@@ -44,7 +44,12 @@ def check_publish_args(args: argparse.Namespace) -> None:
     from terarec.export.format import MANIFEST, latest_version
     from terarec.export.storage import Storage, StorageError
     from terarec.sparsetier.publish import split_version_uri
+    from terarec.sparsetier.tier import parse_url
 
+    try:
+        parse_url(args.to)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     grace = args.gc_grace_seconds
     if not (math.isfinite(grace) and grace >= 0):
         raise UserError(f"--gc-grace-seconds must be a finite number >= 0, got {grace}")
