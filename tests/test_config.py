@@ -42,6 +42,8 @@ BAD = [
     ({"store": "big"}, "store must be an object, got string 'big'"),
     ({"on_bad_row": "ignore"}, "on_bad_row: 'ignore' is not one of error, skip"),
     ({"threads": 0}, "threads: 0 must be > 0"),
+    ({"model": {"name": "deepfn"}}, "model.name: unknown model 'deepfn'; known models: lr, fm, "
+                                    "widedeep, deepfm, dcnv2, dlrm, dssm"),
 ]
 
 

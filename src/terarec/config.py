@@ -117,6 +117,19 @@ def _check_device(name: str) -> str:
 
 Device = Annotated[str, AfterValidator(_check_device)]
 
+# The models terarec.models.registry builds (its test keeps the two lists equal): checked
+# where a config is read, so a misspelt name is named by its path before any work.
+MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
+
+
+def _check_model_name(name: str) -> str:
+    if name.lower() not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}")
+    return name
+
+
+ModelName = Annotated[str, AfterValidator(_check_model_name)]
+
 
 @dataclass
 class ModelConfig:
@@ -124,8 +137,7 @@ class ModelConfig:
 
     __pydantic_config__ = STRICT
 
-    name: str = knob("deepfm", "--model", "lr, fm, widedeep, deepfm, dcnv2, dlrm, dssm",
-                     dest="model_name")
+    name: ModelName = knob("deepfm", "--model", ", ".join(MODEL_NAMES), dest="model_name")
     embedding_dim: Positive = knob(16, "--embedding-dim")
     bottom_mlp: tuple[Positive, ...] = (64, 16)
     top_mlp: tuple[Positive, ...] = (512, 256)

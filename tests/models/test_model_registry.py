@@ -28,6 +28,13 @@ def test_build_model_picks_the_class_and_row_dim_for_agrees(name: str) -> None:
     assert row_dim_for(name, config) == model.row_dim
 
 
+def test_configs_accept_exactly_the_registered_models() -> None:
+    """config.py checks model names without importing the models: the lists agree."""
+    from terarec.config import MODEL_NAMES
+
+    assert tuple(MODELS) == MODEL_NAMES
+
+
 def test_unknown_model_name_lists_the_known_ones() -> None:
     schema = tiny_schema()
     with pytest.raises(ValueError, match="unknown model 'deepfn'; known models: lr, fm, "

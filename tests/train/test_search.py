@@ -209,6 +209,8 @@ def test_space_errors_name_the_parameter(tmp_path):
 
 
 SPACE_VALUE_ERRORS = [
+    ({"model.name": ["deepfm", "bogus"]},  # was found only when a trial drew it
+     "model.name: choice 'bogus': model.name: unknown model 'bogus'"),
     ({"model.embedding_dim": [4, "8"]},
      "model.embedding_dim: choice '8': model.embedding_dim must be an integer"),
     ({"model.dropout": [0.0, 1.5]}, "model.dropout: choice 1.5: model.dropout: 1.5 must be < 1"),
