@@ -326,6 +326,10 @@ SERVE_ERRORS = [
     (["--port", "70000"], "--port must be <= 65535, got 70000"),
     (["--hot-rows", "-1"], "--hot-rows must be >= 0, got -1"),
     (["--name", ""], "--name '': a model name is letters, digits"),
+    (["--hot-rows", "10", "--strict-sparse"],
+     "--hot-rows, --strict-sparse: only with --sparse-tier (rows are read from a cluster)"),
+    (["--sparse-tier", "redis://127.0.0.1:1", "--no-hedge", "--hedge-ms", "3"],
+     "--hedge-ms: no hedged reads with --no-hedge"),
     (["--name", "a/b"], "--name 'a/b': a model name is letters, digits"),
 ]
 

@@ -62,22 +62,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tier.add_argument("--sparse-tier", metavar="redis://HOST:PORT",
                       help="read sparse rows from this cluster; only the dense part and the "
                            "hot rows are held locally")
-    tier.add_argument("--namespace", default="terarec",
+    # The tier's knobs default to None (their defaults are in _TIER_DEFAULTS), so that one
+    # given without --sparse-tier is refused rather than ignored.
+    tier.add_argument("--namespace",
                       help="the model's key prefix in the cluster (default terarec)")
-    tier.add_argument("--hot-rows", type=int, default=1_000_000,
+    tier.add_argument("--hot-rows", type=int,
                       help="most-shown rows held in local memory (default 1,000,000)")
     tier.add_argument("--hot-bytes", type=int,
                       help="cap on the hot rows' memory, in bytes (fp32 values + key)")
-    tier.add_argument("--sparse-deadline-ms", type=float, default=100.0,
+    tier.add_argument("--sparse-deadline-ms", type=float,
                       help="how long one request waits for cluster rows (default 100)")
     tier.add_argument("--hedge-ms", type=float,
                       help="fixed hedge delay (default: each node's observed p95, at least "
                            "--hedge-floor-ms)")
-    tier.add_argument("--hedge-floor-ms", type=float, default=2.0,
+    tier.add_argument("--hedge-floor-ms", type=float,
                       help="smallest hedge delay (default 2)")
-    tier.add_argument("--no-hedge", action="store_true",
+    tier.add_argument("--no-hedge", action="store_true", default=None,
                       help="never send a read to a replica before the master failed")
-    tier.add_argument("--strict-sparse", action="store_true",
+    tier.add_argument("--strict-sparse", action="store_true", default=None,
                       help="answer 503 when rows cannot be read in time (default: score "
                            "them as zero rows, as unknown keys)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -97,6 +99,12 @@ _BOUNDS = (("port", 0, True), ("poll_seconds", 0, False), ("cache_rows", 0, True
            ("hedge_floor_ms", 0, True))
 
 
+_TIER_DEFAULTS: dict[str, object] = {
+    "namespace": "terarec", "hot_rows": 1_000_000, "hot_bytes": None,
+    "sparse_deadline_ms": 100.0, "hedge_ms": None, "hedge_floor_ms": 2.0,
+    "no_hedge": False, "strict_sparse": False}
+
+
 def check_serve_args(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, or a UserError naming the flag and its value."""
     from terarec.cli.main import UserError
@@ -109,6 +117,17 @@ def check_serve_args(args: argparse.Namespace) -> None:
                         f"{low}, got {value}")
     if args.port > 65535:
         raise UserError(f"--port must be <= 65535, got {args.port}")
+    given = [a for a in _TIER_DEFAULTS if getattr(args, a) is not None]
+    if given and not args.sparse_tier:
+        flags = ", ".join("--" + a.replace("_", "-") for a in given)
+        raise UserError(f"{flags}: only with --sparse-tier (rows are read from a cluster)")
+    hedging = [f for f, a in (("--hedge-ms", "hedge_ms"), ("--hedge-floor-ms", "hedge_floor_ms"))
+               if getattr(args, a) is not None]
+    if args.no_hedge and hedging:
+        raise UserError(f"{', '.join(hedging)}: no hedged reads with --no-hedge")
+    for attr, default in _TIER_DEFAULTS.items():
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
     if not _MODEL_NAME.fullmatch(args.name):
         raise UserError(f"--name {args.name!r}: a model name is letters, digits, '.', '_' "
                         "and '-', starting with a letter or digit (it is a URL path segment)")
