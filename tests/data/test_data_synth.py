@@ -184,6 +184,32 @@ def test_cli_rejects_half_given_validation_arguments(tmp_path, capsys):
     assert not (tmp_path / "t.tsv").exists()
 
 
+SYNTH_ERRORS = [
+    (["--drift", "0.5"], "--drift applies only with --hourly"),
+    (["--users", "5"], "--users applies only with --retrieval"),
+    (["--retrieval", "--exponent", "1.2"],
+     "--exponent applies only to click logs, not with --retrieval"),
+    (["--exponent", "0"], "--exponent must be > 0, got 0.0"),
+    (["--out", "DIR"], "--out DIR is a folder; synth writes one file there (a folder only "
+                       "with --hourly)"),
+    (["--out", "DIR/afile/t.tsv"], "--out DIR/afile/t.tsv: DIR/afile is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("extra,message", SYNTH_ERRORS, ids=[" ".join(a) for a, _ in SYNTH_ERRORS])
+def test_cli_refuses_flags_of_another_mode_and_unwritable_outs(tmp_path, capsys, extra,
+                                                                message):
+    """Each was ignored (a flag of another mode) or a traceback (an --out that cannot be
+    written, a folder)."""
+    (tmp_path / "afile").write_text("")
+    argv = ["synth", "--rows", "10", "--out", str(tmp_path / "t.tsv"), *extra]
+    argv = [a.replace("DIR", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"terarec synth: error: {message.replace('DIR', str(tmp_path))}"
+    assert not (tmp_path / "t.tsv").exists() or "--out" in extra
+
+
 def test_arrays_have_documented_shapes_and_types():
     arrays = synth.generate_arrays(100, vocab_scale=SMALL)
     assert arrays.dense.shape == (100, 13) and arrays.dense.dtype == np.float64

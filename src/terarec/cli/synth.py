@@ -25,32 +25,72 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hourly", type=int, metavar="N",
                    help="write N time-partitioned files (2026-12-01T00-00.tsv, ...) into "
                    "--out whose ground truth drifts by --drift per hour")
-    p.add_argument("--drift", type=float, default=0.0,
+    # Mode-specific knobs default to None (their defaults are in _DEFAULTS), so that one
+    # given in a mode it does not apply to is refused rather than ignored.
+    p.add_argument("--drift", type=float,
                    help="--hourly: 1 - the correlation of consecutive hours' planted "
                    "logits, in [0, 1] (default 0: no drift)")
-    p.add_argument("--start", default="2026-12-01T00:00",
+    p.add_argument("--start",
                    help="--hourly: the first file's hour (ISO date and time)")
     p.add_argument("--valid-rows", type=int, default=0, help="validation rows (default none)")
     p.add_argument("--valid-out", type=Path, help="validation file (TSV)")
     p.add_argument("--seed", type=int, default=0,
                    help="ground-truth model seed; rows use sample seeds 2*seed and 2*seed+1")
-    p.add_argument("--exponent", type=float, default=1.1,
+    p.add_argument("--exponent", type=float,
                    help="Zipf exponent of categorical values (default 1.1)")
-    p.add_argument("--vocab-scale", type=float, default=1.0,
+    p.add_argument("--vocab-scale", type=float,
                    help="multiply every field's vocabulary size (default 1.0)")
     g = p.add_argument_group("retrieval (--retrieval): a click log with planted user-item "
                              "affinity, and its item catalog OUT.items")
     g.add_argument("--retrieval", action="store_true",
                    help="write label/user/item/topic rows whose true top items per user are "
                    "known (docs/retrieval.md)")
-    g.add_argument("--users", type=int, default=100_000, help="users (default 100,000)")
-    g.add_argument("--items", type=int, default=1_000_000, help="items (default 1,000,000)")
-    g.add_argument("--negatives", type=int, default=1,
+    g.add_argument("--users", type=int, help="users (default 100,000)")
+    g.add_argument("--items", type=int, help="items (default 1,000,000)")
+    g.add_argument("--negatives", type=int,
                    help="uniformly drawn unclicked rows per click (default 1)")
     p.set_defaults(func=run)
 
 
+# Each mode-specific flag: its default, the modes it applies to, and those in words.
+_DEFAULTS: dict[str, tuple[object, tuple[str, ...], str]] = {
+    "drift": (0.0, ("hourly",), "with --hourly"),
+    "start": ("2026-12-01T00:00", ("hourly",), "with --hourly"),
+    "exponent": (1.1, ("click", "hourly"), "to click logs, not with --retrieval"),
+    "vocab_scale": (1.0, ("click", "hourly"), "to click logs, not with --retrieval"),
+    "users": (100_000, ("retrieval",), "with --retrieval"),
+    "items": (1_000_000, ("retrieval",), "with --retrieval"),
+    "negatives": (1, ("retrieval",), "with --retrieval")}
+
+
+def _mode_defaults(args: argparse.Namespace) -> None:
+    """Refuse a flag of another mode (naming it and where it applies); fill in the rest."""
+    mode = "retrieval" if args.retrieval else "hourly" if args.hourly is not None else "click"
+    for attr, (default, modes, where) in _DEFAULTS.items():
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
+        elif mode not in modes:
+            raise ValueError(f"--{attr.replace('_', '-')} applies only {where}")
+    for flag, value in (("--exponent", args.exponent), ("--vocab-scale", args.vocab_scale)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+
+
 def run(args: argparse.Namespace) -> int:
+    _mode_defaults(args)
+    if args.out.is_dir() and args.hourly is None:
+        raise ValueError(f"--out {args.out} is a folder; synth writes one file there "
+                         "(a folder only with --hourly)")
+    blocked = next((d for d in args.out.parents if d.exists() and not d.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"--out {args.out}: {blocked} is a file, not a folder")
+    try:
+        return _run(args)
+    except OSError as exc:  # an --out that cannot be written
+        raise ValueError(f"--out {args.out}: {exc.strerror or exc}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.rows <= 0:
         raise ValueError(f"--rows must be positive, got {args.rows}")
     if args.valid_rows < 0:
@@ -63,8 +103,6 @@ def run(args: argparse.Namespace) -> int:
         return _retrieval(args)
     if args.hourly is not None:
         return _hourly(args)
-    if args.drift:
-        raise ValueError("--drift needs --hourly")
     common = dict(model_seed=args.seed, exponent=args.exponent, vocab_scale=args.vocab_scale)
     jobs = [("train", args.out, args.rows, 2 * args.seed)]
     if args.valid_rows:
