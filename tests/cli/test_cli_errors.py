@@ -371,6 +371,7 @@ QUICKSTART_ERRORS = [
     (["--rows", "0"], "--rows must be >= 1, got 0"),
     (["--valid-rows", "0"], "--valid-rows must be >= 1, got 0"),
     (["--seed", "-1"], "--seed: seed: -1 must be >= 0"),
+    (["--workdir", "AFILE"], "--workdir AFILE: AFILE is a file, not a folder"),
 ]
 
 
@@ -379,9 +380,12 @@ QUICKSTART_ERRORS = [
 def test_quickstart_checks_its_flags_before_synthesising(tmp_path, capsys, extra, message):
     """A bad --model or --seed failed only after the (default: a million) rows were
     synthesised; --valid-rows 0 was reported as "rows must be positive"."""
-    work = tmp_path / "work"
+    work, afile = tmp_path / "work", tmp_path / "afile"
+    afile.write_text("")
+    extra = [str(afile) if a == "AFILE" else a for a in extra]
     assert cli_main(["quickstart", "--workdir", str(work), "--no-progress", *extra]) == 2
-    assert _one_line(capsys).startswith(f"terarec quickstart: error: {message}")
+    assert _one_line(capsys).startswith(
+        f"terarec quickstart: error: {message.replace('AFILE', str(afile))}")
     assert not work.exists()
 
 

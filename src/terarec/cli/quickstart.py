@@ -43,6 +43,10 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     for flag, value in (("--rows", args.rows), ("--valid-rows", args.valid_rows)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    blocked = next((d for d in (args.workdir, *args.workdir.parents)
+                    if d.exists() and not d.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"--workdir {args.workdir}: {blocked} is a file, not a folder")
     try:
         model_class(args.model)
     except ValueError as exc:
