@@ -206,3 +206,27 @@ def test_scoring_routes_count_in_the_metrics(client, good):
     assert _post(client, "/predict", {"candidates": [{"nope": 1}]})[0] == 422
     assert count("predict", "200") == before_ok + 1
     assert count("predict", "422") == before_bad + 1
+
+
+def test_compressed_bodies_are_inflated_within_the_limit(client, good):
+    """A gzip body was parsed as it came (malformed JSON) and a Content-Encoding the server
+    does not speak was ignored; inflation is bounded by the body limit."""
+    import gzip
+    import zlib
+
+    raw = json.dumps(good).encode()
+    plain = client.post("/predict", content=raw).json()["scores"]
+    for encoding, packed in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw))):
+        r = client.post("/predict", content=packed, headers={"Content-Encoding": encoding})
+        assert r.status_code == 200 and r.json()["scores"] == plain, r.text
+    r = client.post("/predict", content=raw, headers={"Content-Encoding": "br"})
+    assert r.status_code == 415 and "Content-Encoding 'br' is not supported" in r.text
+    r = client.post("/predict", content=raw, headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "not valid gzip data" in r.json()["error"]
+    r = client.post("/predict", content=gzip.compress(raw)[:-12],
+                    headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 400 and "truncated gzip" in r.json()["error"]
+    bomb = gzip.compress(b" " * (MAX_BODY + 1) + raw)  # tiny on the wire, past the limit
+    assert len(bomb) < MAX_BODY // 100
+    r = client.post("/predict", content=bomb, headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 413 and "once decompressed" in r.json()["error"]

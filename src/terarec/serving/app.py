@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -183,9 +184,36 @@ async def _read_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
             chunks.append(chunk)
         more = message.get("more_body", False)
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    encoding = (_header(scope, b"content-encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        body = _decompress(body, encoding, max_bytes)
     if not body:
         raise BadRequest("empty request body; expected a JSON object", 400)
     return body
+
+
+# Content-Encoding -> zlib's wbits for it: gzip, and deflate as HTTP means it (zlib format).
+_ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+
+
+def _decompress(body: bytes, encoding: str, max_bytes: int) -> bytes:
+    """A compressed body, inflated to at most ``max_bytes`` (the limit holds for what is
+    parsed, so a small body cannot expand past it)."""
+    wbits = _ENCODINGS.get(encoding)
+    if wbits is None:
+        raise BadRequest(f"Content-Encoding {encoding!r} is not supported; send gzip, "
+                         "deflate or an uncompressed body", 415)
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, max_bytes + 1)
+    except zlib.error as exc:
+        raise BadRequest(f"body is not valid {encoding} data ({exc})", 400) from None
+    if len(out) > max_bytes:
+        raise BadRequest(f"request body exceeds the limit of {max_bytes} bytes once "
+                         f"decompressed", 413)
+    if not inflater.eof:
+        raise BadRequest(f"body is truncated {encoding} data", 400)
+    return out
 
 
 # A scoring route: (scope, receive) -> the JSON answer of a 200.
