@@ -66,6 +66,8 @@ def test_every_config_flag_reaches_its_field(parser):
             argv, value = [flag.name, "2,3", other, "2,3"], (2, 3)
         elif path[-1] == "device":
             argv, value = [flag.name, "cpu"], "cpu"
+        elif path[-1] == "name" and path[0] == "model":
+            argv, value = [flag.name, "dcnv2"], "dcnv2"
         else:
             kind = action.type if action.type in samples else str
             size = path[-1] in ("memory_budget", "admit_sketch_bytes", "max_store_bytes",
