@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -303,6 +304,26 @@ def test_cli_train_exports_a_full_version_and_deltas(data, tmp_path):
     assert kinds == ["full", "delta", "delta"]
     assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "m2"),
                      "--delta-every", "2"]) == 2
+
+
+
+def test_a_slice_exported_again_is_a_delta_with_bucketed_numeric_fields(data, tmp_path,
+                                                                      capsys):
+    # Bucket edges are a tuple in the schema and a list in the manifest read back.
+    schema = replace(SCHEMA, fields=tuple(replace(f, buckets=(0.5, 1.5)) if f.name == "I1"
+                                          else f for f in SCHEMA.fields))
+    trainer = Trainer(schema, _trainer(evict_after_passes=None).config)
+    trainer.fit([data], progress=False)
+    save_checkpoint(tmp_path / "model", trainer)
+    keys_file = tmp_path / "keys.tsv"
+    values = [line.split("\t")[14] for line in data.read_text().splitlines()]
+    keys_file.write_text("C1\n" + "\n".join(values) + "\n")
+    argv = ["export", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "export"),
+            "--slice", "C1", "--keys-from", str(keys_file)]
+    assert cli_main(argv) == 0 and cli_main(argv) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [p["kind"] for p in printed] == ["full", "delta"]
+    assert printed[0]["rows"] > 0 and printed[1]["rows"] == printed[1]["deleted"] == 0
 
 
 MANIFEST_ERRORS = [

@@ -416,7 +416,7 @@ def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
         yield index, (keys_buf[:held], values_buf[:held])
 
 
-def _as_json(value: Any) -> Any:
+def as_json(value: Any) -> Any:
     """``value`` as a manifest holds it once read back (tuples become lists)."""
     return json.loads(json.dumps(value))
 
@@ -497,8 +497,8 @@ class IncrementalExporter:
         if self.ctx.is_main:  # rank 0 reads the target; every rank follows its reading
             latest = self.exporter.latest()
             resumes = (latest is not None and latest.pass_id == trainer.pass_id
-                       and latest.data["schema"] == _as_json(trainer.schema.to_dict())
-                       and latest.data["model"] == _as_json(to_dict(trainer.config.model)))
+                       and latest.data["schema"] == as_json(trainer.schema.to_dict())
+                       and latest.data["model"] == as_json(to_dict(trainer.config.model)))
         if self.ctx.broadcast_object(resumes):
             self._last_pass = trainer.pass_id
             if every_minutes is not None:  # restarted: the server waited; export at once

@@ -30,11 +30,11 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import torch
 
-from terarec.config import ModelConfig
+from terarec.config import ModelConfig, to_dict
 from terarec.data.hashing import hash_column
 from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.format import Manifest
-from terarec.export.writer import ExportedVersion, ModelExporter
+from terarec.export.writer import ExportedVersion, ModelExporter, as_json
 from terarec.models.dssm import DSSM
 from terarec.types import FeatureSchema
 
@@ -168,9 +168,11 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     exporter = ModelExporter(uri, storage_options, shard_rows)
     latest = exporter.latest()
     info = spec.to_dict()
+    # Compared as the manifest holds them once read back (a schema's bucket edges are
+    # tuples here, lists there): compared raw, a slice exported again was always full.
     if latest is not None and latest.data.get("slice") == info \
-            and latest.data["schema"] == schema.to_dict() \
-            and latest.data["model"] == _json(config.model):
+            and latest.data["schema"] == as_json(schema.to_dict()) \
+            and latest.data["model"] == as_json(to_dict(config.model)):
         keys, values = _sliced_rows(ckpt, wanted, spec.columns)
         old_keys, old_values = version_rows(exporter, latest)
         changed, deleted = _diff(keys, values, old_keys, old_values)
@@ -180,14 +182,6 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     return exporter.write_full(schema=schema, model_config=config.model, dense=dense,
                                rows=rows, row_dim=row_dim, pass_id=int(ckpt.meta["pass_id"]),
                                slice_info=info)
-
-
-def _json(config: ModelConfig) -> Any:
-    import json
-
-    from terarec.config import to_dict
-
-    return json.loads(json.dumps(to_dict(config)))
 
 
 def _filtered(chunks: Iterator[Any], wanted: np.ndarray,
