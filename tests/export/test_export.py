@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 from terarec.cli.main import main as cli_main
 from terarec.config import ModelConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
+from terarec.embedding.store import RowChunk
 from terarec.export import (
     ExportError,
     IncrementalExporter,
@@ -253,6 +254,25 @@ def test_non_finite_rows_are_refused(tmp_path):
             schema=SCHEMA, model_config=ModelConfig(), dense={},
             keys=np.array([1, 5, 9], np.int64), values=values, pass_id=0)
     assert latest_version(Storage(tmp_path / "x")) is None
+
+
+
+def _chunk(keys: list[int], values: np.ndarray) -> RowChunk:
+    n = len(keys)
+    return RowChunk(np.array(keys, np.int64), values, np.zeros((n, 0), np.float32),
+                    np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.int32))
+
+
+def test_shard_rows_beyond_the_table_hold_no_buffer_of_that_size(tmp_path):
+    # A shard buffer of 10**13 rows could not be allocated: the export failed.
+    exporter = ModelExporter(tmp_path / "x", shard_rows=10**13)
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    result = exporter.write_full(schema=SCHEMA, model_config=ModelConfig(), dense={},
+                                 rows=[_chunk([1, 5], values[:2]), _chunk([9], values[2:])],
+                                 row_dim=4, pass_id=0)
+    assert result.rows == 3 and len(read_manifest(exporter.storage, result.name).shards) == 1
+    replayed = _replay(tmp_path / "x", result.name)
+    np.testing.assert_array_equal(np.stack([replayed[k] for k in (1, 5, 9)]), values)
 
 
 def test_full_export_of_a_spilling_tiered_store_streams_its_rows(data, tmp_path):

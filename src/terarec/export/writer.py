@@ -396,15 +396,21 @@ def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
             row_dim: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
     """Re-cut key-ordered (keys, values) parts into numbered shards of ``shard_rows`` rows
     (the last one shorter), checking them on the way (``_checked``). Holds one shard
-    buffer (filled in place, pages allocated as written) plus one part; each yielded
-    shard is a view of the buffer, valid until the next one is asked for."""
-    keys_buf = np.empty(shard_rows, np.int64)
-    values_buf = np.empty((shard_rows, row_dim), np.float32)
+    buffer (filled in place) plus one part; each yielded shard is a view of the buffer,
+    valid until the next one is asked for. The buffer grows with the rows it is given,
+    up to ``shard_rows``: a ``shard_rows`` beyond the table's size costs no memory."""
+    keys_buf = np.empty(0, np.int64)
+    values_buf = np.empty((0, row_dim), np.float32)
     held = index = 0
     for keys, values in _checked(rows, row_dim):
         pos = 0
         while pos < len(keys):
             take = min(shard_rows - held, len(keys) - pos)
+            if held + take > len(keys_buf):  # at least double, so rows are copied O(1) times
+                size = min(shard_rows, max(held + take, 2 * len(keys_buf)))
+                keys_buf = np.concatenate([keys_buf[:held], np.empty(size - held, np.int64)])
+                values_buf = np.concatenate(
+                    [values_buf[:held], np.empty((size - held, row_dim), np.float32)])
             keys_buf[held:held + take] = keys[pos:pos + take]
             values_buf[held:held + take] = values[pos:pos + take]
             held, pos = held + take, pos + take
