@@ -118,6 +118,41 @@ def test_paths_that_name_a_file_are_refused(data, lr_model, tmp_path, capsys):
     assert afile.read_text() == "x"
 
 
+
+def test_export_targets_that_cannot_be_used_are_refused_naming_the_flag(data, lr_model,
+                                                                         tmp_path, capsys):
+    # Options for a local folder were ignored; an unknown protocol did not name the flag.
+    local = str(tmp_path / "exp")
+    for argv, flag in ((["export", "--model", str(lr_model), "--out", local], "--out"),
+                       (["train", "--train", str(data), "--out", str(tmp_path / "m"), *TRAIN,
+                         "--export-to", local], "--export-to")):
+        assert cli_main([*argv, "--storage-options", '{"anon": true}']) == 2
+        assert (f"--storage-options: {flag} {local} is a local folder; the options are for "
+                "fsspec URLs") in _one_line(capsys)
+    assert cli_main(["export", "--model", str(lr_model), "--out", "nosuch://bucket/x"]) == 2
+    assert ("--out nosuch://bucket/x: cannot be used (ValueError: Protocol not known: "
+            "nosuch)") in _one_line(capsys)
+    assert not (tmp_path / "exp").exists() and not (tmp_path / "m" / "checkpoints").exists()
+
+
+def test_an_object_store_that_cannot_be_used_is_one_line(lr_model, s3_server, capsys,
+                                                          monkeypatch):
+    """A storage option s3fs does not take, or no credentials, was a traceback."""
+    pytest.importorskip("s3fs")
+    argv = ["export", "--model", str(lr_model), "--out", "s3://models/ctr"]
+    bad = json.dumps({**s3_server, "no_such_option": 1})
+    assert cli_main([*argv, "--storage-options", bad]) == 2
+    assert ("--out s3://models/ctr: cannot be used with --storage-options (TypeError: "
+            in _one_line(capsys))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert cli_main([*argv, "--storage-options", json.dumps(s3_server)]) == 2
+    assert "(NoCredentialsError: Unable to locate credentials)" in _one_line(capsys)
+
+
 RESUME = ["--pass-rows", "1000", "--batch-size", "250", "--threads", "1", "--no-progress"]
 RESUME_CHANGES = [
     (["--model", "fm"], "model.name (--model): was 'lr', now 'fm'"),

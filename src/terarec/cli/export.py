@@ -9,7 +9,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from terarec.cli.common import add_checkpoint_arg
-from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.cli.storage_args import (
+    add_storage_args,
+    check_export_target,
+    storage_options_from_args,
+)
 from terarec.export import export_model_dir
 from terarec.export.compressed import RowCodec
 from terarec.export.writer import DEFAULT_SHARD_ROWS
@@ -43,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if Path(args.out).is_file():
         raise ValueError(f"--out {args.out} is a file, not an export folder")
+    check_export_target(args.out, storage_options_from_args(args), "--out")
     if args.slice is not None:
         if args.bits != 32 or args.codebook:
             raise ValueError("--slice writes fp32 rows; leave out --bits / --codebook")

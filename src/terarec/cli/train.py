@@ -28,7 +28,11 @@ from terarec.cli.common import (
     train_schema_from_args,
 )
 from terarec.cli.main import UserError
-from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.cli.storage_args import (
+    add_storage_args,
+    check_export_target,
+    storage_options_from_args,
+)
 from terarec.config import TrainConfig, resumed_config
 from terarec.distributed.context import (
     DistContext,
@@ -203,6 +207,9 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         raise UserError(f"--store-dir {store_dir} is a file, not a folder")
     if args.export_to is not None and Path(args.export_to).is_file():
         raise UserError(f"--export-to {args.export_to} is a file, not an export folder")
+    if args.export_to is not None:  # with --follow the options may be the source's
+        check_export_target(args.export_to, storage_options_from_args(args), "--export-to",
+                            options_elsewhere=args.follow is not None)
     ctx = topology(config.device)
     with contextlib.ExitStack() as held:
         _lock_model_dir(args.out, ctx, held)
