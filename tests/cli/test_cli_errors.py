@@ -288,6 +288,29 @@ def test_corrupt_model_files_and_configs_name_the_file(data, lr_model, tmp_path,
             "directory") in _one_line(capsys)
 
 
+
+def _strict_json(text: str) -> dict:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_eval_on_one_class_writes_valid_json(data, lr_model, tmp_path, capsys):
+    """AUC is undefined on one class: it was written as NaN, which JSON readers refuse."""
+    clicks = tmp_path / "clicks.tsv"
+    clicks.write_text("".join("1" + line[1:] + "\n"
+                              for line in data.read_text().splitlines()[:50]))
+    out = tmp_path / "e.json"
+    assert cli_main(["eval", "--model", str(lr_model), "--data", str(clicks),
+                     "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    metrics = _strict_json(out.read_text())
+    assert metrics["auc"] is None and metrics["ctr"] == 1.0 and metrics["rows"] == 50
+    assert _strict_json(captured.out.strip().splitlines()[-1]) == metrics
+    assert "AUC is undefined: every label in --data is the same class" in captured.err
+
+
 def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
     junk = tmp_path / "junk.tsv"
     junk.write_text("".join(f"row {i} is not criteo\n" for i in range(50)))
