@@ -327,6 +327,21 @@ def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "m2" / "checkpoints").exists()
 
 
+
+def test_predict_and_eval_with_every_row_skipped_fail_and_write_nothing(lr_model, tmp_path,
+                                                                        capsys):
+    """predict wrote an empty file and exited 0; eval did not name the file."""
+    junk = tmp_path / "junk.tsv"
+    junk.write_text("x\n" * 3)
+    for command in ("predict", "eval"):
+        out = tmp_path / f"{command}.out"
+        assert cli_main([command, "--model", str(lr_model), "--data", str(junk),
+                         "--on-bad-row", "skip", "--out", str(out)]) == 2
+        assert (f"no rows to score in {junk}: all 3 rows read were bad and skipped "
+                f"(--on-bad-row skip); first: {junk}: line 1:") in _one_line(capsys)
+        assert not out.exists()
+
+
 def test_every_validation_row_skipped_is_refused_before_training(data, tmp_path, capsys):
     junk = tmp_path / "junk.tsv"
     junk.write_text("x\n" * 5)

@@ -371,9 +371,22 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
         with model_inputs(args.model, trainer.schema, args.data,
                           lambda s: schema_for_data(s, args)) as (schema, data):
             stats = ReadStats()
-            yield trainer, iter_file_batches(data, schema, trainer.config.batch_size,
-                                             on_bad_row=args.on_bad_row or "error",
-                                             stats=stats), stats
+            batches = iter_file_batches(data, schema, trainer.config.batch_size,
+                                        on_bad_row=args.on_bad_row or "error", stats=stats)
+            yield trainer, _with_rows(batches, args.data, stats), stats
+
+
+def _with_rows(batches: Iterator[Any], paths: list[Path], stats: ReadStats) -> Iterator[Any]:
+    """``batches``, then an error naming the files when they held no row to score: with
+    every row skipped, predict wrote an empty file and exited 0."""
+    yield from batches
+    if not stats.rows:
+        files = ", ".join(str(p) for p in paths)
+        if stats.skipped:
+            raise ValueError(f"no rows to score in {files}: all {stats.skipped} rows read "
+                             f"were bad and skipped (--on-bad-row skip); first: "
+                             f"{stats.examples[0]}")
+        raise ValueError(f"no rows to score in {files}: the files hold no data rows")
 
 
 SCRATCH_DIR = ".scratch"  # inside a model directory: private folders of scoring runs
