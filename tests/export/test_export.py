@@ -346,6 +346,24 @@ def test_a_slice_exported_again_is_a_delta_with_bucketed_numeric_fields(data, tm
     assert printed[0]["rows"] > 0 and printed[1]["rows"] == printed[1]["deleted"] == 0
 
 
+
+def test_a_delta_of_an_empty_slice_keeps_the_row_width(data, tmp_path):
+    # Its rows were 0 x 0: the manifest said row_dim 0 and no reader could open it.
+    trainer = _trainer(evict_after_passes=None)
+    trainer.fit([data], progress=False)
+    save_checkpoint(tmp_path / "model", trainer)
+    keys_file = tmp_path / "keys.tsv"
+    keys_file.write_text("C1\nnever-seen\n")
+    uri = tmp_path / "export"
+    argv = ["export", "--model", str(tmp_path / "model"), "--out", str(uri),
+            "--slice", "C1", "--keys-from", str(keys_file)]
+    assert cli_main(argv) == 0 and cli_main(argv) == 0
+    storage = Storage(uri)
+    full, delta = read_manifest(storage, "v000001"), read_manifest(storage, "v000002")
+    assert delta.kind == "delta" and delta.data["sparse"]["rows"] == 0
+    assert delta.row_dim == full.row_dim == trainer.store.row_dim
+
+
 MANIFEST_ERRORS = [
     (lambda m: m.update(kind="partial"), "kind: 'partial' is not one of full, delta"),
     (lambda m: m.update(row_dim="4"), "row_dim must be an integer, got string '4'"),

@@ -173,7 +173,7 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     if latest is not None and latest.data.get("slice") == info \
             and latest.data["schema"] == as_json(schema.to_dict()) \
             and latest.data["model"] == as_json(to_dict(config.model)):
-        keys, values = _sliced_rows(ckpt, wanted, spec.columns)
+        keys, values = _sliced_rows(ckpt, wanted, spec.columns, row_dim)
         old_keys, old_values = version_rows(exporter, latest)
         changed, deleted = _diff(keys, values, old_keys, old_values)
         return exporter.write_delta(dense=dense, keys=keys[changed], values=values[changed],
@@ -207,14 +207,15 @@ def _member(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return (wanted[pos] == keys) if len(wanted) else np.zeros(len(keys), bool)
 
 
-def _sliced_rows(ckpt: Any, wanted: np.ndarray, columns: tuple[int, int | None] | None
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    keys, values = [np.empty(0, np.int64)], []
+def _sliced_rows(ckpt: Any, wanted: np.ndarray, columns: tuple[int, int | None] | None,
+                 row_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    # No row at all is still rows of ``row_dim``: a delta of 0-wide rows wrote a manifest
+    # (row_dim 0) that every reader refuses.
+    keys, values = [np.empty(0, np.int64)], [np.empty((0, row_dim), np.float32)]
     for chunk in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted, columns):
         keys.append(np.asarray(chunk.keys, np.int64))
         values.append(np.asarray(chunk.values, np.float32))
-    k = np.concatenate(keys)
-    return k, (np.concatenate(values) if values else np.empty((0, 0), np.float32))
+    return np.concatenate(keys), np.concatenate(values)
 
 
 def version_rows(exporter: ModelExporter, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
