@@ -135,6 +135,25 @@ def test_export_targets_that_cannot_be_used_are_refused_naming_the_flag(data, lr
     assert not (tmp_path / "exp").exists() and not (tmp_path / "m" / "checkpoints").exists()
 
 
+
+EXPORT_FLAG_ERRORS = [
+    (["--shard-rows", "0"], "--shard-rows 0: must be >= 1"),
+    (["--shard-rows", "-5", "--slice", "C1"], "--shard-rows -5: must be >= 1"),
+    (["--codebook"], "--codebook takes --bits 1, 2, 4, 8, got --bits 32"),
+    (["--codebook", "--bits", "16"], "--codebook takes --bits 1, 2, 4, 8, got --bits 16"),
+]
+
+
+@pytest.mark.parametrize("extra,message", EXPORT_FLAG_ERRORS,
+                         ids=[" ".join(a) for a, _ in EXPORT_FLAG_ERRORS])
+def test_export_flag_errors_name_the_flag(lr_model, tmp_path, capsys, extra, message):
+    # They named the exporter's arguments (shard_rows, bits) rather than the flags.
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(tmp_path / "x"),
+                     *extra]) == 2
+    assert message in _one_line(capsys)
+    assert not (tmp_path / "x").exists()
+
+
 def test_an_object_store_that_cannot_be_used_is_one_line(lr_model, s3_server, capsys,
                                                           monkeypatch):
     """A storage option s3fs does not take, or no credentials, was a traceback."""
