@@ -136,6 +136,24 @@ def test_export_targets_that_cannot_be_used_are_refused_naming_the_flag(data, lr
 
 
 
+
+def test_an_export_into_a_model_directory_is_refused(data, lr_model, tmp_path, capsys):
+    """Both keep a LATEST file: an export there overwrote the model's pointer."""
+    model = tmp_path / "model"
+    shutil.copytree(lr_model, model)
+    latest = (model / "LATEST").read_text()
+    assert cli_main(["export", "--model", str(model), "--out", str(model)]) == 2
+    assert f"--out {model} is a model directory; export to a folder of its own" \
+        in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--export-to", str(model)) == 2
+    assert f"--export-to {model} is a model directory" in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--export-to", str(tmp_path / "m")) == 2
+    assert f"--export-to {tmp_path / 'm'} is the model directory (--out)" in _one_line(capsys)
+    assert (model / "LATEST").read_text() == latest and not list(model.glob("v0*"))
+    assert not (tmp_path / "m").exists()
+    assert cli_main(["export", "--model", str(model), "--out", str(model / "export")]) == 0
+
+
 EXPORT_FLAG_ERRORS = [
     (["--shard-rows", "0"], "--shard-rows 0: must be >= 1"),
     (["--shard-rows", "-5", "--slice", "C1"], "--shard-rows -5: must be >= 1"),

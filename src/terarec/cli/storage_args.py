@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
+
+# What a model directory holds (train/checkpoint.py), and an export folder never does.
+MODEL_DIR_MARKERS = ("schema.json", "train_config.json", "checkpoints")
 
 
 def add_storage_args(parser: argparse._ActionsContainer) -> None:
@@ -47,3 +51,8 @@ def check_export_target(uri: str, options: dict[str, Any] | None, flag: str, *,
     if storage.is_local and options and not options_elsewhere:
         raise ValueError(f"--storage-options: {flag} {uri} is a local folder; the options "
                          "are for fsspec URLs such as s3://bucket/prefix")
+    if storage.is_local and any((Path(storage.root) / name).exists()
+                                for name in MODEL_DIR_MARKERS):
+        # Both keep a LATEST file: the export's overwrote the model's, and back.
+        raise ValueError(f"{flag} {uri} is a model directory; export to a folder of its "
+                         "own (e.g. a subfolder)")

@@ -207,6 +207,9 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         raise UserError(f"--store-dir {store_dir} is a file, not a folder")
     if args.export_to is not None and Path(args.export_to).is_file():
         raise UserError(f"--export-to {args.export_to} is a file, not an export folder")
+    if args.export_to is not None and Path(args.export_to).resolve() == args.out.resolve():
+        raise UserError(f"--export-to {args.export_to} is the model directory (--out); "
+                        "export to a folder of its own (e.g. a subfolder)")
     if args.export_to is not None:  # with --follow the options may be the source's
         check_export_target(args.export_to, storage_options_from_args(args), "--export-to",
                             options_elsewhere=args.follow is not None)
