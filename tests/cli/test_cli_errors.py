@@ -115,6 +115,11 @@ def test_paths_that_name_a_file_are_refused(data, lr_model, tmp_path, capsys):
     assert f"--export-to {afile} is a file, not an export folder" in _one_line(capsys)
     assert cli_main(["export", "--model", str(lr_model), "--out", str(afile)]) == 2
     assert f"--out {afile} is a file, not an export folder" in _one_line(capsys)
+    for command in ("predict", "eval"):  # a traceback once every row was scored
+        out = afile / "sub" / "scores"
+        assert cli_main([command, "--model", str(lr_model), "--data", str(data),
+                         "--out", str(out)]) == 2
+        assert f"--out {out}: {afile} is a file, not a folder" in _one_line(capsys)
     assert afile.read_text() == "x"
 
 

@@ -356,7 +356,8 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
 
     A model trained with AutoFeature tables has them joined onto the raw rows first, so
     new rows get exactly the features training computed. The command's ``--out`` file is
-    checked first: a folder there failed only once every row was scored.
+    checked first: a folder there (or a file above it) failed only once every row was
+    scored.
     """
     from terarec.autofeature.features import model_inputs
     from terarec.train.checkpoint import checkpoint_name, restore_trainer
@@ -365,6 +366,10 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
     out = getattr(args, "out", None)
     if out is not None and Path(out).is_dir():
         raise ValueError(f"--out {out} is a folder, not a file")
+    if out is not None:  # a file where a folder must be: the write failed, as a traceback
+        above = next((p for p in Path(out).parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ValueError(f"--out {out}: {above} is a file, not a folder")
     with scoring_scratch(args.model) as scratch:
         trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
             args.model, getattr(args, "checkpoint", "best")))
