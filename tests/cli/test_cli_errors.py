@@ -86,6 +86,31 @@ FLAG_ERRORS = [
     (["--select-by", "auc", "--eval-every", "4"], "--eval-every, --select-by needs --valid"),
 ]
 
+# Checked only once the exporter was made (after the statistics pass, leaving a model
+# directory), without the flag's name; NaN and inf were taken and never came due.
+EXPORT_SCHEDULE_ERRORS = [
+    (["--delta-every", "2"], "--delta-every / --delta-minutes / --full-every-hours / "
+                             "--full-at / --publish-to need --export-to"),
+    (["--export-to", "EXPORT", "--full-at", "25:00"], "--full-at: full version time "
+                                                      "'25:00': expected HH:MM"),
+    (["--export-to", "EXPORT", "--full-every-hours", "0"], "--full-every-hours 0.0: must be "
+                                                           "> 0 and finite"),
+    (["--export-to", "EXPORT", "--full-every-hours", "nan"], "--full-every-hours nan: must "
+                                                             "be > 0 and finite"),
+    (["--export-to", "EXPORT", "--delta-minutes", "inf"], "--delta-minutes inf: must be > 0 "
+                                                          "and finite"),
+]
+
+
+@pytest.mark.parametrize("extra,message", EXPORT_SCHEDULE_ERRORS,
+                         ids=[" ".join(a) for a, _ in EXPORT_SCHEDULE_ERRORS])
+def test_export_schedule_flags_are_checked_before_any_work(data, tmp_path, capsys, extra,
+                                                            message):
+    extra = [str(tmp_path / "export") if a == "EXPORT" else a for a in extra]
+    assert _train(data, tmp_path / "model", *extra) == 2
+    assert message in _one_line(capsys)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "export").exists()
+
 
 @pytest.mark.parametrize("extra,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
 def test_nonsense_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, message):

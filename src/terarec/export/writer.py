@@ -477,13 +477,15 @@ class IncrementalExporter:
                  features_dir: str | Path | None = None,
                  full_every_hours: float | None = None, full_at: str | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
-        if full_every_hours is not None and full_every_hours <= 0:
-            raise ValueError(f"a full version every {full_every_hours} hours: must be > 0")
-        self.full_at = _parse_hhmm(full_at) if full_at is not None else None
+        # NaN or inf compared as > 0 and never came due: refused with the others.
+        if full_every_hours is not None and not 0 < full_every_hours < float("inf"):
+            raise ValueError(f"a full version every {full_every_hours} hours: must be > 0 "
+                             "and finite")
+        self.full_at = parse_hhmm(full_at) if full_at is not None else None
         if every_passes is not None and every_passes < 1:
             raise ValueError(f"delta every {every_passes} passes: must be >= 1")
-        if every_minutes is not None and every_minutes <= 0:
-            raise ValueError(f"delta every {every_minutes} minutes: must be > 0")
+        if every_minutes is not None and not 0 < every_minutes < float("inf"):
+            raise ValueError(f"delta every {every_minutes} minutes: must be > 0 and finite")
         self.exporter = ModelExporter(uri, storage_options, shard_rows)
         self.features_dir = features_dir  # AutoFeature tables, sent with full versions
         self.every_passes = every_passes
@@ -576,7 +578,7 @@ class IncrementalExporter:
         return result
 
 
-def _parse_hhmm(text: str) -> tuple[int, int]:
+def parse_hhmm(text: str) -> tuple[int, int]:
     """``HH:MM`` (local time) as (hour, minute)."""
     try:
         hour, minute = (int(x) for x in text.split(":"))
