@@ -22,6 +22,7 @@ from terarec.export import (
     latest_version,
     read_manifest,
 )
+from terarec.export.compressed import RowCodec
 from terarec.export.format import CLAIM, DELETED_FILE, LATEST, MANIFEST
 from terarec.io import sha256_file
 from terarec.train.checkpoint import load_checkpoint, save_checkpoint
@@ -255,6 +256,19 @@ def test_non_finite_rows_are_refused(tmp_path):
             keys=np.array([1, 5, 9], np.int64), values=values, pass_id=0)
     assert latest_version(Storage(tmp_path / "x")) is None
 
+
+
+
+def test_rows_beyond_fp16_are_refused_naming_the_key(tmp_path):
+    # The encoder named the row's position in its shard ("row 1"), not its key.
+    values = np.zeros((3, 4), np.float32)
+    values[1, 2] = -1e6
+    with pytest.raises(ValueError, match=r"1 rows hold values beyond \+-65504, which fp16 "
+                                         r"\(--bits 16\) cannot store \(first key 5\)"):
+        ModelExporter(tmp_path / "x", codec=RowCodec(16)).write_full(
+            schema=SCHEMA, model_config=ModelConfig(), dense={},
+            keys=np.array([1, 5, 9], np.int64), values=values, pass_id=0)
+    assert latest_version(Storage(tmp_path / "x")) is None
 
 
 def _chunk(keys: list[int], values: np.ndarray) -> RowChunk:

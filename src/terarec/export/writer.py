@@ -235,6 +235,7 @@ class ModelExporter:
             if self.codec is None:
                 put(shard_name(i), rows_bytes(keys, values))
             else:
+                _check_fits(keys, values, self.codec)
                 put(shard_name(i), shard_bytes(compress_rows(keys, values, self.codec)))
             mine.append((i, {"file": shard_name(i), "rows": len(keys),
                              "first_key": int(keys[0]), "last_key": int(keys[-1])}))
@@ -350,6 +351,18 @@ def _checked(rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int
             raise ValueError(f"{int(bad.sum())} rows hold non-finite values (first key "
                              f"{int(keys[bad][0])}): refusing to export them")
         yield keys, values
+
+
+def _check_fits(keys: np.ndarray, values: np.ndarray, codec: RowCodec) -> None:
+    """fp16 rows hold at most +-65504; the encoder's own error named the row's position
+    in its shard, not its key."""
+    if codec.bits != 16 or codec.codebook or not len(keys):
+        return
+    big = np.abs(values).max(axis=1) > float(np.finfo(np.float16).max)
+    if big.any():
+        raise ValueError(f"{int(big.sum())} rows hold values beyond +-65504, which fp16 "
+                         f"(--bits 16) cannot store (first key {int(keys[big][0])}): "
+                         "export them at --bits 32 or 8")
 
 
 def _rank_shards(ctx: DistContext, rows: Iterator[tuple[np.ndarray, np.ndarray]],
