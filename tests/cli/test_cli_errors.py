@@ -291,6 +291,24 @@ def test_a_meta_json_without_sha256_is_refused_naming_the_file(data, lr_model, t
         assert "no loadable checkpoint" in line and "missing field(s) ['sha256']" in line
 
 
+
+def test_a_best_file_naming_no_checkpoint_is_named(data, lr_model, tmp_path, capsys):
+    """It was reported as a half-written checkpoint of that name."""
+    model = tmp_path / "model"
+    shutil.copytree(lr_model, model)
+    have = ", ".join(sorted((p.name for p in (model / "checkpoints").iterdir()),
+                            reverse=True))
+    for name in ("pass-000009", "../../elsewhere"):
+        (model / "BEST").write_text(name)
+        for argv in (["export", "--model", str(model), "--out", str(tmp_path / "x")],
+                     ["predict", "--model", str(model), "--data", str(data)]):
+            assert cli_main(argv) == 2
+            assert (f"{model / 'BEST'} names {name!r}, which is not a checkpoint here "
+                    f"(have: {have}); --checkpoint latest") in _one_line(capsys)
+    assert cli_main(["export", "--model", str(model), "--out", str(tmp_path / "x"),
+                     "--checkpoint", "latest"]) == 0
+
+
 def test_binary_garbage_is_named_by_offset_not_dumped(data, lr_model, tmp_path, capsys):
     garbage = tmp_path / "garbage.bin"
     garbage.write_bytes(bytes(range(256)) * 64)
