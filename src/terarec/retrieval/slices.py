@@ -84,12 +84,15 @@ def slice_spec(schema: FeatureSchema, config: ModelConfig, name: str) -> SliceSp
             return SliceSpec(name, schema.sparse_names, ("bias", "dense_linear."),
                              ("predict",), (0, 1))
         return SliceSpec(name, schema.sparse_names, ("deep.",), ("predict",), (1, None))
-    fields = tuple(f.strip() for f in name.split(",") if f.strip())
-    unknown = [f for f in fields if f not in schema.sparse_names]
+    # Once each (a repeated field failed in the keys file's reader), and categorical only:
+    # a bucketed numeric field's keys cannot be read from --keys-from.
+    fields = tuple(dict.fromkeys(f.strip() for f in name.split(",") if f.strip()))
+    categorical = [f.name for f in schema.categorical if f.separator is None]
+    unknown = [f for f in fields if f not in categorical]
     if not fields or unknown:
         raise ValueError(f"--slice {name!r}: expected one of {NAMED} or a comma-separated "
-                         f"list of categorical fields from {list(schema.sparse_names)}"
-                         + (f"; unknown: {unknown}" if unknown else ""))
+                         f"list of single-valued categorical fields from {categorical}"
+                         + (f"; not among them: {unknown}" if unknown else ""))
     return SliceSpec(",".join(fields), fields, None, ("predict",))
 
 
