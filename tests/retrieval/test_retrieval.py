@@ -200,6 +200,15 @@ def test_a_field_list_slice_takes_single_valued_categorical_fields_once():
         slice_spec(schema, ModelConfig(), "I1,C1")
 
 
+def test_keys_from_a_folder_says_so(tmp_path):
+    from terarec.retrieval.slices import field_keys
+
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}: a folder, expected a file"):
+        field_keys([tmp_path], FeatureSchema.criteo(), ["C1"])
+    with pytest.raises(FileNotFoundError, match="none.tsv: no such file"):
+        field_keys([tmp_path / "none.tsv"], FeatureSchema.criteo(), ["C1"])
+
+
 @pytest.mark.parametrize("kind", ["ivfpq", "hnsw"])
 def test_delta_reembeds_only_changed_items(trained, tmp_path, kind):
     import shutil

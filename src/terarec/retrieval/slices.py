@@ -106,8 +106,9 @@ def iter_field_columns(path: str | Path, schema: FeatureSchema, fields: Sequence
     """Blocks of ``fields``' raw values (as strings) from a CSV/TSV file with a header or
     a Parquet file; the file may hold only these columns (an item catalog)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():  # a folder was called "no such file"
+        raise FileNotFoundError(f"{path}: " + ("a folder, expected a file" if path.is_dir()
+                                               else "no such file"))
     for name in fields:
         spec = next(f for f in schema.fields if f.name == name)
         if spec.kind != "categorical" or spec.separator is not None:
