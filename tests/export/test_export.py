@@ -378,6 +378,35 @@ def test_a_delta_of_an_empty_slice_keeps_the_row_width(data, tmp_path):
     assert delta.row_dim == full.row_dim == trainer.store.row_dim
 
 
+
+def test_a_slice_and_a_whole_model_never_share_a_uri(data, tmp_path, capsys):
+    """Written over another part, a version silently became what the URI serves."""
+    trainer = _trainer(evict_after_passes=None)
+    trainer.fit([data], progress=False)
+    model = tmp_path / "model"
+    save_checkpoint(model, trainer)
+    keys_file = tmp_path / "keys.tsv"
+    keys_file.write_text("C1\n" + "\n".join(line.split("\t")[14] for line in
+                                              data.read_text().splitlines()) + "\n")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    base = ["export", "--model", str(model), "--out"]
+    sliced = ["--keys-from", str(keys_file), "--slice"]
+    assert cli_main([*base, str(whole)]) == 0 and cli_main([*base, str(part), *sliced, "C1"]) == 0
+    capsys.readouterr()
+    for argv, message in (
+            ([*base, str(whole), *sliced, "C1"],
+             f"{whole} holds a whole model (newest version v000001); export slice 'C1' to a "
+             "URI of its own"),
+            ([*base, str(part)], f"{part} holds slice 'C1' (newest version v000001); export a "
+                                 "whole model to a URI of its own"),
+            ([*base, str(part), *sliced, "C1,C2"], f"{part} holds slice 'C1' (newest version "
+                                                   "v000001); export slice 'C1,C2' to")):
+        assert cli_main(argv) == 2
+        assert message in capsys.readouterr().err
+    assert latest_version(Storage(whole)) == latest_version(Storage(part)) == "v000001"
+    assert cli_main([*base, str(part), *sliced, "C1"]) == 0  # the same slice: a delta
+
+
 MANIFEST_ERRORS = [
     (lambda m: m.update(kind="partial"), "kind: 'partial' is not one of full, delta"),
     (lambda m: m.update(row_dim="4"), "row_dim must be an integer, got string '4'"),

@@ -453,11 +453,28 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     schema, config = read_model_meta(Path(model_dir))
     ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
+    check_same_part(exporter.storage.uri, exporter.latest(), None)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
                                rows=ckpt.iter_sorted(CHUNK_ROWS),
                                row_dim=row_dim_for(config.model.name, config.model),
                                pass_id=int(ckpt.meta["pass_id"]),
                                features_dir=model_features_dir(model_dir))
+
+
+def check_same_part(uri: str, latest: Manifest | None, slice_name: str | None) -> None:
+    """A version of a whole model (``slice_name`` None) or of slice ``slice_name`` goes
+    only where the newest version holds the same: written over another part, it silently
+    became what a server or an index of the URI loads (an item index built from user
+    tower rows, a ranking server left with one tower)."""
+    held = (latest.data.get("slice") or {}).get("name") if latest is not None else None
+    if latest is None or held == slice_name:
+        return
+
+    def what(name: str | None) -> str:
+        return f"slice {name!r}" if name is not None else "a whole model"
+
+    raise ExportError(f"{uri} holds {what(held)} (newest version {latest.name}); export "
+                      f"{what(slice_name)} to a URI of its own")
 
 
 def model_features_dir(model_dir: str | Path) -> Path | None:

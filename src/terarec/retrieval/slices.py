@@ -34,7 +34,7 @@ from terarec.config import ModelConfig, to_dict
 from terarec.data.hashing import hash_column
 from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.format import Manifest
-from terarec.export.writer import ExportedVersion, ModelExporter, as_json
+from terarec.export.writer import ExportedVersion, ModelExporter, as_json, check_same_part
 from terarec.models.dssm import DSSM
 from terarec.types import FeatureSchema
 
@@ -164,13 +164,14 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     if not keys_from:
         raise ValueError(f"--slice {name}: needs --keys-from (a file holding the values of "
                          f"fields {list(spec.fields)}): keys do not record their field")
+    exporter = ModelExporter(uri, storage_options, shard_rows)
+    latest = exporter.latest()
+    check_same_part(exporter.storage.uri, latest, spec.name)
     wanted = field_keys(keys_from, schema, spec.fields)
     ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
     dense = {k: v for k, v in ckpt.dense.items()
              if spec.modules is None or any(k.startswith(p) for p in spec.modules)}
     row_dim = row_dim_for(config.model.name, config.model)
-    exporter = ModelExporter(uri, storage_options, shard_rows)
-    latest = exporter.latest()
     info = spec.to_dict()
     # Compared as the manifest holds them once read back (a schema's bucket edges are
     # tuples here, lists there): compared raw, a slice exported again was always full.
