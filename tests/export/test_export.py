@@ -403,6 +403,8 @@ def test_a_slice_and_a_whole_model_never_share_a_uri(data, tmp_path, capsys):
                                                    "v000001); export slice 'C1,C2' to")):
         assert cli_main(argv) == 2
         assert message in capsys.readouterr().err
+    with pytest.raises(ExportError, match=f"{part} holds slice 'C1'"):  # train --export-to
+        IncrementalExporter(part, trainer)
     assert latest_version(Storage(whole)) == latest_version(Storage(part)) == "v000001"
     assert cli_main([*base, str(part), *sliced, "C1"]) == 0  # the same slice: a delta
 

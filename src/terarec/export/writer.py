@@ -531,13 +531,21 @@ class IncrementalExporter:
         self._last_full_time = clock()
         self._wall_clock = wall_clock
         self._last_full_wall = wall_clock()
-        resumes = False
+        reading: bool | ExportError = False  # resumes, or why the target does not fit
         if self.ctx.is_main:  # rank 0 reads the target; every rank follows its reading
             latest = self.exporter.latest()
-            resumes = (latest is not None and latest.pass_id == trainer.pass_id
-                       and latest.data["schema"] == as_json(trainer.schema.to_dict())
-                       and latest.data["model"] == as_json(to_dict(trainer.config.model)))
-        if self.ctx.broadcast_object(resumes):
+            try:
+                check_same_part(self.exporter.storage.uri, latest, None)
+                reading = (latest is not None and latest.pass_id == trainer.pass_id
+                           and latest.data["schema"] == as_json(trainer.schema.to_dict())
+                           and latest.data["model"] == as_json(
+                               to_dict(trainer.config.model)))
+            except ExportError as exc:
+                reading = exc
+        reading = self.ctx.broadcast_object(reading)
+        if isinstance(reading, ExportError):
+            raise reading
+        if reading:
             self._last_pass = trainer.pass_id
             if every_minutes is not None:  # restarted: the server waited; export at once
                 self._last_time = clock() - every_minutes * 60.0
