@@ -86,6 +86,31 @@ FLAG_ERRORS = [
     (["--select-by", "auc", "--eval-every", "4"], "--eval-every, --select-by needs --valid"),
 ]
 
+# Checked only once the exporter was made (after the statistics pass, leaving a model
+# directory), without the flag's name; NaN and inf were taken and never came due.
+EXPORT_SCHEDULE_ERRORS = [
+    (["--delta-every", "2"], "--delta-every / --delta-minutes / --full-every-hours / "
+                             "--full-at / --publish-to need --export-to"),
+    (["--export-to", "EXPORT", "--full-at", "25:00"], "--full-at: full version time "
+                                                      "'25:00': expected HH:MM"),
+    (["--export-to", "EXPORT", "--full-every-hours", "0"], "--full-every-hours 0.0: must be "
+                                                           "> 0 and finite"),
+    (["--export-to", "EXPORT", "--full-every-hours", "nan"], "--full-every-hours nan: must "
+                                                             "be > 0 and finite"),
+    (["--export-to", "EXPORT", "--delta-minutes", "inf"], "--delta-minutes inf: must be > 0 "
+                                                          "and finite"),
+]
+
+
+@pytest.mark.parametrize("extra,message", EXPORT_SCHEDULE_ERRORS,
+                         ids=[" ".join(a) for a, _ in EXPORT_SCHEDULE_ERRORS])
+def test_export_schedule_flags_are_checked_before_any_work(data, tmp_path, capsys, extra,
+                                                            message):
+    extra = [str(tmp_path / "export") if a == "EXPORT" else a for a in extra]
+    assert _train(data, tmp_path / "model", *extra) == 2
+    assert message in _one_line(capsys)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "export").exists()
+
 
 @pytest.mark.parametrize("extra,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
 def test_nonsense_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, message):
@@ -115,7 +140,84 @@ def test_paths_that_name_a_file_are_refused(data, lr_model, tmp_path, capsys):
     assert f"--export-to {afile} is a file, not an export folder" in _one_line(capsys)
     assert cli_main(["export", "--model", str(lr_model), "--out", str(afile)]) == 2
     assert f"--out {afile} is a file, not an export folder" in _one_line(capsys)
+    for command in ("predict", "eval"):  # a traceback once every row was scored
+        out = afile / "sub" / "scores"
+        assert cli_main([command, "--model", str(lr_model), "--data", str(data),
+                         "--out", str(out)]) == 2
+        assert f"--out {out}: {afile} is a file, not a folder" in _one_line(capsys)
     assert afile.read_text() == "x"
+
+
+
+def test_export_targets_that_cannot_be_used_are_refused_naming_the_flag(data, lr_model,
+                                                                         tmp_path, capsys):
+    # Options for a local folder were ignored; an unknown protocol did not name the flag.
+    local = str(tmp_path / "exp")
+    for argv, flag in ((["export", "--model", str(lr_model), "--out", local], "--out"),
+                       (["train", "--train", str(data), "--out", str(tmp_path / "m"), *TRAIN,
+                         "--export-to", local], "--export-to")):
+        assert cli_main([*argv, "--storage-options", '{"anon": true}']) == 2
+        assert (f"--storage-options: {flag} {local} is a local folder; the options are for "
+                "fsspec URLs") in _one_line(capsys)
+    assert cli_main(["export", "--model", str(lr_model), "--out", "nosuch://bucket/x"]) == 2
+    assert ("--out nosuch://bucket/x: cannot be used (ValueError: Protocol not known: "
+            "nosuch)") in _one_line(capsys)
+    assert not (tmp_path / "exp").exists() and not (tmp_path / "m" / "checkpoints").exists()
+
+
+
+
+def test_an_export_into_a_model_directory_is_refused(data, lr_model, tmp_path, capsys):
+    """Both keep a LATEST file: an export there overwrote the model's pointer."""
+    model = tmp_path / "model"
+    shutil.copytree(lr_model, model)
+    latest = (model / "LATEST").read_text()
+    assert cli_main(["export", "--model", str(model), "--out", str(model)]) == 2
+    assert f"--out {model} is a model directory; export to a folder of its own" \
+        in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--export-to", str(model)) == 2
+    assert f"--export-to {model} is a model directory" in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--export-to", str(tmp_path / "m")) == 2
+    assert f"--export-to {tmp_path / 'm'} is the model directory (--out)" in _one_line(capsys)
+    assert (model / "LATEST").read_text() == latest and not list(model.glob("v0*"))
+    assert not (tmp_path / "m").exists()
+    assert cli_main(["export", "--model", str(model), "--out", str(model / "export")]) == 0
+
+
+EXPORT_FLAG_ERRORS = [
+    (["--shard-rows", "0"], "--shard-rows 0: must be >= 1"),
+    (["--shard-rows", "-5", "--slice", "C1"], "--shard-rows -5: must be >= 1"),
+    (["--codebook"], "--codebook takes --bits 1, 2, 4, 8, got --bits 32"),
+    (["--codebook", "--bits", "16"], "--codebook takes --bits 1, 2, 4, 8, got --bits 16"),
+]
+
+
+@pytest.mark.parametrize("extra,message", EXPORT_FLAG_ERRORS,
+                         ids=[" ".join(a) for a, _ in EXPORT_FLAG_ERRORS])
+def test_export_flag_errors_name_the_flag(lr_model, tmp_path, capsys, extra, message):
+    # They named the exporter's arguments (shard_rows, bits) rather than the flags.
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(tmp_path / "x"),
+                     *extra]) == 2
+    assert message in _one_line(capsys)
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_object_store_that_cannot_be_used_is_one_line(lr_model, s3_server, capsys,
+                                                          monkeypatch):
+    """A storage option s3fs does not take, or no credentials, was a traceback."""
+    pytest.importorskip("s3fs")
+    argv = ["export", "--model", str(lr_model), "--out", "s3://models/ctr"]
+    bad = json.dumps({**s3_server, "no_such_option": 1})
+    assert cli_main([*argv, "--storage-options", bad]) == 2
+    assert ("--out s3://models/ctr: cannot be used with --storage-options (TypeError: "
+            in _one_line(capsys))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert cli_main([*argv, "--storage-options", json.dumps(s3_server)]) == 2
+    assert "(NoCredentialsError: Unable to locate credentials)" in _one_line(capsys)
 
 
 RESUME = ["--pass-rows", "1000", "--batch-size", "250", "--threads", "1", "--no-progress"]
@@ -189,6 +291,24 @@ def test_a_meta_json_without_sha256_is_refused_naming_the_file(data, lr_model, t
         assert "no loadable checkpoint" in line and "missing field(s) ['sha256']" in line
 
 
+
+def test_a_best_file_naming_no_checkpoint_is_named(data, lr_model, tmp_path, capsys):
+    """It was reported as a half-written checkpoint of that name."""
+    model = tmp_path / "model"
+    shutil.copytree(lr_model, model)
+    have = ", ".join(sorted((p.name for p in (model / "checkpoints").iterdir()),
+                            reverse=True))
+    for name in ("pass-000009", "../../elsewhere"):
+        (model / "BEST").write_text(name)
+        for argv in (["export", "--model", str(model), "--out", str(tmp_path / "x")],
+                     ["predict", "--model", str(model), "--data", str(data)]):
+            assert cli_main(argv) == 2
+            assert (f"{model / 'BEST'} names {name!r}, which is not a checkpoint here "
+                    f"(have: {have}); --checkpoint latest") in _one_line(capsys)
+    assert cli_main(["export", "--model", str(model), "--out", str(tmp_path / "x"),
+                     "--checkpoint", "latest"]) == 0
+
+
 def test_binary_garbage_is_named_by_offset_not_dumped(data, lr_model, tmp_path, capsys):
     garbage = tmp_path / "garbage.bin"
     garbage.write_bytes(bytes(range(256)) * 64)
@@ -253,6 +373,29 @@ def test_corrupt_model_files_and_configs_name_the_file(data, lr_model, tmp_path,
             "directory") in _one_line(capsys)
 
 
+
+def _strict_json(text: str) -> dict:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_eval_on_one_class_writes_valid_json(data, lr_model, tmp_path, capsys):
+    """AUC is undefined on one class: it was written as NaN, which JSON readers refuse."""
+    clicks = tmp_path / "clicks.tsv"
+    clicks.write_text("".join("1" + line[1:] + "\n"
+                              for line in data.read_text().splitlines()[:50]))
+    out = tmp_path / "e.json"
+    assert cli_main(["eval", "--model", str(lr_model), "--data", str(clicks),
+                     "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    metrics = _strict_json(out.read_text())
+    assert metrics["auc"] is None and metrics["ctr"] == 1.0 and metrics["rows"] == 50
+    assert _strict_json(captured.out.strip().splitlines()[-1]) == metrics
+    assert "AUC is undefined: every label in --data is the same class" in captured.err
+
+
 def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
     junk = tmp_path / "junk.tsv"
     junk.write_text("".join(f"row {i} is not criteo\n" for i in range(50)))
@@ -267,6 +410,21 @@ def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
     assert _train(empty, tmp_path / "m2") == 2
     assert f"{empty}: empty file" in _one_line(capsys)
     assert not (tmp_path / "m2" / "checkpoints").exists()
+
+
+
+def test_predict_and_eval_with_every_row_skipped_fail_and_write_nothing(lr_model, tmp_path,
+                                                                        capsys):
+    """predict wrote an empty file and exited 0; eval did not name the file."""
+    junk = tmp_path / "junk.tsv"
+    junk.write_text("x\n" * 3)
+    for command in ("predict", "eval"):
+        out = tmp_path / f"{command}.out"
+        assert cli_main([command, "--model", str(lr_model), "--data", str(junk),
+                         "--on-bad-row", "skip", "--out", str(out)]) == 2
+        assert (f"no rows to score in {junk}: all 3 rows read were bad and skipped "
+                f"(--on-bad-row skip); first: {junk}: line 1:") in _one_line(capsys)
+        assert not out.exists()
 
 
 def test_every_validation_row_skipped_is_refused_before_training(data, tmp_path, capsys):

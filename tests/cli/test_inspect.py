@@ -74,3 +74,8 @@ def test_inspect_reports_keys_tiers_and_counts(data, tmp_path, budget, capsys):
 def test_inspect_without_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "no committed checkpoint" in capsys.readouterr().err
+    afile = tmp_path / "train.tsv"
+    afile.write_text("x")
+    for path, what in ((tmp_path / "none", "no such folder"), (afile, "a file")):
+        assert main(["inspect", str(path)]) == 2
+        assert f"{path}: not a model directory ({what})" in capsys.readouterr().err

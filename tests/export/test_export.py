@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from safetensors.numpy import load_file
 from terarec.cli.main import main as cli_main
 from terarec.config import ModelConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
+from terarec.embedding.store import RowChunk
 from terarec.export import (
     ExportError,
     IncrementalExporter,
@@ -20,6 +22,7 @@ from terarec.export import (
     latest_version,
     read_manifest,
 )
+from terarec.export.compressed import RowCodec
 from terarec.export.format import CLAIM, DELETED_FILE, LATEST, MANIFEST
 from terarec.io import sha256_file
 from terarec.train.checkpoint import load_checkpoint, save_checkpoint
@@ -254,6 +257,38 @@ def test_non_finite_rows_are_refused(tmp_path):
     assert latest_version(Storage(tmp_path / "x")) is None
 
 
+
+
+def test_rows_beyond_fp16_are_refused_naming_the_key(tmp_path):
+    # The encoder named the row's position in its shard ("row 1"), not its key.
+    values = np.zeros((3, 4), np.float32)
+    values[1, 2] = -1e6
+    with pytest.raises(ValueError, match=r"1 rows hold values beyond \+-65504, which fp16 "
+                                         r"\(--bits 16\) cannot store \(first key 5\)"):
+        ModelExporter(tmp_path / "x", codec=RowCodec(16)).write_full(
+            schema=SCHEMA, model_config=ModelConfig(), dense={},
+            keys=np.array([1, 5, 9], np.int64), values=values, pass_id=0)
+    assert latest_version(Storage(tmp_path / "x")) is None
+
+
+def _chunk(keys: list[int], values: np.ndarray) -> RowChunk:
+    n = len(keys)
+    return RowChunk(np.array(keys, np.int64), values, np.zeros((n, 0), np.float32),
+                    np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.int32))
+
+
+def test_shard_rows_beyond_the_table_hold_no_buffer_of_that_size(tmp_path):
+    # A shard buffer of 10**13 rows could not be allocated: the export failed.
+    exporter = ModelExporter(tmp_path / "x", shard_rows=10**13)
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    result = exporter.write_full(schema=SCHEMA, model_config=ModelConfig(), dense={},
+                                 rows=[_chunk([1, 5], values[:2]), _chunk([9], values[2:])],
+                                 row_dim=4, pass_id=0)
+    assert result.rows == 3 and len(read_manifest(exporter.storage, result.name).shards) == 1
+    replayed = _replay(tmp_path / "x", result.name)
+    np.testing.assert_array_equal(np.stack([replayed[k] for k in (1, 5, 9)]), values)
+
+
 def test_full_export_of_a_spilling_tiered_store_streams_its_rows(data, tmp_path):
     config = TrainConfig(batch_size=200, pass_rows=600, seed=1, threads=1,
                          model=ModelConfig(name="fm", embedding_dim=4),
@@ -303,6 +338,75 @@ def test_cli_train_exports_a_full_version_and_deltas(data, tmp_path):
     assert kinds == ["full", "delta", "delta"]
     assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "m2"),
                      "--delta-every", "2"]) == 2
+
+
+
+def test_a_slice_exported_again_is_a_delta_with_bucketed_numeric_fields(data, tmp_path,
+                                                                      capsys):
+    # Bucket edges are a tuple in the schema and a list in the manifest read back.
+    schema = replace(SCHEMA, fields=tuple(replace(f, buckets=(0.5, 1.5)) if f.name == "I1"
+                                          else f for f in SCHEMA.fields))
+    trainer = Trainer(schema, _trainer(evict_after_passes=None).config)
+    trainer.fit([data], progress=False)
+    save_checkpoint(tmp_path / "model", trainer)
+    keys_file = tmp_path / "keys.tsv"
+    values = [line.split("\t")[14] for line in data.read_text().splitlines()]
+    keys_file.write_text("C1\n" + "\n".join(values) + "\n")
+    argv = ["export", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "export"),
+            "--slice", "C1", "--keys-from", str(keys_file)]
+    assert cli_main(argv) == 0 and cli_main(argv) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [p["kind"] for p in printed] == ["full", "delta"]
+    assert printed[0]["rows"] > 0 and printed[1]["rows"] == printed[1]["deleted"] == 0
+
+
+
+def test_a_delta_of_an_empty_slice_keeps_the_row_width(data, tmp_path):
+    # Its rows were 0 x 0: the manifest said row_dim 0 and no reader could open it.
+    trainer = _trainer(evict_after_passes=None)
+    trainer.fit([data], progress=False)
+    save_checkpoint(tmp_path / "model", trainer)
+    keys_file = tmp_path / "keys.tsv"
+    keys_file.write_text("C1\nnever-seen\n")
+    uri = tmp_path / "export"
+    argv = ["export", "--model", str(tmp_path / "model"), "--out", str(uri),
+            "--slice", "C1", "--keys-from", str(keys_file)]
+    assert cli_main(argv) == 0 and cli_main(argv) == 0
+    storage = Storage(uri)
+    full, delta = read_manifest(storage, "v000001"), read_manifest(storage, "v000002")
+    assert delta.kind == "delta" and delta.data["sparse"]["rows"] == 0
+    assert delta.row_dim == full.row_dim == trainer.store.row_dim
+
+
+
+def test_a_slice_and_a_whole_model_never_share_a_uri(data, tmp_path, capsys):
+    """Written over another part, a version silently became what the URI serves."""
+    trainer = _trainer(evict_after_passes=None)
+    trainer.fit([data], progress=False)
+    model = tmp_path / "model"
+    save_checkpoint(model, trainer)
+    keys_file = tmp_path / "keys.tsv"
+    keys_file.write_text("C1\n" + "\n".join(line.split("\t")[14] for line in
+                                              data.read_text().splitlines()) + "\n")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    base = ["export", "--model", str(model), "--out"]
+    sliced = ["--keys-from", str(keys_file), "--slice"]
+    assert cli_main([*base, str(whole)]) == 0 and cli_main([*base, str(part), *sliced, "C1"]) == 0
+    capsys.readouterr()
+    for argv, message in (
+            ([*base, str(whole), *sliced, "C1"],
+             f"{whole} holds a whole model (newest version v000001); export slice 'C1' to a "
+             "URI of its own"),
+            ([*base, str(part)], f"{part} holds slice 'C1' (newest version v000001); export a "
+                                 "whole model to a URI of its own"),
+            ([*base, str(part), *sliced, "C1,C2"], f"{part} holds slice 'C1' (newest version "
+                                                   "v000001); export slice 'C1,C2' to")):
+        assert cli_main(argv) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(ExportError, match=f"{part} holds slice 'C1'"):  # train --export-to
+        IncrementalExporter(part, trainer)
+    assert latest_version(Storage(whole)) == latest_version(Storage(part)) == "v000001"
+    assert cli_main([*base, str(part), *sliced, "C1"]) == 0  # the same slice: a delta
 
 
 MANIFEST_ERRORS = [

@@ -206,6 +206,33 @@ def test_index_flags_of_the_other_kind_or_out_of_range_are_refused(trained, tmp_
     assert not (tmp_path / "idx").exists()
 
 
+def test_a_field_list_slice_takes_single_valued_categorical_fields_once():
+    """A repeated field failed in the keys file's reader, and a bucketed numeric field
+    was refused there, blaming the file."""
+    from dataclasses import replace
+
+    from terarec.retrieval.slices import slice_spec
+
+    schema = FeatureSchema.criteo()
+    schema = replace(schema, fields=tuple(replace(f, buckets=(0.5, 1.5)) if f.name == "I1"
+                                          else f for f in schema.fields))
+    spec = slice_spec(schema, ModelConfig(), "C2, C1,C2")
+    assert spec.fields == ("C2", "C1") and spec.name == "C2,C1"
+    with pytest.raises(ValueError, match=r"--slice 'I1,C1': expected .* single-valued "
+                                         r"categorical fields from \['C1', .*'C26'\]; not "
+                                         r"among them: \['I1'\]"):
+        slice_spec(schema, ModelConfig(), "I1,C1")
+
+
+def test_keys_from_a_folder_says_so(tmp_path):
+    from terarec.retrieval.slices import field_keys
+
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}: a folder, expected a file"):
+        field_keys([tmp_path], FeatureSchema.criteo(), ["C1"])
+    with pytest.raises(FileNotFoundError, match="none.tsv: no such file"):
+        field_keys([tmp_path / "none.tsv"], FeatureSchema.criteo(), ["C1"])
+
+
 @pytest.mark.parametrize("kind", ["ivfpq", "hnsw"])
 def test_delta_reembeds_only_changed_items(trained, tmp_path, kind):
     import shutil

@@ -356,7 +356,8 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
 
     A model trained with AutoFeature tables has them joined onto the raw rows first, so
     new rows get exactly the features training computed. The command's ``--out`` file is
-    checked first: a folder there failed only once every row was scored.
+    checked first: a folder there (or a file above it) failed only once every row was
+    scored.
     """
     from terarec.autofeature.features import model_inputs
     from terarec.train.checkpoint import checkpoint_name, restore_trainer
@@ -365,15 +366,32 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
     out = getattr(args, "out", None)
     if out is not None and Path(out).is_dir():
         raise ValueError(f"--out {out} is a folder, not a file")
+    if out is not None:  # a file where a folder must be: the write failed, as a traceback
+        above = next((p for p in Path(out).parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise ValueError(f"--out {out}: {above} is a file, not a folder")
     with scoring_scratch(args.model) as scratch:
         trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
             args.model, getattr(args, "checkpoint", "best")))
         with model_inputs(args.model, trainer.schema, args.data,
                           lambda s: schema_for_data(s, args)) as (schema, data):
             stats = ReadStats()
-            yield trainer, iter_file_batches(data, schema, trainer.config.batch_size,
-                                             on_bad_row=args.on_bad_row or "error",
-                                             stats=stats), stats
+            batches = iter_file_batches(data, schema, trainer.config.batch_size,
+                                        on_bad_row=args.on_bad_row or "error", stats=stats)
+            yield trainer, _with_rows(batches, args.data, stats), stats
+
+
+def _with_rows(batches: Iterator[Any], paths: list[Path], stats: ReadStats) -> Iterator[Any]:
+    """``batches``, then an error naming the files when they held no row to score: with
+    every row skipped, predict wrote an empty file and exited 0."""
+    yield from batches
+    if not stats.rows:
+        files = ", ".join(str(p) for p in paths)
+        if stats.skipped:
+            raise ValueError(f"no rows to score in {files}: all {stats.skipped} rows read "
+                             f"were bad and skipped (--on-bad-row skip); first: "
+                             f"{stats.examples[0]}")
+        raise ValueError(f"no rows to score in {files}: the files hold no data rows")
 
 
 SCRATCH_DIR = ".scratch"  # inside a model directory: private folders of scoring runs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 from pathlib import Path
 
 from terarec.cli.common import add_model_data_args, model_data, report_skipped
@@ -19,9 +21,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     with model_data(args) as (trainer, batches, stats):
-        metrics = trainer.evaluate(batches)
+        metrics: dict[str, float | None] = {**trainer.evaluate(batches)}
     metrics["skipped_rows"] = stats.skipped
-    atomic_write_text(args.out or args.model / "eval_metrics.json", json.dumps(metrics, indent=2))
+    auc = metrics["auc"]
+    if auc is not None and not math.isfinite(auc):  # NaN is not JSON: the file was unreadable
+        metrics["auc"] = None
+        print("AUC is undefined: every label in --data is the same class; written as null",
+              file=sys.stderr)
+    atomic_write_text(args.out or args.model / "eval_metrics.json",
+                      json.dumps(metrics, indent=2, allow_nan=False))
     report_skipped(stats)
-    print(json.dumps(metrics))
+    print(json.dumps(metrics, allow_nan=False))
     return 0

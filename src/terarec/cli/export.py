@@ -9,9 +9,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from terarec.cli.common import add_checkpoint_arg
-from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.cli.storage_args import (
+    add_storage_args,
+    check_export_target,
+    storage_options_from_args,
+)
 from terarec.export import export_model_dir
-from terarec.export.compressed import RowCodec
+from terarec.export.compressed import CODEBOOK_BITS, RowCodec
 from terarec.export.writer import DEFAULT_SHARD_ROWS
 
 
@@ -43,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if Path(args.out).is_file():
         raise ValueError(f"--out {args.out} is a file, not an export folder")
+    check_export_target(args.out, storage_options_from_args(args), "--out")
+    # Checked here to name the flags (the exporter's errors name its own arguments).
+    if args.shard_rows < 1:
+        raise ValueError(f"--shard-rows {args.shard_rows}: must be >= 1")
     if args.slice is not None:
         if args.bits != 32 or args.codebook:
             raise ValueError("--slice writes fp32 rows; leave out --bits / --codebook")
@@ -55,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.keys_from:
         raise ValueError("--keys-from goes with --slice")
+    if args.codebook and args.bits not in CODEBOOK_BITS:
+        raise ValueError(f"--codebook takes --bits {', '.join(map(str, CODEBOOK_BITS))}, "
+                         f"got --bits {args.bits}")
     codec = None if args.bits == 32 and not args.codebook else RowCodec(args.bits,
                                                                         args.codebook)
     result = export_model_dir(args.model, args.out, storage_options_from_args(args),

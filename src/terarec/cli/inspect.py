@@ -51,6 +51,10 @@ def show_histogram(show: np.ndarray | Iterable[np.ndarray]) -> dict[str, int]:
 
 
 def summarise(model_dir: Path) -> dict:
+    # Said "no committed checkpoint" of a path that does not exist or is a file.
+    if not model_dir.is_dir():
+        what = "a file" if model_dir.exists() else "no such folder"
+        raise ValueError(f"{model_dir}: not a model directory ({what})")
     ckpt = load_checkpoint(model_dir)
     # 2-rank checkpoints from before the common layout list only per-rank figures
     store = dict(ckpt.meta.get("store") or sum_store_summaries(ckpt.meta.get("stores") or [{}]))

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
+
+# What a model directory holds (train/checkpoint.py), and an export folder never does.
+MODEL_DIR_MARKERS = ("schema.json", "train_config.json", "checkpoints")
 
 
 def add_storage_args(parser: argparse._ActionsContainer) -> None:
@@ -25,3 +29,30 @@ def storage_options_from_args(args: argparse.Namespace) -> dict[str, Any] | None
     if not isinstance(options, dict):
         raise ValueError("--storage-options must be a JSON object")
     return options
+
+
+def check_export_target(uri: str, options: dict[str, Any] | None, flag: str, *,
+                        options_elsewhere: bool = False) -> None:
+    """Reach the export URI ``uri`` (given by ``flag``) once before any work is done, so
+    that an unknown protocol, a storage option the filesystem does not take, missing
+    credentials or an unreachable endpoint is one line naming the flag: fsspec, s3fs and
+    botocore raise them only at first use, each as its own exception type (a traceback).
+    Options given for a local folder would be ignored, so they are refused unless they
+    serve another URI of the command (``options_elsewhere``)."""
+    from terarec.export.storage import Storage
+
+    try:
+        storage = Storage(uri, options)
+        storage.list_names()
+    except Exception as exc:  # any filesystem's own error types
+        given = " with --storage-options" if options else ""
+        raise ValueError(f"{flag} {uri}: cannot be used{given} "
+                         f"({type(exc).__name__}: {exc})") from None
+    if storage.is_local and options and not options_elsewhere:
+        raise ValueError(f"--storage-options: {flag} {uri} is a local folder; the options "
+                         "are for fsspec URLs such as s3://bucket/prefix")
+    if storage.is_local and any((Path(storage.root) / name).exists()
+                                for name in MODEL_DIR_MARKERS):
+        # Both keep a LATEST file: the export's overwrote the model's, and back.
+        raise ValueError(f"{flag} {uri} is a model directory; export to a folder of its "
+                         "own (e.g. a subfolder)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -28,7 +29,11 @@ from terarec.cli.common import (
     train_schema_from_args,
 )
 from terarec.cli.main import UserError
-from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.cli.storage_args import (
+    add_storage_args,
+    check_export_target,
+    storage_options_from_args,
+)
 from terarec.config import TrainConfig, resumed_config
 from terarec.distributed.context import (
     DistContext,
@@ -38,7 +43,7 @@ from terarec.distributed.context import (
 )
 from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.export import IncrementalExporter
-from terarec.export.writer import model_features_dir
+from terarec.export.writer import model_features_dir, parse_hhmm
 from terarec.io import (
     LockedError,
     exclusive_lock,
@@ -113,12 +118,7 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_exporter(args: argparse.Namespace, trainer: Trainer) -> IncrementalExporter | None:
-    if args.export_to is None:
-        if (args.delta_every is not None or args.delta_minutes is not None
-                or args.full_every_hours is not None or args.full_at is not None
-                or getattr(args, "publish_to", None)):
-            raise ValueError("--delta-every / --delta-minutes / --full-every-hours / "
-                             "--full-at / --publish-to need --export-to")
+    if args.export_to is None:  # schedule flags without it: refused (_check_export_args)
         return None
     every_passes = args.delta_every
     if every_passes is None and args.delta_minutes is None:
@@ -195,18 +195,45 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
                         ("--delta-every", args.delta_every)):
         if value is not None and value < 1:
             raise UserError(f"{flag} {value}: must be >= 1")
-    if args.delta_minutes is not None and not args.delta_minutes > 0:
-        raise UserError(f"--delta-minutes {args.delta_minutes}: must be > 0")
+    _check_export_args(args)
     config = config_from_args(args)
     store_dir = config.store.disk_path
     if store_dir is not None and Path(store_dir).exists() and not Path(store_dir).is_dir():
         raise UserError(f"--store-dir {store_dir} is a file, not a folder")
     if args.export_to is not None and Path(args.export_to).is_file():
         raise UserError(f"--export-to {args.export_to} is a file, not an export folder")
+    if args.export_to is not None and Path(args.export_to).resolve() == args.out.resolve():
+        raise UserError(f"--export-to {args.export_to} is the model directory (--out); "
+                        "export to a folder of its own (e.g. a subfolder)")
+    if args.export_to is not None:  # with --follow the options may be the source's
+        check_export_target(args.export_to, storage_options_from_args(args), "--export-to",
+                            options_elsewhere=args.follow is not None)
     ctx = topology(config.device)
     with contextlib.ExitStack() as held:
         _lock_model_dir(args.out, ctx, held)
         return _locked_run(args, config, ctx, on_commit)
+
+
+def _check_export_args(args: argparse.Namespace) -> None:
+    """The export schedule's flags, before any work: checked once the exporter was made,
+    after the statistics pass, they left a model directory behind and did not all name
+    the flag; a NaN or infinite period was taken and never came due."""
+    if args.export_to is None:
+        if (args.delta_every is not None or args.delta_minutes is not None
+                or args.full_every_hours is not None or args.full_at is not None
+                or getattr(args, "publish_to", None)):
+            raise UserError("--delta-every / --delta-minutes / --full-every-hours / "
+                            "--full-at / --publish-to need --export-to")
+        return
+    for flag, value in (("--delta-minutes", args.delta_minutes),
+                        ("--full-every-hours", args.full_every_hours)):
+        if value is not None and not 0 < value < math.inf:
+            raise UserError(f"{flag} {value}: must be > 0 and finite")
+    if args.full_at is not None:
+        try:
+            parse_hhmm(args.full_at)
+        except ValueError as exc:
+            raise UserError(f"--full-at: {exc}") from None
 
 
 def _check_follow_args(args: argparse.Namespace) -> None:

@@ -235,6 +235,7 @@ class ModelExporter:
             if self.codec is None:
                 put(shard_name(i), rows_bytes(keys, values))
             else:
+                _check_fits(keys, values, self.codec)
                 put(shard_name(i), shard_bytes(compress_rows(keys, values, self.codec)))
             mine.append((i, {"file": shard_name(i), "rows": len(keys),
                              "first_key": int(keys[0]), "last_key": int(keys[-1])}))
@@ -352,6 +353,18 @@ def _checked(rows: Iterable[tuple[np.ndarray, np.ndarray]], row_dim: int
         yield keys, values
 
 
+def _check_fits(keys: np.ndarray, values: np.ndarray, codec: RowCodec) -> None:
+    """fp16 rows hold at most +-65504; the encoder's own error named the row's position
+    in its shard, not its key."""
+    if codec.bits != 16 or codec.codebook or not len(keys):
+        return
+    big = np.abs(values).max(axis=1) > float(np.finfo(np.float16).max)
+    if big.any():
+        raise ValueError(f"{int(big.sum())} rows hold values beyond +-65504, which fp16 "
+                         f"(--bits 16) cannot store (first key {int(keys[big][0])}): "
+                         "export them at --bits 32 or 8")
+
+
 def _rank_shards(ctx: DistContext, rows: Iterator[tuple[np.ndarray, np.ndarray]],
                  shard_rows: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
     """Collective: (index, (keys, values)) of the shards this rank writes, cut from the
@@ -396,15 +409,21 @@ def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
             row_dim: int) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
     """Re-cut key-ordered (keys, values) parts into numbered shards of ``shard_rows`` rows
     (the last one shorter), checking them on the way (``_checked``). Holds one shard
-    buffer (filled in place, pages allocated as written) plus one part; each yielded
-    shard is a view of the buffer, valid until the next one is asked for."""
-    keys_buf = np.empty(shard_rows, np.int64)
-    values_buf = np.empty((shard_rows, row_dim), np.float32)
+    buffer (filled in place) plus one part; each yielded shard is a view of the buffer,
+    valid until the next one is asked for. The buffer grows with the rows it is given,
+    up to ``shard_rows``: a ``shard_rows`` beyond the table's size costs no memory."""
+    keys_buf = np.empty(0, np.int64)
+    values_buf = np.empty((0, row_dim), np.float32)
     held = index = 0
     for keys, values in _checked(rows, row_dim):
         pos = 0
         while pos < len(keys):
             take = min(shard_rows - held, len(keys) - pos)
+            if held + take > len(keys_buf):  # at least double, so rows are copied O(1) times
+                size = min(shard_rows, max(held + take, 2 * len(keys_buf)))
+                keys_buf = np.concatenate([keys_buf[:held], np.empty(size - held, np.int64)])
+                values_buf = np.concatenate(
+                    [values_buf[:held], np.empty((size - held, row_dim), np.float32)])
             keys_buf[held:held + take] = keys[pos:pos + take]
             values_buf[held:held + take] = values[pos:pos + take]
             held, pos = held + take, pos + take
@@ -416,7 +435,7 @@ def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
         yield index, (keys_buf[:held], values_buf[:held])
 
 
-def _as_json(value: Any) -> Any:
+def as_json(value: Any) -> Any:
     """``value`` as a manifest holds it once read back (tuples become lists)."""
     return json.loads(json.dumps(value))
 
@@ -434,11 +453,28 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     schema, config = read_model_meta(Path(model_dir))
     ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)
+    check_same_part(exporter.storage.uri, exporter.latest(), None)
     return exporter.write_full(schema=schema, model_config=config.model, dense=ckpt.dense,
                                rows=ckpt.iter_sorted(CHUNK_ROWS),
                                row_dim=row_dim_for(config.model.name, config.model),
                                pass_id=int(ckpt.meta["pass_id"]),
                                features_dir=model_features_dir(model_dir))
+
+
+def check_same_part(uri: str, latest: Manifest | None, slice_name: str | None) -> None:
+    """A version of a whole model (``slice_name`` None) or of slice ``slice_name`` goes
+    only where the newest version holds the same: written over another part, it silently
+    became what a server or an index of the URI loads (an item index built from user
+    tower rows, a ranking server left with one tower)."""
+    held = (latest.data.get("slice") or {}).get("name") if latest is not None else None
+    if latest is None or held == slice_name:
+        return
+
+    def what(name: str | None) -> str:
+        return f"slice {name!r}" if name is not None else "a whole model"
+
+    raise ExportError(f"{uri} holds {what(held)} (newest version {latest.name}); export "
+                      f"{what(slice_name)} to a URI of its own")
 
 
 def model_features_dir(model_dir: str | Path) -> Path | None:
@@ -471,13 +507,15 @@ class IncrementalExporter:
                  features_dir: str | Path | None = None,
                  full_every_hours: float | None = None, full_at: str | None = None,
                  wall_clock: Callable[[], float] = time.time) -> None:
-        if full_every_hours is not None and full_every_hours <= 0:
-            raise ValueError(f"a full version every {full_every_hours} hours: must be > 0")
-        self.full_at = _parse_hhmm(full_at) if full_at is not None else None
+        # NaN or inf compared as > 0 and never came due: refused with the others.
+        if full_every_hours is not None and not 0 < full_every_hours < float("inf"):
+            raise ValueError(f"a full version every {full_every_hours} hours: must be > 0 "
+                             "and finite")
+        self.full_at = parse_hhmm(full_at) if full_at is not None else None
         if every_passes is not None and every_passes < 1:
             raise ValueError(f"delta every {every_passes} passes: must be >= 1")
-        if every_minutes is not None and every_minutes <= 0:
-            raise ValueError(f"delta every {every_minutes} minutes: must be > 0")
+        if every_minutes is not None and not 0 < every_minutes < float("inf"):
+            raise ValueError(f"delta every {every_minutes} minutes: must be > 0 and finite")
         self.exporter = ModelExporter(uri, storage_options, shard_rows)
         self.features_dir = features_dir  # AutoFeature tables, sent with full versions
         self.every_passes = every_passes
@@ -493,13 +531,21 @@ class IncrementalExporter:
         self._last_full_time = clock()
         self._wall_clock = wall_clock
         self._last_full_wall = wall_clock()
-        resumes = False
+        reading: bool | ExportError = False  # resumes, or why the target does not fit
         if self.ctx.is_main:  # rank 0 reads the target; every rank follows its reading
             latest = self.exporter.latest()
-            resumes = (latest is not None and latest.pass_id == trainer.pass_id
-                       and latest.data["schema"] == _as_json(trainer.schema.to_dict())
-                       and latest.data["model"] == _as_json(to_dict(trainer.config.model)))
-        if self.ctx.broadcast_object(resumes):
+            try:
+                check_same_part(self.exporter.storage.uri, latest, None)
+                reading = (latest is not None and latest.pass_id == trainer.pass_id
+                           and latest.data["schema"] == as_json(trainer.schema.to_dict())
+                           and latest.data["model"] == as_json(
+                               to_dict(trainer.config.model)))
+            except ExportError as exc:
+                reading = exc
+        reading = self.ctx.broadcast_object(reading)
+        if isinstance(reading, ExportError):
+            raise reading
+        if reading:
             self._last_pass = trainer.pass_id
             if every_minutes is not None:  # restarted: the server waited; export at once
                 self._last_time = clock() - every_minutes * 60.0
@@ -570,7 +616,7 @@ class IncrementalExporter:
         return result
 
 
-def _parse_hhmm(text: str) -> tuple[int, int]:
+def parse_hhmm(text: str) -> tuple[int, int]:
     """``HH:MM`` (local time) as (hour, minute)."""
     try:
         hour, minute = (int(x) for x in text.split(":"))

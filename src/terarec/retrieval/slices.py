@@ -30,11 +30,11 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import torch
 
-from terarec.config import ModelConfig
+from terarec.config import ModelConfig, to_dict
 from terarec.data.hashing import hash_column
 from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.format import Manifest
-from terarec.export.writer import ExportedVersion, ModelExporter
+from terarec.export.writer import ExportedVersion, ModelExporter, as_json, check_same_part
 from terarec.models.dssm import DSSM
 from terarec.types import FeatureSchema
 
@@ -84,12 +84,15 @@ def slice_spec(schema: FeatureSchema, config: ModelConfig, name: str) -> SliceSp
             return SliceSpec(name, schema.sparse_names, ("bias", "dense_linear."),
                              ("predict",), (0, 1))
         return SliceSpec(name, schema.sparse_names, ("deep.",), ("predict",), (1, None))
-    fields = tuple(f.strip() for f in name.split(",") if f.strip())
-    unknown = [f for f in fields if f not in schema.sparse_names]
+    # Once each (a repeated field failed in the keys file's reader), and categorical only:
+    # a bucketed numeric field's keys cannot be read from --keys-from.
+    fields = tuple(dict.fromkeys(f.strip() for f in name.split(",") if f.strip()))
+    categorical = [f.name for f in schema.categorical if f.separator is None]
+    unknown = [f for f in fields if f not in categorical]
     if not fields or unknown:
         raise ValueError(f"--slice {name!r}: expected one of {NAMED} or a comma-separated "
-                         f"list of categorical fields from {list(schema.sparse_names)}"
-                         + (f"; unknown: {unknown}" if unknown else ""))
+                         f"list of single-valued categorical fields from {categorical}"
+                         + (f"; not among them: {unknown}" if unknown else ""))
     return SliceSpec(",".join(fields), fields, None, ("predict",))
 
 
@@ -103,8 +106,9 @@ def iter_field_columns(path: str | Path, schema: FeatureSchema, fields: Sequence
     """Blocks of ``fields``' raw values (as strings) from a CSV/TSV file with a header or
     a Parquet file; the file may hold only these columns (an item catalog)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():  # a folder was called "no such file"
+        raise FileNotFoundError(f"{path}: " + ("a folder, expected a file" if path.is_dir()
+                                               else "no such file"))
     for name in fields:
         spec = next(f for f in schema.fields if f.name == name)
         if spec.kind != "categorical" or spec.separator is not None:
@@ -160,18 +164,21 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     if not keys_from:
         raise ValueError(f"--slice {name}: needs --keys-from (a file holding the values of "
                          f"fields {list(spec.fields)}): keys do not record their field")
+    exporter = ModelExporter(uri, storage_options, shard_rows)
+    latest = exporter.latest()
+    check_same_part(exporter.storage.uri, latest, spec.name)
     wanted = field_keys(keys_from, schema, spec.fields)
     ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
     dense = {k: v for k, v in ckpt.dense.items()
              if spec.modules is None or any(k.startswith(p) for p in spec.modules)}
     row_dim = row_dim_for(config.model.name, config.model)
-    exporter = ModelExporter(uri, storage_options, shard_rows)
-    latest = exporter.latest()
     info = spec.to_dict()
+    # Compared as the manifest holds them once read back (a schema's bucket edges are
+    # tuples here, lists there): compared raw, a slice exported again was always full.
     if latest is not None and latest.data.get("slice") == info \
-            and latest.data["schema"] == schema.to_dict() \
-            and latest.data["model"] == _json(config.model):
-        keys, values = _sliced_rows(ckpt, wanted, spec.columns)
+            and latest.data["schema"] == as_json(schema.to_dict()) \
+            and latest.data["model"] == as_json(to_dict(config.model)):
+        keys, values = _sliced_rows(ckpt, wanted, spec.columns, row_dim)
         old_keys, old_values = version_rows(exporter, latest)
         changed, deleted = _diff(keys, values, old_keys, old_values)
         return exporter.write_delta(dense=dense, keys=keys[changed], values=values[changed],
@@ -180,14 +187,6 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     return exporter.write_full(schema=schema, model_config=config.model, dense=dense,
                                rows=rows, row_dim=row_dim, pass_id=int(ckpt.meta["pass_id"]),
                                slice_info=info)
-
-
-def _json(config: ModelConfig) -> Any:
-    import json
-
-    from terarec.config import to_dict
-
-    return json.loads(json.dumps(to_dict(config)))
 
 
 def _filtered(chunks: Iterator[Any], wanted: np.ndarray,
@@ -213,14 +212,15 @@ def _member(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return (wanted[pos] == keys) if len(wanted) else np.zeros(len(keys), bool)
 
 
-def _sliced_rows(ckpt: Any, wanted: np.ndarray, columns: tuple[int, int | None] | None
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    keys, values = [np.empty(0, np.int64)], []
+def _sliced_rows(ckpt: Any, wanted: np.ndarray, columns: tuple[int, int | None] | None,
+                 row_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    # No row at all is still rows of ``row_dim``: a delta of 0-wide rows wrote a manifest
+    # (row_dim 0) that every reader refuses.
+    keys, values = [np.empty(0, np.int64)], [np.empty((0, row_dim), np.float32)]
     for chunk in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted, columns):
         keys.append(np.asarray(chunk.keys, np.int64))
         values.append(np.asarray(chunk.values, np.float32))
-    k = np.concatenate(keys)
-    return k, (np.concatenate(values) if values else np.empty((0, 0), np.float32))
+    return np.concatenate(keys), np.concatenate(values)
 
 
 def version_rows(exporter: ModelExporter, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:

@@ -290,7 +290,15 @@ def checkpoint_name(model_dir: str | Path, which: str = "best") -> str | None:
     if which == "latest":
         return None
     if which == "best":
-        return best_checkpoint(model_dir)
+        best = best_checkpoint(model_dir)
+        # A name that is no checkpoint folder was reported as a half-written checkpoint.
+        if best is not None and not (best.startswith("pass-") and best[5:].isdigit() and (
+                Path(model_dir) / "checkpoints" / best).is_dir()):
+            have = ", ".join(p.name for p in list_checkpoints(model_dir)) or "none"
+            raise CheckpointError(f"{Path(model_dir) / BEST_FILE} names {best!r}, which is "
+                                  f"not a checkpoint here (have: {have}); --checkpoint "
+                                  "latest or pass-N picks one")
+        return best
     if which.startswith("pass-") and which[5:].isdigit():
         name = f"pass-{int(which[5:]):06d}"
         if not (Path(model_dir) / "checkpoints" / name).is_dir():
