@@ -314,6 +314,40 @@ def test_csv_without_its_columns_fails_before_any_work(tmp_path, capsys):
     assert not (out / "checkpoints").exists()
 
 
+DELIMITER_ERRORS = [
+    ("csv", "", "--delimiter '': must be exactly one character, got 0"),
+    ("csv", ";;", "--delimiter ';;': must be exactly one character, got 2"),
+    ("csv", "\\t", "got 2 (for a tab, pass a tab character"),
+    ("csv", '"', "a quote or a line break cannot separate fields"),
+    ("parquet", ";", "--delimiter: only for csv data; this data is parquet"),
+]
+
+
+@pytest.mark.parametrize("fmt,delimiter,message", DELIMITER_ERRORS,
+                         ids=[f"{f}-{d!r}" for f, d, _ in DELIMITER_ERRORS])
+def test_a_delimiter_that_cannot_be_used_is_refused_before_any_work(tmp_path, capsys, fmt,
+                                                                    delimiter, message):
+    """--delimiter takes one character and only for csv: an empty or longer one failed
+    in the header reader with a TypeError traceback, and parquet ignored it."""
+    data = tmp_path / f"clicks.{fmt}"
+    if fmt == "csv":
+        data.write_text("click,site\n" + "".join(f"{i % 2},s{i % 7}\n" for i in range(200)))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"click": [i % 2 for i in range(200)],
+                                 "site": [f"s{i % 7}" for i in range(200)]}), data)
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(data), "--format", fmt, "--label", "click",
+                     "--categorical", "site", "--delimiter", delimiter, "--out", str(out),
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data-sized defaults" not in err and "Traceback" not in err
+    assert message in err.strip().splitlines()[-1]
+    assert not (out / "checkpoints").exists()
+
+
 SERVE_ERRORS = [
     (["--poll-seconds", "0"], "--poll-seconds must be > 0, got 0.0"),
     (["--poll-seconds", "-1"], "--poll-seconds must be > 0, got -1.0"),

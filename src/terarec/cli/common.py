@@ -29,7 +29,7 @@ from terarec.data.numeric import (
     ROWS_PER_BUCKET,
     with_numeric_stats,
 )
-from terarec.data.readers import ReadStats, csv_schema
+from terarec.data.readers import ReadStats, check_delimiter, csv_schema
 from terarec.distributed.context import DistContext
 from terarec.io import ScratchDir
 from terarec.train.defaults import estimate_rows, max_epochs
@@ -76,6 +76,20 @@ def check_format_args(args: argparse.Namespace) -> None:
     fmt = args.format or "criteo"
     if fmt != "criteo" and (not args.label or not (args.numeric or args.categorical)):
         raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
+    if fmt != "criteo":  # Criteo refuses it with the other column flags
+        check_delimiter_arg(getattr(args, "delimiter", None), fmt)
+
+
+def check_delimiter_arg(delimiter: str | None, fmt: str) -> None:
+    """``--delimiter``: one character, and only where it is read (csv); elsewhere it
+    would be ignored, and a longer one failed deep in the reader with a traceback."""
+    if delimiter is None:
+        return
+    if fmt != "csv":
+        raise ValueError(f"--delimiter: only for csv data; this data is {fmt}")
+    problem = check_delimiter(delimiter)
+    if problem:
+        raise ValueError(f"--delimiter {delimiter!r}: {problem}")
 
 
 def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
@@ -179,8 +193,7 @@ def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> Fe
                          "how the file is written)")
     fmt = args.format or model_schema.format
     delimiter = getattr(args, "delimiter", None)
-    if delimiter is not None and fmt != "csv":
-        raise ValueError(f"--delimiter: only for csv data; this data is {fmt}")
+    check_delimiter_arg(delimiter, fmt)
     if fmt == model_schema.format:
         return model_schema if delimiter is None else replace(model_schema,
                                                               delimiter=delimiter)

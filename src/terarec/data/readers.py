@@ -107,6 +107,8 @@ def csv_schema(
         raise ValueError(f"columns listed twice (label, numeric, categorical): {dupes}")
     if format not in FORMATS:
         raise ValueError(f"format {format!r} is not one of {FORMATS}")
+    if (problem := check_delimiter(delimiter)) is not None:
+        raise ValueError(f"delimiter {delimiter!r}: {problem}")
     if multi_valued is None:
         multi = set(categorical) if separator is not None else set()
     else:
@@ -134,6 +136,18 @@ def csv_schema(
     return FeatureSchema(label=label, fields=fields, hash_salt=hash_salt,
                          missing_flags=missing_flags, format=format, delimiter=delimiter,
                          has_header=has_header, column_names=tuple(column_names))
+
+
+def check_delimiter(delimiter: str) -> str | None:
+    """What is wrong with ``delimiter`` as a csv delimiter, or None: the readers take one
+    character that is neither a line break nor the quote character."""
+    if len(delimiter) != 1:
+        hint = " (for a tab, pass a tab character: $'\\t' in bash)" if delimiter == "\\t" \
+            else ""
+        return f"must be exactly one character, got {len(delimiter)}{hint}"
+    if delimiter in ('"', "\n", "\r"):
+        return "a quote or a line break cannot separate fields"
+    return None
 
 
 def parquet_schema(label: str, numeric: Sequence[str], categorical: Sequence[str], *,
