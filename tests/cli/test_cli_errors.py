@@ -97,6 +97,17 @@ def test_nonsense_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extr
     assert not (out / "checkpoints").exists()
 
 
+def test_a_bare_valid_is_refused(data, tmp_path, capsys):
+    """--valid with no file after it (an empty shell variable) trained without a
+    validation set, as if the flag had not been given."""
+    out = tmp_path / "model"
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", "--train", str(data), "--valid", "--out", str(out), *TRAIN])
+    assert exit_.value.code == 2
+    assert "argument --valid: expected at least one argument" in _one_line(capsys)
+    assert not out.exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_cuda_says_so(data, tmp_path, capsys, device):

@@ -68,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "into --out included)")
     p.add_argument("--stop-idle", type=float, metavar="SECONDS",
                    help="--follow: stop once no new file has landed for this long")
-    p.add_argument("--valid", nargs="*", default=[], type=Path, help="validation file(s)")
+    # "+": a bare --valid (an empty shell variable, say) trained without validation, silently
+    p.add_argument("--valid", nargs="+", default=[], type=Path, help="validation file(s)")
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="with --valid: once validation has picked the best epoch count, "
                    "train a fresh model that long on --train and --valid together and "
