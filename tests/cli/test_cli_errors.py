@@ -108,6 +108,25 @@ def test_a_bare_valid_is_refused(data, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["train", "search"])
+@pytest.mark.parametrize("flag", ["--train", "--valid"])
+def test_a_file_named_twice_is_refused(data, tmp_path, capsys, command, flag):
+    """A file named twice in --train (under another spelling or through a link too) had
+    every row trained twice per epoch; in --valid every row scored twice."""
+    link = tmp_path / "link.tsv"
+    link.symlink_to(data)
+    twice = [str(data), str(link)]
+    files = {"--train": twice, "--valid": [str(data)]} if flag == "--train" else {
+        "--train": [str(data)], "--valid": twice}
+    out = tmp_path / "model"
+    argv = [command, "--train", *files["--train"], "--valid", *files["--valid"],
+            "--out", str(out), *TRAIN]
+    assert cli_main(argv) == 2
+    assert (f"{flag}: {link} is named twice (as {data}): its rows would be read twice"
+            in _one_line(capsys))
+    assert not out.exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_cuda_says_so(data, tmp_path, capsys, device):

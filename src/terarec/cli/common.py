@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -340,6 +341,20 @@ def explicit_config_keys(args: argparse.Namespace) -> set[str]:
 
         walk(json.loads(Path(config_file).read_text()), "")
     return keys
+
+
+def check_no_repeats(paths: Sequence[str | Path], flag: str) -> None:
+    """A file named twice in one list (``a.csv ./a.csv``, or through a link) would have
+    every row trained twice, and checkpoints key a file's position by its path, so the
+    two readings would also share one position: refused naming the flag and the file."""
+    seen: dict[str, str | Path] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            first = f" (as {seen[real]})" if str(seen[real]) != str(path) else ""
+            raise ValueError(f"{flag}: {path} is named twice{first}: its rows would be "
+                             "read twice; name it once")
+        seen[real] = path
 
 
 def report_skipped(stats: ReadStats, what: str = "rows") -> None:

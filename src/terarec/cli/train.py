@@ -20,6 +20,7 @@ from terarec.autofeature.features import (
 from terarec.cli.common import (
     add_training_args,
     check_format_args,
+    check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
@@ -192,6 +193,8 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
     _check_follow_args(args)
+    check_no_repeats(args.train or [], "--train")
+    check_no_repeats(args.valid, "--valid")
     for flag, value in (("--checkpoint-every", args.checkpoint_every),
                         ("--delta-every", args.delta_every)):
         if value is not None and value < 1:
