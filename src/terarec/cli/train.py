@@ -223,6 +223,9 @@ def _check_follow_args(args: argparse.Namespace) -> None:
         return
     if args.features:
         raise UserError("--features is not supported with --follow yet")
+    if Path(args.follow).is_file():
+        raise UserError(f"--follow {args.follow} is a file: --follow takes the folder (or "
+                        "URI) files land in; train a file with --train")
     if args.poll_seconds <= 0:
         raise UserError(f"--poll-seconds must be > 0, got {args.poll_seconds}")
     if args.stop_after is not None and args.stop_after < 1:
@@ -241,6 +244,8 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     if _resuming(args):  # the model's own shape, seed and optimizers, or an error
         config = resumed_config(read_model_meta(args.out)[1], config,
                                 explicit_config_keys(args), str(args.out))
+    else:  # the flags make the schema: check them now, not once the first file lands
+        check_format_args(args)
 
     def schema():
         first = first_landed(options, args.out / CACHE_DIR)
