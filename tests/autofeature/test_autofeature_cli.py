@@ -153,6 +153,35 @@ def test_bad_input_is_one_clear_line(data, tmp_path, capsys):
     assert not (tmp_path / "f.json").exists()
 
 
+FLAG_ERRORS = [
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--seed", str(1 << 32)], "--seed must be < 2**32"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    (["--sample-rows", "0"], "--sample-rows must be >= 1, got 0"),
+    (["--budget", "-1"], "--budget must be >= 0, got -1"),
+    (["--max-cross-pairs", "-1"], "--max-cross-pairs must be >= 0, got -1"),
+    (["--min-gain", "nan"], "--min-gain must be a finite number, got nan"),
+    (["--on-bad-row", "skip"], "--on-bad-row skip: autofeature reads its inputs with DuckDB"),
+    (["--memory-limit", "abc"], "--memory-limit abc: Parser Error: Memory must have a number"),
+    (["--out", "OUT_DIR"], "is a folder; name the feature config file"),
+]
+
+
+@pytest.mark.parametrize("extra,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
+def test_bad_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, message):
+    """Out of range, a flag failed as a DuckDB parser error or traceback (--seed -1,
+    --threads 0, --memory-limit abc), after every candidate was measured (--out a
+    folder), or not at all: --epochs 0 measured untrained models, --min-gain nan never
+    stopped and --on-bad-row skip was ignored."""
+    extra = [str(tmp_path) if a == "OUT_DIR" else a for a in extra]
+    argv = ["autofeature", "--train", str(data.train), "--valid", str(data.valid),
+            *SCHEMA_ARGS, "--candidates", "count(C3)", "--out", str(tmp_path / "f.json"),
+            *extra]
+    assert message in run_error(capsys, *argv)
+    assert not (tmp_path / "f.json").exists()
+
+
 def test_memory_limit_and_temp_dir_reach_duckdb(data, tmp_path, monkeypatch):
     seen = {}
 
