@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pyarrow.csv as pa_csv
@@ -180,6 +181,35 @@ def test_bad_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, me
             *extra]
     assert message in run_error(capsys, *argv)
     assert not (tmp_path / "f.json").exists()
+
+
+def train_error(capsys, *argv):
+    capsys.readouterr()
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("terarec train: error: ") and "Traceback" not in err
+    return err[-1]
+
+
+def test_train_with_features_refuses_on_bad_row_skip(selected, model, data, tmp_path,
+                                                     capsys):
+    """The rows are joined with the tables in DuckDB before the reader sees them, and
+    DuckDB stops at the first bad row: --on-bad-row skip (flag or config file) was
+    ignored, failing on a row it promised to skip. A resumed model's tables too."""
+    config = tmp_path / "config.json"
+    config.write_text('{"on_bad_row": "skip"}')
+    out = tmp_path / "m"
+    for setting in (["--on-bad-row", "skip"], ["--config", str(config)]):
+        err = train_error(capsys, "--features", str(selected), "--train",
+                          str(data.train), "--out", str(out), "--no-progress", *setting)
+        assert "--on-bad-row skip (on_bad_row in --config) does not work with " \
+               "AutoFeature tables" in err
+        assert not out.exists()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(model, resumed)
+    err = train_error(capsys, "--resume", "--train", str(data.train), "--out",
+                      str(resumed), "--no-progress", "--on-bad-row", "skip")
+    assert "does not work with AutoFeature tables" in err
 
 
 def test_memory_limit_and_temp_dir_reach_duckdb(data, tmp_path, monkeypatch):

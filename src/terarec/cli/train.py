@@ -202,6 +202,8 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     if args.delta_minutes is not None and not args.delta_minutes > 0:
         raise UserError(f"--delta-minutes {args.delta_minutes}: must be > 0")
     config = config_from_args(args)
+    if args.features and config.on_bad_row == "skip":
+        raise UserError(_SKIP_WITH_FEATURES)
     store_dir = config.store.disk_path
     if store_dir is not None and Path(store_dir).exists() and not Path(store_dir).is_dir():
         raise UserError(f"--store-dir {store_dir} is a file, not a folder")
@@ -211,6 +213,13 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     with contextlib.ExitStack() as held:
         _lock_model_dir(args.out, ctx, held)
         return _locked_run(args, config, ctx, on_commit)
+
+
+# The rows are joined with AutoFeature tables in DuckDB first, which stops at a bad row
+# before the reader could skip it: the setting would be ignored.
+_SKIP_WITH_FEATURES = ("--on-bad-row skip (on_bad_row in --config) does not work with "
+                       "AutoFeature tables: their join reads every row first and stops at "
+                       "the first bad one; clean the files or train without --features")
 
 
 def _check_follow_args(args: argparse.Namespace) -> None:
@@ -321,6 +330,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     if not args.features and not _resuming(args):  # the flags make the schema: check now
         check_format_args(args)
     features = _features(args, ctx)
+    if features and config.on_bad_row == "skip":  # a resumed model's own tables
+        raise UserError(_SKIP_WITH_FEATURES)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
             feature_inputs(features, args.valid, schema=raw) as valid:
