@@ -78,3 +78,15 @@ def test_config_file_errors_name_the_file(tmp_path):
     path.write_text('{"batch_size": ')
     with pytest.raises(ValueError, match=r"cfg\.json: config: invalid JSON"):
         load_train_config(path)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_json(tmp_path):
+    """Editors on Windows start UTF-8 files with a byte order mark; the file was refused
+    as invalid JSON at line 1 column 1, and the keys it sets are read past it too."""
+    from terarec.config import config_file_keys
+
+    path = tmp_path / "cfg.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"batch_size": 64,
+                                                  "model": {"name": "lr"}}).encode())
+    assert load_train_config(path).batch_size == 64
+    assert config_file_keys(path) == {"batch_size", "model.name"}

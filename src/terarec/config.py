@@ -8,7 +8,9 @@ generated from these fields (terarec.cli.common), so adding a knob is adding a f
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import json
 import re
 import typing
 from collections.abc import Iterator
@@ -332,11 +334,34 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """The TrainConfig in JSON file ``path``; errors start with the file name."""
+    raw = _config_bytes(path)
+    return validate_json(TrainConfig, raw, str(path), root="config")
+
+
+def config_file_keys(path: str | Path) -> set[str]:
+    """The dotted keys config file ``path`` sets (read as ``load_train_config`` reads it,
+    which has checked it)."""
+    keys: set[str] = set()
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                keys.add(prefix + k)
+
+    walk(json.loads(_config_bytes(path)), "")
+    return keys
+
+
+def _config_bytes(path: str | Path) -> bytes:
+    """The file's JSON text; a UTF-8 byte order mark (Windows editors write one) is not
+    part of it and was reported as invalid JSON at line 1 column 1."""
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read config file: {exc.strerror}") from None
-    return validate_json(TrainConfig, raw, str(path), root="config")
+    return raw.removeprefix(codecs.BOM_UTF8)
 
 
 # What a checkpoint fixes: the parameters' shapes and meaning (the model, the optimizers'

@@ -19,6 +19,7 @@ from terarec.config import (
     REGULARISATION,
     TRAINING,
     TrainConfig,
+    config_file_keys,
     flag_fields,
     from_dict,
     load_train_config,
@@ -330,16 +331,7 @@ def explicit_config_keys(args: argparse.Namespace) -> set[str]:
             if getattr(args, flag.attr, None) is not None}
     config_file = getattr(args, "config", None)
     if config_file:
-        import json
-
-        def walk(node: dict, prefix: str) -> None:
-            for k, v in node.items():
-                if isinstance(v, dict):
-                    walk(v, f"{prefix}{k}.")
-                else:
-                    keys.add(prefix + k)
-
-        walk(json.loads(Path(config_file).read_text()), "")
+        keys |= config_file_keys(config_file)
     return keys
 
 
