@@ -335,6 +335,9 @@ def to_dict(config: Any) -> dict[str, Any]:
 def load_train_config(path: str | Path) -> TrainConfig:
     """The TrainConfig in JSON file ``path``; errors start with the file name."""
     raw = _config_bytes(path)
+    repeated = _repeated_key(raw)
+    if repeated is not None:  # JSON parsers keep the last: the first would be ignored
+        raise InvalidInput(f"{path}: {repeated}: key given twice in one object; keep one")
     return validate_json(TrainConfig, raw, str(path), root="config")
 
 
@@ -362,6 +365,38 @@ def _config_bytes(path: str | Path) -> bytes:
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read config file: {exc.strerror}") from None
     return raw.removeprefix(codecs.BOM_UTF8)
+
+
+class _Pairs(list[tuple[str, Any]]):
+    """A JSON object's (key, value) pairs in file order, repeats kept."""
+
+
+def _repeated_key(raw: bytes) -> str | None:
+    """The JSON path of the first key an object of ``raw`` repeats, or None (also for
+    text that is not JSON: the validation that follows says what is wrong)."""
+    try:
+        doc = json.loads(raw, object_pairs_hook=_Pairs)
+    except ValueError:
+        return None
+
+    def walk(node: Any, path: str) -> str | None:
+        items: list[tuple[str, Any]] = []
+        if isinstance(node, _Pairs):
+            seen: set[str] = set()
+            for key, value in node:
+                where = f"{path}.{key}" if path else key
+                if key in seen:
+                    return where
+                seen.add(key)
+                items.append((where, value))
+        elif isinstance(node, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(node)]
+        for where, value in items:
+            if (found := walk(value, where)) is not None:
+                return found
+        return None
+
+    return walk(doc, "")
 
 
 # What a checkpoint fixes: the parameters' shapes and meaning (the model, the optimizers'
