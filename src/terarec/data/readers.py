@@ -465,10 +465,26 @@ def _record_list(spec: FieldSpec, value: Any, record: int) -> list[str | None] |
 def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
                  stats: ReadStats) -> Iterator[pa.RecordBatch]:
     """Clean blocks of a Criteo TSV or a delimited file, tracking exact line numbers."""
-    check_text(path)
-    names, header_lines = text_columns(path, schema)
-    yield from parse_text(path, schema, names, path, on_bad_row, stats,
-                          header_in_source=header_lines > 0)
+    try:
+        check_text(path)
+        names, header_lines = text_columns(path, schema)
+        yield from parse_text(path, schema, names, path, on_bad_row, stats,
+                              header_in_source=header_lines > 0)
+    except OSError as exc:
+        # pyarrow decompresses by extension and says only what failed ("Truncated
+        # compressed stream", "zlib inflate failed"), as a traceback: name the file.
+        raise DataError(f"{path}: cannot read it{_as_compressed(path)}: {exc}") from None
+
+
+# The extensions pyarrow's input_stream(compression="detect") decompresses.
+_COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4")
+
+
+def _as_compressed(path: Path) -> str:
+    """`` as .gz compressed data ...`` when pyarrow decompresses ``path``, else nothing."""
+    if path.suffix.lower() not in _COMPRESSED_SUFFIXES:
+        return ""
+    return f" as {path.suffix} compressed data (decompressed by its extension)"
 
 
 _SNIFF_BYTES = 1 << 16
