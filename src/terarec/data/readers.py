@@ -544,11 +544,16 @@ def text_columns(path: Path, schema: FeatureSchema) -> tuple[list[str], int]:
         names, header_lines = _read_header(path, schema.delimiter), 1
     else:
         names, header_lines = list(schema.column_names) or needed, 0
+    where = f"{path}: line 1" if header_lines else f"{path}"
     missing = [n for n in needed if n not in names]
     if missing:
-        where = f"{path}: line 1" if header_lines else f"{path}"
         raise DataError(f"{where}: field(s) {missing} are not among the file's columns "
                         f"{names}")
+    for name in needed:  # which of two same-named columns is the field's? say, not guess
+        columns = [i + 1 for i, n in enumerate(names) if n == name]
+        if len(columns) > 1:
+            raise DataError(f"{where}: field {name!r} names columns "
+                            f"{', '.join(map(str, columns))}; rename one")
     return names, header_lines
 
 
