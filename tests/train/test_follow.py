@@ -209,3 +209,22 @@ def test_follow_flag_errors(tmp_path, capsys):
     assert "either --train FILE... or --follow SOURCE" in capsys.readouterr().err
     assert main([*base, "--train", str(tmp_path / "x"), "--stop-after", "2"]) == 2
     assert "--stop-after needs --follow" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--train", "X", "--poll-seconds", "5"], "--poll-seconds needs --follow"),
+    (["--follow", "DIR", "--valid", "X", "--refit"], "--refit does not apply to --follow"),
+    (["--follow", "DIR", "--no-refit"], "--no-refit does not apply to --follow"),
+    (["--follow", "DIR", "--poll-seconds", "nan"], "--poll-seconds must be > 0 and finite"),
+    (["--follow", "DIR", "--poll-seconds", "inf"], "--poll-seconds must be > 0 and finite"),
+    (["--follow", "DIR", "--stop-idle", "nan"], "--stop-idle must be > 0, got nan"),
+])
+def test_follow_flags_without_effect_are_refused(tmp_path, capsys, extra, message):
+    """--poll-seconds without --follow and --refit / --no-refit with it were silently
+    ignored; --poll-seconds nan or inf and --stop-idle nan were taken (an overflowing
+    wait, a run that never went idle)."""
+    names = {"X": str(tmp_path / "x.tsv"), "DIR": str(tmp_path)}
+    out = tmp_path / "m"
+    assert main(["train", "--out", str(out), *[names.get(a, a) for a in extra]]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

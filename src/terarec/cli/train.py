@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -53,6 +54,8 @@ from terarec.train.follow import CACHE_DIR, FollowOptions, first_landed
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 
+POLL_SECONDS = 1.0  # --follow: how often SOURCE is listed by default
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model", description=__doc__)
@@ -62,8 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "whose files are trained in name order as they land, each scored before "
                    "it is trained (docs/continuous.md); runs until SIGTERM, --stop-after or "
                    "--stop-idle")
-    p.add_argument("--poll-seconds", type=float, default=1.0,
-                   help="--follow: how often SOURCE is listed (default 1)")
+    # None: not given (refused without --follow, where nothing is listed)
+    p.add_argument("--poll-seconds", type=float, default=None,
+                   help=f"--follow: how often SOURCE is listed (default {POLL_SECONDS:g})")
     p.add_argument("--stop-after", type=int, metavar="FILES",
                    help="--follow: stop once this many files are trained (earlier runs "
                    "into --out included)")
@@ -226,20 +230,23 @@ def _check_follow_args(args: argparse.Namespace) -> None:
     if (args.train is None) == (args.follow is None):
         raise UserError("give either --train FILE... or --follow SOURCE")
     if args.follow is None:
-        for flag in ("stop_after", "stop_idle"):
+        for flag in ("stop_after", "stop_idle", "poll_seconds"):
             if getattr(args, flag) is not None:
                 raise UserError(f"--{flag.replace('_', '-')} needs --follow")
         return
     if args.features:
         raise UserError("--features is not supported with --follow yet")
+    if args.refit is not None:  # a stream has no fixed training set to train again
+        raise UserError(f"--{'' if args.refit else 'no-'}refit does not apply to --follow: "
+                        "its model is the last pass trained")
     if Path(args.follow).is_file():
         raise UserError(f"--follow {args.follow} is a file: --follow takes the folder (or "
                         "URI) files land in; train a file with --train")
-    if args.poll_seconds <= 0:
-        raise UserError(f"--poll-seconds must be > 0, got {args.poll_seconds}")
+    if args.poll_seconds is not None and not 0 < args.poll_seconds < math.inf:
+        raise UserError(f"--poll-seconds must be > 0 and finite, got {args.poll_seconds}")
     if args.stop_after is not None and args.stop_after < 1:
         raise UserError(f"--stop-after must be >= 1, got {args.stop_after}")
-    if args.stop_idle is not None and args.stop_idle <= 0:
+    if args.stop_idle is not None and not args.stop_idle > 0:  # nan never stopped
         raise UserError(f"--stop-idle must be > 0, got {args.stop_idle}")
 
 
@@ -248,8 +255,8 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     """``--follow``: the files of SOURCE as they land; a fresh model takes its numeric
     statistics from the first file to land."""
     options = FollowOptions(args.follow, storage_options_from_args(args),
-                            poll_s=args.poll_seconds, stop_after=args.stop_after,
-                            stop_idle_s=args.stop_idle)
+                            poll_s=args.poll_seconds or POLL_SECONDS,
+                            stop_after=args.stop_after, stop_idle_s=args.stop_idle)
     if _resuming(args):  # the model's own shape, seed and optimizers, or an error
         config = resumed_config(read_model_meta(args.out)[1], config,
                                 explicit_config_keys(args), str(args.out))
