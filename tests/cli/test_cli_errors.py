@@ -127,6 +127,30 @@ def test_a_file_named_twice_is_refused(data, tmp_path, capsys, command, flag):
     assert not out.exists()
 
 
+def test_config_keys_the_model_or_optimizer_does_not_read_are_refused(data, tmp_path,
+                                                                     capsys):
+    """A DCN cross setting with DeepFM or an FTRL setting with Adam was silently ignored;
+    at their defaults (a saved train_config.json lists every key) they are left alone."""
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model": {"cross_layers": 2},
+                                  "sparse_optimizer": {"name": "adam", "ftrl_l1": 0.5}}))
+    out = tmp_path / "model"
+    assert _train(data, out, "--config", str(config)) == 2
+    assert _one_line(capsys).endswith(
+        f"--config {config}: model.cross_layers: only model dcnv2 reads it, this run's is "
+        "deepfm; sparse_optimizer.ftrl_l1: only sparse optimizer ftrl reads it, this run's "
+        "is adam")
+    assert not (out / "checkpoints").exists()
+    assert _train(data, out, "--config", str(config), "--model", "dcnv2",
+                  "--sparse-optimizer", "ftrl", "--epochs", "1") == 0
+    saved = json.loads((out / "train_config.json").read_text())  # every key
+    saved["model"]["cross_layers"] = 3  # back at the defaults: not read, not refused
+    saved["sparse_optimizer"]["ftrl_l1"] = 0.0
+    config.write_text(json.dumps(saved))
+    assert _train(data, tmp_path / "lr", "--config", str(config), "--model", "lr",
+                  "--sparse-optimizer", "adagrad", "--epochs", "1") == 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_cuda_says_so(data, tmp_path, capsys, device):

@@ -31,7 +31,7 @@ from terarec.cli.common import (
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args, storage_options_from_args
-from terarec.config import TrainConfig, resumed_config
+from terarec.config import TrainConfig, resumed_config, unused_keys
 from terarec.distributed.context import (
     DistContext,
     launched_by_torchrun,
@@ -208,6 +208,8 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     config = config_from_args(args)
     if args.features and config.on_bad_row == "skip":
         raise UserError(_SKIP_WITH_FEATURES)
+    if not _resuming(args):  # a resumed run's model is the checkpoint's: checked then
+        _refuse_unused_keys(args, config)
     store_dir = config.store.disk_path
     if store_dir is not None and Path(store_dir).exists() and not Path(store_dir).is_dir():
         raise UserError(f"--store-dir {store_dir} is a file, not a folder")
@@ -260,6 +262,7 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     if _resuming(args):  # the model's own shape, seed and optimizers, or an error
         config = resumed_config(read_model_meta(args.out)[1], config,
                                 explicit_config_keys(args), str(args.out))
+        _refuse_unused_keys(args, config)
     else:  # the flags make the schema: check them now, not once the first file lands
         check_format_args(args)
 
@@ -349,6 +352,7 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         if _resuming(args):  # the model's own shape, seed and optimizers, or an error
             config = resumed_config(read_model_meta(args.out)[1], config, given,
                                     str(args.out))
+            _refuse_unused_keys(args, config)
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
@@ -371,6 +375,15 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                       f"{', '.join(Path(p).name for p in args.train)}")
     ctx.close()
     return 0
+
+
+def _refuse_unused_keys(args: argparse.Namespace, config: TrainConfig) -> None:
+    """A --config key the run's model or sparse optimizer does not read (checked on the
+    config the run trains with: a resumed one is the checkpoint's) is refused, not
+    ignored."""
+    unused = unused_keys(config, explicit_config_keys(args))
+    if unused:
+        raise UserError(f"--config {args.config}: {'; '.join(unused)}")
 
 
 def _refit(args: argparse.Namespace, train: list[Path]) -> bool:
