@@ -80,3 +80,30 @@ def test_config_file_errors_name_the_file(tmp_path):
     path.write_text('{"batch_size": ')
     with pytest.raises(ValueError, match=r"cfg\.json: config: invalid JSON"):
         load_train_config(path)
+
+
+def test_a_key_given_twice_is_refused_naming_its_path(tmp_path):
+    """JSON parsers keep a repeated key's last value: the first was silently ignored."""
+    path = tmp_path / "cfg.json"
+    path.write_text('{"batch_size": 64, "batch_size": 128}')
+    with pytest.raises(ValueError, match=r"cfg\.json: batch_size: key given twice"):
+        load_train_config(path)
+    path.write_text('{"epochs": 2, "store": {"max_keys": 5, "precision": "fp16", '
+                    '"max_keys": 6}}')
+    with pytest.raises(ValueError, match=r"cfg\.json: store\.max_keys: key given twice"):
+        load_train_config(path)
+    path.write_text('{"store": {"max_keys": 5}, "model": {"max_keys": 5}}')  # not repeats
+    with pytest.raises(ValueError, match=r"model: unknown field\(s\) \['max_keys'\]"):
+        load_train_config(path)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_json(tmp_path):
+    """Editors on Windows start UTF-8 files with a byte order mark; the file was refused
+    as invalid JSON at line 1 column 1, and the keys it sets are read past it too."""
+    from terarec.config import config_file_keys
+
+    path = tmp_path / "cfg.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"batch_size": 64,
+                                                  "model": {"name": "lr"}}).encode())
+    assert load_train_config(path).batch_size == 64
+    assert config_file_keys(path) == {"batch_size", "model.name"}

@@ -8,7 +8,9 @@ generated from these fields (terarec.cli.common), so adding a knob is adding a f
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import json
 import re
 import typing
 from collections.abc import Iterator
@@ -344,11 +346,100 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """The TrainConfig in JSON file ``path``; errors start with the file name."""
+    raw = _config_bytes(path)
+    repeated = _repeated_key(raw)
+    if repeated is not None:  # JSON parsers keep the last: the first would be ignored
+        raise InvalidInput(f"{path}: {repeated}: key given twice in one object; keep one")
+    return validate_json(TrainConfig, raw, str(path), root="config")
+
+
+def config_file_keys(path: str | Path) -> set[str]:
+    """The dotted keys config file ``path`` sets (read as ``load_train_config`` reads it,
+    which has checked it)."""
+    keys: set[str] = set()
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                keys.add(prefix + k)
+
+    walk(json.loads(_config_bytes(path)), "")
+    return keys
+
+
+def _config_bytes(path: str | Path) -> bytes:
+    """The file's JSON text; a UTF-8 byte order mark (Windows editors write one) is not
+    part of it and was reported as invalid JSON at line 1 column 1."""
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read config file: {exc.strerror}") from None
-    return validate_json(TrainConfig, raw, str(path), root="config")
+    return raw.removeprefix(codecs.BOM_UTF8)
+
+
+class _Pairs(list[tuple[str, Any]]):
+    """A JSON object's (key, value) pairs in file order, repeats kept."""
+
+
+def _repeated_key(raw: bytes) -> str | None:
+    """The JSON path of the first key an object of ``raw`` repeats, or None (also for
+    text that is not JSON: the validation that follows says what is wrong)."""
+    try:
+        doc = json.loads(raw, object_pairs_hook=_Pairs)
+    except ValueError:
+        return None
+
+    def walk(node: Any, path: str) -> str | None:
+        items: list[tuple[str, Any]] = []
+        if isinstance(node, _Pairs):
+            seen: set[str] = set()
+            for key, value in node:
+                where = f"{path}.{key}" if path else key
+                if key in seen:
+                    return where
+                seen.add(key)
+                items.append((where, value))
+        elif isinstance(node, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(node)]
+        for where, value in items:
+            if (found := walk(value, where)) is not None:
+                return found
+        return None
+
+    return walk(doc, "")
+
+
+# Keys only some models or sparse optimizers read (section, key -> the names that read
+# it); given to any other, the value would be silently ignored.
+_READ_ONLY_BY: dict[tuple[str, str], tuple[str, ...]] = {
+    **{("model", k): ("dcnv2",) for k in ("cross_layers", "cross_rank")},
+    **{("model", k): ("dlrm",) for k in ("bottom_mlp", "top_mlp")},
+    **{("model", k): ("dssm",) for k in ("user_fields", "item_fields", "tower_similarity",
+                                           "cosine_scale")},
+    **{("sparse_optimizer", k): ("adam",) for k in ("beta1", "beta2")},
+    **{("sparse_optimizer", k): ("ftrl",) for k in ("ftrl_alpha", "ftrl_beta", "ftrl_l1",
+                                                      "ftrl_l2")},
+    ("sparse_optimizer", "initial_accumulator"): ("adagrad",),
+}
+
+
+def unused_keys(config: TrainConfig, given: set[str]) -> list[str]:
+    """One line for each dotted key in ``given`` (the keys the user set) that the chosen
+    model or sparse optimizer does not read, e.g. ``model.cross_layers`` for deepfm. A key
+    at its default is left alone: a saved train_config.json lists every key."""
+    sections = {"model": config.model, "sparse_optimizer": config.sparse_optimizer}
+    defaults = {"model": ModelConfig(), "sparse_optimizer": SparseOptimizerConfig()}
+    chosen = {"model": config.model.name.lower(), "sparse_optimizer": config.sparse_optimizer.name}
+    lines = []
+    for (section, key), readers in _READ_ONLY_BY.items():
+        value = getattr(sections[section], key)
+        if f"{section}.{key}" in given and chosen[section] not in readers \
+                and value != getattr(defaults[section], key):
+            lines.append(f"{section}.{key}: only {section.replace('_', ' ')} "
+                         f"{' / '.join(readers)} reads it, this run's is {chosen[section]}")
+    return lines
 
 
 # What a checkpoint fixes: the parameters' shapes and meaning (the model, the optimizers'

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pyarrow.csv as pa_csv
@@ -151,6 +152,64 @@ def test_bad_input_is_one_clear_line(data, tmp_path, capsys):
                     "--out", str(tmp_path / "f.json"))
     assert "C9" in err
     assert not (tmp_path / "f.json").exists()
+
+
+FLAG_ERRORS = [
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--seed", str(1 << 32)], "--seed must be < 2**32"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    (["--sample-rows", "0"], "--sample-rows must be >= 1, got 0"),
+    (["--budget", "-1"], "--budget must be >= 0, got -1"),
+    (["--max-cross-pairs", "-1"], "--max-cross-pairs must be >= 0, got -1"),
+    (["--min-gain", "nan"], "--min-gain must be a finite number, got nan"),
+    (["--on-bad-row", "skip"], "--on-bad-row skip: autofeature reads its inputs with DuckDB"),
+    (["--memory-limit", "abc"], "--memory-limit abc: Parser Error: Memory must have a number"),
+    (["--out", "OUT_DIR"], "is a folder; name the feature config file"),
+]
+
+
+@pytest.mark.parametrize("extra,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
+def test_bad_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, message):
+    """Out of range, a flag failed as a DuckDB parser error or traceback (--seed -1,
+    --threads 0, --memory-limit abc), after every candidate was measured (--out a
+    folder), or not at all: --epochs 0 measured untrained models, --min-gain nan never
+    stopped and --on-bad-row skip was ignored."""
+    extra = [str(tmp_path) if a == "OUT_DIR" else a for a in extra]
+    argv = ["autofeature", "--train", str(data.train), "--valid", str(data.valid),
+            *SCHEMA_ARGS, "--candidates", "count(C3)", "--out", str(tmp_path / "f.json"),
+            *extra]
+    assert message in run_error(capsys, *argv)
+    assert not (tmp_path / "f.json").exists()
+
+
+def train_error(capsys, *argv):
+    capsys.readouterr()
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("terarec train: error: ") and "Traceback" not in err
+    return err[-1]
+
+
+def test_train_with_features_refuses_on_bad_row_skip(selected, model, data, tmp_path,
+                                                     capsys):
+    """The rows are joined with the tables in DuckDB before the reader sees them, and
+    DuckDB stops at the first bad row: --on-bad-row skip (flag or config file) was
+    ignored, failing on a row it promised to skip. A resumed model's tables too."""
+    config = tmp_path / "config.json"
+    config.write_text('{"on_bad_row": "skip"}')
+    out = tmp_path / "m"
+    for setting in (["--on-bad-row", "skip"], ["--config", str(config)]):
+        err = train_error(capsys, "--features", str(selected), "--train",
+                          str(data.train), "--out", str(out), "--no-progress", *setting)
+        assert "--on-bad-row skip (on_bad_row in --config) does not work with " \
+               "AutoFeature tables" in err
+        assert not out.exists()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(model, resumed)
+    err = train_error(capsys, "--resume", "--train", str(data.train), "--out",
+                      str(resumed), "--no-progress", "--on-bad-row", "skip")
+    assert "does not work with AutoFeature tables" in err
 
 
 def test_memory_limit_and_temp_dir_reach_duckdb(data, tmp_path, monkeypatch):

@@ -122,6 +122,60 @@ def test_nonsense_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extr
     assert not (out / "checkpoints").exists()
 
 
+def test_a_bare_valid_is_refused(data, tmp_path, capsys):
+    """--valid with no file after it (an empty shell variable) trained without a
+    validation set, as if the flag had not been given."""
+    out = tmp_path / "model"
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["train", "--train", str(data), "--valid", "--out", str(out), *TRAIN])
+    assert exit_.value.code == 2
+    assert "argument --valid: expected at least one argument" in _one_line(capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "search"])
+@pytest.mark.parametrize("flag", ["--train", "--valid"])
+def test_a_file_named_twice_is_refused(data, tmp_path, capsys, command, flag):
+    """A file named twice in --train (under another spelling or through a link too) had
+    every row trained twice per epoch; in --valid every row scored twice."""
+    link = tmp_path / "link.tsv"
+    link.symlink_to(data)
+    twice = [str(data), str(link)]
+    files = {"--train": twice, "--valid": [str(data)]} if flag == "--train" else {
+        "--train": [str(data)], "--valid": twice}
+    out = tmp_path / "model"
+    argv = [command, "--train", *files["--train"], "--valid", *files["--valid"],
+            "--out", str(out), *TRAIN]
+    assert cli_main(argv) == 2
+    assert (f"{flag}: {link} is named twice (as {data}): its rows would be read twice"
+            in _one_line(capsys))
+    assert not out.exists()
+
+
+def test_config_keys_the_model_or_optimizer_does_not_read_are_refused(data, tmp_path,
+                                                                     capsys):
+    """A DCN cross setting with DeepFM or an FTRL setting with Adam was silently ignored;
+    at their defaults (a saved train_config.json lists every key) they are left alone."""
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model": {"cross_layers": 2},
+                                  "sparse_optimizer": {"name": "adam", "ftrl_l1": 0.5}}))
+    out = tmp_path / "model"
+    assert _train(data, out, "--config", str(config)) == 2
+    assert _one_line(capsys).endswith(
+        f"--config {config}: model.cross_layers: only model dcnv2 reads it, this run's is "
+        "deepfm; sparse_optimizer.ftrl_l1: only sparse optimizer ftrl reads it, this run's "
+        "is adam")
+    assert not (out / "checkpoints").exists()
+    assert _train(data, out, "--config", str(config), "--model", "dcnv2",
+                  "--sparse-optimizer", "ftrl", "--epochs", "1") == 0
+    saved = json.loads((out / "train_config.json").read_text())  # every key
+    saved["model"]["cross_layers"] = 3  # back at the defaults: not read, not refused
+    saved["sparse_optimizer"]["ftrl_l1"] = 0.0
+    config.write_text(json.dumps(saved))
+    assert _train(data, tmp_path / "lr", "--config", str(config), "--model", "lr",
+                  "--sparse-optimizer", "adagrad", "--epochs", "1") == 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_cuda_says_so(data, tmp_path, capsys, device):
@@ -469,6 +523,40 @@ def test_csv_without_its_columns_fails_before_any_work(tmp_path, capsys):
     assert "data-sized defaults" not in err
     assert err.strip().splitlines()[-1].endswith(
         "--format csv needs --label and --numeric and/or --categorical")
+    assert not (out / "checkpoints").exists()
+
+
+DELIMITER_ERRORS = [
+    ("csv", "", "--delimiter '': must be exactly one character, got 0"),
+    ("csv", ";;", "--delimiter ';;': must be exactly one character, got 2"),
+    ("csv", "\\t", "got 2 (for a tab, pass a tab character"),
+    ("csv", '"', "a quote or a line break cannot separate fields"),
+    ("parquet", ";", "--delimiter: only for csv data; this data is parquet"),
+]
+
+
+@pytest.mark.parametrize("fmt,delimiter,message", DELIMITER_ERRORS,
+                         ids=[f"{f}-{d!r}" for f, d, _ in DELIMITER_ERRORS])
+def test_a_delimiter_that_cannot_be_used_is_refused_before_any_work(tmp_path, capsys, fmt,
+                                                                    delimiter, message):
+    """--delimiter takes one character and only for csv: an empty or longer one failed
+    in the header reader with a TypeError traceback, and parquet ignored it."""
+    data = tmp_path / f"clicks.{fmt}"
+    if fmt == "csv":
+        data.write_text("click,site\n" + "".join(f"{i % 2},s{i % 7}\n" for i in range(200)))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"click": [i % 2 for i in range(200)],
+                                 "site": [f"s{i % 7}" for i in range(200)]}), data)
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(data), "--format", fmt, "--label", "click",
+                     "--categorical", "site", "--delimiter", delimiter, "--out", str(out),
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data-sized defaults" not in err and "Traceback" not in err
+    assert message in err.strip().splitlines()[-1]
     assert not (out / "checkpoints").exists()
 
 

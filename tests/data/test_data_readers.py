@@ -285,6 +285,38 @@ def test_file_level_errors(tmp_path):
         list(iter_batches(cols, CRITEO, 4, on_bad_row="ignore"))
 
 
+def test_a_field_named_by_two_header_columns_is_refused(tmp_path):
+    """A header naming a field twice was read without a word, one of the two columns
+    silently taken as the field's."""
+    path = write_lines(tmp_path / "twice.csv", ["y,a,c,a", "1,2,x,3", "0,4,y,5"])
+    for mode in ("error", "skip"):
+        with pytest.raises(DataError, match=r"twice\.csv: line 1: field 'a' names columns "
+                           r"2, 4; rename one"):
+            list(iter_batches(path, csv_schema("y", ["a"], ["c"]), 4, on_bad_row=mode))
+    # a repeated column the schema does not read is no field's
+    path = write_lines(tmp_path / "other.csv", ["y,a,c,x,x", "1,2,s,x,3", "0,4,t,y,5"])
+    assert len(list(iter_batches(path, csv_schema("y", ["a"], ["c"]), 4))) == 1
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_a_broken_compressed_file_is_named(criteo_file, tmp_path, mode):
+    """A truncated .gz (a cut-off download) or plain text named .gz failed with pyarrow's
+    bare OSError traceback ("Truncated compressed stream"), naming no file."""
+    import gzip
+
+    path, rows = criteo_file
+    whole = gzip.compress(("".join("\t".join(r) + "\n" for r in rows) * 50).encode())
+    truncated = tmp_path / "cut.txt.gz"
+    truncated.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(DataError, match=r"cut\.txt\.gz: cannot read it as \.gz compressed "
+                       r"data \(decompressed by its extension\): Truncated compressed"):
+        list(iter_batches(truncated, CRITEO, 4, on_bad_row=mode))
+    plain = tmp_path / "plain.txt.gz"
+    plain.write_bytes(path.read_bytes())
+    with pytest.raises(DataError, match=r"plain\.txt\.gz: cannot read it as \.gz compressed"):
+        list(iter_batches(plain, CRITEO, 4, on_bad_row=mode))
+
+
 # -- serving: records -> the same Batch as the file ------------------------------------------
 
 def test_records_give_exactly_the_file_batch(criteo_file):

@@ -175,9 +175,56 @@ def test_stop_idle_ends_a_run_with_nothing_new(hourly, tmp_path, capsys):
     assert summary["stop_reason"] == "stop_idle" and summary["files_trained"] == 1
 
 
+def test_stop_idle_bounds_the_wait_for_the_first_file(tmp_path, capsys):
+    """A fresh model waits for a first file to take its statistics from: --stop-idle
+    ended that wait too (it waited forever when nothing landed)."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    started = time.monotonic()
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-idle", "0.5",
+                 *ARGS]) == 2
+    assert time.monotonic() - started < 60
+    assert (f"--follow {folder}: no file landed within --stop-idle 0.5 s; nothing was "
+            "trained") in capsys.readouterr().err
+    assert not (out / "checkpoints").exists()
+
+
+def test_follow_refuses_a_file_and_checks_the_format_flags_first(hourly, tmp_path, capsys):
+    """--follow FILE was refused as "not an export folder"; a csv without its columns
+    named failed only once the first file landed."""
+    out = tmp_path / "model"
+    assert main(["train", "--follow", str(hourly[0]), "--out", str(out), *ARGS]) == 2
+    assert (f"--follow {hourly[0]} is a file: --follow takes the folder (or URI) files "
+            "land in") in capsys.readouterr().err
+    empty = tmp_path / "logs"
+    empty.mkdir()
+    assert main(["train", "--follow", str(empty), "--out", str(out), "--format", "csv",
+                 "--label", "y", *ARGS]) == 2
+    assert "--format csv needs --label and --numeric" in capsys.readouterr().err
+
+
 def test_follow_flag_errors(tmp_path, capsys):
     base = ["train", "--out", str(tmp_path / "m")]
     assert main([*base, "--follow", str(tmp_path), "--train", str(tmp_path / "x")]) == 2
     assert "either --train FILE... or --follow SOURCE" in capsys.readouterr().err
     assert main([*base, "--train", str(tmp_path / "x"), "--stop-after", "2"]) == 2
     assert "--stop-after needs --follow" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--train", "X", "--poll-seconds", "5"], "--poll-seconds needs --follow"),
+    (["--follow", "DIR", "--valid", "X", "--refit"], "--refit does not apply to --follow"),
+    (["--follow", "DIR", "--no-refit"], "--no-refit does not apply to --follow"),
+    (["--follow", "DIR", "--poll-seconds", "nan"], "--poll-seconds must be > 0 and finite"),
+    (["--follow", "DIR", "--poll-seconds", "inf"], "--poll-seconds must be > 0 and finite"),
+    (["--follow", "DIR", "--stop-idle", "nan"], "--stop-idle must be > 0, got nan"),
+])
+def test_follow_flags_without_effect_are_refused(tmp_path, capsys, extra, message):
+    """--poll-seconds without --follow and --refit / --no-refit with it were silently
+    ignored; --poll-seconds nan or inf and --stop-idle nan were taken (an overflowing
+    wait, a run that never went idle)."""
+    names = {"X": str(tmp_path / "x.tsv"), "DIR": str(tmp_path)}
+    out = tmp_path / "m"
+    assert main(["train", "--out", str(out), *[names.get(a, a) for a in extra]]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

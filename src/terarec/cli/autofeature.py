@@ -13,11 +13,14 @@ import argparse
 import csv
 import io
 import json
+import math
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
+
+import duckdb
 
 from terarec.autofeature import (
     ALL_AGGREGATES,
@@ -104,8 +107,37 @@ def _choices(text: str, allowed: Sequence[T], flag: str) -> list[T]:
     return [by_name[n] for n in names]
 
 
+# Integer flags and the least value each takes (--seed: below 2**32, as train's).
+_FLOORS = (("budget", 0), ("shortlist", 1), ("sample_rows", 1), ("valid_rows", 1),
+           ("epochs", 1), ("seed", 0), ("max_cross_pairs", 0), ("max_groupby_keys", 0),
+           ("threads", 1))
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The flags, checked before any SQL runs, each error naming its flag: out of range
+    they failed later as a DuckDB parser error or traceback (--seed -1, --threads 0,
+    --memory-limit abc), as a folder's IsADirectoryError once every candidate was
+    measured (--out), or not at all (--epochs 0 measured untrained models, --min-gain
+    nan never stopped)."""
+    for attr, floor in _FLOORS:
+        value = getattr(args, attr)
+        if value is not None and value < floor:
+            raise ValueError(f"--{attr.replace('_', '-')} must be >= {floor}, got {value}")
+    if args.seed >= 1 << 32:
+        raise ValueError(f"--seed must be < 2**32, got {args.seed}")
+    if not math.isfinite(args.min_gain):
+        raise ValueError(f"--min-gain must be a finite number, got {args.min_gain}")
+    if args.on_bad_row == "skip":
+        raise ValueError("--on-bad-row skip: autofeature reads its inputs with DuckDB, "
+                         "which stops at the first bad row; clean or leave out that file")
+    if args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a folder; name the feature config file, "
+                         "e.g. features.json")
+
+
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    check_args(args)
     schema = schema_from_args(args)
     selection = SelectionConfig(
         budget=args.budget, min_gain=args.min_gain, shortlist=args.shortlist,
@@ -115,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
                                threads=args.threads)
     with engine, tempfile.TemporaryDirectory(prefix="autofeature-",
                                              dir=engine.scratch_dir()) as tmp:
+        try:  # DuckDB reads --memory-limit when the database opens
+            engine.cursor().close()
+        except duckdb.Error as exc:
+            raise ValueError(f"--memory-limit {args.memory_limit}: {exc}") from None
         work = Path(tmp)
         if args.candidates:
             candidates = validate_candidates([Candidate.from_name(n) for n in args.candidates],

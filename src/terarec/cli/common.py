@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from terarec.config import (
     REGULARISATION,
     TRAINING,
     TrainConfig,
+    config_file_keys,
     flag_fields,
     from_dict,
     load_train_config,
@@ -29,7 +31,7 @@ from terarec.data.numeric import (
     ROWS_PER_BUCKET,
     with_numeric_stats,
 )
-from terarec.data.readers import ReadStats, csv_schema
+from terarec.data.readers import ReadStats, check_delimiter, csv_schema
 from terarec.distributed.context import DistContext
 from terarec.io import ScratchDir
 from terarec.train.defaults import estimate_rows, max_epochs
@@ -76,6 +78,20 @@ def check_format_args(args: argparse.Namespace) -> None:
     fmt = args.format or "criteo"
     if fmt != "criteo" and (not args.label or not (args.numeric or args.categorical)):
         raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
+    if fmt != "criteo":  # Criteo refuses it with the other column flags
+        check_delimiter_arg(getattr(args, "delimiter", None), fmt)
+
+
+def check_delimiter_arg(delimiter: str | None, fmt: str) -> None:
+    """``--delimiter``: one character, and only where it is read (csv); elsewhere it
+    would be ignored, and a longer one failed deep in the reader with a traceback."""
+    if delimiter is None:
+        return
+    if fmt != "csv":
+        raise ValueError(f"--delimiter: only for csv data; this data is {fmt}")
+    problem = check_delimiter(delimiter)
+    if problem:
+        raise ValueError(f"--delimiter {delimiter!r}: {problem}")
 
 
 def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
@@ -179,8 +195,7 @@ def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> Fe
                          "how the file is written)")
     fmt = args.format or model_schema.format
     delimiter = getattr(args, "delimiter", None)
-    if delimiter is not None and fmt != "csv":
-        raise ValueError(f"--delimiter: only for csv data; this data is {fmt}")
+    check_delimiter_arg(delimiter, fmt)
     if fmt == model_schema.format:
         return model_schema if delimiter is None else replace(model_schema,
                                                               delimiter=delimiter)
@@ -316,17 +331,22 @@ def explicit_config_keys(args: argparse.Namespace) -> set[str]:
             if getattr(args, flag.attr, None) is not None}
     config_file = getattr(args, "config", None)
     if config_file:
-        import json
-
-        def walk(node: dict, prefix: str) -> None:
-            for k, v in node.items():
-                if isinstance(v, dict):
-                    walk(v, f"{prefix}{k}.")
-                else:
-                    keys.add(prefix + k)
-
-        walk(json.loads(Path(config_file).read_text()), "")
+        keys |= config_file_keys(config_file)
     return keys
+
+
+def check_no_repeats(paths: Sequence[str | Path], flag: str) -> None:
+    """A file named twice in one list (``a.csv ./a.csv``, or through a link) would have
+    every row trained twice, and checkpoints key a file's position by its path, so the
+    two readings would also share one position: refused naming the flag and the file."""
+    seen: dict[str, str | Path] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            first = f" (as {seen[real]})" if str(seen[real]) != str(path) else ""
+            raise ValueError(f"{flag}: {path} is named twice{first}: its rows would be "
+                             "read twice; name it once")
+        seen[real] = path
 
 
 def report_skipped(stats: ReadStats, what: str = "rows") -> None:

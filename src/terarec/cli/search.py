@@ -11,6 +11,7 @@ from pathlib import Path
 
 from terarec.cli.common import (
     add_training_args,
+    check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     from terarec.train.defaults import apply_sized_defaults
     from terarec.train.search import load_space, run_search, write_results, write_search_report
 
+    check_no_repeats(args.train, "--train")
+    check_no_repeats(args.valid, "--valid")
     # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
     config, _ = apply_sized_defaults(config_from_args(args), args.train,
                                      explicit_config_keys(args))

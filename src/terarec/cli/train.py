@@ -21,6 +21,7 @@ from terarec.autofeature.features import (
 from terarec.cli.common import (
     add_training_args,
     check_format_args,
+    check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
@@ -34,7 +35,7 @@ from terarec.cli.storage_args import (
     check_export_target,
     storage_options_from_args,
 )
-from terarec.config import TrainConfig, resumed_config
+from terarec.config import TrainConfig, resumed_config, unused_keys
 from terarec.distributed.context import (
     DistContext,
     launched_by_torchrun,
@@ -57,6 +58,8 @@ from terarec.train.follow import CACHE_DIR, FollowOptions, first_landed
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 
+POLL_SECONDS = 1.0  # --follow: how often SOURCE is listed by default
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model", description=__doc__)
@@ -66,14 +69,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "whose files are trained in name order as they land, each scored before "
                    "it is trained (docs/continuous.md); runs until SIGTERM, --stop-after or "
                    "--stop-idle")
-    p.add_argument("--poll-seconds", type=float, default=1.0,
-                   help="--follow: how often SOURCE is listed (default 1)")
+    # None: not given (refused without --follow, where nothing is listed)
+    p.add_argument("--poll-seconds", type=float, default=None,
+                   help=f"--follow: how often SOURCE is listed (default {POLL_SECONDS:g})")
     p.add_argument("--stop-after", type=int, metavar="FILES",
                    help="--follow: stop once this many files are trained (earlier runs "
                    "into --out included)")
     p.add_argument("--stop-idle", type=float, metavar="SECONDS",
                    help="--follow: stop once no new file has landed for this long")
-    p.add_argument("--valid", nargs="*", default=[], type=Path, help="validation file(s)")
+    # "+": a bare --valid (an empty shell variable, say) trained without validation, silently
+    p.add_argument("--valid", nargs="+", default=[], type=Path, help="validation file(s)")
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="with --valid: once validation has picked the best epoch count, "
                    "train a fresh model that long on --train and --valid together and "
@@ -191,12 +196,18 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out} is a file, not a model directory")
     _check_follow_args(args)
+    check_no_repeats(args.train or [], "--train")
+    check_no_repeats(args.valid, "--valid")
     for flag, value in (("--checkpoint-every", args.checkpoint_every),
                         ("--delta-every", args.delta_every)):
         if value is not None and value < 1:
             raise UserError(f"{flag} {value}: must be >= 1")
     _check_export_args(args)
     config = config_from_args(args)
+    if args.features and config.on_bad_row == "skip":
+        raise UserError(_SKIP_WITH_FEATURES)
+    if not _resuming(args):  # a resumed run's model is the checkpoint's: checked then
+        _refuse_unused_keys(args, config)
     store_dir = config.store.disk_path
     if store_dir is not None and Path(store_dir).exists() and not Path(store_dir).is_dir():
         raise UserError(f"--store-dir {store_dir} is a file, not a folder")
@@ -236,21 +247,34 @@ def _check_export_args(args: argparse.Namespace) -> None:
             raise UserError(f"--full-at: {exc}") from None
 
 
+# The rows are joined with AutoFeature tables in DuckDB first, which stops at a bad row
+# before the reader could skip it: the setting would be ignored.
+_SKIP_WITH_FEATURES = ("--on-bad-row skip (on_bad_row in --config) does not work with "
+                       "AutoFeature tables: their join reads every row first and stops at "
+                       "the first bad one; clean the files or train without --features")
+
+
 def _check_follow_args(args: argparse.Namespace) -> None:
     if (args.train is None) == (args.follow is None):
         raise UserError("give either --train FILE... or --follow SOURCE")
     if args.follow is None:
-        for flag in ("stop_after", "stop_idle"):
+        for flag in ("stop_after", "stop_idle", "poll_seconds"):
             if getattr(args, flag) is not None:
                 raise UserError(f"--{flag.replace('_', '-')} needs --follow")
         return
     if args.features:
         raise UserError("--features is not supported with --follow yet")
-    if args.poll_seconds <= 0:
-        raise UserError(f"--poll-seconds must be > 0, got {args.poll_seconds}")
+    if args.refit is not None:  # a stream has no fixed training set to train again
+        raise UserError(f"--{'' if args.refit else 'no-'}refit does not apply to --follow: "
+                        "its model is the last pass trained")
+    if Path(args.follow).is_file():
+        raise UserError(f"--follow {args.follow} is a file: --follow takes the folder (or "
+                        "URI) files land in; train a file with --train")
+    if args.poll_seconds is not None and not 0 < args.poll_seconds < math.inf:
+        raise UserError(f"--poll-seconds must be > 0 and finite, got {args.poll_seconds}")
     if args.stop_after is not None and args.stop_after < 1:
         raise UserError(f"--stop-after must be >= 1, got {args.stop_after}")
-    if args.stop_idle is not None and args.stop_idle <= 0:
+    if args.stop_idle is not None and not args.stop_idle > 0:  # nan never stopped
         raise UserError(f"--stop-idle must be > 0, got {args.stop_idle}")
 
 
@@ -259,11 +283,14 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     """``--follow``: the files of SOURCE as they land; a fresh model takes its numeric
     statistics from the first file to land."""
     options = FollowOptions(args.follow, storage_options_from_args(args),
-                            poll_s=args.poll_seconds, stop_after=args.stop_after,
-                            stop_idle_s=args.stop_idle)
+                            poll_s=args.poll_seconds or POLL_SECONDS,
+                            stop_after=args.stop_after, stop_idle_s=args.stop_idle)
     if _resuming(args):  # the model's own shape, seed and optimizers, or an error
         config = resumed_config(read_model_meta(args.out)[1], config,
                                 explicit_config_keys(args), str(args.out))
+        _refuse_unused_keys(args, config)
+    else:  # the flags make the schema: check them now, not once the first file lands
+        check_format_args(args)
 
     def schema():
         first = first_landed(options, args.out / CACHE_DIR)
@@ -339,6 +366,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     if not args.features and not _resuming(args):  # the flags make the schema: check now
         check_format_args(args)
     features = _features(args, ctx)
+    if features and config.on_bad_row == "skip":  # a resumed model's own tables
+        raise UserError(_SKIP_WITH_FEATURES)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
             feature_inputs(features, args.valid, schema=raw) as valid:
@@ -349,6 +378,7 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         if _resuming(args):  # the model's own shape, seed and optimizers, or an error
             config = resumed_config(read_model_meta(args.out)[1], config, given,
                                     str(args.out))
+            _refuse_unused_keys(args, config)
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
@@ -371,6 +401,15 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                       f"{', '.join(Path(p).name for p in args.train)}")
     ctx.close()
     return 0
+
+
+def _refuse_unused_keys(args: argparse.Namespace, config: TrainConfig) -> None:
+    """A --config key the run's model or sparse optimizer does not read (checked on the
+    config the run trains with: a resumed one is the checkpoint's) is refused, not
+    ignored."""
+    unused = unused_keys(config, explicit_config_keys(args))
+    if unused:
+        raise UserError(f"--config {args.config}: {'; '.join(unused)}")
 
 
 def _refit(args: argparse.Namespace, train: list[Path]) -> bool:

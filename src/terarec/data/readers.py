@@ -107,6 +107,8 @@ def csv_schema(
         raise ValueError(f"columns listed twice (label, numeric, categorical): {dupes}")
     if format not in FORMATS:
         raise ValueError(f"format {format!r} is not one of {FORMATS}")
+    if (problem := check_delimiter(delimiter)) is not None:
+        raise ValueError(f"delimiter {delimiter!r}: {problem}")
     if multi_valued is None:
         multi = set(categorical) if separator is not None else set()
     else:
@@ -134,6 +136,18 @@ def csv_schema(
     return FeatureSchema(label=label, fields=fields, hash_salt=hash_salt,
                          missing_flags=missing_flags, format=format, delimiter=delimiter,
                          has_header=has_header, column_names=tuple(column_names))
+
+
+def check_delimiter(delimiter: str) -> str | None:
+    """What is wrong with ``delimiter`` as a csv delimiter, or None: the readers take one
+    character that is neither a line break nor the quote character."""
+    if len(delimiter) != 1:
+        hint = " (for a tab, pass a tab character: $'\\t' in bash)" if delimiter == "\\t" \
+            else ""
+        return f"must be exactly one character, got {len(delimiter)}{hint}"
+    if delimiter in ('"', "\n", "\r"):
+        return "a quote or a line break cannot separate fields"
+    return None
 
 
 def parquet_schema(label: str, numeric: Sequence[str], categorical: Sequence[str], *,
@@ -451,10 +465,26 @@ def _record_list(spec: FieldSpec, value: Any, record: int) -> list[str | None] |
 def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
                  stats: ReadStats) -> Iterator[pa.RecordBatch]:
     """Clean blocks of a Criteo TSV or a delimited file, tracking exact line numbers."""
-    check_text(path)
-    names, header_lines = text_columns(path, schema)
-    yield from parse_text(path, schema, names, path, on_bad_row, stats,
-                          header_in_source=header_lines > 0)
+    try:
+        check_text(path)
+        names, header_lines = text_columns(path, schema)
+        yield from parse_text(path, schema, names, path, on_bad_row, stats,
+                              header_in_source=header_lines > 0)
+    except OSError as exc:
+        # pyarrow decompresses by extension and says only what failed ("Truncated
+        # compressed stream", "zlib inflate failed"), as a traceback: name the file.
+        raise DataError(f"{path}: cannot read it{_as_compressed(path)}: {exc}") from None
+
+
+# The extensions pyarrow's input_stream(compression="detect") decompresses.
+_COMPRESSED_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4")
+
+
+def _as_compressed(path: Path) -> str:
+    """`` as .gz compressed data ...`` when pyarrow decompresses ``path``, else nothing."""
+    if path.suffix.lower() not in _COMPRESSED_SUFFIXES:
+        return ""
+    return f" as {path.suffix} compressed data (decompressed by its extension)"
 
 
 _SNIFF_BYTES = 1 << 16
@@ -514,11 +544,16 @@ def text_columns(path: Path, schema: FeatureSchema) -> tuple[list[str], int]:
         names, header_lines = _read_header(path, schema.delimiter), 1
     else:
         names, header_lines = list(schema.column_names) or needed, 0
+    where = f"{path}: line 1" if header_lines else f"{path}"
     missing = [n for n in needed if n not in names]
     if missing:
-        where = f"{path}: line 1" if header_lines else f"{path}"
         raise DataError(f"{where}: field(s) {missing} are not among the file's columns "
                         f"{names}")
+    for name in needed:  # which of two same-named columns is the field's? say, not guess
+        columns = [i + 1 for i, n in enumerate(names) if n == name]
+        if len(columns) > 1:
+            raise DataError(f"{where}: field {name!r} names columns "
+                            f"{', '.join(map(str, columns))}; rename one")
     return names, header_lines
 
 

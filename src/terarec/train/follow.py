@@ -119,12 +119,18 @@ class FollowSource:
 
 def first_landed(options: FollowOptions, cache: Path) -> InputFile:
     """The first file to land under the source (waits for one): a fresh model's numeric
-    statistics come from it."""
+    statistics come from it. ``stop_idle_s`` bounds the wait too: without a file there is
+    no model to start, and the run waited forever."""
     source = FollowSource(options, cache)
+    started = time.monotonic()
     while True:
         landed = source.landed()
         if landed:
             return source.fetch(landed[0])
+        if options.stop_idle_s is not None \
+                and time.monotonic() - started >= options.stop_idle_s:
+            raise ValueError(f"--follow {options.source}: no file landed within "
+                             f"--stop-idle {options.stop_idle_s:g} s; nothing was trained")
         time.sleep(options.poll_s)
 
 
