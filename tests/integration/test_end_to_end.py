@@ -50,6 +50,50 @@ def test_eval_and_predict_agree_with_training_metrics(trained, synth_files, tmp_
     assert scores.mean() == pytest.approx(evaluated["mean_prediction"], abs=1e-6)
 
 
+def test_predict_scores_rows_without_a_label(trained, synth_files, tmp_path):
+    """New rows have no label: a Criteo file without its first column (as Criteo's own
+    test files), and csv / parquet files without the label column, were refused
+    ("39 columns, expected 40"; "field(s) ['label'] are not among the file's columns")."""
+    import pyarrow as pa
+    import pyarrow.csv as pa_csv
+    import pyarrow.parquet as pq
+
+    _, valid, _, _ = synth_files
+    lines = valid.read_text().splitlines(keepends=True)[:500]
+    labelled, unlabelled = tmp_path / "labelled.tsv", tmp_path / "unlabelled.tsv"
+    labelled.write_text("".join(lines))
+    unlabelled.write_text("".join(line.split("\t", 1)[1] for line in lines))
+    scores = {}
+    for name, path in (("labelled", labelled), ("unlabelled", unlabelled)):
+        out = tmp_path / f"{name}.txt"
+        assert main(["predict", "--model", str(trained), "--data", str(path),
+                     "--out", str(out)]) == 0
+        scores[name] = np.loadtxt(out)
+    np.testing.assert_array_equal(scores["unlabelled"], scores["labelled"])
+    assert main(["eval", "--model", str(trained), "--data", str(unlabelled)]) == 2
+
+    rows = [line.rstrip("\n").split("\t") for line in lines]
+    table = pa.table({"y": [int(r[0]) for r in rows], "n1": [r[1] or None for r in rows],
+                      "c1": [r[14] for r in rows]})
+    pa_csv.write_csv(table, tmp_path / "t.csv")
+    model = tmp_path / "csv-model"
+    assert main(["train", "--train", str(tmp_path / "t.csv"), "--format", "csv", "--label",
+                 "y", "--numeric", "n1", "--categorical", "c1", "--out", str(model),
+                 "--no-progress"]) == 0
+    pa_csv.write_csv(table.drop_columns(["y"]), tmp_path / "new.csv")
+    pq.write_table(table.drop_columns(["y"]), tmp_path / "new.parquet")
+    got = {}
+    for data in ("t.csv", "new.csv", "new.parquet"):
+        out = tmp_path / f"{data}.scores"
+        extra = ["--format", "parquet"] if data.endswith("parquet") else []
+        assert main(["predict", "--model", str(model), "--data", str(tmp_path / data),
+                     "--out", str(out), *extra]) == 0, data
+        got[data] = np.loadtxt(out)
+    assert got["t.csv"].shape == (500,)
+    np.testing.assert_array_equal(got["new.csv"], got["t.csv"])
+    np.testing.assert_allclose(got["new.parquet"], got["t.csv"], rtol=1e-6)
+
+
 def test_seeded_runs_are_reproducible(synth_files, tmp_path):
     train, _, _, _ = synth_files
     small = tmp_path / "small.tsv"

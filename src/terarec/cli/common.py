@@ -371,8 +371,9 @@ def add_checkpoint_arg(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def model_data(args: argparse.Namespace) -> Iterator[tuple]:
+def model_data(args: argparse.Namespace, *, with_label: bool = True) -> Iterator[tuple]:
     """(trainer restored from ``--model``, batches of ``--data``, their ReadStats).
+    ``with_label=False`` (predict: new rows) never reads a label, so files may lack it.
 
     A model trained with AutoFeature tables has them joined onto the raw rows first, so
     new rows get exactly the features training computed. The command's ``--out`` file is
@@ -397,7 +398,8 @@ def model_data(args: argparse.Namespace) -> Iterator[tuple]:
                           lambda s: schema_for_data(s, args)) as (schema, data):
             stats = ReadStats()
             batches = iter_file_batches(data, schema, trainer.config.batch_size,
-                                        on_bad_row=args.on_bad_row or "error", stats=stats)
+                                        on_bad_row=args.on_bad_row or "error", stats=stats,
+                                        with_label=with_label)
             yield trainer, _with_rows(batches, args.data, stats), stats
 
 

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with model_data(args) as (trainer, batches, stats):
+    with model_data(args, with_label=False) as (trainer, batches, stats):
         if args.out:
             with atomic_open(args.out, "w") as fh:
                 for probs, _ in trainer.predict_stream(batches):

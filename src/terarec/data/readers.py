@@ -160,21 +160,24 @@ def parquet_schema(label: str, numeric: Sequence[str], categorical: Sequence[str
 # -- public entry points ------------------------------------------------------------------
 
 def iter_batches(path: str | Path, schema: FeatureSchema, batch_size: int, *,
-                 on_bad_row: OnBadRow = "error",
-                 stats: ReadStats | None = None) -> Iterator[Batch]:
+                 on_bad_row: OnBadRow = "error", stats: ReadStats | None = None,
+                 with_label: bool = True) -> Iterator[Batch]:
     """Stream ``path`` as Batches of ``batch_size`` rows (the last one may be shorter).
 
     ``on_bad_row="skip"`` drops rows with a wrong column count, a non-numeric value in a
     numeric column or a label other than 0/1, counting them in ``stats``; an empty or
-    missing file, or columns the file lacks, are always errors.
+    missing file, or columns the file lacks, are always errors. ``with_label=False``
+    (scoring new rows) never reads the label: the file may lack it (a headerless file
+    then has one column fewer) and the batches' labels are 0.
     """
-    for table in iter_tables(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats):
+    for table in iter_tables(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats,
+                             with_label=with_label):
         yield table_to_batch(table, schema)
 
 
 def iter_tables(path: str | Path, schema: FeatureSchema, batch_size: int, *,
-                on_bad_row: OnBadRow = "error",
-                stats: ReadStats | None = None) -> Iterator[pa.Table]:
+                on_bad_row: OnBadRow = "error", stats: ReadStats | None = None,
+                with_label: bool = True) -> Iterator[pa.Table]:
     """``iter_batches`` one step short: parsed and checked tables of ``batch_size`` rows,
     not yet hashed. Hashing is most of the work of reading, so a torchrun rank, which
     must see every row to cut the same batches as the others, converts only its own
@@ -186,9 +189,9 @@ def iter_tables(path: str | Path, schema: FeatureSchema, batch_size: int, *,
     path = check_file(path)
     stats = stats if stats is not None else ReadStats()
     if schema.format in ("criteo", "csv"):
-        blocks = _text_blocks(path, schema, on_bad_row, stats)
+        blocks = _text_blocks(path, schema, on_bad_row, stats, with_label)
     elif schema.format == "parquet":
-        blocks = _parquet_blocks(path, schema, on_bad_row, stats)
+        blocks = _parquet_blocks(path, schema, on_bad_row, stats, with_label)
     else:
         raise ValueError(f"schema format {schema.format!r} is not one of {FORMATS}")
     produced = 0
@@ -354,8 +357,11 @@ class _Cleaner:
         schema = self.schema
         columns: dict[str, pa.Array] = {}
         bad: list[tuple[str, np.ndarray, pa.Array]] = []  # (field, bad mask, raw column)
-        raw_label = block.column(schema.label)
-        labels = self.label(raw_label, first_row)
+        if schema.label not in block.schema.names:  # scoring new rows: no label read
+            raw_label = labels = pa.nulls(block.num_rows, pa.float32()).fill_null(0.0)
+        else:
+            raw_label = block.column(schema.label)
+            labels = self.label(raw_label, first_row)
         columns[schema.label] = labels
         if labels.null_count:
             bad.append((schema.label, labels.is_null().to_numpy(zero_copy_only=False),
@@ -463,13 +469,13 @@ def _record_list(spec: FieldSpec, value: Any, record: int) -> list[str | None] |
 # -- sources --------------------------------------------------------------------------------
 
 def _text_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
-                 stats: ReadStats) -> Iterator[pa.RecordBatch]:
+                 stats: ReadStats, with_label: bool = True) -> Iterator[pa.RecordBatch]:
     """Clean blocks of a Criteo TSV or a delimited file, tracking exact line numbers."""
     try:
         check_text(path)
-        names, header_lines = text_columns(path, schema)
+        names, header_lines = text_columns(path, schema, with_label)
         yield from parse_text(path, schema, names, path, on_bad_row, stats,
-                              header_in_source=header_lines > 0)
+                              header_in_source=header_lines > 0, with_label=with_label)
     except OSError as exc:
         # pyarrow decompresses by extension and says only what failed ("Truncated
         # compressed stream", "zlib inflate failed"), as a traceback: name the file.
@@ -535,15 +541,26 @@ class _QuietUndecodableRows:
 _quiet_undecodable_rows = _QuietUndecodableRows()
 
 
-def text_columns(path: Path, schema: FeatureSchema) -> tuple[list[str], int]:
+def _needed(schema: FeatureSchema, with_label: bool = True) -> list[str]:
+    """The columns a read takes: the label (unless scoring new rows) and every field."""
+    fields = [f.name for f in schema.fields]
+    return [schema.label, *fields] if with_label else fields
+
+
+def text_columns(path: Path, schema: FeatureSchema,
+                 with_label: bool = True) -> tuple[list[str], int]:
     """The column names of a Criteo TSV or delimited file and how many header lines
-    precede its data (0 or 1); a DataError if a field the schema needs is missing."""
+    precede its data (0 or 1); a DataError if a field the schema needs is missing.
+    Without a header and ``with_label=False``, a first line one column short of the
+    schema's columns means the file has no label column (as Criteo's test files)."""
     criteo = schema.format == "criteo"
-    needed = [schema.label, *(f.name for f in schema.fields)]
+    needed = _needed(schema, with_label)
     if schema.has_header and not criteo:
         names, header_lines = _read_header(path, schema.delimiter), 1
     else:
-        names, header_lines = list(schema.column_names) or needed, 0
+        names, header_lines = list(schema.column_names) or _needed(schema), 0
+        if not with_label and len(_read_header(path, schema.delimiter)) == len(names) - 1:
+            names.remove(schema.label)
     where = f"{path}: line 1" if header_lines else f"{path}"
     missing = [n for n in needed if n not in names]
     if missing:
@@ -559,13 +576,13 @@ def text_columns(path: Path, schema: FeatureSchema) -> tuple[list[str], int]:
 
 def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
                on_bad_row: OnBadRow, stats: ReadStats, *, header_in_source: bool = False,
-               lines_before: int = 0) -> Iterator[pa.RecordBatch]:
+               lines_before: int = 0, with_label: bool = True) -> Iterator[pa.RecordBatch]:
     """Clean blocks of delimited text read from ``source`` (``path`` itself, or a buffer
     holding whole lines of it), whose columns are ``names``. Messages name lines of
     ``path``: ``lines_before`` is how many of its lines precede ``source``'s first, and
     ``header_in_source`` says whether that first line is the header."""
     criteo = schema.format == "criteo"
-    needed = [schema.label, *(f.name for f in schema.fields)]
+    needed = _needed(schema, with_label)
     skip = 1 if header_in_source else 0
     column_names = None if header_in_source else names
 
@@ -686,8 +703,8 @@ def _read_header(path: Path, delimiter: str) -> list[str]:
 
 
 def _parquet_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
-                    stats: ReadStats) -> Iterator[pa.RecordBatch]:
-    pf, needed = open_parquet(path, schema)
+                    stats: ReadStats, with_label: bool = True) -> Iterator[pa.RecordBatch]:
+    pf, needed = open_parquet(path, schema, with_label)
     cleaner = parquet_cleaner(path, schema, on_bad_row, stats)
     stream_row = 0
     for block in pf.iter_batches(batch_size=65536, columns=needed):
@@ -695,7 +712,8 @@ def _parquet_blocks(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
         stream_row += block.num_rows
 
 
-def open_parquet(path: Path, schema: FeatureSchema) -> tuple[Any, list[str]]:
+def open_parquet(path: Path, schema: FeatureSchema,
+                 with_label: bool = True) -> tuple[Any, list[str]]:
     """A ``pyarrow.parquet.ParquetFile`` whose columns were checked against the schema,
     and the columns to read."""
     import pyarrow.parquet as pq
@@ -705,7 +723,7 @@ def open_parquet(path: Path, schema: FeatureSchema) -> tuple[Any, list[str]]:
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataError(f"{path}: not a readable Parquet file: {exc}") from exc
     names = pf.schema_arrow.names
-    needed = [schema.label, *(f.name for f in schema.fields)]
+    needed = _needed(schema, with_label)
     missing = [n for n in needed if n not in names]
     if missing:
         raise DataError(f"{path}: field(s) {missing} are not among the file's columns {names}")

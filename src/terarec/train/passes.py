@@ -35,10 +35,11 @@ Inputs = Iterable[str | Path | InputFile | Idle]  # files, or IDLE while none is
 
 
 def iter_file_batches(paths: Iterable[str | Path], schema: FeatureSchema, batch_size: int,
-                      on_bad_row: OnBadRow = "error",
-                      stats: ReadStats | None = None) -> Iterator[Batch]:
+                      on_bad_row: OnBadRow = "error", stats: ReadStats | None = None,
+                      with_label: bool = True) -> Iterator[Batch]:
     for path in paths:
-        yield from iter_batches(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats)
+        yield from iter_batches(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats,
+                                with_label=with_label)
 
 
 def group_passes(batches: Iterable[Batch], pass_rows: int) -> Iterator[list[Batch]]:
