@@ -224,6 +224,21 @@ def test_a_field_list_slice_takes_single_valued_categorical_fields_once():
         slice_spec(schema, ModelConfig(), "I1,C1")
 
 
+def test_a_slice_with_no_row_of_the_model_is_refused(trained, tmp_path, capsys):
+    """A --keys-from file sharing no key with the model was exported as a 0-row slice,
+    which answered every lookup with zero rows."""
+    _, _, model = trained
+    other = tmp_path / "other.tsv"
+    other.write_text("item\ttopic\nno-such-item\tno-such-topic\n")
+    out = tmp_path / "x"
+    capsys.readouterr()
+    assert main(["export", "--model", model, "--out", str(out), "--slice", "item_tower",
+                 "--keys-from", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is a row of the model" in err and "no version written" in err
+    assert not (out / "LATEST").exists()
+
+
 def test_keys_from_a_folder_says_so(tmp_path):
     from terarec.retrieval.slices import field_keys
 

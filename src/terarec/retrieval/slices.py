@@ -183,7 +183,13 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
         changed, deleted = _diff(keys, values, old_keys, old_values)
         return exporter.write_delta(dense=dense, keys=keys[changed], values=values[changed],
                                     deleted=deleted, pass_id=int(ckpt.meta["pass_id"]))
-    rows = (c for c in _filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted, spec.columns))
+    if not len(wanted):
+        raise ValueError(f"--keys-from {', '.join(map(str, keys_from))}: no value of fields "
+                         f"{list(spec.fields)} in it")
+    rows = _not_empty(_filtered(ckpt.iter_sorted(CHUNK_ROWS), wanted, spec.columns),
+                      f"--slice {spec.name}: none of the {len(wanted):,} keys of fields "
+                      f"{list(spec.fields)} in --keys-from is a row of the model (files "
+                      "other than those it was trained on?); no version written")
     return exporter.write_full(schema=schema, model_config=config.model, dense=dense,
                                rows=rows, row_dim=row_dim, pass_id=int(ckpt.meta["pass_id"]),
                                slice_info=info)
@@ -205,6 +211,17 @@ def _filtered(chunks: Iterator[Any], wanted: np.ndarray,
                 values[:, lo:hi] = part["values"][:, lo:hi]
                 part["values"] = values
             yield type(chunk)(**part)
+
+
+def _not_empty(chunks: Iterator[Any], message: str) -> Iterator[Any]:
+    """``chunks``, then a ValueError(``message``) if there were none: raised inside the
+    writer's loop, before the manifest, so an empty full version is never published."""
+    empty = True
+    for chunk in chunks:
+        empty = False
+        yield chunk
+    if empty:
+        raise ValueError(message)
 
 
 def _member(keys: np.ndarray, wanted: np.ndarray) -> np.ndarray:
