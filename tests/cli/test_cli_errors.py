@@ -713,3 +713,16 @@ def test_publish_checks_its_source_and_grace_before_connecting(lr_model, tmp_pat
         assert _one_line(capsys) == f"terarec publish: error: {message}"
     assert cli_main(["publish", str(export), "--to", nowhere]) == 2  # now the cluster
     assert "no cluster node answered" in _one_line(capsys)
+
+
+def test_a_run_failing_before_its_first_write_leaves_no_model_folder(data, tmp_path, capsys):
+    """DSSM without user fields failed once the model was built, after the model folder
+    and its lock files were made: the empty folder was left behind. A folder that was
+    there before the run stays."""
+    out = tmp_path / "model"
+    assert _train(data, out, "--model", "dssm") == 2
+    assert "user_fields is empty" in _one_line(capsys)
+    assert not out.exists()
+    out.mkdir()
+    assert _train(data, out, "--model", "dssm") == 2
+    assert out.is_dir()

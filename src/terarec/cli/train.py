@@ -220,9 +220,24 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         check_export_target(args.export_to, storage_options_from_args(args), "--export-to",
                             options_elsewhere=args.follow is not None)
     ctx = topology(config.device)
-    with contextlib.ExitStack() as held:
-        _lock_model_dir(args.out, ctx, held)
-        return _locked_run(args, config, ctx, on_commit)
+    fresh = ctx.is_main and not args.out.exists()
+    try:
+        with contextlib.ExitStack() as held:
+            _lock_model_dir(args.out, ctx, held)
+            return _locked_run(args, config, ctx, on_commit)
+    except BaseException:
+        if fresh:  # a run that failed before writing anything leaves no empty model folder
+            _remove_if_only_locks(args.out)
+        raise
+
+
+def _remove_if_only_locks(out: Path) -> None:
+    names = {p.name for p in out.iterdir()} if out.is_dir() else None
+    if names is not None and names <= {LOCK_FILE, RANKS_LOCK_FILE}:
+        for name in names:
+            (out / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            out.rmdir()
 
 
 def _check_export_args(args: argparse.Namespace) -> None:
