@@ -368,6 +368,33 @@ def test_csv_without_its_columns_fails_before_any_work(tmp_path, capsys):
     assert not (out / "checkpoints").exists()
 
 
+COLUMN_ERRORS = [
+    (["--categorical", "site,site"], "columns listed twice (label, numeric, categorical): "
+                                     "['site']"),
+    (["--categorical", "site", "--multi-valued", "tags"], "multi_valued fields ['tags'] are "
+                                                          "not categorical fields"),
+    (["--categorical", "site", "--multi-valued", "site", "--multi-sep", ","],
+     "separator ',' must be non-empty and differ from the delimiter"),
+]
+
+
+@pytest.mark.parametrize("extra,message", COLUMN_ERRORS,
+                         ids=[" ".join(a) for a, _ in COLUMN_ERRORS])
+def test_inconsistent_column_flags_fail_before_the_data_is_sized(tmp_path, capsys, extra,
+                                                                 message):
+    """The schema the column flags describe is built before any work: these failed only
+    after the data had been sized (a "data-sized defaults" line first)."""
+    csv = tmp_path / "clicks.csv"
+    csv.write_text("click,site\n" + "".join(f"{i % 2},s{i % 7}\n" for i in range(200)))
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(csv), "--format", "csv", "--label", "click",
+                     *extra, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data-sized defaults" not in err
+    assert err.strip().splitlines()[-1].endswith(message)
+    assert not (out / "checkpoints").exists()
+
+
 DELIMITER_ERRORS = [
     ("csv", "", "--delimiter '': must be exactly one character, got 0"),
     ("csv", ";;", "--delimiter ';;': must be exactly one character, got 2"),

@@ -20,12 +20,12 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_training_args,
-    check_format_args,
     check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
     schema_for_data,
+    schema_from_args,
     selection_from_args,
     train_schema_from_args,
 )
@@ -264,7 +264,7 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                                 explicit_config_keys(args), str(args.out))
         _refuse_unused_keys(args, config)
     else:  # the flags make the schema: check them now, not once the first file lands
-        check_format_args(args)
+        schema_from_args(args)
 
     def schema():
         first = first_landed(options, args.out / CACHE_DIR)
@@ -337,8 +337,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                 on_commit: Callable[[Trainer], None] | None) -> int:
     if args.follow is not None:
         return _follow_run(args, config, ctx, on_commit)
-    if not args.features and not _resuming(args):  # the flags make the schema: check now
-        check_format_args(args)
+    if not args.features and not _resuming(args):  # the flags make the schema: build it
+        schema_from_args(args)  # now, so a bad column flag fails before the data is sized
     features = _features(args, ctx)
     if features and config.on_bad_row == "skip":  # a resumed model's own tables
         raise UserError(_SKIP_WITH_FEATURES)
