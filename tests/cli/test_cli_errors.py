@@ -202,6 +202,27 @@ def test_resume_refuses_what_the_checkpoints_fix(data, lr_model, tmp_path, capsy
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.parametrize("extra,differ", [
+    (["--numeric-transform", "none"], "fields differs"),
+    (["--format", "csv", "--label", "label", "--categorical", "C1"],
+     "format, delimiter, fields differ"),
+])
+def test_resume_refuses_format_flags_describing_other_columns(data, lr_model, tmp_path,
+                                                              capsys, extra, differ):
+    """A resumed run reads its files with the model's schema: flags describing other
+    columns or transforms were silently ignored. The same flags (none here) resume."""
+    out = tmp_path / "model"
+    shutil.copytree(lr_model, out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert cli_main(["train", "--train", str(data), "--out", str(out), "--resume",
+                     *RESUME, *extra]) == 2
+    assert (f"--resume: {out} was trained on other columns than the format flags describe "
+            f"({differ}); resume with the flags it was trained with") in _one_line(capsys)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert cli_main(["train", "--train", str(data), "--out", str(out), "--resume",
+                     *RESUME, "--numeric-transform", "log1p", "--epochs", "2"]) == 0
+
+
 def test_resume_keeps_the_saved_model_and_takes_free_knobs(data, lr_model, tmp_path):
     out = tmp_path / "model"
     shutil.copytree(lr_model, out)
