@@ -107,3 +107,13 @@ def test_a_byte_order_mark_is_not_part_of_the_json(tmp_path):
                                                   "model": {"name": "lr"}}).encode())
     assert load_train_config(path).batch_size == 64
     assert config_file_keys(path) == {"batch_size", "model.name"}
+
+
+def test_a_yaml_config_is_refused_as_such(tmp_path):
+    """A YAML file was refused as "invalid JSON (expected value at line 1 column 1)"."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text("batch_size: 64\n")
+    with pytest.raises(ValueError, match=r"cfg\.yaml: a config file is JSON, not YAML"):
+        load_train_config(path)
+    path.write_text('{"batch_size": 64}')  # JSON is YAML too: read as it always was
+    assert load_train_config(path).batch_size == 64

@@ -347,6 +347,10 @@ def to_dict(config: Any) -> dict[str, Any]:
 def load_train_config(path: str | Path) -> TrainConfig:
     """The TrainConfig in JSON file ``path``; errors start with the file name."""
     raw = _config_bytes(path)
+    if Path(path).suffix.lower() in (".yaml", ".yml") and not _is_json(raw):
+        # YAML failed as "invalid JSON (expected value at line 1 column 1)"
+        raise InvalidInput(f"{path}: a config file is JSON, not YAML: write the same keys "
+                           'as a JSON object, e.g. {"batch_size": 2048}')
     repeated = _repeated_key(raw)
     if repeated is not None:  # JSON parsers keep the last: the first would be ignored
         raise InvalidInput(f"{path}: {repeated}: key given twice in one object; keep one")
@@ -377,6 +381,14 @@ def _config_bytes(path: str | Path) -> bytes:
     except OSError as exc:
         raise InvalidInput(f"{path}: cannot read config file: {exc.strerror}") from None
     return raw.removeprefix(codecs.BOM_UTF8)
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
 
 
 class _Pairs(list[tuple[str, Any]]):

@@ -304,6 +304,27 @@ def test_resume_refuses_what_the_checkpoints_fix(data, lr_model, tmp_path, capsy
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
+@pytest.mark.parametrize("extra,differ", [
+    (["--numeric-transform", "none"], "fields differs"),
+    (["--format", "csv", "--label", "label", "--categorical", "C1"],
+     "format, delimiter, fields differ"),
+])
+def test_resume_refuses_format_flags_describing_other_columns(data, lr_model, tmp_path,
+                                                              capsys, extra, differ):
+    """A resumed run reads its files with the model's schema: flags describing other
+    columns or transforms were silently ignored. The same flags (none here) resume."""
+    out = tmp_path / "model"
+    shutil.copytree(lr_model, out)
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert cli_main(["train", "--train", str(data), "--out", str(out), "--resume",
+                     *RESUME, *extra]) == 2
+    assert (f"--resume: {out} was trained on other columns than the format flags describe "
+            f"({differ}); resume with the flags it was trained with") in _one_line(capsys)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert cli_main(["train", "--train", str(data), "--out", str(out), "--resume",
+                     *RESUME, "--numeric-transform", "log1p", "--epochs", "2"]) == 0
+
+
 def test_resume_keeps_the_saved_model_and_takes_free_knobs(data, lr_model, tmp_path):
     out = tmp_path / "model"
     shutil.copytree(lr_model, out)
@@ -523,6 +544,33 @@ def test_csv_without_its_columns_fails_before_any_work(tmp_path, capsys):
     assert "data-sized defaults" not in err
     assert err.strip().splitlines()[-1].endswith(
         "--format csv needs --label and --numeric and/or --categorical")
+    assert not (out / "checkpoints").exists()
+
+
+COLUMN_ERRORS = [
+    (["--categorical", "site,site"], "columns listed twice (label, numeric, categorical): "
+                                     "['site']"),
+    (["--categorical", "site", "--multi-valued", "tags"], "multi_valued fields ['tags'] are "
+                                                          "not categorical fields"),
+    (["--categorical", "site", "--multi-valued", "site", "--multi-sep", ","],
+     "separator ',' must be non-empty and differ from the delimiter"),
+]
+
+
+@pytest.mark.parametrize("extra,message", COLUMN_ERRORS,
+                         ids=[" ".join(a) for a, _ in COLUMN_ERRORS])
+def test_inconsistent_column_flags_fail_before_the_data_is_sized(tmp_path, capsys, extra,
+                                                                 message):
+    """The schema the column flags describe is built before any work: these failed only
+    after the data had been sized (a "data-sized defaults" line first)."""
+    csv = tmp_path / "clicks.csv"
+    csv.write_text("click,site\n" + "".join(f"{i % 2},s{i % 7}\n" for i in range(200)))
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(csv), "--format", "csv", "--label", "click",
+                     *extra, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "data-sized defaults" not in err
+    assert err.strip().splitlines()[-1].endswith(message)
     assert not (out / "checkpoints").exists()
 
 

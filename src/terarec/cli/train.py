@@ -20,12 +20,12 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_training_args,
-    check_format_args,
     check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
     schema_for_data,
+    schema_from_args,
     selection_from_args,
     train_schema_from_args,
 )
@@ -57,6 +57,7 @@ from terarec.train.defaults import apply_sized_defaults, estimate_rows, refit_by
 from terarec.train.follow import CACHE_DIR, FollowOptions, first_landed
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
+from terarec.types import FeatureSchema
 
 POLL_SECONDS = 1.0  # --follow: how often SOURCE is listed by default
 
@@ -304,8 +305,9 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         config = resumed_config(read_model_meta(args.out)[1], config,
                                 explicit_config_keys(args), str(args.out))
         _refuse_unused_keys(args, config)
+        _check_resumed_columns(args)
     else:  # the flags make the schema: check them now, not once the first file lands
-        check_format_args(args)
+        schema_from_args(args)
 
     def schema():
         first = first_landed(options, args.out / CACHE_DIR)
@@ -378,11 +380,13 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                 on_commit: Callable[[Trainer], None] | None) -> int:
     if args.follow is not None:
         return _follow_run(args, config, ctx, on_commit)
-    if not args.features and not _resuming(args):  # the flags make the schema: check now
-        check_format_args(args)
+    if not args.features and not _resuming(args):  # the flags make the schema: build it
+        schema_from_args(args)  # now, so a bad column flag fails before the data is sized
     features = _features(args, ctx)
     if features and config.on_bad_row == "skip":  # a resumed model's own tables
         raise UserError(_SKIP_WITH_FEATURES)
+    if not features and _resuming(args):
+        _check_resumed_columns(args)
     raw = schema_for_data(features.base_schema, args) if features else None
     with feature_inputs(features, args.train, schema=raw) as train, \
             feature_inputs(features, args.valid, schema=raw) as valid:
@@ -425,6 +429,31 @@ def _refuse_unused_keys(args: argparse.Namespace, config: TrainConfig) -> None:
     unused = unused_keys(config, explicit_config_keys(args))
     if unused:
         raise UserError(f"--config {args.config}: {'; '.join(unused)}")
+
+
+def _check_resumed_columns(args: argparse.Namespace) -> None:
+    """A resumed run reads its files with the model's schema: format and column flags
+    describing another one (a column added, another delimiter) were silently ignored.
+    The same flags as the first run, the usual restart, describe the same columns; no
+    format flag at all takes the model's."""
+    flags = ("format", "label", "numeric", "categorical", "delimiter", "multi_sep",
+             "multi_valued", "log1p", "numeric_transform")
+    if all(getattr(args, f, None) in (None, "") for f in flags):
+        return
+
+    def columns(schema: FeatureSchema) -> tuple:
+        return (schema.format, schema.label,
+                schema.delimiter if schema.format == "csv" else None,
+                tuple((f.name, f.kind, f.transform, f.separator) for f in schema.fields))
+
+    saved, given = columns(read_model_meta(args.out)[0]), columns(schema_from_args(args))
+    if saved != given:
+        parts = ("format", "label", "delimiter", "fields")
+        differ = [p for p, a, b in zip(parts, saved, given, strict=True) if a != b]
+        raise UserError(f"--resume: {args.out} was trained on other columns than the format "
+                        f"flags describe ({', '.join(differ)} "
+                        f"{'differs' if len(differ) == 1 else 'differ'}); resume with the "
+                        "flags it was trained with, or train into another --out")
 
 
 def _refit(args: argparse.Namespace, train: list[Path]) -> bool:
