@@ -96,5 +96,5 @@ def test_export_rejects_a_codebook_without_integer_bits(trained, tmp_path, capsy
     _, root, _ = trained
     assert cli_main(["export", "--model", str(root / "model"), "--out", str(tmp_path / "x"),
                      "--bits", "16", "--codebook"]) != 0
-    assert "codebook rows take (1, 2, 4, 8) bits, got 16" in capsys.readouterr().err
+    assert "--codebook takes --bits 1, 2, 4, 8, got --bits 16" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
