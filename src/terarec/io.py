@@ -55,6 +55,13 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def file_above(path: str | Path) -> Path | None:
+    """The nearest existing folder above ``path`` when it is a file, else None: anything
+    written at ``path`` would fail there, as a traceback, so callers name it first."""
+    above = next((p for p in Path(path).parents if p.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename inside ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -33,7 +33,7 @@ from terarec.data.numeric import (
 )
 from terarec.data.readers import ReadStats, check_delimiter, csv_schema
 from terarec.distributed.context import DistContext
-from terarec.io import ScratchDir
+from terarec.io import ScratchDir, file_above
 from terarec.train.defaults import estimate_rows, max_epochs
 from terarec.train.selection import (
     DEFAULT_MAX_EPOCHS,
@@ -387,10 +387,8 @@ def model_data(args: argparse.Namespace, *, with_label: bool = True) -> Iterator
     out = getattr(args, "out", None)
     if out is not None and Path(out).is_dir():
         raise ValueError(f"--out {out} is a folder, not a file")
-    if out is not None:  # a file where a folder must be: the write failed, as a traceback
-        above = next((p for p in Path(out).parents if p.exists()), None)
-        if above is not None and not above.is_dir():
-            raise ValueError(f"--out {out}: {above} is a file, not a folder")
+    if out is not None and (above := file_above(out)) is not None:
+        raise ValueError(f"--out {out}: {above} is a file, not a folder")
     with scoring_scratch(args.model) as scratch:
         trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
             args.model, getattr(args, "checkpoint", "best")))

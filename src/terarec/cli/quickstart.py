@@ -16,7 +16,7 @@ from terarec.config import TrainConfig, from_dict
 from terarec.data.numeric import with_numeric_stats
 from terarec.data.readers import ReadStats
 from terarec.data.synth import generate
-from terarec.io import atomic_write_text
+from terarec.io import atomic_write_text, file_above
 from terarec.models.registry import model_class
 from terarec.train.checkpoint import save_checkpoint
 from terarec.train.passes import iter_file_batches
@@ -43,8 +43,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     for flag, value in (("--rows", args.rows), ("--valid-rows", args.valid_rows)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
-    blocked = next((d for d in (args.workdir, *args.workdir.parents)
-                    if d.exists() and not d.is_dir()), None)
+    blocked = args.workdir if args.workdir.is_file() else file_above(args.workdir)
     if blocked is not None:
         raise ValueError(f"--workdir {args.workdir}: {blocked} is a file, not a folder")
     try:

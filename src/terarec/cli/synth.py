@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 from terarec.data.synth import SynthInfo, generate, generate_hourly
+from terarec.io import file_above
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -81,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out.is_dir() and args.hourly is None:
         raise ValueError(f"--out {args.out} is a folder; synth writes one file there "
                          "(a folder only with --hourly)")
-    blocked = next((d for d in args.out.parents if d.exists() and not d.is_dir()), None)
-    if blocked is not None:
+    if (blocked := file_above(args.out)) is not None:
         raise ValueError(f"--out {args.out}: {blocked} is a file, not a folder")
     try:
         return _run(args)

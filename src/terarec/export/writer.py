@@ -66,6 +66,7 @@ from terarec.export.format import (
 )
 from terarec.export.storage import Storage, StorageError
 from terarec.finite import check_finite
+from terarec.kernels import grown
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
@@ -421,9 +422,8 @@ def _shards(rows: Iterable[tuple[np.ndarray, np.ndarray]], shard_rows: int,
             take = min(shard_rows - held, len(keys) - pos)
             if held + take > len(keys_buf):  # at least double, so rows are copied O(1) times
                 size = min(shard_rows, max(held + take, 2 * len(keys_buf)))
-                keys_buf = np.concatenate([keys_buf[:held], np.empty(size - held, np.int64)])
-                values_buf = np.concatenate(
-                    [values_buf[:held], np.empty((size - held, row_dim), np.float32)])
+                keys_buf = grown(keys_buf, size, double=False)
+                values_buf = grown(values_buf, size, double=False)
             keys_buf[held:held + take] = keys[pos:pos + take]
             values_buf[held:held + take] = values[pos:pos + take]
             held, pos = held + take, pos + take
