@@ -197,3 +197,42 @@ def test_file_level_errors_on_every_rank(tmp_path):
     missing.write_text("label,x,a\n1,2,a\n")
     with pytest.raises(DataError, match=r"line 1: field\(s\) \['tags'\] are not among"):
         list(iter_rank_tables(missing, CSV, 8, 1, 2))
+
+
+def test_files_with_no_rows_read_as_zero_rows_where_allowed(tmp_path):
+    """``InputFile.empty_ok`` (a followed source's files): a zero-byte file, a header-only
+    CSV, a gzip of nothing and a Parquet file of no rows give no steps on one process and
+    on a rank; the same files named as inputs are refused."""
+    from terarec.data.positions import InputFile, Positions
+    from terarec.data.readers import no_data_rows
+    from terarec.distributed.sharding import iter_rank_pass_inputs
+    from terarec.train.passes import iter_input_passes
+
+    csv = csv_schema("y", ["n"], ["c"])
+    header_only = tmp_path / "h.csv"
+    header_only.write_text("y,n,c\n\n")
+    zero = tmp_path / "z.csv"
+    zero.write_bytes(b"")
+    gz = tmp_path / "g.csv.gz"
+    gz.write_bytes(gzip.compress(b"y,n,c\n"))
+    table = pa.table({"y": pa.array([], pa.int64()), "n": pa.array([], pa.float64()),
+                      "c": pa.array([], pa.string())})
+    parquet = tmp_path / "e.parquet"
+    pq.write_table(table, parquet)
+    pschema = parquet_schema("y", ["n"], ["c"])
+    one_row = tmp_path / "r.csv"
+    one_row.write_text("y,n,c\n1,2.5,a\n")
+    assert not no_data_rows(one_row, csv)
+    for path, schema in ((header_only, csv), (zero, csv), (gz, csv), (parquet, pschema)):
+        assert no_data_rows(path, schema), path
+        item = InputFile(str(path), path, empty_ok=True)
+        for passes in (iter_input_passes([item], schema, 4, 100, Positions()),
+                       iter_rank_pass_inputs([item], schema, 4, 100, 1, 2, Positions())):
+            assert list(passes) == []
+        with pytest.raises(DataError, match=str(path)):
+            list(iter_input_passes([InputFile(str(path), path)], schema, 4, 100,
+                                   Positions()))
+    # A file with rows among them trains its rows.
+    items = [InputFile(str(p), p, empty_ok=True) for p in (zero, one_row, header_only)]
+    passes = list(iter_input_passes(items, csv, 4, 100, Positions()))
+    assert sum(len(b.labels) for b in passes[0][0]) == 1

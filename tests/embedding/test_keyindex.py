@@ -97,10 +97,10 @@ def _store(path, key_index: str, **settings) -> TieredStore:
                        seed=3, path=path)
 
 
-def _train(store: TieredStore, passes: int, seed: int = 0) -> None:
+def _train(store: TieredStore, passes: int, seed: int = 0, keys_per_pass: int = 8000) -> None:
     rng = np.random.default_rng(seed)
     for pass_id in range(passes):
-        keys = np.unique(rng.integers(0, 40_000, 8000)) * 11
+        keys = np.unique(rng.integers(0, 40_000, keys_per_pass)) * 11
         block, admitted = store.pull(keys, np.ones(len(keys), np.float32),
                                      np.zeros(len(keys), np.float32), pass_id)
         store.push(keys[admitted], RowBlock(block.values + 0.5, block.state + 1))
@@ -155,10 +155,16 @@ def test_the_table_streams_in_key_order_across_key_ranges(tmp_path, monkeypatch)
 def test_consecutive_snapshots_share_unchanged_run_files(tmp_path):
     store = _store(tmp_path / "s", "disk")
     _train(store, 2)
+    runs = store.disk.runs
+    assert runs is not None
+    runs.wait()  # the merges due now have swapped in: the first snapshot lists their output
     first = tmp_path / "c1"
     digests = store.save(first)
     store.committed(first, digests)
-    _train(store, 1, seed=5)
+    # A small pass: its run is far smaller than the ones before it, so no merge rewrites
+    # them, and the second snapshot links the same files.
+    _train(store, 1, seed=5, keys_per_pass=300)
+    runs.wait()
     second = store.save(tmp_path / "c2")
     shared = [n for n in second if n.startswith("run-") and (first / n).exists()]
     assert shared, "no run carried over"

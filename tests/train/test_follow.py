@@ -228,3 +228,26 @@ def test_follow_flags_without_effect_are_refused(tmp_path, capsys, extra, messag
     assert main(["train", "--out", str(out), *[names.get(a, a) for a in extra]]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_files_with_no_rows_count_as_trained(hourly, tmp_path, capsys):
+    """A partition's writer leaves a zero-byte part file (or a header-only CSV) for an
+    hour without events: the run stopped with "empty file" / "no data rows". Such a file
+    is trained as zero rows, recorded as done, and the next file trains."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    (folder / "2026-12-01T00-30.tsv").write_bytes(b"")
+    part = folder / "2026-12-01T00-40"
+    part.mkdir()
+    (part / "part-00000.tsv").write_bytes(b"")
+    (part / "_SUCCESS").write_bytes(b"")
+    _land(hourly[1], folder)
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-after", "4",
+                 *ARGS]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["files_trained"] == 4
+    meta = load_checkpoint(out).meta
+    assert sum(h["rows"] for h in meta["history"]) == 2 * ROWS
+    assert all(m["done"] for m in meta["inputs"]["files"].values())
+    assert len(meta["inputs"]["files"]) == 4

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,13 @@ _FINGERPRINT_BYTES = 1 << 20  # the head and the tail of a file hashed
 @dataclass(frozen=True)
 class InputFile:
     """An input: ``key`` names it in checkpoints (an absolute path, or the URI it was
-    fetched from), ``path`` is the local file read."""
+    fetched from), ``path`` is the local file read; ``empty_ok``: a file with no data
+    rows is read as zero rows rather than refused (a followed source's empty partition,
+    ``readers.no_data_rows``)."""
 
     key: str
     path: Path
+    empty_ok: bool = False
 
 
 class Idle:
@@ -66,7 +69,7 @@ def keyed_inputs(items: Iterable[Any]) -> Iterator[InputFile | Idle]:
             continue
         item = as_input(entry)
         n = seen[item.key] = seen.get(item.key, 0) + 1
-        yield item if n == 1 else InputFile(f"{item.key}#{n}", item.path)
+        yield item if n == 1 else replace(item, key=f"{item.key}#{n}")
 
 
 def input_key(path: str | Path) -> str:

@@ -215,6 +215,27 @@ def check_file(path: str | Path) -> Path:
     return path
 
 
+def no_data_rows(path: Path, schema: FeatureSchema) -> bool:
+    """Whether ``path`` holds no data row: zero bytes, a header line only, or a Parquet
+    file of no rows. A followed source's writer leaves such files for a period without
+    events (an empty partition's part file), and they are trained as zero rows there,
+    while an input named on the command line must hold rows."""
+    if path.stat().st_size == 0:
+        return True
+    if schema.format == "parquet":
+        import pyarrow.parquet as pq
+
+        return bool(pq.ParquetFile(path).metadata.num_rows == 0)
+    skip = 1 if schema.has_header and schema.format != "criteo" else 0
+    head = b""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        while chunk := stream.read(1 << 16):
+            head += chunk
+            if any(line.strip() for line in head.splitlines()[skip:]):
+                return False
+    return True
+
+
 def batch_from_records(records: Sequence[Mapping[str, Any]], schema: FeatureSchema) -> Batch:
     """A Batch from raw column -> value dicts (a JSON request), keyed exactly like a file.
 

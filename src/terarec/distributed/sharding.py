@@ -38,7 +38,7 @@ from terarec.data.positions import (
     Positions,
     iter_position_passes,
 )
-from terarec.data.readers import DataError, OnBadRow, ReadStats, table_to_batch
+from terarec.data.readers import DataError, OnBadRow, ReadStats, no_data_rows, table_to_batch
 from terarec.data.split import empty_table, iter_rank_tables
 from terarec.distributed.context import DistContext
 from terarec.kernels import splitmix64_array
@@ -106,6 +106,8 @@ def iter_rank_pass_inputs(items: Iterable[Any], schema: FeatureSchema, batch_siz
 
     def steps(item: InputFile, mark: FileMark | None) -> Iterator[tuple[Batch, int, int]]:
         start, skipped = (mark.rows, mark.skipped) if mark is not None else (0, 0)
+        if item.empty_ok and no_data_rows(item.path, schema):
+            return
         for table, step_rows in iter_rank_tables(item.path, schema, local_size, rank, world,
                                                  on_bad_row=on_bad_row, stats=read,
                                                  start=start, seek=skipped == 0):

@@ -11,8 +11,10 @@ When a file counts as landed (docs/continuous.md):
   ``_SUCCESS`` marker; its files are then trained in name order.
 
 Names ending in ``.json`` (metadata such as ``terarec synth``'s ground truth) are never
-data. Files of an object store are copied into ``OUT/follow-cache`` to be read and the
-copy removed once every rank has read it; checkpoints name them by their URI.
+data. A landed file with no data rows (zero bytes, a header only, a Parquet file of no
+rows: an empty partition's part file) is trained as zero rows and recorded as done.
+Files of an object store are copied into ``OUT/follow-cache`` to be read and the copy
+removed once every rank has read it; checkpoints name them by their URI.
 
 Under torchrun, rank 0 lists SOURCE (and copies new files) and broadcasts the list in
 the read-ahead thread's process group, so every rank reads the same files in the same
@@ -107,11 +109,11 @@ class FollowSource:
         """The file as a local input (an object store's file copied into the cache)."""
         local = self.storage.local_path(rel)
         if local is not None:
-            return InputFile(input_key(local), local)
+            return InputFile(input_key(local), local, empty_ok=True)
         dest = self.cache / rel
         if not dest.exists():
             self.storage.download(rel, dest)
-        return InputFile(self.key(rel), dest)
+        return InputFile(self.key(rel), dest, empty_ok=True)
 
     def cached(self, item: InputFile) -> bool:
         return self.cache in item.path.parents

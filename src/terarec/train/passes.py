@@ -27,7 +27,13 @@ from terarec.data.positions import (
     Positions,
     iter_position_passes,
 )
-from terarec.data.readers import OnBadRow, ReadStats, iter_batches, table_to_batch
+from terarec.data.readers import (
+    OnBadRow,
+    ReadStats,
+    iter_batches,
+    no_data_rows,
+    table_to_batch,
+)
 from terarec.data.split import iter_tables_from
 from terarec.types import Batch, FeatureSchema
 
@@ -68,6 +74,8 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
 
     def steps(item: InputFile, mark: FileMark | None) -> Iterator[tuple[Batch, int, int]]:
         start, skipped = (mark.rows, mark.skipped) if mark is not None else (0, 0)
+        if item.empty_ok and no_data_rows(item.path, schema):
+            return
         skipped_at_start = read.skipped
         for table in iter_tables_from(item.path, schema, batch_size, start,
                                       seek=skipped == 0, on_bad_row=on_bad_row, stats=read):
