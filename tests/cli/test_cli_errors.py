@@ -152,6 +152,22 @@ def test_a_file_named_twice_is_refused(data, tmp_path, capsys, command, flag):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["train", "search"])
+def test_a_file_in_both_train_and_valid_is_refused(data, tmp_path, capsys, command):
+    """--valid naming a --train file selected on rows the model had trained on, and the
+    refit (on by default at this size) trained them twice."""
+    other = tmp_path / "other.tsv"
+    generate(other, 300, model_seed=0, sample_seed=9, vocab_scale=0.01)
+    link = tmp_path / "link.tsv"
+    link.symlink_to(data)
+    out = tmp_path / "model"
+    assert cli_main([command, "--train", str(data), "--valid", str(other), str(link),
+                     "--out", str(out), *TRAIN]) == 2
+    assert (f"--valid: {link} is also a --train file (as {data}): validation must hold "
+            "rows training does not see") in _one_line(capsys)
+    assert not out.exists()
+
+
 def test_config_keys_the_model_or_optimizer_does_not_read_are_refused(data, tmp_path,
                                                                      capsys):
     """A DCN cross setting with DeepFM or an FTRL setting with Adam was silently ignored;

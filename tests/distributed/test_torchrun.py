@@ -95,10 +95,11 @@ def csv_runs(tmp_path_factory):
     for i in range(n):
         tags = "|".join(f"t{t}" for t in rng.integers(0, 30, rng.integers(0, 4)))
         lines.append(f"{labels[i]},{rng.random():.3f},{rng.normal():.3f},a{a[i]},b{b[i]},{tags}")
-    data = root / "train.csv"
+    data, valid = root / "train.csv", root / "valid.csv"
     data.write_text("\n".join(lines) + "\n")
+    valid.write_text("\n".join(lines[:1] + lines[-600:]) + "\n")  # a file of its own
     # One epoch (with --valid, --epochs is otherwise an upper bound for patience).
-    common = ["--train", str(data), "--valid", str(data), "--epochs", "1", *CSV_ARGS]
+    common = ["--train", str(data), "--valid", str(valid), "--epochs", "1", *CSV_ARGS]
     single([*common, "--out", str(root / "single")])
     torchrun([*common, "--out", str(root / "dist")])
     return root

@@ -191,7 +191,7 @@ def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
     assert all(refs[t.number]() is None for t in later), "pruned rows still referenced"
 
 
-def test_space_errors_name_the_parameter(tmp_path):
+def test_space_errors_name_the_parameter(tmp_path, capsys):
     config = TrainConfig()
     with pytest.raises(ValueError, match="model.embeding_dim: no such config field"):
         check_space({"model.embeding_dim": [4, 8]}, config)
@@ -203,8 +203,12 @@ def test_space_errors_name_the_parameter(tmp_path):
                                                        "high": 1e-2}}, config))
     bad = tmp_path / "space.yaml"
     bad.write_text("batch_size: {type: int, low: 512}\n")
-    assert main(["search", "--train", str(bad), "--valid", str(bad), "--out",
-                 str(tmp_path / "o"), "--space", str(bad)]) == 2
+    data, valid = tmp_path / "d.tsv", tmp_path / "v.tsv"
+    generate(data, 200, model_seed=0, sample_seed=1)
+    generate(valid, 100, model_seed=0, sample_seed=2)
+    assert main(["search", "--train", str(data), "--valid", str(valid),
+                 "--out", str(tmp_path / "o"), "--space", str(bad)]) == 2
+    assert "space.yaml: batch_size: int needs a finite number 'high'" in capsys.readouterr().err
     assert apply_params(config, {"model.embedding_dim": 32}).model.embedding_dim == 32
 
 

@@ -349,6 +349,17 @@ def check_no_repeats(paths: Sequence[str | Path], flag: str) -> None:
         seen[real] = path
 
 
+def check_disjoint(train: Sequence[str | Path], valid: Sequence[str | Path]) -> None:
+    """A file in both --train and --valid: validation would score rows the model trained
+    on (picking the overfit pass as best), and a refit would train them twice."""
+    trained = {os.path.realpath(p): p for p in train}
+    for path in valid:
+        if (same := trained.get(os.path.realpath(path))) is not None:
+            named = f" (as {same})" if str(same) != str(path) else ""
+            raise ValueError(f"--valid: {path} is also a --train file{named}: validation "
+                             "must hold rows training does not see")
+
+
 def report_skipped(stats: ReadStats, what: str = "rows") -> None:
     if stats.skipped:
         print(f"skipped {stats.skipped} bad {what}; first: " + " | ".join(stats.examples),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from terarec.cli.common import (
     add_training_args,
+    check_disjoint,
     check_no_repeats,
     config_from_args,
     explicit_config_keys,
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_no_repeats(args.train, "--train")
     check_no_repeats(args.valid, "--valid")
+    check_disjoint(args.train or [], args.valid)
     # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
     config, _ = apply_sized_defaults(config_from_args(args), args.train,
                                      explicit_config_keys(args))

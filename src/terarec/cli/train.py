@@ -20,6 +20,7 @@ from terarec.autofeature.features import (
 )
 from terarec.cli.common import (
     add_training_args,
+    check_disjoint,
     check_no_repeats,
     config_from_args,
     explicit_config_keys,
@@ -199,6 +200,7 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     _check_follow_args(args)
     check_no_repeats(args.train or [], "--train")
     check_no_repeats(args.valid, "--valid")
+    check_disjoint(args.train or [], args.valid)
     for flag, value in (("--checkpoint-every", args.checkpoint_every),
                         ("--delta-every", args.delta_every)):
         if value is not None and value < 1:
