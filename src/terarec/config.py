@@ -428,30 +428,36 @@ def _repeated_key(raw: bytes) -> str | None:
 _READ_ONLY_BY: dict[tuple[str, str], tuple[str, ...]] = {
     **{("model", k): ("dcnv2",) for k in ("cross_layers", "cross_rank")},
     **{("model", k): ("dlrm",) for k in ("bottom_mlp", "top_mlp")},
+    ("model", "deep_mlp"): ("widedeep", "deepfm", "dcnv2", "dssm"),
+    **{("model", k): ("widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
+       for k in ("dropout", "batch_norm")},  # the models with an MLP
     **{("model", k): ("dssm",) for k in ("user_fields", "item_fields", "tower_similarity",
                                            "cosine_scale")},
     **{("sparse_optimizer", k): ("adam",) for k in ("beta1", "beta2")},
     **{("sparse_optimizer", k): ("ftrl",) for k in ("ftrl_alpha", "ftrl_beta", "ftrl_l1",
                                                       "ftrl_l2")},
     ("sparse_optimizer", "initial_accumulator"): ("adagrad",),
+    ("sparse_optimizer", "eps"): ("adagrad", "adam"),
 }
 
 
-def unused_keys(config: TrainConfig, given: set[str]) -> list[str]:
-    """One line for each dotted key in ``given`` (the keys the user set) that the chosen
-    model or sparse optimizer does not read, e.g. ``model.cross_layers`` for deepfm. A key
-    at its default is left alone: a saved train_config.json lists every key."""
+def unused_keys(config: TrainConfig, given: set[str]) -> dict[str, str]:
+    """What is wrong with each dotted key in ``given`` (the keys the user set) that the
+    chosen model or sparse optimizer does not read, e.g. ``model.cross_layers`` for
+    deepfm. A key at its default is left alone: a saved train_config.json lists every
+    key."""
     sections = {"model": config.model, "sparse_optimizer": config.sparse_optimizer}
     defaults = {"model": ModelConfig(), "sparse_optimizer": SparseOptimizerConfig()}
     chosen = {"model": config.model.name.lower(), "sparse_optimizer": config.sparse_optimizer.name}
-    lines = []
+    found = {}
     for (section, key), readers in _READ_ONLY_BY.items():
         value = getattr(sections[section], key)
         if f"{section}.{key}" in given and chosen[section] not in readers \
                 and value != getattr(defaults[section], key):
-            lines.append(f"{section}.{key}: only {section.replace('_', ' ')} "
-                         f"{' / '.join(readers)} reads it, this run's is {chosen[section]}")
-    return lines
+            found[f"{section}.{key}"] = (f"only {section.replace('_', ' ')} "
+                                         f"{' / '.join(readers)} reads it, this run's is "
+                                         f"{chosen[section]}")
+    return found
 
 
 # What a checkpoint fixes: the parameters' shapes and meaning (the model, the optimizers'

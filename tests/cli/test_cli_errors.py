@@ -114,7 +114,9 @@ def test_export_schedule_flags_are_checked_before_any_work(data, tmp_path, capsy
 
 @pytest.mark.parametrize("extra,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
 def test_nonsense_flags_are_refused_naming_the_flag(data, tmp_path, capsys, extra, message):
-    names = {"EXPORT": str(tmp_path / "export"), "VALID": str(data)}
+    valid = tmp_path / "valid.tsv"
+    shutil.copy(data, valid)  # a file of its own: --train's is refused as --valid
+    names = {"EXPORT": str(tmp_path / "export"), "VALID": str(valid)}
     extra = [names.get(a, a) for a in extra]
     out = tmp_path / "model"
     assert _train(data, out, *extra) == 2
@@ -190,6 +192,35 @@ def test_config_keys_the_model_or_optimizer_does_not_read_are_refused(data, tmp_
     config.write_text(json.dumps(saved))
     assert _train(data, tmp_path / "lr", "--config", str(config), "--model", "lr",
                   "--sparse-optimizer", "adagrad", "--epochs", "1") == 0
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--model", "lr", "--dropout", "0.3"],
+     "--dropout: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this run's "
+     "is lr"),
+    (["--model", "fm", "--batch-norm"],
+     "--batch-norm: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this "
+     "run's is fm"),
+])
+def test_flags_the_model_does_not_read_are_refused(data, tmp_path, capsys, extra, message):
+    """An MLP setting for a model without an MLP was silently ignored."""
+    out = tmp_path / "model"
+    assert _train(data, out, *extra) == 2
+    assert _one_line(capsys).endswith(message)
+    assert not (out / "checkpoints").exists()
+
+
+def test_config_and_flag_keys_not_read_are_named_each_by_its_source(data, tmp_path, capsys):
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model": {"deep_mlp": [8]},
+                                  "sparse_optimizer": {"name": "ftrl", "eps": 1e-6}}))
+    assert _train(data, tmp_path / "model", "--config", str(config), "--model", "fm",
+                  "--dropout", "0.1") == 2
+    assert _one_line(capsys).endswith(
+        "--dropout: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this run's "
+        f"is fm; --config {config}: model.deep_mlp: only model widedeep / deepfm / dcnv2 / "
+        "dssm reads it, this run's is fm; sparse_optimizer.eps: only sparse optimizer "
+        "adagrad / adam reads it, this run's is ftrl")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -36,7 +36,7 @@ from terarec.cli.storage_args import (
     check_export_target,
     storage_options_from_args,
 )
-from terarec.config import TrainConfig, resumed_config, unused_keys
+from terarec.config import TrainConfig, flag_fields, resumed_config, unused_keys
 from terarec.distributed.context import (
     DistContext,
     launched_by_torchrun,
@@ -425,12 +425,22 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
 
 
 def _refuse_unused_keys(args: argparse.Namespace, config: TrainConfig) -> None:
-    """A --config key the run's model or sparse optimizer does not read (checked on the
-    config the run trains with: a resumed one is the checkpoint's) is refused, not
-    ignored."""
+    """A key the run's model or sparse optimizer does not read (checked on the config
+    the run trains with: a resumed one is the checkpoint's) is refused, not ignored,
+    naming its flag or the --config file that set it."""
     unused = unused_keys(config, explicit_config_keys(args))
-    if unused:
-        raise UserError(f"--config {args.config}: {'; '.join(unused)}")
+    flags = {".".join(path): flag for path, flag, _, _ in flag_fields()}
+    by_flag, in_file = [], []
+    for key, why in unused.items():
+        flag = flags.get(key)
+        if flag is not None and getattr(args, flag.attr, None) is not None:
+            by_flag.append(f"{flag.name}: {why}")
+        else:
+            in_file.append(f"{key}: {why}")
+    if in_file:
+        by_flag.append(f"--config {args.config}: {'; '.join(in_file)}")
+    if by_flag:
+        raise UserError("; ".join(by_flag))
 
 
 def _check_resumed_columns(args: argparse.Namespace) -> None:
