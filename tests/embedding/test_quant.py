@@ -242,6 +242,32 @@ def codebook_mse(values: np.ndarray, levels: np.ndarray) -> float:
     return float(np.mean((nearest_levels(values, levels) - values) ** 2))
 
 
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_int8_rows_spanning_the_float32_range_decode_within_their_step(stochastic):
+    """A row from -3e38 to 3e38: x - bias overflowed float32 and the row max decoded as
+    its min (-3e38); decoding bias + scale * 255 overflowed too."""
+    top = float(np.finfo(np.float32).max)
+    rows = np.array([[3e38, -3e38, 1.0, 0.0], [top, -top, top, 0.0]], np.float32)
+    decoded = decode_rows(encode_rows(rows, "int8", stochastic=stochastic), "int8", 4)
+    assert np.isfinite(decoded).all()
+    scale, _ = read_scale_bias(encode_rows(rows, "int8"), "int8", 4)
+    err = np.abs(decoded.astype(np.float64) - rows.astype(np.float64))
+    assert (err <= scale.astype(np.float64)[:, None] * (1.0 if stochastic else 0.5)
+            * (1 + 1e-6)).all()
+
+
+def test_row_scaled_codebook_refuses_rows_beyond_its_fp16_scale():
+    """Squaring 3e38 overflowed float32: the row's RMS was inf, the row encoded as zeros
+    and decoded as zeros without an error."""
+    rows = np.array([[3e38, -3e38, 1.0, 0.0], [0.1, 0.2, -0.1, 0.0]], np.float32)
+    levels = fit_codebook(rows[1:], 2, row_scaled=True)
+    with pytest.raises(ValueError, match=r"encode_codebook \(row scale\): row 0 holds a value "
+                       r"beyond \+-65504"):
+        encode_codebook(rows, levels, row_scaled=True)
+    wide = fit_codebook(rows, 2, row_scaled=True)  # fitted on each row over its RMS
+    assert np.isfinite(wide).all() and np.ptp(wide) > 0.5
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4])
 def test_kmeans_codebook_beats_uniform_levels_on_gaussian_values(bits):
     values = gaussian_rows(2048, 16)

@@ -176,7 +176,7 @@ def fit_codebook(values: np.ndarray, bits: int, *, iters: int = 30, seed: int = 
     _check_finite(values, row_min, row_max, "fit_codebook")
     if row_scaled:
         rms = _row_rms(values)
-        values = values[rms > 0] / rms[rms > 0, None]
+        values = (values[rms > 0] / rms[rms > 0, None]).astype(np.float32)
     sample = values.ravel()
     if sample.size == 0:
         raise ValueError("fit_codebook: no values to fit (empty input, or only zero rows "
@@ -310,7 +310,9 @@ def _check_scale_range(scale: np.ndarray, scale_dtype: np.dtype, bits: int) -> n
 
 
 def _row_rms(values: np.ndarray) -> np.ndarray:
-    return np.sqrt(np.einsum("ij,ij->i", values, values) / values.shape[1])
+    """float64: the squares of values beyond ~1.8e19 overflow float32 (a row's RMS became
+    inf and the row encoded as zeros)."""
+    return np.sqrt(np.einsum("ij,ij->i", values, values, dtype=np.float64) / values.shape[1])
 
 
 def _check_codebook_bits(bits: int, where: str) -> None:
@@ -427,8 +429,9 @@ def _quantize_nearest(values: np.ndarray, bias: np.ndarray, inv_scale: np.ndarra
             acc = 0
             for slot in range(min(per_byte, dim - k * per_byte)):
                 # int() truncates toward zero: floor for the >= 0 arguments that matter,
-                # and the clip below takes care of the rest.
-                q = int((values[i, k * per_byte + slot] - b) * s + half)
+                # and the clip below takes care of the rest. float64: x - bias overflows
+                # float32 for a row spanning more than +-1.7e38.
+                q = int((np.float64(values[i, k * per_byte + slot]) - b) * s + half)
                 acc |= min(max(q, 0), top) << (slot * bits)
             out[i, k] = acc
 
@@ -446,7 +449,7 @@ def _quantize_stochastic(values: np.ndarray, bias: np.ndarray, inv_scale: np.nda
         for k in range((dim + per_byte - 1) // per_byte):
             acc = 0
             for slot in range(min(per_byte, dim - k * per_byte)):
-                q = int((values[i, k * per_byte + slot] - b) * s + rng.random())
+                q = int((np.float64(values[i, k * per_byte + slot]) - b) * s + rng.random())
                 acc |= min(max(q, 0), top) << (slot * bits)
             out[i, k] = acc
 
@@ -559,4 +562,4 @@ def _dequantize(packed: np.ndarray, table: np.ndarray, scale: np.ndarray, bias: 
         s = scale[i]
         for j in range(dim):
             code = (packed[i, j >> byte_shift] >> ((j & slot_mask) * bits)) & code_mask
-            out[i, j] = b + s * table[code]
+            out[i, j] = b + np.float64(s) * table[code]  # float64: see _quantize_nearest
