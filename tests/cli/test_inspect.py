@@ -79,3 +79,24 @@ def test_inspect_without_checkpoint_is_a_clear_error(tmp_path, capsys):
     for path, what in ((tmp_path / "none", "no such folder"), (afile, "a file")):
         assert main(["inspect", str(path)]) == 2
         assert f"{path}: not a model directory ({what})" in capsys.readouterr().err
+
+
+def test_inspect_counts_a_refit_models_own_passes(data, tmp_path, capsys):
+    """A refit's checkpoint is numbered after the selection run's passes (pass-000006
+    after 3 selection passes and 3 refit passes): inspect said "6 passes"."""
+    valid = tmp_path / "valid.tsv"
+    generate(valid, 1500, model_seed=1, sample_seed=3)
+    out = tmp_path / "model"
+    assert main(["train", "--train", str(data), "--valid", str(valid), "--out", str(out),
+                 "--model", "lr", "--epochs", "3", "--patience", "3", "--threads", "1",
+                 "--no-progress", "--refit"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    capsys.readouterr()
+    refit = metrics["refit"]
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["checkpoint"] == refit["checkpoint"] != f"pass-{refit['epochs']:06d}"
+    assert info["refit"] and info["passes"] == refit["epochs"] == len(info["per_pass"])
+    assert main(["inspect", str(out)]) == 0
+    assert (f"{refit['checkpoint']} (refit: {refit['epochs']} passes on the train and "
+            "valid rows)") in capsys.readouterr().out

@@ -70,10 +70,14 @@ def summarise(model_dir: Path) -> dict:
     files = {name: (ckpt.path / name).stat().st_size for name in ckpt.meta["sha256"]}
     sparse_bytes = sum(v for k, v in files.items() if k.startswith("sparse"))
     tiers = store.get("tiers")
+    history = ckpt.meta.get("history") or []
     return {
         "model_dir": str(model_dir),
         "checkpoint": ckpt.path.name,
-        "passes": int(ckpt.meta["pass_id"]),
+        # A refit's checkpoint is numbered after the selection run's passes, which are
+        # not in it: count the passes its history holds.
+        "passes": len(history) if history else int(ckpt.meta["pass_id"]),
+        "refit": _is_refit(Path(model_dir), ckpt.path.name),
         "store": "tiered" if ckpt.tiered else "memory",
         "keys": keys[0],
         "candidates": store.get("candidates"),
@@ -93,6 +97,16 @@ def summarise(model_dir: Path) -> dict:
     }
 
 
+def _is_refit(model_dir: Path, checkpoint: str) -> bool:
+    """Whether ``checkpoint`` is the refit on train + valid (metrics.json names it)."""
+    try:
+        metrics = json.loads((model_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    refit = metrics.get("refit") if isinstance(metrics, dict) else None
+    return isinstance(refit, dict) and refit.get("checkpoint") == checkpoint
+
+
 def _fmt(n: float | None) -> str:
     if n is None:
         return "-"
@@ -109,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info))
         return 0
     b = info["bytes"]
-    print(f"{info['model_dir']}: {info['checkpoint']} ({info['passes']} passes), "
+    trained = (f"refit: {info['passes']} passes on the train and valid rows"
+               if info["refit"] else f"{info['passes']} passes")
+    print(f"{info['model_dir']}: {info['checkpoint']} ({trained}), "
           f"{info['store']} store")
     print(f"  keys        {info['keys']:,} ({info['memory_keys']:,} in the memory tier)")
     print(f"  admission   {info['admitted'] or 0:,} admitted, {info['rejected'] or 0:,} "
