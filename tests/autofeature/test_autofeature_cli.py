@@ -151,6 +151,17 @@ def test_bad_input_is_one_clear_line(data, tmp_path, capsys):
                     str(data.valid), *lacking, "--candidates", "count(C9)",
                     "--out", str(tmp_path / "f.json"))
     assert "C9" in err
+    # A row with a column too many: DuckDB's sniffer failed with a page of dialect advice.
+    lines = data.train.read_text().splitlines(keepends=True)
+    wide = tmp_path / "wide.csv"
+    wide.write_text("".join(lines[:40]) + lines[40].rstrip("\n") + ",extra\n"
+                    + "".join(lines[41:400]))
+    for train, valid in ((wide, data.valid), (data.train, wide)):
+        err = run_error(capsys, "autofeature", "--train", str(train), "--valid", str(valid),
+                        *SCHEMA_ARGS, "--candidates", "count(C1)", "--out",
+                        str(tmp_path / "f.json"))
+        assert err.strip().endswith(f"{wide}: line 41: field 'C8': 12 columns, expected 11 "
+                                    "(extra values after the last field)"), err
     assert not (tmp_path / "f.json").exists()
 
 

@@ -27,9 +27,11 @@ import duckdb
 
 from terarec.autofeature.candidates import AutoFeatureError, Candidate, validate_candidates
 from terarec.autofeature.source import (
+    Inputs,
     PathSpec,
     display,
     expand_paths,
+    first_bad_row,
     ident,
     key_type,
     literal,
@@ -120,9 +122,11 @@ class AutoFeatureEngine:
 
     # -- queries --------------------------------------------------------------------------
     @contextlib.contextmanager
-    def errors(self, what: str) -> Iterator[None]:
+    def errors(self, what: str, inputs: Inputs | None = None) -> Iterator[None]:
         """Turn DuckDB errors into ones that say what was being done, keeping DuckDB's
-        line, column and file."""
+        line, column and file. ``inputs``: the files (and their schema) the statement
+        reads; when DuckDB fails on them, terarec's reader finds the bad row and says
+        which file, line and field, as ``train`` would."""
         try:
             yield
         except duckdb.OutOfMemoryException as exc:
@@ -133,11 +137,14 @@ class AutoFeatureEngine:
         except duckdb.IOException as exc:
             raise OSError(f"{what}: {_summary(exc)}") from exc
         except duckdb.Error as exc:
+            if inputs is not None and (bad := first_bad_row(*inputs)) is not None:
+                raise bad from exc
             raise AutoFeatureError(f"{what}: {_summary(exc)}") from exc
 
-    def run(self, con: duckdb.DuckDBPyConnection, sql: str, what: str) -> duckdb.DuckDBPyConnection:
+    def run(self, con: duckdb.DuckDBPyConnection, sql: str, what: str,
+            inputs: Inputs | None = None) -> duckdb.DuckDBPyConnection:
         """Execute ``sql`` on ``con``, errors translated by ``errors``."""
-        with self.errors(what):
+        with self.errors(what, inputs):
             return con.execute(sql)
 
     def cardinalities(self, train_paths: PathSpec, schema: FeatureSchema,
@@ -155,7 +162,7 @@ class AutoFeatureEngine:
                                    f"{', '.join(known)}")
         select = ", ".join(f"approx_count_distinct({ident(c)})" for c in names)
         row = _one(self.run(self.cursor(), f"SELECT {select} FROM {source_sql(files, schema)}",
-                            f"measuring cardinalities over {display(files)}"))
+                            f"measuring cardinalities over {display(files)}", (files, schema)))
         return dict(zip(names, (int(v) for v in row), strict=True))
 
     def loaded_table(self, tables: FeatureTables, table: FeatureTable) -> str:
@@ -215,7 +222,7 @@ def compute_tables(candidates: Sequence[Candidate], train_paths: PathSpec,
     written: dict[int, FeatureTable] = {}
     try:
         if engine.run(con, f"SELECT 1 FROM {source} LIMIT 1",
-                      f"reading {where}").fetchone() is None:
+                      f"reading {where}", (files, schema)).fetchone() is None:
             raise AutoFeatureError(f"training range is empty: {where} holds no rows")
         if len(by_keys) > 1 and schema.format != "parquet" and engine.stage_text:
             # Parsing text dominates a scan: parse once into a columnar copy of just the
@@ -223,11 +230,13 @@ def compute_tables(candidates: Sequence[Candidate], train_paths: PathSpec,
             used = list(dict.fromkeys(c for cand in candidates for c in cand.columns))
             staged = engine.scratch_dir() / f"stage-{uuid.uuid4().hex}.parquet"
             engine.run(con, f"COPY (SELECT {', '.join(ident(c) for c in used)} FROM {source})"
-                            f" TO {literal(str(staged))} (FORMAT parquet)", f"reading {where}")
+                            f" TO {literal(str(staged))} (FORMAT parquet)", f"reading {where}",
+                       (files, schema))
             source = f"read_parquet({literal(str(staged))})"
         for keys, group in by_keys.items():
-            train_rows, computed = _compute_key_set(engine, con, source, keys, group, schema,
-                                                    out, f"over {where}")
+            train_rows, computed = _compute_key_set(
+                engine, con, source, keys, group, schema, out, f"over {where}",
+                None if staged is not None else (files, schema))
             written.update(computed)
     finally:
         con.close()
@@ -241,8 +250,8 @@ def compute_tables(candidates: Sequence[Candidate], train_paths: PathSpec,
 
 def _compute_key_set(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, source: str,
                      keys: tuple[str, ...], group: list[tuple[int, Candidate]],
-                     schema: FeatureSchema, out: Path, where: str
-                     ) -> tuple[int, dict[int, FeatureTable]]:
+                     schema: FeatureSchema, out: Path, where: str,
+                     inputs: Inputs | None = None) -> tuple[int, dict[int, FeatureTable]]:
     """One scan grouped by ``keys`` computing every candidate of ``group``; one file each.
 
     Returns the number of rows scanned and the written tables by candidate index.
@@ -254,7 +263,7 @@ def _compute_key_set(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, 
     engine.run(con, f"CREATE OR REPLACE TEMP TABLE autofeature_agg AS "
                     f"SELECT {key_select}, count(*) AS n, {aggregates} "
                     f"FROM {source} GROUP BY ALL",
-               f"computing {', '.join(c.name for _, c in group)} {where}")
+               f"computing {', '.join(c.name for _, c in group)} {where}", inputs)
     rows_scanned = int(_one(con.execute("SELECT sum(n) FROM autofeature_agg"))[0])
     key_cols = ", ".join(ident(k) for k in keys)
     written = {}
@@ -291,10 +300,11 @@ def _aggregate_sql(cand: Candidate) -> str:
 
 
 def copy_to_parquet(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, query: str,
-                    path: Path, what: str) -> None:
+                    path: Path, what: str, inputs: Inputs | None = None) -> None:
     """COPY ``query`` to Parquet at ``path`` via a temp file, fsync and rename."""
     with atomic_path(path) as tmp:
-        engine.run(con, f"COPY ({query}) TO {literal(str(tmp))} (FORMAT parquet)", what)
+        engine.run(con, f"COPY ({query}) TO {literal(str(tmp))} (FORMAT parquet)", what,
+                   inputs)
 
 
 def _first_line(exc: BaseException) -> str:

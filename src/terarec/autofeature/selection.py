@@ -106,7 +106,7 @@ def sample_rows(paths: PathSpec, schema: FeatureSchema, rows: int, out: str | os
     try:
         copy_to_parquet(engine, con, f"SELECT * FROM {source_sql(files, schema)} "
                         f"USING SAMPLE reservoir({int(rows)} ROWS) REPEATABLE ({int(seed)})",
-                        Path(out), f"sampling {rows} rows of {display(files)}")
+                        Path(out), f"sampling {rows} rows of {display(files)}", (files, schema))
     finally:
         con.close()
     return Path(out)

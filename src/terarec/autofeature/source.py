@@ -13,9 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from terarec.autofeature.candidates import AutoFeatureError
+from terarec.data.readers import DataError, iter_tables
 from terarec.types import FeatureSchema
 
 PathSpec = str | os.PathLike | Sequence[str | os.PathLike]
+#: The files a statement reads (expanded) and their schema: what ``first_bad_row`` checks.
+Inputs = tuple[Sequence[str], FeatureSchema]
 
 #: Key column types in the feature tables: categorical keys compare as strings, numeric
 #: keys as doubles, so ``5``, ``5.0`` and ``"5"`` in a numeric field are the same key.
@@ -103,6 +106,20 @@ def source_sql(paths: Sequence[str], schema: FeatureSchema) -> str:
         # Every column is declared: no sniffing, which also reads empty files as no rows.
         options += ["header=false", "auto_detect=false", f"columns={_struct(columns)}"]
     return f"read_csv([{', '.join(literal(str(p)) for p in paths)}], {', '.join(options)})"
+
+
+def first_bad_row(paths: Sequence[str], schema: FeatureSchema) -> DataError | None:
+    """The first bad row of ``paths`` as terarec's reader reports it (file, line, field,
+    what is wrong), or None. Run once DuckDB has failed on the files: its CSV errors are
+    long sniffer reports or name the row by a line count of its own, and ``train`` on
+    the same files says it this way."""
+    for path in paths:
+        try:
+            for _ in iter_tables(path, schema, 1 << 16):
+                pass
+        except DataError as exc:
+            return exc
+    return None
 
 
 def key_type(schema: FeatureSchema, column: str) -> str:

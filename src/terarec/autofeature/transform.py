@@ -29,6 +29,7 @@ from terarec.autofeature.engine import (
     default_engine,
 )
 from terarec.autofeature.source import (
+    Inputs,
     PathSpec,
     display,
     expand_paths,
@@ -89,8 +90,8 @@ def _check_names(tables: FeatureTables, existing: Sequence[str]) -> None:
 
 
 def _describe(engine: AutoFeatureEngine, con: duckdb.DuckDBPyConnection, relation: str,
-              what: str) -> dict[str, str]:
-    rows = engine.run(con, f"DESCRIBE SELECT * FROM {relation}", what).fetchall()
+              what: str, inputs: Inputs | None = None) -> dict[str, str]:
+    rows = engine.run(con, f"DESCRIBE SELECT * FROM {relation}", what, inputs).fetchall()
     return {name: str(dtype) for name, dtype, *_ in rows}
 
 
@@ -142,7 +143,7 @@ def apply_file(tables: FeatureTables, path: PathSpec, schema: FeatureSchema,
     scratch: list[Path] = []
     try:
         source = source_sql(files, schema)
-        source_types = _describe(engine, con, source, f"reading {where}")
+        source_types = _describe(engine, con, source, f"reading {where}", (files, schema))
         _check_names(tables, list(source_types))
         current = f"(SELECT *, row_number() OVER () AS {_ROW_ID} FROM {source})"
         for r, group in enumerate(rounds):
@@ -152,11 +153,12 @@ def apply_file(tables: FeatureTables, path: PathSpec, schema: FeatureSchema,
             what = f"applying {', '.join(t.name for t in group)} to {where}"
             if r == len(rounds) - 1:
                 copy_to_parquet(engine, con, f"SELECT * EXCLUDE ({_ROW_ID}) FROM ({query}) "
-                                f"ORDER BY {_ROW_ID}", out, what)
+                                f"ORDER BY {_ROW_ID}", out, what, (files, schema))
             else:
                 step = Path(engine.scratch_dir()) / f"apply-{uuid.uuid4().hex}.parquet"
                 scratch.append(step)
-                copy_to_parquet(engine, con, query, step, what)
+                copy_to_parquet(engine, con, query, step, what,
+                                (files, schema) if r == 0 else None)
                 current = f"read_parquet({literal(str(step))})"
     finally:
         con.close()
