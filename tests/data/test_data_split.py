@@ -158,10 +158,18 @@ def test_bad_row_is_found_by_the_rank_that_reads_it_with_its_line(tmp_path):
         list(iter_rank_tables(path, CSV, 16, 0, 2))
     with pytest.raises(DataError, match=r"line 58: field 'label': label must be 0 or 1"):
         list(iter_rank_tables(path, CSV, 16, 1, 2))
-    # the whole-file reader meets the short line first: pyarrow parses a whole block
-    # before its values are checked
-    with pytest.raises(DataError, match=r"line 91: field 'a': 2 columns, expected 4"):
+    # the whole-file reader names the earliest bad row: pyarrow drops the short line 91
+    # while parsing the block, and the values before it are checked first (it reported
+    # line 91, parsed before any value was checked)
+    with pytest.raises(DataError, match=r"bad\.csv: line 41: field 'x': not a finite "
+                                        r"number, got 'abc'"):
         list(iter_tables(path, CSV, 16))
+    lines = path.read_text().splitlines(keepends=True)
+    short_first = tmp_path / "short.csv"
+    short_first.write_text("".join(lines[:40]) + "".join(lines[90:91]) + "".join(lines[40:]))
+    with pytest.raises(DataError, match=r"short\.csv: line 41: field 'a': 2 columns, "
+                                        r"expected 4"):
+        list(iter_tables(short_first, CSV, 16))
 
 
 def test_skipped_rows_summed_over_ranks_are_the_single_process_ones(tmp_path):

@@ -626,8 +626,10 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
         if on_bad_row == "skip":
             stats.skip(message)
             return "skip"
+        # Dropped here too, and raised once the rows before it in its block are checked:
+        # a bad value on an earlier line of the same block is the first bad row.
         first_invalid.append(message)
-        return "error"
+        return "skip"
 
     def line_of(stream_row: int) -> int:
         # The k-th delivered row sits after every dropped line that precedes it.
@@ -648,8 +650,15 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
         stream_row = 0
         for block in _csv_blocks(path, source, column_names, parse_options,
                                  convert_options):
+            if first_invalid:  # on_bad_row "error": the rows before it, then it
+                before = invalid[0] - skip - 1 - stream_row
+                if before < block.num_rows:
+                    cleaner.clean(block.slice(0, max(before, 0)), stream_row)
+                    raise DataError(first_invalid[0])
             yield cleaner.clean(block, stream_row)
             stream_row += block.num_rows
+        if first_invalid:
+            raise DataError(first_invalid[0])
     except pa.ArrowInvalid as exc:
         if first_invalid:
             raise DataError(first_invalid[0]) from None
