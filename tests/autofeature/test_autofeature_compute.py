@@ -239,7 +239,8 @@ def test_a_field_missing_from_the_file_is_named(tmp_path, engine):
     schema = FeatureSchema(label="label", format="csv", fields=(
         dataclasses.replace(CRITEO.fields[13], name="city"),
         dataclasses.replace(CRITEO.fields[14], name="device")))
-    with pytest.raises(DataError, match=r"clicks\.csv: line 1: field\(s\) \['device'\] are "
-                       r"not among the file's columns \['label', 'city'\]"):
+    with pytest.raises(DataError, match=r"clicks\.csv: line 1: field\(s\) \['device' "
+                       r"\(categorical\)\] are not among the file's columns "
+                       r"\['label', 'city'\]"):
         compute_tables([Candidate("count", ("city",))], path, schema, tmp_path / "f",
                        engine=engine)

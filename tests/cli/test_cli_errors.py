@@ -595,10 +595,17 @@ def test_csv_without_its_columns_fails_before_any_work(tmp_path, capsys):
 
 
 COLUMN_ERRORS = [
-    (["--categorical", "site,site"], "columns listed twice (label, numeric, categorical): "
-                                     "['site']"),
-    (["--categorical", "site", "--multi-valued", "tags"], "multi_valued fields ['tags'] are "
-                                                          "not categorical fields"),
+    (["--categorical", "site,site"], "--categorical names 'site' twice"),
+    (["--numeric", "site", "--categorical", "site"],
+     "--numeric and --categorical both name 'site': a column is one of label, numeric or "
+     "categorical"),
+    (["--categorical", "click,site"],
+     "--label and --categorical both name 'click': a column is one of label, numeric or "
+     "categorical"),
+    (["--categorical", "site", "--multi-valued", "tags"],
+     "--multi-valued names 'tags', not among --categorical: only categorical columns hold "
+     "several values"),
+
     (["--categorical", "site", "--multi-valued", "site", "--multi-sep", ","],
      "separator ',' must be non-empty and differ from the delimiter"),
 ]
@@ -619,6 +626,17 @@ def test_inconsistent_column_flags_fail_before_the_data_is_sized(tmp_path, capsy
     assert "data-sized defaults" not in err
     assert err.strip().splitlines()[-1].endswith(message)
     assert not (out / "checkpoints").exists()
+
+
+def test_a_column_the_file_lacks_is_named_with_what_it_was_to_be(tmp_path, capsys):
+    csv = tmp_path / "clicks.csv"
+    csv.write_text("click,site\n" + "".join(f"{i % 2},s{i % 7}\n" for i in range(200)))
+    assert cli_main(["train", "--train", str(csv), "--format", "csv", "--label", "y",
+                     "--numeric", "age", "--categorical", "site", "--out",
+                     str(tmp_path / "m"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"{csv}: line 1: field(s) ['y' (label), 'age' (numeric)] are not among the file's "
+        "columns ['click', 'site']")
 
 
 DELIMITER_ERRORS = [

@@ -112,10 +112,34 @@ def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
             raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
         transform = {c: ("log1p" if c in log_cols else "none") for c in numeric}
     multi = _split(args.multi_valued) if args.multi_valued is not None else None
-    return csv_schema(args.label, numeric, _split(args.categorical),
+    categorical = _split(args.categorical)
+    _check_column_flags(args.label, numeric, categorical, multi)
+    return csv_schema(args.label, numeric, categorical,
                       delimiter=args.delimiter if args.delimiter is not None else ",",
                       separator=args.multi_sep, multi_valued=multi,
                       transform=transform, format=fmt)
+
+
+def _check_column_flags(label: str, numeric: list[str], categorical: list[str],
+                        multi: list[str] | None) -> None:
+    """A column named twice across --label / --numeric / --categorical, or a
+    --multi-valued one that is not --categorical: said with the flags (the schema's own
+    check names its fields)."""
+    lists = (("--label", [label] if label else []), ("--numeric", numeric),
+             ("--categorical", categorical))
+    for i, (flag, names) in enumerate(lists):
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"{flag} names {', '.join(map(repr, repeated))} twice")
+        for other, others in lists[i + 1:]:
+            both = [n for n in names if n in others]
+            if both:
+                raise ValueError(f"{flag} and {other} both name {', '.join(map(repr, both))}:"
+                                 " a column is one of label, numeric or categorical")
+    stray = [n for n in multi or [] if n not in categorical]
+    if stray:
+        raise ValueError(f"--multi-valued names {', '.join(map(repr, stray))}, not among "
+                         "--categorical: only categorical columns hold several values")
 
 
 # Flags that describe the columns of a csv / parquet file (attribute, flag, default).

@@ -568,6 +568,15 @@ def _needed(schema: FeatureSchema, with_label: bool = True) -> list[str]:
     return [schema.label, *fields] if with_label else fields
 
 
+def _roles(schema: FeatureSchema, names: list[str]) -> str:
+    """``field(s) ['a' (label), 'b' (numeric)]``: what each missing column was to be, so
+    that the flag or schema entry that named it is found."""
+    kinds = {f.name: f.kind for f in schema.fields}
+    shown = [f"{n!r} ({'label' if n == schema.label else kinds.get(n, 'column')})"
+             for n in names]
+    return f"field(s) [{', '.join(shown)}]"
+
+
 def text_columns(path: Path, schema: FeatureSchema,
                  with_label: bool = True) -> tuple[list[str], int]:
     """The column names of a Criteo TSV or delimited file and how many header lines
@@ -585,7 +594,7 @@ def text_columns(path: Path, schema: FeatureSchema,
     where = f"{path}: line 1" if header_lines else f"{path}"
     missing = [n for n in needed if n not in names]
     if missing:
-        raise DataError(f"{where}: field(s) {missing} are not among the file's columns "
+        raise DataError(f"{where}: {_roles(schema, missing)} are not among the file's columns "
                         f"{names}")
     for name in needed:  # which of two same-named columns is the field's? say, not guess
         columns = [i + 1 for i, n in enumerate(names) if n == name]
@@ -756,7 +765,8 @@ def open_parquet(path: Path, schema: FeatureSchema,
     needed = _needed(schema, with_label)
     missing = [n for n in needed if n not in names]
     if missing:
-        raise DataError(f"{path}: field(s) {missing} are not among the file's columns {names}")
+        raise DataError(f"{path}: {_roles(schema, missing)} are not among the file's columns "
+                        f"{names}")
     for spec in schema.categorical:
         t = pf.schema_arrow.field(spec.name).type
         is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
