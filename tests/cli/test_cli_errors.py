@@ -535,18 +535,26 @@ def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
 
 
 
-def test_predict_and_eval_with_every_row_skipped_fail_and_write_nothing(lr_model, tmp_path,
-                                                                        capsys):
-    """predict wrote an empty file and exited 0; eval did not name the file."""
+def test_eval_with_every_row_skipped_fails_and_predict_refuses_skip(lr_model, tmp_path,
+                                                                   capsys):
+    """eval with every row skipped did not name the file. predict refuses skip: its
+    scores, one a line, no longer lined up with the input rows after a skipped one."""
     junk = tmp_path / "junk.tsv"
     junk.write_text("x\n" * 3)
-    for command in ("predict", "eval"):
-        out = tmp_path / f"{command}.out"
-        assert cli_main([command, "--model", str(lr_model), "--data", str(junk),
-                         "--on-bad-row", "skip", "--out", str(out)]) == 2
-        assert (f"no rows to score in {junk}: all 3 rows read were bad and skipped "
-                f"(--on-bad-row skip); first: {junk}: line 1:") in _one_line(capsys)
-        assert not out.exists()
+    out = tmp_path / "eval.out"
+    assert cli_main(["eval", "--model", str(lr_model), "--data", str(junk),
+                     "--on-bad-row", "skip", "--out", str(out)]) == 2
+    assert (f"no rows to score in {junk}: all 3 rows read were bad and skipped "
+            f"(--on-bad-row skip); first: {junk}: line 1:") in _one_line(capsys)
+    assert not out.exists()
+    out = tmp_path / "predict.out"
+    assert cli_main(["predict", "--model", str(lr_model), "--data", str(junk),
+                     "--on-bad-row", "skip", "--out", str(out)]) == 2
+    assert _one_line(capsys).endswith(
+        "--on-bad-row skip: predict writes one score per input row, in order, and a skipped "
+        "row would shift every score after it; fix the rows the error names (eval takes "
+        "--on-bad-row skip)")
+    assert not out.exists()
 
 
 def test_every_validation_row_skipped_is_refused_before_training(data, tmp_path, capsys):

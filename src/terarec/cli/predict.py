@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from terarec.cli.common import add_model_data_args, model_data, report_skipped
+from terarec.cli.common import add_model_data_args, model_data
 from terarec.finite import check_model_scores
 from terarec.io import atomic_open
 
@@ -21,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.on_bad_row == "skip":
+        raise ValueError("--on-bad-row skip: predict writes one score per input row, in "
+                         "order, and a skipped row would shift every score after it; fix "
+                         "the rows the error names (eval takes --on-bad-row skip)")
     with model_data(args, with_label=False) as (trainer, batches, stats):
         if args.out:
             with atomic_open(args.out, "w") as fh:
@@ -31,5 +35,4 @@ def run(args: argparse.Namespace) -> int:
             for probs, _ in trainer.predict_stream(batches):
                 check_model_scores(probs, f"{args.model}")
                 np.savetxt(sys.stdout, probs, fmt="%.8f")
-    report_skipped(stats)
     return 0
