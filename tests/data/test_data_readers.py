@@ -279,7 +279,8 @@ def test_file_level_errors(tmp_path):
     with pytest.raises(DataError, match=r"nowhere\.txt: file not found"):
         list(iter_batches(tmp_path / "nowhere.txt", CRITEO, 4))
     cols = write_lines(tmp_path / "cols.csv", ["y,a,b", "1,2,3"])
-    with pytest.raises(DataError, match=r"cols\.csv: line 1: .*\['price', 'shop'\]"):
+    with pytest.raises(DataError, match=r"cols\.csv: line 1: .*\['price' \(numeric\), "
+                                        r"'shop' \(categorical\)\]"):
         list(iter_batches(cols, csv_schema("y", ["price", "a"], ["shop"]), 4))
     with pytest.raises(ValueError, match="on_bad_row"):
         list(iter_batches(cols, CRITEO, 4, on_bad_row="ignore"))

@@ -203,7 +203,8 @@ def test_file_level_errors_on_every_rank(tmp_path):
             list(iter_rank_tables(tmp_path / "nope.csv", CSV, 8, rank, 2))
     missing = tmp_path / "cols.csv"
     missing.write_text("label,x,a\n1,2,a\n")
-    with pytest.raises(DataError, match=r"line 1: field\(s\) \['tags'\] are not among"):
+    with pytest.raises(DataError,
+                       match=r"line 1: field\(s\) \['tags' \(categorical\)\] are not among"):
         list(iter_rank_tables(missing, CSV, 8, 1, 2))
 
 

@@ -123,6 +123,9 @@ def test_codec_refuses_non_finite_rows():
     rows[1, 2] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         encode(rows, "int8")
+    rows[1, 2] = 3e38  # beyond the float32 grid, as the store's codec refuses it
+    with pytest.raises(ValueError, match=r"beyond \+-1e\+38, which int8 rows cannot store"):
+        encode(rows, "int8")
 
 
 # -- budget ---------------------------------------------------------------------------------

@@ -242,18 +242,20 @@ def codebook_mse(values: np.ndarray, levels: np.ndarray) -> float:
     return float(np.mean((nearest_levels(values, levels) - values) ** 2))
 
 
-@pytest.mark.parametrize("stochastic", [False, True])
-def test_int8_rows_spanning_the_float32_range_decode_within_their_step(stochastic):
-    """A row from -3e38 to 3e38: x - bias overflowed float32 and the row max decoded as
-    its min (-3e38); decoding bias + scale * 255 overflowed too."""
-    top = float(np.finfo(np.float32).max)
-    rows = np.array([[3e38, -3e38, 1.0, 0.0], [top, -top, top, 0.0]], np.float32)
-    decoded = decode_rows(encode_rows(rows, "int8", stochastic=stochastic), "int8", 4)
-    assert np.isfinite(decoded).all()
-    scale, _ = read_scale_bias(encode_rows(rows, "int8"), "int8", 4)
-    err = np.abs(decoded.astype(np.float64) - rows.astype(np.float64))
-    assert (err <= scale.astype(np.float64)[:, None] * (1.0 if stochastic else 0.5)
-            * (1 + 1e-6)).all()
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2", "int1"])
+def test_int_rows_beyond_their_float32_grid_are_refused(precision):
+    """A row from -3e38 to 3e38 overflowed the float32 grid: its maximum decoded as its
+    minimum, without an error. Up to 1e38 the grid works."""
+    rows = np.array([[1.0, 0.5, 0.0, -1.0], [3e38, -3e38, 1.0, 0.0]], np.float32)
+    with pytest.raises(ValueError, match=f"encode_rows: row 1 holds a value beyond "
+                                         fr"\+-1e\+38, which {precision} rows cannot store"):
+        encode_rows(rows, precision)
+    if precision == "int8":
+        edge = np.array([[1e38, -1e38, 1.0, 0.0]], np.float32)
+        for stochastic in (False, True):
+            decoded = decode_rows(encode_rows(edge, "int8", stochastic=stochastic), "int8", 4)
+            assert np.isfinite(decoded).all()
+            np.testing.assert_allclose(decoded[0, :2], edge[0, :2], rtol=1e-6)
 
 
 def test_row_scaled_codebook_refuses_rows_beyond_its_fp16_scale():

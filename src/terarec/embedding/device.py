@@ -49,7 +49,7 @@ from terarec.config import StoreConfig, parse_bytes
 from terarec.embedding.compression import class_precision
 from terarec.embedding.index import KeyIndex, unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.quant import decode_rows, encode_rows
+from terarec.embedding.quant import INT_ROW_LIMIT, decode_rows, encode_rows
 from terarec.embedding.store import RowBlock, init_rows
 from terarec.types import Batch
 
@@ -88,6 +88,9 @@ def encode(rows: torch.Tensor, precision: str) -> CodedTensor:
         return CodedTensor(rows.to(torch.float16))
     row_min = rows.amin(dim=1) if len(rows) else rows.new_zeros(0)
     row_max = rows.amax(dim=1) if len(rows) else rows.new_zeros(0)
+    if len(rows) and float(torch.maximum(-row_min, row_max).max()) > INT_ROW_LIMIT:
+        raise ValueError(f"device cache: a row holds a value beyond +-{INT_ROW_LIMIT:g}, "
+                         f"which {precision} rows cannot store")
     exact = (row_max.double() - row_min.double()) / 255.0
     scale = exact.float()
     low = scale.double() < exact  # rounded up, so the grid reaches the row maximum

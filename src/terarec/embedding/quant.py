@@ -103,6 +103,7 @@ def encode_rows(values: np.ndarray, precision: Precision, *, stochastic: bool = 
         half = values.astype("<f2")
         return half.view(np.uint8).reshape(n, 2 * dim)
 
+    _check_int_range(row_min, row_max, "encode_rows", precision)
     bits = INT_BITS[precision]
     scale_dtype = _scale_dtype(bits)
     out = np.empty((n, row_bytes(precision, dim)), dtype=np.uint8)
@@ -366,6 +367,21 @@ def _check_finite(values: np.ndarray, row_min: np.ndarray, row_max: np.ndarray,
                          "values can be quantized")
 
 
+# The largest magnitude intN rows take: the grid works in float32 (x - bias when
+# encoding, bias + scale * code when decoding, as the device cache does), and a row
+# spanning more than about +-1.7e38 overflowed there (its maximum decoded as its minimum).
+INT_ROW_LIMIT = 1e38
+
+
+def _check_int_range(row_min: np.ndarray, row_max: np.ndarray, where: str,
+                    precision: str) -> None:
+    bad = np.maximum(-row_min, row_max) > INT_ROW_LIMIT
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{where}: row {row} holds a value beyond +-{INT_ROW_LIMIT:g}, "
+                         f"which {precision} rows cannot store")
+
+
 def _check_fp16_range(row_min: np.ndarray, row_max: np.ndarray, where: str) -> None:
     bad = np.maximum(-row_min, row_max) > _FP16_MAX
     if bad.any():
@@ -429,9 +445,8 @@ def _quantize_nearest(values: np.ndarray, bias: np.ndarray, inv_scale: np.ndarra
             acc = 0
             for slot in range(min(per_byte, dim - k * per_byte)):
                 # int() truncates toward zero: floor for the >= 0 arguments that matter,
-                # and the clip below takes care of the rest. float64: x - bias overflows
-                # float32 for a row spanning more than +-1.7e38.
-                q = int((np.float64(values[i, k * per_byte + slot]) - b) * s + half)
+                # and the clip below takes care of the rest.
+                q = int((values[i, k * per_byte + slot] - b) * s + half)
                 acc |= min(max(q, 0), top) << (slot * bits)
             out[i, k] = acc
 
@@ -449,7 +464,7 @@ def _quantize_stochastic(values: np.ndarray, bias: np.ndarray, inv_scale: np.nda
         for k in range((dim + per_byte - 1) // per_byte):
             acc = 0
             for slot in range(min(per_byte, dim - k * per_byte)):
-                q = int((np.float64(values[i, k * per_byte + slot]) - b) * s + rng.random())
+                q = int((values[i, k * per_byte + slot] - b) * s + rng.random())
                 acc |= min(max(q, 0), top) << (slot * bits)
             out[i, k] = acc
 
@@ -562,4 +577,4 @@ def _dequantize(packed: np.ndarray, table: np.ndarray, scale: np.ndarray, bias: 
         s = scale[i]
         for j in range(dim):
             code = (packed[i, j >> byte_shift] >> ((j & slot_mask) * bits)) & code_mask
-            out[i, j] = b + np.float64(s) * table[code]  # float64: see _quantize_nearest
+            out[i, j] = b + s * table[code]
