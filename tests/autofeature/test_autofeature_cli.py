@@ -151,6 +151,11 @@ def test_bad_input_is_one_clear_line(data, tmp_path, capsys):
                     str(data.valid), *lacking, "--candidates", "count(C9)",
                     "--out", str(tmp_path / "f.json"))
     assert "C9" in err
+    # Gains measured on the rows the tables were computed from.
+    err = run_error(capsys, "autofeature", "--train", str(data.train.parent / "*.csv"),
+                    "--valid", str(data.valid), *SCHEMA_ARGS, "--out", str(tmp_path / "f.json"))
+    assert err.strip().endswith(f"--valid: {data.valid} is also a --train file: validation "
+                                "must hold rows training does not see")
     # A row with a column too many: DuckDB's sniffer failed with a page of dialect advice.
     lines = data.train.read_text().splitlines(keepends=True)
     wide = tmp_path / "wide.csv"

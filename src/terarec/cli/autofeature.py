@@ -39,7 +39,8 @@ from terarec.autofeature.selection import (
     sample_rows,
     select_features,
 )
-from terarec.cli.common import add_format_args, schema_from_args
+from terarec.autofeature.source import expand_paths
+from terarec.cli.common import add_format_args, check_disjoint, schema_from_args
 from terarec.io import atomic_write_text
 
 T = TypeVar("T")
@@ -138,6 +139,7 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     check_args(args)
+    check_disjoint(expand_paths(args.train), expand_paths(args.valid, "--valid"))
     schema = schema_from_args(args)
     selection = SelectionConfig(
         budget=args.budget, min_gain=args.min_gain, shortlist=args.shortlist,
