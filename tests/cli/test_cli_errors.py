@@ -733,6 +733,24 @@ def test_serve_refuses_a_version_folder_a_model_and_a_bad_cache_dir(lr_model, tm
     assert _one_line(capsys).startswith(f"terarec serve: error: --cache-dir {afile / 'sub'}: ")
 
 
+def test_serve_refuses_a_taken_port_before_loading(tmp_path, capsys):
+    """uvicorn said so only once the model had loaded, and exited 3."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for extra in ([], ["--workers", "2"]):
+            assert cli_main(["serve", str(tmp_path / "export"), "--port", str(port),
+                             *extra]) == 2
+            assert _one_line(capsys) == (f"terarec serve: error: --host 127.0.0.1 --port "
+                                         f"{port}: cannot listen there: Address already in use")
+    assert cli_main(["serve", str(tmp_path / "export"), "--host", "no-such-host.invalid"]) == 2
+    assert _one_line(capsys).startswith("terarec serve: error: --host no-such-host.invalid "
+                                        "--port 8080: cannot listen there: ")
+
+
 QUICKSTART_ERRORS = [
     (["--model", "bogus"], "--model: unknown model 'bogus'; known models: lr, fm"),
     (["--rows", "0"], "--rows must be >= 1, got 0"),

@@ -166,9 +166,30 @@ def check_serve_source(uri: str, storage_options: dict | None) -> None:
                         f"`terarec export --model {uri} --out URI` and serve URI")
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once, before the model loads: taken or unresolvable, uvicorn
+    said so only after loading it, and exited 3 (1 with --workers)."""
+    import socket
+
+    from terarec.cli.main import UserError
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(address)
+    except OSError as exc:
+        raise UserError(f"--host {host} --port {port}: cannot listen there: "
+                        f"{exc.strerror or exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     check_serve_args(args)
     check_serve_source(str(args.uri), storage_options_from_args(args))
+    check_port(args.host, args.port)
     import uvicorn
 
     from terarec.io import ScratchDir
