@@ -259,16 +259,18 @@ def test_an_unreadable_or_broken_space_file_is_one_line_naming_it(tmp_path):
     assert str(err.value).startswith(f"{bad}: not valid YAML (line 2: expected ','")
 
 
-@pytest.mark.parametrize("parallel", ["0", "-1"])
-def test_parallel_below_one_is_refused(files, tmp_path, capsys, parallel):
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--trials", "2", "--parallel", "0"], "--parallel 0: must be >= 1 (leave it out for all)"),
+    (["--trials", "2", "--parallel", "-1"], "--parallel -1: must be >= 1 (leave it out for all)"),
+    (["--trials", "0"], "--trials 0: must be >= 1")])
+def test_trials_or_parallel_below_one_is_refused(files, tmp_path, capsys, flags, message):
     """--parallel 0 silently trained every trial at once; -1 failed with "run_passes needs
-    at least one trial"."""
+    at least one trial". The message named the arguments, not the flags."""
     train, valid = files
     out = tmp_path / "s"
     assert main(["search", "--train", str(train), "--valid", str(valid), "--out", str(out),
-                 *COMMON, "--trials", "2", "--parallel", parallel]) == 2
-    assert capsys.readouterr().err.strip().endswith(
-        f"parallel {parallel}: must be >= 1 (leave it out for all)")
+                 *COMMON, *flags]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"terarec search: error: {message}")
     assert not (out / "study.journal").exists()
 
 

@@ -64,6 +64,10 @@ def run(args: argparse.Namespace) -> int:
     check_no_repeats(args.train, "--train")
     check_no_repeats(args.valid, "--valid")
     check_disjoint(args.train or [], args.valid)
+    if args.trials < 1:  # run_search checks it too, naming its argument
+        raise ValueError(f"--trials {args.trials}: must be >= 1")
+    if args.parallel is not None and args.parallel < 1:
+        raise ValueError(f"--parallel {args.parallel}: must be >= 1 (leave it out for all)")
     # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
     config, _ = apply_sized_defaults(config_from_args(args), args.train,
                                      explicit_config_keys(args))
