@@ -774,6 +774,27 @@ def test_quickstart_checks_its_flags_before_synthesising(tmp_path, capsys, extra
     assert not work.exists()
 
 
+SYNTH_VALID_ERRORS = [
+    (["--valid-rows", "0"], "--valid-rows must be positive, got 0"),
+    (["--valid-rows", "0", "--valid-out", "V"], "--valid-rows must be positive, got 0"),
+    (["--valid-rows", "10"], "--valid-rows needs --valid-out: --valid-rows N --valid-out "
+                             "FILE writes N validation rows"),
+    (["--valid-out", "V"], "--valid-out needs --valid-rows: --valid-rows N --valid-out FILE "
+                           "writes N validation rows"),
+]
+
+
+@pytest.mark.parametrize("extra,message", SYNTH_VALID_ERRORS,
+                         ids=[" ".join(a) for a, _ in SYNTH_VALID_ERRORS])
+def test_synth_validation_flags(tmp_path, capsys, extra, message):
+    """--valid-rows 0 alone wrote no validation file and exited 0; with --valid-out it
+    said the two flags "go together" though both were given."""
+    extra = [str(tmp_path / "v.tsv") if a == "V" else a for a in extra]
+    assert cli_main(["synth", "--rows", "50", "--out", str(tmp_path / "t.tsv"), *extra]) == 2
+    assert _one_line(capsys) == f"terarec synth: error: {message}"
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", ["eval", "predict"])
 def test_scoring_out_that_is_a_folder_is_refused_before_scoring(data, lr_model, tmp_path,
                                                                 capsys, command):

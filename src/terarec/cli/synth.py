@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "logits, in [0, 1] (default 0: no drift)")
     p.add_argument("--start",
                    help="--hourly: the first file's hour (ISO date and time)")
-    p.add_argument("--valid-rows", type=int, default=0, help="validation rows (default none)")
+    p.add_argument("--valid-rows", type=int, default=None,
+                   help="validation rows, written to --valid-out (default none)")
     p.add_argument("--valid-out", type=Path, help="validation file (TSV)")
     p.add_argument("--seed", type=int, default=0,
                    help="ground-truth model seed; rows use sample seeds 2*seed and 2*seed+1")
@@ -93,10 +94,13 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.rows <= 0:
         raise ValueError(f"--rows must be positive, got {args.rows}")
-    if args.valid_rows < 0:
-        raise ValueError(f"--valid-rows must not be negative, got {args.valid_rows}")
-    if (args.valid_rows > 0) != (args.valid_out is not None):
-        raise ValueError("--valid-rows and --valid-out go together")
+    if args.valid_rows is not None and args.valid_rows < 1:
+        raise ValueError(f"--valid-rows must be positive, got {args.valid_rows}")
+    if (args.valid_rows is not None) != (args.valid_out is not None):
+        given, missing = (("--valid-rows", "--valid-out") if args.valid_rows is not None
+                          else ("--valid-out", "--valid-rows"))
+        raise ValueError(f"{given} needs {missing}: --valid-rows N --valid-out FILE writes "
+                         "N validation rows")
     if args.seed < 0:
         raise ValueError(f"--seed must not be negative, got {args.seed}")
     if args.retrieval:
