@@ -68,14 +68,18 @@ def test_ranks_follow_a_folder(files, tmp_path):
     folder.mkdir()
     for p in files:
         (folder / p.name).write_bytes(p.read_bytes())
+    (folder / "f1a.tsv").write_bytes(b"")  # an hour without events: zero rows, done
     follow = ["--follow", str(folder), "--out", str(out), "--resume", "--batch-size", "256",
               "--pass-rows", "4096", "--poll-seconds", "0.2", *ARGS]
-    torchrun([*follow, "--stop-after", "2"])
+    torchrun([*follow, "--stop-after", "3"])
     history = json.loads((out / "history.json").read_text())
     assert [h["rows"] for h in history] == [4096, 904, 4096, 904]
     assert [h["files"] for h in history] == [["f1.tsv"]] * 2 + [["f2.tsv"]] * 2
     assert history[1]["file_done"] == "f1.tsv" and history[1]["file_rows"] == 5000
     assert all(h["world_size"] == 2 for h in history)
     generate(folder / "f3.tsv", 1000, model_seed=1, sample_seed=40)
-    single([*follow, "--stop-after", "3"])
-    assert sum(h["rows"] for h in load_checkpoint(out).meta["history"]) == 11_000
+    single([*follow, "--stop-after", "4"])
+    meta = load_checkpoint(out).meta
+    assert sum(h["rows"] for h in meta["history"]) == 11_000
+    assert [m["done"] for k, m in meta["inputs"]["files"].items() if k.endswith("f1a.tsv")] \
+        == [True]
