@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -15,6 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+# Why a folder cannot be written to: the user's to fix (another --out), not a bug.
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+class NotWritableError(PermissionError):
+    """A file that cannot be written where it was asked for (permissions, a read-only
+    filesystem); the command line reports it as one line."""
+
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
@@ -22,8 +31,14 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     handle, a database's COPY); on success it is fsynced and renamed over ``path``, on
     error removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        if exc.errno not in NOT_WRITABLE:
+            raise
+        # The temp file's name said nothing to the user: name the file asked for.
+        raise NotWritableError(exc.errno, f"cannot write {path}: {exc.strerror}") from None
     os.close(fd)
     tmp = Path(name)
     try:

@@ -751,6 +751,21 @@ def test_serve_refuses_a_taken_port_before_loading(tmp_path, capsys):
                                         "--port 8080: cannot listen there: ")
 
 
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="no /sys to fail to write in")
+def test_a_place_that_cannot_be_written_is_one_line(data, lr_model, tmp_path, capsys):
+    """eval / predict / export / train to a folder that refuses writes (permissions, a
+    read-only filesystem) ended in a traceback naming a temp file the user never named."""
+    for argv, where in (
+            (["eval", "--model", str(lr_model), "--data", str(data)], "/sys/x.json"),
+            (["predict", "--model", str(lr_model), "--data", str(data)], "/sys/x.txt"),
+            (["export", "--model", str(lr_model)], "/sys/terarec-export"),
+            (["train", "--train", str(data), *TRAIN], "/sys/terarec-model")):
+        assert cli_main([*argv, "--out", where]) == 2, argv
+        line = _one_line(capsys)
+        assert line.startswith(f"terarec {argv[0]}: error: ") and where in line, line
+        assert ".tmp" not in line
+
+
 QUICKSTART_ERRORS = [
     (["--model", "bogus"], "--model: unknown model 'bogus'; known models: lr, fm"),
     (["--rows", "0"], "--rows must be >= 1, got 0"),

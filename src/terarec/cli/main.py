@@ -44,10 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
     args = build_parser(command).parse_args(argv)
+    from terarec.io import NOT_WRITABLE, NotWritableError
+
     try:
         return int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError) as exc:
         print(f"terarec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the user named cannot be written: one line
+        if exc.errno not in NOT_WRITABLE:
+            raise
+        shown = exc.strerror if isinstance(exc, NotWritableError) else exc
+        print(f"terarec {args.command}: error: {shown}", file=sys.stderr)
         return 2
 
 
