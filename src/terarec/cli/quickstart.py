@@ -53,7 +53,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from terarec.cli.main import build_parser
+    from terarec.cli.main import main
 
     _check(args)
     work: Path = args.workdir
@@ -75,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
             "--model", args.model, "--seed", str(args.seed), "--no-refit",
             *(["--no-progress"] if args.no_progress else [])]
     print(f"[2/3] terarec {' '.join(argv)}")
-    train_args = build_parser("train").parse_args(argv)
-    code = int(train_args.func(train_args) or 0)
+    code = main(argv)  # the command itself: its checks, its errors (one line, exit 2)
     if code:
         return code
     metrics = json.loads((model_dir / "metrics.json").read_text())
