@@ -17,7 +17,7 @@ from terarec.cli import autofeature as autofeature_cli
 from terarec.cli.main import main
 from terarec.data.readers import batch_from_records
 from terarec.data.synth_features import generate_planted
-from terarec.train.checkpoint import checkpoint_name, restore_trainer
+from terarec.train.checkpoint import checkpoint_name, read_model_meta, restore_trainer
 
 SCHEMA_ARGS = ["--format", "csv", "--label", "label", "--numeric", "I1,I2",
                "--categorical", "C1,C2,C3,C4,C5,C6,C7,C8", "--log1p", "I1,I2"]
@@ -244,3 +244,38 @@ def test_memory_limit_and_temp_dir_reach_duckdb(data, tmp_path, monkeypatch):
                  "--valid-rows", "1000", "--out", str(tmp_path / "f.json")]) == 0
     assert seen["memory_limit"] == "123MB"
     assert seen["temp_directory"] == str(tmp_path / "spill")
+
+
+def test_search_trains_on_the_tables_and_its_best_model_carries_them(selected, data,
+                                                                     tmp_path, capsys):
+    """``search --features``: every trial reads the joined rows (the feature columns are
+    in its schema), and ``out/best`` holds the tables, so eval on the raw validation file
+    repeats the validation AUC that picked it; a search started without tables cannot
+    gain them on resume."""
+    out = tmp_path / "search"
+    common = ["--train", str(data.train), "--valid", str(data.valid), "--out", str(out),
+              "--model", "lr", "--batch-size", "512", "--threads", "1", "--no-progress",
+              "--epochs", "2", "--select-by", "auc", "--pruner", "none", "--no-refit"]
+    assert main(["search", "--features", str(selected), "--trials", "2", *common]) == 0
+    best = out / "best"
+    features = model_features(best)
+    assert features is not None and features.tables.directory == best / "features"
+    assert features.selected == FeatureConfig.load(selected).selected
+    schema, _ = read_model_meta(best)
+    assert [f.name for f in schema.fields][-len(features.selected):] == \
+        list(features.selected)
+    rows = json.loads((out / "results.json").read_text())["trials"]
+    picked = max(r["value"] for r in rows if r["state"] == "complete")
+    capsys.readouterr()
+    metrics_out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(best), "--data", str(data.valid),
+                 "--out", str(metrics_out)]) == 0
+    assert json.loads(metrics_out.read_text())["auc"] == pytest.approx(picked, abs=1e-6)
+
+    plain = tmp_path / "plain"
+    assert main(["search", "--trials", "1", *SCHEMA_ARGS,
+                 *[a if a != str(out) else str(plain) for a in common]]) == 0
+    capsys.readouterr()
+    assert main(["search", "--features", str(selected), "--trials", "2", "--resume",
+                 *[a if a != str(out) else str(plain) for a in common]]) == 2
+    assert "was started without --features" in capsys.readouterr().err

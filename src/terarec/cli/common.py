@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from terarec.autofeature.features import FeatureConfig, install_features, model_features
 from terarec.config import (
     COMPRESSION,
     INPUT_FORMAT,
@@ -371,6 +372,30 @@ def check_no_repeats(paths: Sequence[str | Path], flag: str) -> None:
             raise ValueError(f"{flag}: {path} is named twice{first}: its rows would be "
                              "read twice; name it once")
         seen[real] = path
+
+
+# The rows are joined with AutoFeature tables in DuckDB first, which stops at a bad row
+# before the reader could skip it: the setting would be ignored.
+SKIP_WITH_FEATURES = ("--on-bad-row skip (on_bad_row in --config) does not work with "
+                      "AutoFeature tables: their join reads every row first and stops at "
+                      "the first bad one; clean the files or train without --features")
+
+
+def run_features(given: Path | None, out: Path, ctx: DistContext, *,
+                 resuming: bool) -> FeatureConfig | None:
+    """A run's AutoFeature tables (``train`` and ``search``): ``out``'s own copy when
+    resuming, else the ``--features`` config ``given``, copied into ``out`` by rank 0
+    before any rank reads it, so the directory keeps what it was trained on."""
+    if resuming:
+        return model_features(out)
+    if not given:
+        return None
+    features = None
+    if ctx.is_main:
+        features = install_features(out, FeatureConfig.load(given))
+        print(f"features: {', '.join(features.selected) or 'none selected'}")
+    ctx.barrier()
+    return features if features is not None else model_features(out)
 
 
 def check_disjoint(train: Sequence[str | Path], valid: Sequence[str | Path]) -> None:

@@ -9,18 +9,29 @@ import json
 import sys
 from pathlib import Path
 
+from terarec.autofeature.features import (
+    FeatureConfig,
+    feature_inputs,
+    install_features,
+    model_features,
+)
 from terarec.cli.common import (
+    SKIP_WITH_FEATURES,
     add_training_args,
     check_disjoint,
     check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
+    run_features,
+    schema_for_data,
+    schema_from_args,
     selection_from_args,
     train_schema_from_args,
 )
-from terarec.config import parse_bytes
+from terarec.config import TrainConfig, parse_bytes
 from terarec.data.readers import ReadStats
+from terarec.distributed.context import DistContext
 from terarec.train.passes import iter_file_batches
 
 
@@ -49,6 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue the search in --out after a stop or a crash: finished "
                    "trials are kept, interrupted ones run again (same settings needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--features", type=Path,
+                   help="feature config from `terarec autofeature`: every trial trains on "
+                   "the inputs joined with its tables (raw files are read with the "
+                   "config's schema; --format may name another container); the best "
+                   "model carries them, as a model of `train --features` does")
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="refit the best trial on --train and --valid together for its "
                    "selected epoch count, as train --refit does (default: on below "
@@ -58,8 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from terarec.train.defaults import apply_sized_defaults
-    from terarec.train.search import load_space, run_search, write_results, write_search_report
+    from terarec.distributed.context import topology
 
     check_no_repeats(args.train, "--train")
     check_no_repeats(args.valid, "--valid")
@@ -68,21 +83,54 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--trials {args.trials}: must be >= 1")
     if args.parallel is not None and args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: must be >= 1 (leave it out for all)")
+    config = config_from_args(args)
+    if args.features and config.on_bad_row == "skip":
+        raise ValueError(SKIP_WITH_FEATURES)
+    if not args.features:
+        schema_from_args(args)  # a bad column flag fails before any work
+    ctx = topology(config.device)
+    features = _features(args, ctx)
+    raw = schema_for_data(features.base_schema, args) if features else None
+    with feature_inputs(features, args.train, schema=raw) as train, \
+            feature_inputs(features, args.valid, schema=raw) as valid:
+        # the inputs as the trials read them (joined copies with AutoFeature tables)
+        read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid})
+        return _run(read, config, features, ctx)
+
+
+def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
+    """The search's AutoFeature tables, kept in ``--out`` (``features/``); a resumed
+    search takes its own copy and cannot gain tables it did not start with."""
+    resuming = args.resume and (model_features(args.out) is not None
+                                or (args.out / "search.json").exists())
+    if resuming and args.features and model_features(args.out) is None:
+        raise ValueError(f"--resume: the search in {args.out} was started without "
+                         "--features; resume it without them, or search into another --out")
+    return run_features(args.features, args.out, ctx, resuming=resuming)
+
+
+def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig | None,
+         ctx: DistContext) -> int:
+    """The search on ``args.train`` / ``args.valid`` as the trials read them."""
+    from terarec.embedding.shared import sharing_refusal
+    from terarec.train.defaults import apply_sized_defaults
+    from terarec.train.search import (
+        load_space,
+        run_search,
+        write_results,
+        write_search_report,
+    )
+
     # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
-    config, _ = apply_sized_defaults(config_from_args(args), args.train,
-                                     explicit_config_keys(args))
+    config, _ = apply_sized_defaults(config, args.train, explicit_config_keys(args))
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)
     selection_from_args(args, config)  # epoch upper bound, --eval-every
     space = load_space(args.space, config) if args.space else None  # before reading data
-    schema = train_schema_from_args(args)
+    schema = train_schema_from_args(args, features.schema if features else None)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
                                    on_bad_row=config.on_bad_row, stats=stats))
-    from terarec.distributed.context import topology
-    from terarec.embedding.shared import sharing_refusal
-
-    ctx = topology(config.device)
     why = sharing_refusal(config.store, config.sparse_optimizer)
     if why is not None and ctx.is_main:
         print(f"search: each trial keeps its own key index ({why})", file=sys.stderr)
@@ -91,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,
                         progress=not args.no_progress, resume=args.resume, ctx=ctx)
+    if result.best_dir is not None and features is not None and ctx.is_main:
+        install_features(result.best_dir, features)  # eval / predict / serve join them
+    ctx.barrier()
     if result.best_dir is not None and _refit(args, ctx.world):
         refit_best(result.best_dir, args, ctx)
     if ctx.is_main:

@@ -12,19 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from terarec.autofeature.features import (
-    FeatureConfig,
-    feature_inputs,
-    install_features,
-    model_features,
-)
+from terarec.autofeature.features import FeatureConfig, feature_inputs
 from terarec.cli.common import (
+    SKIP_WITH_FEATURES,
     add_training_args,
     check_disjoint,
     check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
+    run_features,
     schema_for_data,
     schema_from_args,
     selection_from_args,
@@ -208,7 +205,7 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
     _check_export_args(args)
     config = config_from_args(args)
     if args.features and config.on_bad_row == "skip":
-        raise UserError(_SKIP_WITH_FEATURES)
+        raise UserError(SKIP_WITH_FEATURES)
     if not _resuming(args):  # a resumed run's model is the checkpoint's: checked then
         _refuse_unused_keys(args, config)
     store_dir = config.store.disk_path
@@ -263,13 +260,6 @@ def _check_export_args(args: argparse.Namespace) -> None:
             parse_hhmm(args.full_at)
         except ValueError as exc:
             raise UserError(f"--full-at: {exc}") from None
-
-
-# The rows are joined with AutoFeature tables in DuckDB first, which stops at a bad row
-# before the reader could skip it: the setting would be ignored.
-_SKIP_WITH_FEATURES = ("--on-bad-row skip (on_bad_row in --config) does not work with "
-                       "AutoFeature tables: their join reads every row first and stops at "
-                       "the first bad one; clean the files or train without --features")
 
 
 def _check_follow_args(args: argparse.Namespace) -> None:
@@ -386,7 +376,7 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         schema_from_args(args)  # now, so a bad column flag fails before the data is sized
     features = _features(args, ctx)
     if features and config.on_bad_row == "skip":  # a resumed model's own tables
-        raise UserError(_SKIP_WITH_FEATURES)
+        raise UserError(SKIP_WITH_FEATURES)
     if not features and _resuming(args):
         _check_resumed_columns(args)
     raw = schema_for_data(features.base_schema, args) if features else None
@@ -484,15 +474,5 @@ def _resuming(args: argparse.Namespace) -> bool:
 
 
 def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
-    """The run's AutoFeature tables: the model's own when resuming, else ``--features``
-    copied into the model directory (by rank 0, before any rank reads them)."""
-    if _resuming(args):
-        return model_features(args.out)
-    if not args.features:
-        return None
-    features = None
-    if ctx.is_main:
-        features = install_features(args.out, FeatureConfig.load(args.features))
-        print(f"features: {', '.join(features.selected) or 'none selected'}")
-    ctx.barrier()
-    return features if features is not None else model_features(args.out)
+    """The run's AutoFeature tables: the model's own when resuming, else ``--features``."""
+    return run_features(args.features, args.out, ctx, resuming=_resuming(args))

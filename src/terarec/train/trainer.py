@@ -34,6 +34,7 @@ world size.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -102,6 +103,14 @@ class PassResult:
         return asdict(self)
 
 
+# Each rank keeps its own batch-norm statistics between steps (no broadcast in every
+# forward); torch 2.13 renamed the switch and warns on the old name.
+_NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False})
+
+
 class Trainer:
     """Owns the model, the store and the optimizers; trains pass by pass.
 
@@ -158,8 +167,8 @@ class Trainer:
         if self.ctx.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(self.model, device_ids=ids,
-                                               broadcast_buffers=False,
-                                               gradient_as_bucket_view=True)
+                                               gradient_as_bucket_view=True,
+                                               **_NO_FORWARD_BUFFER_SYNC)
             self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, self.ctx.world)
 
     @property
