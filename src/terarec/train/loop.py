@@ -17,9 +17,9 @@ differs from the first trial's gets the pass re-batched and re-planned (once per
 batch size and pass). A search's trials also share one key index (``embedding.shared``):
 each trial's store is a view holding only its own rows and optimizer state.
 
-Each trial's torch RNG state is swapped in around its passes, so a trial draws exactly
-the random numbers (dropout, ...) it would draw trained alone: K trials with the seeds
-of K separate runs end with the same weights.
+Each trial's torch RNG state (CPU, and CUDA on a GPU) is swapped in around its passes,
+so a trial draws exactly the random numbers (dropout, ...) it would draw trained alone:
+K trials with the seeds of K separate runs end with the same weights.
 """
 
 from __future__ import annotations
@@ -50,6 +50,26 @@ if TYPE_CHECKING:
     from terarec.train.trainer import Trainer
 
 
+@dataclass(frozen=True)
+class RngState:
+    """The torch random streams a trial draws from: the CPU generator, and on a GPU that
+    device's CUDA generator too (dropout there draws from it), so a trial swapped in and
+    out of the pass loop draws what it would alone on either device."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None = None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RngState:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self, device: torch.device) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
+
+
 @dataclass
 class TrialRun:
     """One model in the pass loop: its trainer, its selection and its pass-end hook.
@@ -62,11 +82,13 @@ class TrialRun:
     selection: SelectionTracker | None = None
     on_pass_end: Callable[[Trainer, dict], None] | None = None
     stop_reason: str | None = None
-    rng: torch.Tensor = field(default_factory=torch.get_rng_state)
+    rng: RngState | None = None  # the trainer's streams when None: taken now
     steps: int = 0  # optimizer steps so far
     scorer: ProgressiveScorer = field(default_factory=ProgressiveScorer)
 
     def __post_init__(self) -> None:
+        if self.rng is None:
+            self.rng = RngState.capture(self.trainer.device)
         if self.trainer.history:
             self.steps = int(self.trainer.history[-1].get("steps", 0))
 
@@ -205,9 +227,10 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     trainer = run.trainer
     plan = plans.for_batch_size(trainer.config.batch_size)
     scored = run.scorer.score(trainer, plan, info) if progressive else {}
-    torch.set_rng_state(run.rng)
+    assert run.rng is not None  # set in __post_init__
+    run.rng.restore(trainer.device)
     result = trainer.train_pass(plan, bar, upcoming)
-    run.rng = torch.get_rng_state()
+    run.rng = RngState.capture(trainer.device)
     run.steps += _steps(plan)
     trainer.inputs = info.positions.to_dict()
     record = {"epoch": epoch, "steps": run.steps, **result.as_dict(),

@@ -55,7 +55,7 @@ from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
 from terarec.train.checkpoint import mark_best, save_checkpoint, write_train_config
-from terarec.train.loop import TrialRun, run_passes
+from terarec.train.loop import RngState, TrialRun, run_passes
 from terarec.train.passes import group_passes
 from terarec.train.selection import STOP_PRUNED, SelectionTracker, higher_is_better
 from terarec.train.trainer import Trainer, make_store
@@ -682,7 +682,7 @@ class _Snapshot:
     trainer: Trainer
     pass_id: int
     history: list[dict]
-    rng: torch.Tensor
+    rng: RngState
     dense: dict[str, torch.Tensor]
     dense_optimizer: dict[str, Any]
     rows: dict[str, np.ndarray]
@@ -690,7 +690,7 @@ class _Snapshot:
     @classmethod
     def take(cls, model_dir: Path, trainer: Trainer) -> _Snapshot:
         return cls(model_dir, trainer, trainer.pass_id, list(trainer.history),
-                   torch.get_rng_state(),
+                   RngState.capture(trainer.device),
                    {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                    copy.deepcopy(trainer.dense_optimizer.state_dict()),
                    trainer.store.to_arrays())
@@ -704,7 +704,7 @@ class _Snapshot:
         t.store = make_store(t.model.row_dim, t.sparse_optimizer, _in_ram(t.config))
         t.store.load_arrays(self.rows)
         t.pass_id, t.history = self.pass_id, self.history
-        torch.set_rng_state(self.rng)
+        self.rng.restore(t.device)
         name = save_checkpoint(self.model_dir, t).name  # collective on N ranks
         if t.ctx.is_main:
             mark_best(self.model_dir, name)
