@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 from test_torchrun import HERE, single, torchrun
 
+from terarec.autofeature import Candidate, compute_tables
+from terarec.autofeature.features import FeatureConfig
 from terarec.data.synth import generate
+from terarec.data.synth_features import generate_planted
 from terarec.train.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -83,3 +86,28 @@ def test_ranks_follow_a_folder(files, tmp_path):
     assert sum(h["rows"] for h in meta["history"]) == 11_000
     assert [m["done"] for k, m in meta["inputs"]["files"].items() if k.endswith("f1a.tsv")] \
         == [True]
+
+
+def test_ranks_follow_a_folder_with_feature_tables(tmp_path):
+    """``train --follow --features`` on 2 ranks: rank 0 joins each landed file into the
+    follow cache, both ranks read their share of the copy, and a zero-byte file trains
+    as zero rows; the copies are gone once read."""
+    data = generate_planted(tmp_path / "all.csv", tmp_path / "valid.csv", 4000, 500, seed=2)
+    features = [Candidate("count", ("C3",)), Candidate("groupby", ("I1", "C3"), "avg")]
+    tables = compute_tables(features, data.train, data.schema, tmp_path / "tables")
+    FeatureConfig(data.schema, tables).save(tmp_path / "features.json")
+    head, *rows = data.train.read_text().splitlines(keepends=True)
+    folder, out = tmp_path / "logs", tmp_path / "m"
+    folder.mkdir()
+    (folder / "h0.csv").write_text(head + "".join(rows[:2000]))
+    (folder / "h1.csv").write_bytes(b"")
+    (folder / "h2.csv").write_text(head + "".join(rows[2000:]))
+    torchrun(["--follow", str(folder), "--features", str(tmp_path / "features.json"),
+              "--out", str(out), "--batch-size", "250", "--pass-rows", "1000",
+              "--poll-seconds", "0.2", "--stop-after", "3", *ARGS])
+    meta = load_checkpoint(out).meta
+    assert [(h["files"], h["rows"], h["world_size"]) for h in meta["history"]] == [
+        (["h0.csv"], 1000, 2)] * 2 + [(["h2.csv"], 1000, 2)] * 2
+    assert {Path(k).name: (m["rows"], m["done"]) for k, m in meta["inputs"]["files"].items()
+            } == {"h0.csv": (2000, True), "h1.csv": (0, True), "h2.csv": (2000, True)}
+    assert not [p for p in (out / "follow-cache").rglob("*") if p.is_file()]

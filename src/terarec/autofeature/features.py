@@ -100,11 +100,17 @@ class FeatureConfig:
                 engine: AutoFeatureEngine | None = None) -> list[Path]:
         """Each raw file of ``paths`` (read with ``schema``, default the base schema) joined
         with the tables into a Parquet file under ``out_dir``; the paths, in order."""
-        read_as = schema or self.base_schema
         out_dir = Path(out_dir)
-        return [apply_file(self.tables, p, read_as,
-                           out_dir / f"{i:04d}-{Path(p).stem}.parquet", engine=engine)
+        return [self.augment_file(p, out_dir / f"{i:04d}-{Path(p).stem}.parquet",
+                                  schema=schema, engine=engine)
                 for i, p in enumerate(paths)]
+
+    def augment_file(self, path: str | os.PathLike, out: str | os.PathLike, *,
+                     schema: FeatureSchema | None = None,
+                     engine: AutoFeatureEngine | None = None) -> Path:
+        """One raw file (read with ``schema``, default the base schema) joined with the
+        tables into the Parquet file ``out``, its rows in the file's order."""
+        return apply_file(self.tables, path, schema or self.base_schema, out, engine=engine)
 
 
 def install_features(model_dir: str | os.PathLike, config: FeatureConfig) -> FeatureConfig:

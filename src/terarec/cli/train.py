@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -52,7 +53,7 @@ from terarec.io import (
 )
 from terarec.train.checkpoint import list_checkpoints, read_model_meta
 from terarec.train.defaults import apply_sized_defaults, estimate_rows, refit_by_default
-from terarec.train.follow import CACHE_DIR, FollowOptions, first_landed
+from terarec.train.follow import CACHE_DIR, FollowOptions, Prepare, first_landed
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
@@ -270,8 +271,6 @@ def _check_follow_args(args: argparse.Namespace) -> None:
             if getattr(args, flag) is not None:
                 raise UserError(f"--{flag.replace('_', '-')} needs --follow")
         return
-    if args.features:
-        raise UserError("--features is not supported with --follow yet")
     if args.refit is not None:  # a stream has no fixed training set to train again
         raise UserError(f"--{'' if args.refit else 'no-'}refit does not apply to --follow: "
                         "its model is the last pass trained")
@@ -289,22 +288,33 @@ def _check_follow_args(args: argparse.Namespace) -> None:
 def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                 on_commit: Callable[[Trainer], None] | None) -> int:
     """``--follow``: the files of SOURCE as they land; a fresh model takes its numeric
-    statistics from the first file to land."""
+    statistics from the first file to land. With AutoFeature tables each file is joined
+    with them as it lands (``follow.Prepare``), into a copy under the follow cache."""
+    features = _features(args, ctx)
+    if features and config.on_bad_row == "skip":  # a resumed model's own tables
+        raise UserError(SKIP_WITH_FEATURES)
+    raw = schema_for_data(features.base_schema, args) if features else None
+    prepare = Prepare(raw, functools.partial(features.augment_file, schema=raw)) \
+        if features is not None and raw is not None and features.tables.tables else None
     options = FollowOptions(args.follow, storage_options_from_args(args),
                             poll_s=args.poll_seconds or POLL_SECONDS,
-                            stop_after=args.stop_after, stop_idle_s=args.stop_idle)
+                            stop_after=args.stop_after, stop_idle_s=args.stop_idle,
+                            prepare=prepare)
     if _resuming(args):  # the model's own shape, seed and optimizers, or an error
         config = resumed_config(read_model_meta(args.out)[1], config,
                                 explicit_config_keys(args), str(args.out))
         _refuse_unused_keys(args, config)
-        _check_resumed_columns(args)
-    else:  # the flags make the schema: check them now, not once the first file lands
-        schema_from_args(args)
+        if features is None:
+            _check_resumed_columns(args)
+    elif features is None:  # the flags make the schema: check them now, not once the
+        schema_from_args(args)  # first file lands
+    # The schema training reads: the joined copies' with tables, else the landed files'.
+    base = None if features is None else features.schema if prepare else raw
 
-    def schema():
-        first = first_landed(options, args.out / CACHE_DIR)
-        return train_schema_from_args(argparse.Namespace(**{**vars(args),
-                                                            "train": [first.path]}))
+    def schema() -> FeatureSchema:
+        with first_landed(options, args.out / CACHE_DIR) as first:
+            return train_schema_from_args(
+                argparse.Namespace(**{**vars(args), "train": [first.path]}), base)
 
     metrics, stats = train_model(
         TrainRun(train=[], valid=args.valid, out=args.out, resume=args.resume,

@@ -34,11 +34,15 @@ class InputFile:
     """An input: ``key`` names it in checkpoints (an absolute path, or the URI it was
     fetched from), ``path`` is the local file read; ``empty_ok``: a file with no data
     rows is read as zero rows rather than refused (a followed source's empty partition,
-    ``readers.no_data_rows``)."""
+    ``readers.no_data_rows``); ``fingerprint``: what checkpoints record of the file
+    (None: ``path``'s), given where ``path`` is a copy made from it (joined with
+    AutoFeature tables), so that a resumed run checks the file itself, whose copy is
+    made again with the same rows but maybe not the same bytes."""
 
     key: str
     path: Path
     empty_ok: bool = False
+    fingerprint: tuple[int, str] | None = None
 
 
 class Idle:
@@ -149,7 +153,7 @@ class Positions:
     def fingerprint(self, item: InputFile) -> tuple[int, str]:
         """The file's fingerprint, computed once per run."""
         if item.key not in self._fingerprints:
-            self._fingerprints[item.key] = fingerprint(item.path)
+            self._fingerprints[item.key] = item.fingerprint or fingerprint(item.path)
         return self._fingerprints[item.key]
 
     def start(self, item: InputFile) -> FileMark | None:

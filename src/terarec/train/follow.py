@@ -16,6 +16,12 @@ rows: an empty partition's part file) is trained as zero rows and recorded as do
 Files of an object store are copied into ``OUT/follow-cache`` to be read and the copy
 removed once every rank has read it; checkpoints name them by their URI.
 
+With AutoFeature tables (``FollowOptions.prepare``) each landed file is joined with them
+into a Parquet copy under ``OUT/follow-cache/_prepared`` (raw columns and features, the
+rows in file order), which training reads and which is removed once every rank has read
+it; checkpoints still name the landed file and record its fingerprint, not the copy's.
+A file with no data rows is not joined: it is trained as zero rows.
+
 Under torchrun, rank 0 lists SOURCE (and copies new files) and broadcasts the list in
 the read-ahead thread's process group, so every rank reads the same files in the same
 order and splits each one (``data.split``); ``OUT`` must then be on a filesystem every
@@ -24,11 +30,13 @@ rank sees, as for checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +45,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from terarec.data.positions import IDLE, Idle, InputFile, Positions, input_key
+from terarec.data.positions import IDLE, Idle, InputFile, Positions, fingerprint, input_key
+from terarec.data.readers import no_data_rows
 from terarec.distributed.context import DistContext
 from terarec.export.storage import Storage
-from terarec.io import atomic_write_text
+from terarec.io import atomic_write_bytes, atomic_write_text
+from terarec.types import FeatureSchema
 
 SUCCESS = "_SUCCESS"
 _IN_PROGRESS = (".tmp", ".part", ".partial", ".inprogress")
 CACHE_DIR = "follow-cache"
+# Under CACHE_DIR: the prepared copies, and first_landed's (per process). Landed names
+# never start with "_", so neither can clash with an object store file's copy.
+PREPARED_DIR = "_prepared"
+_FIRST_PREFIX = "_first-"
 METRICS_FILE = "metrics.prom"
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """How a landed file becomes the file training reads (``--features``: joined with the
+    model's AutoFeature tables): ``schema`` reads the landed file, ``write(landed, copy)``
+    writes the copy. It must hold the same rows in the same order each time it is made,
+    as a resumed run continues inside it."""
+
+    schema: FeatureSchema
+    write: Callable[[Path, Path], object]
 
 
 @dataclass
@@ -59,6 +84,7 @@ class FollowOptions:
     poll_s: float = 1.0
     stop_after: int | None = None
     stop_idle_s: float | None = None
+    prepare: Prepare | None = None  # each landed file made into the file training reads
 
 
 def is_data_name(name: str) -> bool:
@@ -73,6 +99,7 @@ class FollowSource:
     def __init__(self, options: FollowOptions, cache: Path) -> None:
         self.storage = Storage(options.source, options.storage_options)
         self.cache = cache
+        self.prepare = options.prepare
 
     def landed(self) -> list[str]:
         """Landed files, relative to SOURCE, in name order (partition folders expanded)."""
@@ -105,35 +132,60 @@ class FollowSource:
             return input_key(local)
         return f"{self.storage.uri.rstrip('/')}/{rel}"
 
-    def fetch(self, rel: str) -> InputFile:
-        """The file as a local input (an object store's file copied into the cache)."""
+    def fetch(self, rel: str, into: Path | None = None) -> InputFile:
+        """The file as a local input: an object store's file copied into the cache, and
+        with ``prepare``, the prepared copy (``into``: the folder for the copies instead
+        of the cache, every copy but the prepared one removed before returning)."""
         local = self.storage.local_path(rel)
         if local is not None:
-            return InputFile(input_key(local), local, empty_ok=True)
-        dest = self.cache / rel
-        if not dest.exists():
-            self.storage.download(rel, dest)
-        return InputFile(self.key(rel), dest, empty_ok=True)
+            item = InputFile(input_key(local), local, empty_ok=True)
+        else:
+            dest = (into or self.cache) / rel
+            if not dest.exists():
+                self.storage.download(rel, dest)
+            item = InputFile(self.key(rel), dest, empty_ok=True)
+        if self.prepare is None:
+            return item
+        return self._prepared(item, (into or self.cache) / PREPARED_DIR / rel)
+
+    def _prepared(self, item: InputFile, copy: Path) -> InputFile:
+        """``item`` read from its prepared copy at ``copy`` (made again even if there is
+        one: a run that failed may have left it from other tables)."""
+        assert self.prepare is not None
+        landed = fingerprint(item.path)  # taken first: the file the copy was made from
+        if no_data_rows(item.path, self.prepare.schema):
+            atomic_write_bytes(copy, b"")  # zero bytes: read as zero rows in any format
+        else:
+            self.prepare.write(item.path, copy)
+        if self.cached(item):  # an object store file's copy: the prepared one replaces it
+            item.path.unlink(missing_ok=True)
+        return InputFile(item.key, copy, empty_ok=True, fingerprint=landed)
 
     def cached(self, item: InputFile) -> bool:
         return self.cache in item.path.parents
 
 
-def first_landed(options: FollowOptions, cache: Path) -> InputFile:
+@contextlib.contextmanager
+def first_landed(options: FollowOptions, cache: Path) -> Iterator[InputFile]:
     """The first file to land under the source (waits for one): a fresh model's numeric
     statistics come from it. ``stop_idle_s`` bounds the wait too: without a file there is
-    no model to start, and the run waited forever."""
+    no model to start, and the run waited forever. With ``prepare``, its prepared copy,
+    made in a folder of this process's own (every rank takes the statistics) and removed
+    on exit."""
     source = FollowSource(options, cache)
     started = time.monotonic()
-    while True:
-        landed = source.landed()
-        if landed:
-            return source.fetch(landed[0])
+    while not (landed := source.landed()):
         if options.stop_idle_s is not None \
                 and time.monotonic() - started >= options.stop_idle_s:
             raise ValueError(f"--follow {options.source}: no file landed within "
                              f"--stop-idle {options.stop_idle_s:g} s; nothing was trained")
         time.sleep(options.poll_s)
+    if options.prepare is None:
+        yield source.fetch(landed[0])
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=_FIRST_PREFIX, dir=cache) as own:
+        yield source.fetch(landed[0], into=Path(own))
 
 
 def _broadcast(ctx: DistContext, obj: Any) -> Any:
