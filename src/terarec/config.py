@@ -483,27 +483,33 @@ def _fixed(key: str) -> bool:
 
 def resumed_config(saved: TrainConfig, new: TrainConfig, given: set[str],
                    where: str = "") -> TrainConfig:
-    """The config a resumed run trains with: ``new`` with the keys a checkpoint fixes
-    (``RESUME_FIXED``) taken from ``saved``, the run's own config. A fixed key in ``given``
-    (the dotted keys the user set) with another value is a ValueError naming each such
-    key, its flag and both values: the checkpoints cannot take it."""
+    """The config a resumed run trains with: ``saved``, the run's own config, with the
+    keys the user set this time (``given``: dotted keys from flags or ``--config``) taken
+    from ``new``, except the keys a checkpoint fixes (``RESUME_FIXED``): one of those in
+    ``given`` with another value is a ValueError naming each such key, its flag and both
+    values. A key not given keeps the run's value (``--resume --epochs 20`` trains
+    longer with the batch size and learning rates it had, not the defaults)."""
     old, now = _flat(to_dict(saved)), _flat(to_dict(new))
     flags = {".".join(path): flag.name for path, flag, _, _ in flag_fields()}
-    changed = [k for k in old if _fixed(k) and k in given and now[k] != old[k]]
+
+    def is_given(key: str) -> bool:
+        return any(key == g or key.startswith(g + ".") for g in given)
+
+    changed = [k for k in old if _fixed(k) and is_given(k) and now.get(k) != old[k]]
     if changed:
         shown = "; ".join(
             f"{k}{' (' + flags[k] + ')' if k in flags else ''}: was {_value(old[k])}, "
-            f"now {_value(now[k])}" for k in changed)
+            f"now {_value(now.get(k))}" for k in changed)
         raise ValueError(f"--resume: {where + ' ' if where else ''}was trained with other "
                          f"settings that its checkpoints fix: {shown}; resume without "
                          "them or train into another --out")
-    merged = to_dict(new)
-    for key in (k for k in old if _fixed(k)):
+    merged = to_dict(saved)
+    for key in (k for k in now if is_given(k) and not _fixed(k)):
         *parents, last = key.split(".")
         node = merged
         for p in parents:
-            node = node[p]
-        node[last] = old[key]
+            node = node.setdefault(p, {})
+        node[last] = now[key]
     return from_dict(TrainConfig, merged)
 
 

@@ -279,3 +279,23 @@ def test_search_trains_on_the_tables_and_its_best_model_carries_them(selected, d
     assert main(["search", "--features", str(selected), "--trials", "2", "--resume",
                  *[a if a != str(out) else str(plain) for a in common]]) == 2
     assert "was started without --features" in capsys.readouterr().err
+
+
+def test_resume_with_tables_reads_on_inside_the_file(selected, data, tmp_path, capsys):
+    """Checkpoints named the joined copy (a path in a temporary folder, another one each
+    run), so a resumed run found no position for the file and trained its rows again."""
+    out = tmp_path / "m"
+    common = ["--train", str(data.train), "--out", str(out), "--model", "lr",
+              "--batch-size", "500", "--pass-rows", "2000", "--threads", "1",
+              "--no-progress", "--epochs", "1"]
+    assert main(["train", "--features", str(selected), *common]) == 0
+    last = sorted((out / "checkpoints").iterdir())[-1]  # as if killed after the one before
+    shutil.rmtree(last)
+    kept = sorted((out / "checkpoints").iterdir())[-1].name
+    (out / "LATEST").write_text(kept)
+    meta = json.loads((out / "checkpoints" / kept / "meta.json").read_text())
+    assert list(meta["inputs"]["files"]) == [str(data.train.resolve())]
+    assert main(["train", "--resume", *common]) == 0
+    capsys.readouterr()
+    rows = [r["rows"] for r in json.loads((out / "history.json").read_text())]
+    assert sum(rows) == 15_000 and rows[-1] == 15_000 - 2000 * (len(rows) - 1)

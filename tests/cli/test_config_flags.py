@@ -120,3 +120,27 @@ def test_on_bad_row_skip_in_a_config_file_takes_effect(tmp_path):
     # the flag, when given, still wins
     assert main(["train", "--train", str(train), "--out", str(tmp_path / "m2"), "--config",
                  cfg, "--no-progress", "--on-bad-row", "error"]) == 2
+
+
+def test_resume_keeps_the_runs_settings_that_its_flags_do_not_change(tmp_path, capsys):
+    """``--resume --epochs N`` (train longer) kept the model's fixed keys but took the
+    defaults for every other key not given: the batch size, pass size and learning rates
+    the run was started with fell back to the fixed defaults (4096 rows, ...)."""
+    from terarec.data.synth import generate
+    from terarec.train.checkpoint import read_model_meta
+
+    data = tmp_path / "train.tsv"
+    generate(data, 3000, model_seed=1, sample_seed=2)
+    out = tmp_path / "m"
+    first = ["--batch-size", "300", "--pass-rows", "600", "--sparse-lr", "0.07",
+             "--dense-lr", "0.002", "--epochs", "1", "--threads", "1", "--model", "lr"]
+    assert main(["train", "--train", str(data), "--out", str(out), "--no-progress",
+                 *first]) == 0
+    assert main(["train", "--train", str(data), "--out", str(out), "--no-progress",
+                 "--resume", "--epochs", "2", "--dense-lr", "0.003"]) == 0
+    capsys.readouterr()
+    config = read_model_meta(out)[1]
+    assert (config.batch_size, config.pass_rows, config.epochs) == (300, 600, 2)
+    assert config.sparse_optimizer.lr == 0.07 and config.dense_optimizer.lr == 0.003
+    history = json.loads((out / "history.json").read_text())
+    assert [r["rows"] for r in history] == [600] * 10

@@ -28,6 +28,7 @@ from terarec.autofeature.candidates import AutoFeatureError
 from terarec.autofeature.engine import AutoFeatureEngine
 from terarec.autofeature.tables import FeatureTables, extend_schema
 from terarec.autofeature.transform import apply_file
+from terarec.data.positions import InputFile, fingerprint, input_key
 from terarec.io import atomic_write_text
 from terarec.types import FeatureSchema
 
@@ -140,6 +141,16 @@ def feature_inputs(config: FeatureConfig | None, paths: Sequence[str | os.PathLi
         return
     with tempfile.TemporaryDirectory(prefix="terarec-features-") as tmp:
         yield config.augment(paths, tmp, schema=schema, engine=engine)
+
+
+def keyed_copies(raws: Sequence[str | os.PathLike], copies: Sequence[Path]
+                 ) -> list[InputFile]:
+    """Joined ``copies`` as training inputs named by the raw files they were made from:
+    checkpoints record each raw file's key and fingerprint, so a resumed run, whose
+    copies are made again in another temporary folder, reads on from its row positions
+    (keyed by the copies' paths, it found none and trained every row again)."""
+    return [InputFile(input_key(Path(raw)), copy, fingerprint=fingerprint(Path(raw)))
+            for raw, copy in zip(raws, copies, strict=True)]
 
 
 @contextlib.contextmanager

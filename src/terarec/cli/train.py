@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from terarec.autofeature.features import FeatureConfig, feature_inputs
+from terarec.autofeature.features import FeatureConfig, feature_inputs, keyed_copies
 from terarec.cli.common import (
     SKIP_WITH_FEATURES,
     add_training_args,
@@ -35,6 +35,7 @@ from terarec.cli.storage_args import (
     storage_options_from_args,
 )
 from terarec.config import TrainConfig, flag_fields, resumed_config, unused_keys
+from terarec.data.positions import InputFile
 from terarec.distributed.context import (
     DistContext,
     launched_by_torchrun,
@@ -403,8 +404,11 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
+        # Joined copies are named in checkpoints by the raw files, so --resume reads on.
+        inputs: list[Path | InputFile] = [*keyed_copies(args.train, train)] \
+            if features and features.tables.tables else [*train]
         metrics, stats = train_model(
-            TrainRun(train=train, valid=valid, out=args.out, resume=args.resume,
+            TrainRun(train=inputs, valid=valid, out=args.out, resume=args.resume,
                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
                      refit=_refit(args, train)),
             config, lambda: train_schema_from_args(read, features.schema if features else None,

@@ -40,10 +40,12 @@ from terarec.types import Batch, FeatureSchema
 Inputs = Iterable[str | Path | InputFile | Idle]  # files, or IDLE while none is new
 
 
-def iter_file_batches(paths: Iterable[str | Path], schema: FeatureSchema, batch_size: int,
-                      on_bad_row: OnBadRow = "error", stats: ReadStats | None = None,
+def iter_file_batches(paths: Iterable[str | Path | InputFile], schema: FeatureSchema,
+                      batch_size: int, on_bad_row: OnBadRow = "error",
+                      stats: ReadStats | None = None,
                       with_label: bool = True) -> Iterator[Batch]:
-    for path in paths:
+    for item in paths:
+        path = item.path if isinstance(item, InputFile) else item
         yield from iter_batches(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats,
                                 with_label=with_label)
 

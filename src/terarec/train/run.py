@@ -15,13 +15,13 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from terarec.config import TrainConfig, parse_bytes
-from terarec.data.positions import Positions
+from terarec.data.positions import InputFile, Positions
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext, restart_count
 from terarec.distributed.dense_comm import DenseCommConfig
@@ -97,7 +97,7 @@ class PhaseClock:
 class TrainRun:
     """What to train on and where the model directory is."""
 
-    train: list[Path]
+    train: list[Path | InputFile]  # InputFile: a copy named by the file it was made from
     out: Path
     valid: list[Path] = field(default_factory=list)
     resume: bool = False
@@ -275,8 +275,8 @@ def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
             "checkpoint": name}, model
 
 
-def _no_rows(what: str, paths: list[Path], stats: ReadStats) -> str:
-    files = ", ".join(str(p) for p in paths)
+def _no_rows(what: str, paths: Sequence[Path | InputFile], stats: ReadStats) -> str:
+    files = ", ".join(p.key if isinstance(p, InputFile) else str(p) for p in paths)
     if stats.skipped:
         return (f"no {what} rows in {files}: all {stats.skipped} rows read were bad and "
                 f"skipped (--on-bad-row skip); first: {stats.examples[0]}")
