@@ -97,3 +97,15 @@ def test_empty_table():
     rows = compress_rows(np.empty(0, np.int64), np.empty((0, 4), np.float32), RowCodec(2))
     got, found = lookup_rows(rows, np.array([1, 2], np.int64))
     assert not found.any() and got.shape == (2, 4)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 16])
+def test_a_row_out_of_the_precisions_range_is_named_by_its_key(bits):
+    """The error named the row's index in the chunk being encoded (``row 1``), which no
+    user can look up; the key is what inspect, predict and the server know."""
+    keys = np.array([11, 4_000_000_007, 4_000_000_009], np.int64)
+    values = np.zeros((3, 4), np.float32)
+    values[1, 2] = 3e38
+    with pytest.raises(ValueError, match=r"export: key 4000000007: its row holds a value "
+                                         r"beyond \+-"):
+        compress_rows(keys, values, RowCodec(bits))

@@ -373,21 +373,29 @@ def _check_finite(values: np.ndarray, row_min: np.ndarray, row_max: np.ndarray,
 INT_ROW_LIMIT = 1e38
 
 
+class RowRangeError(ValueError):
+    """A row holds a value its precision cannot store; ``row`` is its index in the call,
+    ``what`` the reason, so a caller that knows the row's key can name it instead."""
+
+    def __init__(self, where: str, row: int, what: str) -> None:
+        super().__init__(f"{where}: row {row} {what}")
+        self.row, self.what = row, what
+
+
 def _check_int_range(row_min: np.ndarray, row_max: np.ndarray, where: str,
                     precision: str) -> None:
     bad = np.maximum(-row_min, row_max) > INT_ROW_LIMIT
     if bad.any():
-        row = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{where}: row {row} holds a value beyond +-{INT_ROW_LIMIT:g}, "
-                         f"which {precision} rows cannot store")
+        raise RowRangeError(where, int(np.flatnonzero(bad)[0]),
+                            f"holds a value beyond +-{INT_ROW_LIMIT:g}, which {precision} "
+                            "rows cannot store")
 
 
 def _check_fp16_range(row_min: np.ndarray, row_max: np.ndarray, where: str) -> None:
     bad = np.maximum(-row_min, row_max) > _FP16_MAX
     if bad.any():
-        row = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{where}: row {row} holds a value beyond +-{_FP16_MAX:g}, "
-                         "which fp16 cannot store")
+        raise RowRangeError(where, int(np.flatnonzero(bad)[0]),
+                            f"holds a value beyond +-{_FP16_MAX:g}, which fp16 cannot store")
 
 
 def _check_precision(precision: str) -> None:

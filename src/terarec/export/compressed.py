@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save
 
 from terarec.embedding.quant import (
+    RowRangeError,
     codebook_row_bytes,
     decode_codebook,
     decode_rows,
@@ -120,7 +121,11 @@ def compress_rows(keys: np.ndarray, values: np.ndarray, codec: RowCodec,
         codes = encode_codebook(values, levels, row_scaled=True)
         return CompressedRows(keys, codes, dim, codec, levels)
     precision = _PRECISION_BY_BITS[codec.bits]
-    return CompressedRows(keys, encode_rows(values, precision), dim, codec)  # type: ignore
+    try:
+        codes = encode_rows(values, precision)  # type: ignore[arg-type]
+    except RowRangeError as exc:  # the row's key, not its index in this chunk
+        raise ValueError(f"export: key {int(keys[exc.row])}: its row {exc.what}") from None
+    return CompressedRows(keys, codes, dim, codec)
 
 
 def decode_selected(rows: CompressedRows, index: np.ndarray) -> np.ndarray:
