@@ -136,9 +136,10 @@ def test_resume_keeps_the_runs_settings_that_its_flags_do_not_change(tmp_path, c
              "--dense-lr", "0.002", "--epochs", "1", "--threads", "1", "--model", "lr"]
     assert main(["train", "--train", str(data), "--out", str(out), "--no-progress",
                  *first]) == 0
+    capsys.readouterr()
     assert main(["train", "--train", str(data), "--out", str(out), "--no-progress",
                  "--resume", "--epochs", "2", "--dense-lr", "0.003"]) == 0
-    capsys.readouterr()
+    assert "data-sized defaults" not in capsys.readouterr().err  # none were taken
     config = read_model_meta(out)[1]
     assert (config.batch_size, config.pass_rows, config.epochs) == (300, 600, 2)
     assert config.sparse_optimizer.lr == 0.07 and config.dense_optimizer.lr == 0.003

@@ -401,6 +401,7 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
             config = resumed_config(read_model_meta(args.out)[1], config, given,
                                     str(args.out))
             _refuse_unused_keys(args, config)
+            sized = {}  # the run's own values hold where no flag was given
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
