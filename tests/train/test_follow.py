@@ -251,3 +251,30 @@ def test_files_with_no_rows_count_as_trained(hourly, tmp_path, capsys):
     assert sum(h["rows"] for h in meta["history"]) == 2 * ROWS
     assert all(m["done"] for m in meta["inputs"]["files"].values())
     assert len(meta["inputs"]["files"]) == 4
+
+
+def test_a_first_file_with_no_rows_gives_way_to_the_next_for_the_statistics(
+        hourly, tmp_path, capsys):
+    """A fresh model takes its numeric statistics from the first landed file: an empty
+    one (an hour without events) stopped the run with "no data rows" before anything was
+    trained. The next file with rows gives them; the empty one trains as zero rows."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    (folder / "2026-12-01T00-00.tsv").write_bytes(b"")
+    _land(hourly[1], folder)
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-after", "2",
+                 *ARGS]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["files_trained"] == 2
+    meta = load_checkpoint(out).meta
+    assert sum(h["rows"] for h in meta["history"]) == ROWS
+    schema = json.loads((out / "schema.json").read_text())
+    assert all(f["std"] is not None for f in schema["fields"] if f["kind"] == "numeric")
+
+    only_empty, fresh = tmp_path / "empty-logs", tmp_path / "fresh"
+    only_empty.mkdir()
+    (only_empty / "a.tsv").write_bytes(b"")
+    assert main(["train", "--follow", str(only_empty), "--out", str(fresh),
+                 "--stop-idle", "0.5", *ARGS]) == 2
+    assert (f"--follow {only_empty}: no file with data rows landed within --stop-idle "
+            "0.5 s") in capsys.readouterr().err

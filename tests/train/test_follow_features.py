@@ -201,7 +201,7 @@ def test_an_s3_file_is_joined_into_the_cache(landed, tmp_path, s3_server):
     empty = source.fetch("b.csv")
     assert empty.path.stat().st_size == 0 and empty.empty_ok
 
-    with first_landed(options, cache) as first:
+    with first_landed(options, cache, data.schema) as first:
         own = first.path
         assert own.parents[1].parent == cache and own.parents[1].name.startswith("_first-")
         assert pq.read_table(own).equals(joined)

@@ -313,7 +313,8 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
     base = None if features is None else features.schema if prepare else raw
 
     def schema() -> FeatureSchema:
-        with first_landed(options, args.out / CACHE_DIR) as first:
+        landed = raw if raw is not None else schema_from_args(args)  # how files are read
+        with first_landed(options, args.out / CACHE_DIR, landed) as first:
             return train_schema_from_args(
                 argparse.Namespace(**{**vars(args), "train": [first.path]}), base)
 

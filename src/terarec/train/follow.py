@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -166,26 +166,42 @@ class FollowSource:
 
 
 @contextlib.contextmanager
-def first_landed(options: FollowOptions, cache: Path) -> Iterator[InputFile]:
-    """The first file to land under the source (waits for one): a fresh model's numeric
-    statistics come from it. ``stop_idle_s`` bounds the wait too: without a file there is
-    no model to start, and the run waited forever. With ``prepare``, its prepared copy,
-    made in a folder of this process's own (every rank takes the statistics) and removed
-    on exit."""
-    source = FollowSource(options, cache)
+def first_landed(options: FollowOptions, cache: Path,
+                 schema: FeatureSchema) -> Iterator[InputFile]:
+    """The first file under the source with data rows (read with ``schema``; waits for
+    one): a fresh model's numeric statistics come from it. A file with none (an empty
+    partition's part file) has no statistics to give, and stopped the run with "no data
+    rows" although the loop trains it as zero rows: the next file is taken. ``stop_idle_s``
+    bounds the wait too: without such a file there is no model to start. Fetched, and with
+    ``prepare`` prepared, in a folder of this process's own (every rank takes the
+    statistics), removed on exit."""
+    source = FollowSource(replace(options, prepare=None), cache)
+    prepared = FollowSource(options, cache)
     started = time.monotonic()
-    while not (landed := source.landed()):
-        if options.stop_idle_s is not None \
-                and time.monotonic() - started >= options.stop_idle_s:
-            raise ValueError(f"--follow {options.source}: no file landed within "
-                             f"--stop-idle {options.stop_idle_s:g} s; nothing was trained")
-        time.sleep(options.poll_s)
-    if options.prepare is None:
-        yield source.fetch(landed[0])
-        return
+    checked: set[str] = set()
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=_FIRST_PREFIX, dir=cache) as own:
-        yield source.fetch(landed[0], into=Path(own))
+        while True:
+            for rel in source.landed():
+                if rel in checked:
+                    continue
+                checked.add(rel)
+                item = source.fetch(rel, into=Path(own))
+                if no_data_rows(item.path, schema):
+                    if source.cached(item):
+                        item.path.unlink(missing_ok=True)
+                    continue
+                if options.prepare is not None:
+                    item = prepared._prepared(item, Path(own) / PREPARED_DIR / rel)
+                yield item
+                return
+            if options.stop_idle_s is not None \
+                    and time.monotonic() - started >= options.stop_idle_s:
+                what = "no file with data rows" if checked else "no file"
+                raise ValueError(f"--follow {options.source}: {what} landed within "
+                                 f"--stop-idle {options.stop_idle_s:g} s; nothing was "
+                                 "trained")
+            time.sleep(options.poll_s)
 
 
 def _broadcast(ctx: DistContext, obj: Any) -> Any:
