@@ -262,8 +262,12 @@ def test_a_first_file_with_no_rows_gives_way_to_the_next_for_the_statistics(
     folder.mkdir()
     (folder / "2026-12-01T00-00.tsv").write_bytes(b"")
     _land(hourly[1], folder)
+    dead = out / "follow-cache" / "_first-dead"  # of a run killed taking its statistics
+    dead.mkdir(parents=True)
+    (dead / "copy.tsv").write_bytes(hourly[0].read_bytes())
     assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-after", "2",
                  *ARGS]) == 0
+    assert not dead.exists()
     summary = json.loads(capsys.readouterr().out.splitlines()[0])
     assert summary["files_trained"] == 2
     meta = load_checkpoint(out).meta

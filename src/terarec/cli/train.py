@@ -54,7 +54,13 @@ from terarec.io import (
 )
 from terarec.train.checkpoint import list_checkpoints, read_model_meta
 from terarec.train.defaults import apply_sized_defaults, estimate_rows, refit_by_default
-from terarec.train.follow import CACHE_DIR, FollowOptions, Prepare, first_landed
+from terarec.train.follow import (
+    CACHE_DIR,
+    FollowOptions,
+    Prepare,
+    first_landed,
+    remove_first_leftovers,
+)
 from terarec.train.run import TrainRun, train_model
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
@@ -369,6 +375,7 @@ def _lock_model_dir(out: Path, ctx: DistContext, held: contextlib.ExitStack) -> 
                                   "wait for it to exit")
             os.close(fd)
             remove_atomic_leftovers(out)  # of a run killed mid-write
+            remove_first_leftovers(out / CACHE_DIR)  # of one killed taking statistics
         except LockedError as exc:
             failure = str(exc)
         except OSError as exc:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
+import shutil
 import signal
 import tempfile
 import threading
@@ -163,6 +164,14 @@ class FollowSource:
 
     def cached(self, item: InputFile) -> bool:
         return self.cache in item.path.parents
+
+
+def remove_first_leftovers(cache: Path) -> None:
+    """Remove the folders ``first_landed`` left under ``cache`` when a run was killed
+    while taking its statistics; call before any rank of the new run takes them."""
+    if cache.is_dir():
+        for old in cache.glob(_FIRST_PREFIX + "*"):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
