@@ -365,3 +365,19 @@ def test_k2_search_with_admission_and_eviction_equals_two_single_runs(files, tmp
         for key in ("valid_auc", "train_loss", "admitted_keys", "evicted_keys",
                     "store_keys"):
             assert [h[key] for h in trial] == [h[key] for h in single], key
+
+
+def test_a_trials_rng_state_restores_its_stream():
+    """What the pass loop swaps in around a trial's pass: restoring a captured state
+    draws the same numbers again (on CUDA the device's generator is captured too)."""
+    import torch
+
+    from terarec.train.loop import RngState
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    state = RngState.capture(device)
+    assert (state.cuda is None) == (device.type == "cpu")
+    first = torch.rand(4, device=device), torch.rand(4)
+    state.restore(device)
+    again = torch.rand(4, device=device), torch.rand(4)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
