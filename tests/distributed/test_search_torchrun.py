@@ -138,3 +138,42 @@ def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_on
     assert got.keys() == want.keys() == {2, 4, 8}
     for dim, value in want.items():
         assert got[dim] == pytest.approx(value, abs=1e-12), dim
+
+
+def test_two_ranks_search_with_feature_tables_like_one_process(tmp_path):
+    """``search --features`` under torchrun: rank 0 installs the tables, every rank joins
+    its inputs, and the trials score as in one process; the best model carries the
+    tables, so its eval on the raw validation file repeats the value that picked it."""
+    from terarec.autofeature import Candidate, compute_tables
+    from terarec.autofeature.features import FeatureConfig, model_features
+    from terarec.data.synth_features import generate_planted
+
+    data = generate_planted(tmp_path / "t.csv", tmp_path / "v.csv", 3000, 1000, seed=4)
+    tables = compute_tables([Candidate("count", ("C3",)), Candidate("cross_count",
+                                                                    ("C5", "C7"))],
+                            data.train, data.schema, tmp_path / "tables")
+    FeatureConfig(data.schema, tables).save(tmp_path / "features.json")
+    argv = ["search", "--features", str(tmp_path / "features.json"), "--train",
+            str(data.train), "--valid", str(data.valid), "--model", "lr", "--trials", "2",
+            "--sampler", "random", "--pruner", "none", "--epochs", "2", "--batch-size",
+            "250", "--pass-rows", "500", "--threads", "1", "--seed", "1", "--no-progress",
+            "--no-refit"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    done = _run([sys.executable, "-m", "terarec", *argv, "--out", str(one)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                 "--master_port", str(_free_port()), "-m", "terarec", *argv,
+                 "--out", str(two)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = _rows(one), _rows(two)
+    assert a.keys() == b.keys() == {0, 1}
+    for n in a:
+        assert b[n]["value"] == pytest.approx(a[n]["value"], abs=1e-6)
+    features = model_features(two / "best")
+    assert features is not None and list(features.selected) == list(tables.names)
+    scores = tmp_path / "scores.json"
+    assert _run([sys.executable, "-m", "terarec", "eval", "--model", str(two / "best"),
+                 "--data", str(data.valid), "--out", str(scores)]).returncode == 0
+    winner = b[json.loads((two / "results.json").read_text())["best_trial"]]
+    assert json.loads(scores.read_text())["logloss"] == pytest.approx(winner["value"],
+                                                                      abs=1e-5)
