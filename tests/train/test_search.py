@@ -362,8 +362,10 @@ def test_k2_search_with_admission_and_eviction_equals_two_single_runs(files, tmp
         trial = json.loads((out / "trials" / f"trial-{number:03d}" /
                             "history.json").read_text())
         assert any(h["evicted_keys"] for h in single)
+        # new_keys: what inspect shows per pass; the later trial counted none (the first
+        # trial's pull admits the shared keys for both).
         for key in ("valid_auc", "train_loss", "admitted_keys", "evicted_keys",
-                    "store_keys"):
+                    "store_keys", "new_keys", "rejected_keys"):
             assert [h[key] for h in trial] == [h[key] for h in single], key
 
 

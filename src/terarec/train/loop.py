@@ -201,6 +201,8 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                 plans = _PlanCache(plan, reader.config.batch_size)
                 live = [r for r in runs if r.live]
                 ahead = upcoming[0] if isinstance(upcoming, tuple) else None
+                for run in live:  # before the first pulls the keys they may share
+                    run.trainer.begin_pass()
                 for run in live:
                     _train_one(run, plans, ahead, valid_batches, epoch, bar, info,
                                stream.progressive)

@@ -159,7 +159,8 @@ class Trainer:
         # Every input file's row position after the last pass (checkpoint meta
         # ``inputs``: ``data.positions.Positions.to_dict``); None before any pass.
         self.inputs: dict | None = None
-        self._admitted_before = 0  # the store's admitted total when the pass began
+        # (pass, the store's admitted total when that pass began): ``begin_pass``
+        self._admitted_before: tuple[int, int] | None = None
         self.history: list[dict] = []
         self.stop_reason: str | None = None  # why the last ``fit`` ended
         self.ddp: torch.nn.Module = self.model
@@ -170,6 +171,12 @@ class Trainer:
                                                gradient_as_bucket_view=True,
                                                **_NO_FORWARD_BUFFER_SYNC)
             self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, self.ctx.world)
+
+    def begin_pass(self) -> None:
+        """Count the next pass's new keys from now. The pass loop calls it for every
+        trial before any trains the pass: trials sharing a key index are admitted keys
+        by whichever pulls first, so a trial that counted from its own turn saw none."""
+        self._admitted_before = (self.pass_id, self.store.stats().admitted)
 
     @property
     def rank(self) -> int:
@@ -217,7 +224,8 @@ class Trainer:
         assert not isinstance(upcoming, ShardedPassPlan)
         self.model.train()
         t0 = time.perf_counter()
-        self._admitted_before = self.store.stats().admitted
+        if self._admitted_before is None or self._admitted_before[0] != self.pass_id:
+            self.begin_pass()
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True,
                               cache=self.device_cache)
         batches = ws.batches
@@ -251,7 +259,8 @@ class Trainer:
         ``samples_per_s``: global rows over the ranks' mean pass time."""
         t0, t1, t2, t3 = times
         world = self.ctx.world
-        new_keys = self.store.stats().admitted - self._admitted_before
+        assert self._admitted_before is not None  # set when the pass began
+        new_keys = self.store.stats().admitted - self._admitted_before[1]
         totals = self.ctx.all_sum([loss_sum, rows, unique_keys, admitted_keys, evicted,
                                    len(self.store), sparse_bytes, dense_bytes, t3 - t0,
                                    new_keys])
@@ -294,7 +303,8 @@ class Trainer:
         ctx = self.ctx
         assert self.dense_comm is not None
         t0 = time.perf_counter()
-        self._admitted_before = self.store.stats().admitted
+        if self._admitted_before is None or self._admitted_before[0] != self.pass_id:
+            self.begin_pass()
         ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True)
         prefetcher = _start_prefetch(
             self.store, upcoming.owned if isinstance(upcoming, ShardedPassPlan) else None)
