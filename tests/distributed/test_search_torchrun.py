@@ -50,14 +50,20 @@ def _rows(out: Path) -> dict[int, dict]:
     return {r["trial"]: r for r in json.loads((out / "results.json").read_text())["trials"]}
 
 
-def test_two_ranks_search_like_one_process(args, tmp_path):
+def _one_process_and_two_ranks(argv: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """The same search in one process (``one``) and on 2 torchrun ranks (``two``)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    done = _run([sys.executable, "-m", "terarec", *args, "--out", str(one)])
+    done = _run([sys.executable, "-m", "terarec", *argv, "--out", str(one)])
     assert done.returncode == 0, done.stderr[-3000:]
     done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                 "--master_port", str(_free_port()), "-m", "terarec", *args,
+                 "--master_port", str(_free_port()), "-m", "terarec", *argv,
                  "--out", str(two)])
     assert done.returncode == 0, done.stderr[-3000:]
+    return one, two
+
+
+def test_two_ranks_search_like_one_process(args, tmp_path):
+    one, two = _one_process_and_two_ranks(args, tmp_path)
     a, b = _rows(one), _rows(two)
     assert a.keys() == b.keys() == {0, 1, 2}
     assert any(r["state"] == "pruned" for r in a.values())
@@ -158,13 +164,7 @@ def test_two_ranks_search_with_feature_tables_like_one_process(tmp_path):
             "--sampler", "random", "--pruner", "none", "--epochs", "2", "--batch-size",
             "250", "--pass-rows", "500", "--threads", "1", "--seed", "1", "--no-progress",
             "--no-refit"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    done = _run([sys.executable, "-m", "terarec", *argv, "--out", str(one)])
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                 "--master_port", str(_free_port()), "-m", "terarec", *argv,
-                 "--out", str(two)])
-    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = _one_process_and_two_ranks(argv, tmp_path)
     a, b = _rows(one), _rows(two)
     assert a.keys() == b.keys() == {0, 1}
     for n in a:
