@@ -299,3 +299,16 @@ def test_resume_with_tables_reads_on_inside_the_file(selected, data, tmp_path, c
     capsys.readouterr()
     rows = [r["rows"] for r in json.loads((out / "history.json").read_text())]
     assert sum(rows) == 15_000 and rows[-1] == 15_000 - 2000 * (len(rows) - 1)
+
+
+def test_scoring_a_model_with_tables_refuses_on_bad_row_skip(model, data, tmp_path, capsys):
+    """The join with the model's tables stops at the first bad row, before the reader
+    could skip it: eval and predict say so rather than fail on a row they promised to
+    skip."""
+    for command in ("eval", "predict"):
+        capsys.readouterr()
+        assert main([command, "--model", str(model), "--data", str(data.valid),
+                     "--on-bad-row", "skip", "--out", str(tmp_path / command)]) == 2
+        err = capsys.readouterr().err
+        assert f"--on-bad-row skip: {model} was trained with AutoFeature tables" in err
+        assert not (tmp_path / command).exists()

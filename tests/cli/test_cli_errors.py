@@ -535,10 +535,9 @@ def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
 
 
 
-def test_eval_with_every_row_skipped_fails_and_predict_refuses_skip(lr_model, tmp_path,
-                                                                   capsys):
-    """eval with every row skipped did not name the file. predict refuses skip: its
-    scores, one a line, no longer lined up with the input rows after a skipped one."""
+def test_eval_or_predict_with_every_row_skipped_fails_naming_the_file(lr_model, tmp_path,
+                                                                      capsys):
+    """eval with every row skipped did not name the file; predict says the same."""
     junk = tmp_path / "junk.tsv"
     junk.write_text("x\n" * 3)
     out = tmp_path / "eval.out"
@@ -550,10 +549,8 @@ def test_eval_with_every_row_skipped_fails_and_predict_refuses_skip(lr_model, tm
     out = tmp_path / "predict.out"
     assert cli_main(["predict", "--model", str(lr_model), "--data", str(junk),
                      "--on-bad-row", "skip", "--out", str(out)]) == 2
-    assert _one_line(capsys).endswith(
-        "--on-bad-row skip: predict writes one score per input row, in order, and a skipped "
-        "row would shift every score after it; fix the rows the error names (eval takes "
-        "--on-bad-row skip)")
+    assert (f"no rows to score in {junk}: all 3 rows read were bad and skipped "
+            f"(--on-bad-row skip); first: {junk}: line 1:") in _one_line(capsys)
     assert not out.exists()
 
 

@@ -434,37 +434,55 @@ def add_checkpoint_arg(parser: argparse.ArgumentParser) -> None:
 def model_data(args: argparse.Namespace, *, with_label: bool = True) -> Iterator[tuple]:
     """(trainer restored from ``--model``, batches of ``--data``, their ReadStats).
     ``with_label=False`` (predict: new rows) never reads a label, so files may lack it.
+    A model trained with AutoFeature tables has them joined onto the raw rows first
+    (``model_files``)."""
+    from terarec.train.passes import iter_file_batches
 
-    A model trained with AutoFeature tables has them joined onto the raw rows first, so
-    new rows get exactly the features training computed. The command's ``--out`` file is
-    checked first: a folder there (or a file above it) failed only once every row was
-    scored.
-    """
+    with model_files(args) as (trainer, schema, data):
+        stats = ReadStats()
+        batches = iter_file_batches(data, schema, trainer.config.batch_size,
+                                    on_bad_row=args.on_bad_row or "error", stats=stats,
+                                    with_label=with_label)
+        yield trainer, _with_rows(batches, args.data, stats), stats
+
+
+@contextlib.contextmanager
+def model_files(args: argparse.Namespace) -> Iterator[tuple]:
+    """(trainer restored from ``--model``, the schema to read ``--data`` with, the files
+    to read). A model trained with AutoFeature tables has them joined onto the raw rows
+    first, so new rows get exactly the features training computed. The command's
+    ``--out`` file is checked first: a folder there (or a file above it) failed only once
+    every row was scored."""
     from terarec.autofeature.features import model_inputs
     from terarec.train.checkpoint import checkpoint_name, restore_trainer
-    from terarec.train.passes import iter_file_batches
 
     out = getattr(args, "out", None)
     if out is not None and Path(out).is_dir():
         raise ValueError(f"--out {out} is a folder, not a file")
     if out is not None and (above := file_above(out)) is not None:
         raise ValueError(f"--out {out}: {above} is a file, not a folder")
+    features = model_features(args.model)
+    if getattr(args, "on_bad_row", None) == "skip" and features and features.tables.tables:
+        raise ValueError(f"--on-bad-row skip: {args.model} was trained with AutoFeature "
+                         "tables, whose join reads every row first and stops at the "
+                         "first bad one; clean the files (the error names the row)")
     with scoring_scratch(args.model) as scratch:
         trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
             args.model, getattr(args, "checkpoint", "best")))
         with model_inputs(args.model, trainer.schema, args.data,
                           lambda s: schema_for_data(s, args)) as (schema, data):
-            stats = ReadStats()
-            batches = iter_file_batches(data, schema, trainer.config.batch_size,
-                                        on_bad_row=args.on_bad_row or "error", stats=stats,
-                                        with_label=with_label)
-            yield trainer, _with_rows(batches, args.data, stats), stats
+            yield trainer, schema, data
 
 
 def _with_rows(batches: Iterator[Any], paths: list[Path], stats: ReadStats) -> Iterator[Any]:
     """``batches``, then an error naming the files when they held no row to score: with
     every row skipped, predict wrote an empty file and exited 0."""
     yield from batches
+    check_rows_scored(paths, stats)
+
+
+def check_rows_scored(paths: Sequence[Path], stats: ReadStats) -> None:
+    """An error naming the files when they held no row to score."""
     if not stats.rows:
         files = ", ".join(str(p) for p in paths)
         if stats.skipped:

@@ -3,36 +3,111 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import heapq
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
-from terarec.cli.common import add_model_data_args, model_data
+from terarec.cli.common import add_model_data_args, check_rows_scored, model_files, report_skipped
+from terarec.data.readers import ReadStats, iter_batches, text_columns
 from terarec.finite import check_model_scores
 from terarec.io import atomic_open
+from terarec.types import FeatureSchema
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="score rows with a model", description=__doc__)
     add_model_data_args(p, "input file(s)")
-    p.add_argument("--out", type=Path, help="output file, one score per line (default stdout)")
+    p.add_argument("--out", type=Path, help="output file, one score per line (default "
+                   "stdout); with --on-bad-row skip a skipped row's line is left empty")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.on_bad_row == "skip":
-        raise ValueError("--on-bad-row skip: predict writes one score per input row, in "
-                         "order, and a skipped row would shift every score after it; fix "
-                         "the rows the error names (eval takes --on-bad-row skip)")
-    with model_data(args, with_label=False) as (trainer, batches, stats):
-        if args.out:
-            with atomic_open(args.out, "w") as fh:
-                for probs, _ in trainer.predict_stream(batches):
-                    check_model_scores(probs, f"{args.model}")
+    skip = args.on_bad_row == "skip"
+    total = ReadStats()
+    with model_files(args) as (trainer, schema, data), _output(args.out) as fh:
+        for path in data:  # file by file: a skipped row's place is its line in its file
+            stats = ReadStats(skipped_at=[] if skip else None)
+            batches = iter_batches(path, schema, trainer.config.batch_size,
+                                   on_bad_row=args.on_bad_row or "error", stats=stats,
+                                   with_label=False)
+            scores = _checked(trainer.predict_stream(batches), str(args.model))
+            if skip:
+                _write_in_place(fh, scores, stats, _first_data_row(path, schema))
+            else:
+                for probs in scores:
                     np.savetxt(fh, probs, fmt="%.8f")
-        else:
-            for probs, _ in trainer.predict_stream(batches):
-                check_model_scores(probs, f"{args.model}")
-                np.savetxt(sys.stdout, probs, fmt="%.8f")
+            total.rows += stats.rows
+            total.skipped += stats.skipped
+            total.examples += stats.examples[:total.max_examples - len(total.examples)]
+        check_rows_scored(args.data, total)
+    report_skipped(total)
     return 0
+
+
+@contextlib.contextmanager
+def _output(out: Path | None) -> Iterator[IO[str]]:
+    if out is None:
+        yield sys.stdout
+        return
+    with atomic_open(out, "w") as fh:
+        yield fh
+
+
+def _checked(scored: Iterable[tuple[np.ndarray, np.ndarray]], where: str
+             ) -> Iterator[np.ndarray]:
+    for probs, _ in scored:
+        check_model_scores(probs, where)
+        yield probs
+
+
+def _first_data_row(path: Path, schema: FeatureSchema) -> int:
+    """The number ``ReadStats.skipped_at`` gives a file's first data row: its line (after
+    a header line, if any) in a text file, row 1 in a Parquet file."""
+    if schema.format == "parquet":
+        return 1
+    return 1 + text_columns(path, schema, with_label=False)[1]
+
+
+def _write_in_place(fh: IO[str], scores: Iterable[np.ndarray], stats: ReadStats,
+                    first: int) -> None:
+    """Write each score on its row's line, leaving the lines of skipped rows empty, so
+    line N of the output still answers data row N. The reader reports a skipped row
+    before it delivers any row after it, so every gap is known when it is reached."""
+    assert stats.skipped_at is not None
+    pending: list[int] = []  # data-row indices of skipped rows not written yet
+    seen = 0  # of stats.skipped_at
+    row = 0  # data rows written (scores and empty lines)
+    for probs in scores:
+        for at in stats.skipped_at[seen:]:
+            heapq.heappush(pending, at - first)
+        seen = len(stats.skipped_at)
+        if not pending:
+            np.savetxt(fh, probs, fmt="%.8f")
+            row += len(probs)
+            continue
+        lines = []
+        for p in probs:
+            if pending[0:1] and pending[0] < row:
+                raise RuntimeError("predict: a skipped row was reported after rows that "
+                                   "follow it were written")
+            while pending and pending[0] == row:
+                heapq.heappop(pending)
+                lines.append("")
+                row += 1
+            lines.append(f"{p:.8f}")
+            row += 1
+        fh.write("\n".join(lines) + "\n")
+    for at in stats.skipped_at[seen:]:
+        heapq.heappush(pending, at - first)
+    while pending:  # skipped rows after the last scored one
+        if heapq.heappop(pending) != row:
+            raise RuntimeError("predict: a skipped row was reported after rows that "
+                               "follow it were written")
+        fh.write("\n")
+        row += 1

@@ -68,11 +68,16 @@ class ReadStats:
     skipped: int = 0
     examples: list[str] = field(default_factory=list)
     max_examples: int = 5
+    # Given a list, where each skipped row was, as its message names it: its line in a
+    # text file, its 1-based row in a Parquet file (predict leaves a line empty there).
+    skipped_at: list[int] | None = None
 
-    def skip(self, message: str) -> None:
+    def skip(self, message: str, at: int | None = None) -> None:
         self.skipped += 1
         if len(self.examples) < self.max_examples:
             self.examples.append(message)
+        if self.skipped_at is not None and at is not None:
+            self.skipped_at.append(at)
 
 
 # -- schema builders ----------------------------------------------------------------------
@@ -326,9 +331,10 @@ class _Cleaner:
     nulls for missing. ``where(i)`` names the location of stream row ``i`` for messages."""
 
     def __init__(self, schema: FeatureSchema, where: Callable[[int], str], on_bad_row: OnBadRow,
-                 stats: ReadStats) -> None:
+                 stats: ReadStats, number: Callable[[int], int] | None = None) -> None:
         self.schema = schema
         self.where = where
+        self.number = number  # stream row -> the line / row number ``where`` names
         self.on_bad_row = on_bad_row
         self.stats = stats
 
@@ -412,7 +418,8 @@ class _Cleaner:
                        f"got {'an empty value' if value in (None, '') else repr(value)}")
             if self.on_bad_row == "error":
                 raise DataError(message)
-            self.stats.skip(message)
+            at = self.number(first_row + int(i)) if self.number is not None else None
+            self.stats.skip(message, at)
         return clean.filter(pa.array(~any_bad))
 
 
@@ -633,7 +640,7 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
                       else " (extra values after the last field)"))
         invalid.append(row.number)
         if on_bad_row == "skip":
-            stats.skip(message)
+            stats.skip(message, lines_before + row.number)
             return "skip"
         # Dropped here too, and raised once the rows before it in its block are checked:
         # a bad value on an earlier line of the same block is the first bad row.
@@ -654,7 +661,8 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
     convert_options = pa_csv.ConvertOptions(
         include_columns=needed, column_types={n: pa.string() for n in needed},
         strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""])
-    cleaner = _Cleaner(schema, lambda i: f"{path}: line {line_of(i)}", on_bad_row, stats)
+    cleaner = _Cleaner(schema, lambda i: f"{path}: line {line_of(i)}", on_bad_row, stats,
+                       number=line_of)
     try:
         stream_row = 0
         for block in _csv_blocks(path, source, column_names, parse_options,
@@ -788,7 +796,8 @@ def parquet_cleaner(path: Path, schema: FeatureSchema, on_bad_row: OnBadRow,
                     stats: ReadStats) -> _Cleaner:
     """The cleaner of a Parquet file's blocks; ``clean(block, first_row)`` names rows
     1-based from the file's first."""
-    return _Cleaner(schema, lambda i: f"{path}: row {i + 1}", on_bad_row, stats)
+    return _Cleaner(schema, lambda i: f"{path}: row {i + 1}", on_bad_row, stats,
+                    number=lambda i: i + 1)
 
 
 def rebatch_blocks(blocks: Iterator[pa.RecordBatch], batch_size: int) -> Iterator[pa.Table]:
