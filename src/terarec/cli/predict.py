@@ -78,35 +78,39 @@ def _write_in_place(fh: IO[str], scores: Iterable[np.ndarray], stats: ReadStats,
                     first: int) -> None:
     """Write each score on its row's line, leaving the lines of skipped rows empty, so
     line N of the output still answers data row N. The reader reports a skipped row
-    before it delivers any row after it, so every gap is known when it is reached."""
+    before it delivers any row after it, so every gap is known when it is reached; the
+    scores between two gaps go out in one ``savetxt``."""
     assert stats.skipped_at is not None
-    pending: list[int] = []  # data-row indices of skipped rows not written yet
+    pending: list[int] = []  # data-row indices of skipped rows not written yet (a heap)
     seen = 0  # of stats.skipped_at
     row = 0  # data rows written (scores and empty lines)
-    for probs in scores:
-        for at in stats.skipped_at[seen:]:
+
+    def gaps_before(end: int | None) -> list[int]:
+        """The pending gaps among the next ``end`` scores' lines (the window grows by
+        one line per gap taken); ``None``: every one left."""
+        nonlocal seen
+        for at in stats.skipped_at[seen:]:  # type: ignore[index]
             heapq.heappush(pending, at - first)
-        seen = len(stats.skipped_at)
-        if not pending:
-            np.savetxt(fh, probs, fmt="%.8f")
-            row += len(probs)
-            continue
-        lines = []
-        for p in probs:
-            if pending[0:1] and pending[0] < row:
-                raise RuntimeError("predict: a skipped row was reported after rows that "
-                                   "follow it were written")
-            while pending and pending[0] == row:
-                heapq.heappop(pending)
-                lines.append("")
-                row += 1
-            lines.append(f"{p:.8f}")
-            row += 1
-        fh.write("\n".join(lines) + "\n")
-    for at in stats.skipped_at[seen:]:
-        heapq.heappush(pending, at - first)
-    while pending:  # skipped rows after the last scored one
-        if heapq.heappop(pending) != row:
+        seen = len(stats.skipped_at)  # type: ignore[arg-type]
+        gaps: list[int] = []
+        while pending and (end is None or pending[0] < row + end + len(gaps)):
+            gaps.append(heapq.heappop(pending))
+        if gaps and gaps[0] < row:
+            raise RuntimeError("predict: a skipped row was reported after rows that "
+                               "follow it were written")
+        return gaps
+
+    for probs in scores:
+        start = 0
+        for gap in gaps_before(len(probs)):
+            take = gap - row  # scores before this gap
+            np.savetxt(fh, probs[start:start + take], fmt="%.8f")
+            fh.write("\n")
+            start, row = start + take, gap + 1
+        np.savetxt(fh, probs[start:], fmt="%.8f")
+        row += len(probs) - start
+    for gap in gaps_before(None):  # skipped rows after the last scored one
+        if gap != row:
             raise RuntimeError("predict: a skipped row was reported after rows that "
                                "follow it were written")
         fh.write("\n")

@@ -101,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
     """The search's AutoFeature tables, kept in ``--out`` (``features/``); a resumed
     search takes its own copy and cannot gain tables it did not start with."""
-    resuming = args.resume and (model_features(args.out) is not None
-                                or (args.out / "search.json").exists())
-    if resuming and args.features and model_features(args.out) is None:
+    own = model_features(args.out)
+    resuming = args.resume and (own is not None or (args.out / "search.json").exists())
+    if resuming and args.features and own is None:
         raise ValueError(f"--resume: the search in {args.out} was started without "
                          "--features; resume it without them, or search into another --out")
     return run_features(args.features, args.out, ctx, resuming=resuming)
