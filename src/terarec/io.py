@@ -70,6 +70,17 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def write_text_if_changed(path: str | Path, text: str) -> None:
+    """``atomic_write_text`` unless ``path`` holds ``text`` already: for files written
+    again with every checkpoint (a model's schema and configuration), whose fsyncs cost
+    more than reading them back."""
+    data = text.encode()
+    with contextlib.suppress(OSError):
+        if Path(path).read_bytes() == data:
+            return
+    atomic_write_bytes(path, data)
+
+
 def file_above(path: str | Path) -> Path | None:
     """The nearest existing folder above ``path`` when it is a file, else None: anything
     written at ``path`` would fail there, as a traceback, so callers name it first."""

@@ -345,10 +345,16 @@ class FeatureSchema:
                                    "list of strictly increasing edges")
         return schema
 
+    @cached_property
+    def json_text(self) -> str:
+        """What ``save`` writes, made once (a schema is immutable; a search writes it with
+        every trial's checkpoints)."""
+        return json.dumps(self.to_dict(), indent=2)
+
     def save(self, path: str | Path) -> None:
         from terarec.io import atomic_write_text
 
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))
+        atomic_write_text(path, self.json_text)
 
     @classmethod
     def load(cls, path: str | Path) -> FeatureSchema:

@@ -1,6 +1,7 @@
 """``terarec search`` under torchrun (2 gloo ranks): the same trials, pruning decisions
 and values as one process, the best trial a model directory with one shard per rank; a
-searched batch size is refused with a reason; a rank killed mid-search resumes."""
+searched batch size is refused with a reason; a rank killed mid-search resumes,
+continuing the interrupted trial from its last committed pass."""
 
 from __future__ import annotations
 
@@ -126,11 +127,11 @@ def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_on
     agent = subprocess.Popen([*launch, "--master_port", str(_free_port()), "-m", "terarec",
                               *grid, "--out", str(killed)], env=env, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    first = killed / "trials" / "trial-000" / "metrics.json"
+    second = killed / "trials" / "trial-001" / "LATEST"
     deadline = time.monotonic() + TIMEOUT_S
-    while not first.exists() and agent.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.5)  # optuna is told just after the trial's files are written
+    while not second.exists() and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert second.exists(), "the search ended before trial 1 committed a pass"
     os.kill(_workers(agent.pid)[0], signal.SIGKILL)  # rank 0, while trial 1 trains
     assert agent.wait(timeout=TIMEOUT_S) != 0  # torchrun stops the other rank
     assert not (killed / "results.json").exists()
@@ -139,7 +140,9 @@ def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_on
     assert done.returncode == 0, done.stderr[-3000:]
     want = {r["params.model.embedding_dim"]: r["value"] for r in _rows(whole).values()}
     rows = _rows(killed)
-    assert 1 not in rows and len(rows) == 3  # trial 1 was interrupted and asked again
+    assert sorted(rows) == [0, 1, 2]  # trial 1 continued from a pass both ranks committed
+    metrics = json.loads((killed / "trials" / "trial-001" / "metrics.json").read_text())
+    assert metrics["continued_from"].startswith("pass-")
     got = {r["params.model.embedding_dim"]: r["value"] for r in rows.values()}
     assert got.keys() == want.keys() == {2, 4, 8}
     for dim, value in want.items():

@@ -11,6 +11,7 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from terarec.cli.main import main
@@ -189,6 +190,44 @@ def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
     gc.collect()
     later = [t for t in pruned if seen[t.number][0][0] == "running"]
     assert all(refs[t.number]() is None for t in later), "pruned rows still referenced"
+
+
+def test_a_diverged_trial_stops_and_the_others_train_on(files, tmp_path):
+    """A trial whose weights go non-finite mid-search (here poisoned after its first pass)
+    stops as ``diverged`` with its best pass kept; no checkpoint of a non-finite model is
+    written, and the other trial trains to the end as it would alone."""
+    train, valid = files
+    schema = with_numeric_stats(FeatureSchema.criteo(), [train])
+    config = TrainConfig()
+    config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
+    config.epochs, config.store.admit_min_count = 2, 1
+    batches = list(iter_file_batches([valid], schema, 500))
+    fixed = [{"model.embedding_dim": 4}, {"model.embedding_dim": 8}]
+    space = check_space({"model.embedding_dim": [4, 8]}, config)
+
+    def poison(trials) -> None:
+        t = trials[0]
+        if t.state == "running" and len(t.trainer.history) == 1:
+            with torch.no_grad():
+                for weight in t.trainer.model.parameters():
+                    weight.fill_(float("nan"))
+
+    def search(out: Path, **kw):
+        return run_search(schema, config, [train], batches, out, trials=2, pruner="none",
+                          sampler="random", fixed=fixed, space=space, patience=None, **kw)
+
+    whole = {t.number: t for t in search(tmp_path / "whole").trials}
+    result = search(tmp_path / "poisoned", on_boundary=poison)
+    bad, good = sorted(result.trials, key=lambda t: t.number)
+    assert bad.stop_reason == "diverged" and bad.state == "complete"
+    assert len(bad.history) == 2 and bad.selection.best_pass == 1  # its first pass
+    assert bad.selection.best_value == whole[0].history[0]["valid_logloss"]
+    assert good.stop_reason == "epochs_exhausted"
+    assert [h["valid_logloss"] for h in good.history] == pytest.approx(
+        [h["valid_logloss"] for h in whole[1].history], abs=1e-12)
+    rows = json.loads((tmp_path / "poisoned" / "trials" / "trial-000" / "history.json"
+                       ).read_text())
+    assert rows[-1]["stop_reason"] == "diverged"
 
 
 def test_space_errors_name_the_parameter(tmp_path, capsys):

@@ -1,12 +1,14 @@
 """``terarec search --resume`` after a real kill -9: finished trials are kept as they
-were, the interrupted one runs again with its values, and every grid point ends with the
-value an uninterrupted search gives it. A fresh search refuses a directory holding one; a
+were, the interrupted one continues from the last pass it committed (or, with none, runs
+again with its values), and every grid point ends with the value an uninterrupted search
+gives it. A fresh search refuses a directory holding one; a
 resume with other settings names the setting."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,46 +47,81 @@ def _values(out: Path) -> dict[int, float]:
     return {r["params.model.embedding_dim"]: r["value"] for r in rows}
 
 
-@pytest.mark.slow
-def test_resume_after_kill_keeps_finished_trials_and_reruns_the_interrupted(files,
-                                                                            tmp_path):
-    reference = tmp_path / "reference"
-    assert main(_args(files, reference)) == 0
-    out = tmp_path / "killed"
+def _kill_while_trial_1_trains(files, out: Path) -> None:
+    """Start the search in a process and SIGKILL it once trial 1 committed a pass."""
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen([sys.executable, "-m", "terarec", *_args(files, out)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    first = out / "trials" / "trial-000" / "metrics.json"
+    second = out / "trials" / "trial-001" / "LATEST"
     deadline = time.monotonic() + 240
-    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert first.exists(), proc.stderr.read().decode() if proc.poll() else "too slow"
-    time.sleep(0.5)  # optuna is told just after the trial's files are written
+    while not second.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert second.exists(), proc.stderr.read().decode() if proc.poll() else "too slow"
     os.kill(proc.pid, signal.SIGKILL)  # while the second trial trains
     proc.wait()
     assert not (out / "results.json").exists(), "killed after the search ended"
-    kept = first.read_text()
-    assert main(_args(files, out)) == 2  # a fresh search refuses the directory
-    assert main([*_args(files, out), "--resume"]) == 0
-    assert first.read_text() == kept  # the finished trial was not trained again
-    results = json.loads((out / "results.json").read_text())
-    numbers = sorted(r["trial"] for r in results["trials"])
-    assert len(numbers) == 3 and numbers[0] == 0
-    # a trial the kill interrupted (which one depends on the machine's speed) is left
-    # out of the results, its folder removed, and its grid point asked again
-    interrupted = set(range(numbers[-1] + 1)) - set(numbers)
-    assert len(interrupted) == numbers[-1] - 2
-    for number in interrupted:
-        assert not (out / "trials" / f"trial-{number:03d}").exists()
-    # each grid point ends with the value the uninterrupted search gave it
+
+
+def _check_values(out: Path, reference: Path) -> dict:
+    """Each grid point ends with the value the uninterrupted search gave it."""
     want = _values(reference)
     got = _values(out)
     assert got.keys() == want.keys() == {2, 4, 8}
     for dim, value in want.items():
         assert got[dim] == pytest.approx(value, abs=1e-12), dim
+    results = json.loads((out / "results.json").read_text())
     assert results["best_trial"] is not None and (out / "best" / "BEST").exists()
     best_dim = next(r for r in results["trials"] if r["trial"] == results["best_trial"])
     assert best_dim["value"] == min(want.values())  # selected by logloss
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(files, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("whole") / "reference"
+    assert main(_args(files, out)) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_the_interrupted_trial_from_its_last_pass(
+        files, reference, tmp_path, capsys):
+    out = tmp_path / "killed"
+    _kill_while_trial_1_trains(files, out)
+    first = out / "trials" / "trial-000" / "metrics.json"
+    kept = first.read_text()
+    committed = (out / "trials" / "trial-001" / "LATEST").read_text()
+    assert main(_args(files, out)) == 2  # a fresh search refuses the directory
+    capsys.readouterr()
+    assert main([*_args(files, out), "--resume"]) == 0
+    assert "continuing trial(s) 1 after pass-" in capsys.readouterr().out
+    assert first.read_text() == kept  # the finished trial was not trained again
+    results = _check_values(out, reference)
+    assert sorted(r["trial"] for r in results["trials"]) == [0, 1, 2]
+    metrics = json.loads((out / "trials" / "trial-001" / "metrics.json").read_text())
+    # continued from the last pass it committed (or the one before, if the kill came
+    # between its commit and LATEST), not from its first
+    assert metrics["continued_from"] >= committed
+    history = json.loads((out / "trials" / "trial-001" / "history.json").read_text())
+    assert [h["pass_id"] for h in history] == list(range(len(history)))  # none twice
+    # only the best trial keeps checkpoints (in out/best), as in an uninterrupted search
+    assert not list((out / "trials").glob("trial-*/checkpoints"))
+
+
+@pytest.mark.slow
+def test_an_interrupted_trial_without_a_committed_pass_is_asked_again(
+        files, reference, tmp_path):
+    out = tmp_path / "killed"
+    _kill_while_trial_1_trains(files, out)
+    # as if the kill had come before trial 1 committed its first pass
+    second = out / "trials" / "trial-001"
+    shutil.rmtree(second / "checkpoints")
+    (second / "LATEST").unlink()
+    assert main([*_args(files, out), "--resume"]) == 0
+    results = _check_values(out, reference)
+    # trial 1 is left out of the results, its folder removed, its grid point asked again
+    assert sorted(r["trial"] for r in results["trials"]) == [0, 2, 3]
+    assert not second.exists()
 
 
 def test_resume_needs_the_settings_it_was_started_with(files, tmp_path):
@@ -100,3 +137,59 @@ def test_resume_needs_the_settings_it_was_started_with(files, tmp_path):
                 ).read_bytes() == weights
     assert main([*_args(files, out, epochs=2), "--resume"]) == 2
     assert main([*_args(files, tmp_path / "none"), "--resume"]) == 2
+
+
+class _Stop(Exception):
+    """Stands for the process dying at a pass boundary."""
+
+
+def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path):
+    """Two trials of one wave (one key index), the one whose sizes cut the passes done
+    after its single epoch; the search stops while the other trains and is resumed: it
+    ends with the values of an uninterrupted search, its passes cut by the finished
+    trial's batch size as before the stop (300 rows: another cut than its own 250)."""
+    from terarec.config import TrainConfig
+    from terarec.data.numeric import with_numeric_stats
+    from terarec.train.passes import iter_file_batches
+    from terarec.train.search import check_space, run_search
+    from terarec.types import FeatureSchema
+
+    schema = with_numeric_stats(FeatureSchema.criteo(), [files["train"]])
+    config = TrainConfig()
+    config.batch_size, config.pass_rows, config.threads, config.seed = 300, 1000, 1, 4
+    config.store.admit_min_count = 2
+    valid = list(iter_file_batches([files["valid"]], schema, 500))
+    fixed = [{"epochs": 1, "batch_size": 300, "model.embedding_dim": 4},
+             {"epochs": 3, "batch_size": 250, "model.embedding_dim": 8}]
+    space = check_space({k: sorted({t[k] for t in fixed}) for k in fixed[0]}, config)
+
+    def search(out: Path, **kw):
+        return run_search(schema, config, [files["train"]], valid, out, trials=2,
+                          pruner="none", sampler="random", fixed=fixed, space=space,
+                          patience=10, **kw)
+
+    def curves(result) -> dict[int, list[tuple[int, float]]]:
+        return {t.number: [(h["rows"], h["valid_logloss"]) for h in t.history]
+                for t in result.trials}
+
+    whole = curves(search(tmp_path / "whole"))
+    seen = []
+
+    def stop(trials) -> None:
+        seen.append([t.state for t in trials])
+        if len(seen) == 4:  # epoch 2: trial 0 is done, trial 1 committed its 4th pass
+            raise _Stop  # 1,800 rows left: 1,200 + 600 as cut before, not 1,000 + 800
+
+    out = tmp_path / "stopped"
+    with pytest.raises(_Stop):
+        search(out, on_boundary=stop)
+    assert seen[-1] == ["complete", "running"]
+    resumed = search(out, resume=True)
+    got = curves(resumed)
+    assert got.keys() == whole.keys() == {0, 1}
+    for number, curve in whole.items():  # every pass's rows and validation loss
+        assert [rows for rows, _ in got[number]] == [rows for rows, _ in curve]
+        assert [loss for _, loss in got[number]] == pytest.approx(
+            [loss for _, loss in curve], abs=1e-12), number
+    continued = next(t for t in resumed.trials if t.number == 1)
+    assert continued.continued_from == "pass-000004"

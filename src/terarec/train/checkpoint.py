@@ -53,7 +53,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -82,7 +82,7 @@ from terarec.embedding.store import (
 )
 from terarec.embedding.tiered import iter_saved, saved_extras, snapshot_arrays
 from terarec.finite import check_trainer_finite
-from terarec.io import atomic_write_text, fsync_dir, sha256_file
+from terarec.io import atomic_write_text, fsync_dir, sha256_file, write_text_if_changed
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 from terarec.validation import validate_json
@@ -106,14 +106,17 @@ def _fsync_file(path: Path) -> None:
 
 
 def write_model_meta(model_dir: Path, schema: FeatureSchema, config: TrainConfig) -> None:
+    """The model's schema and configuration, written with every checkpoint (rewritten
+    only where they changed)."""
     model_dir.mkdir(parents=True, exist_ok=True)
-    schema.save(model_dir / "schema.json")
+    write_text_if_changed(model_dir / "schema.json", schema.json_text)
     write_train_config(model_dir, config)
 
 
 def write_train_config(model_dir: Path, config: TrainConfig) -> None:
     """``model_dir/train_config.json``, what ``read_model_meta`` reads back."""
-    atomic_write_text(model_dir / "train_config.json", json.dumps(to_dict(config), indent=2))
+    write_text_if_changed(model_dir / "train_config.json",
+                          json.dumps(to_dict(config), indent=2))
 
 
 def read_model_meta(model_dir: Path) -> tuple[FeatureSchema, TrainConfig]:
@@ -611,12 +614,14 @@ def _read(path: Path, meta: dict) -> LoadedCheckpoint:
 def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
                     name: str | None = None, scratch_dir: str | Path | None = None,
                     ctx: DistContext | None = None,
-                    dense_comm: DenseCommConfig | None = None):
+                    dense_comm: DenseCommConfig | None = None,
+                    prepare: Callable[[Any], None] | None = None):
     """A Trainer holding the newest good checkpoint of ``model_dir`` (written by any
     number of ranks); collective, holding this rank's keys, when ``ctx`` is one of N.
     Without ``config`` (scoring a saved model) a tiered store lives in ``scratch_dir``, a
     folder private to this process (else a temp folder), never in the training run's
-    live one."""
+    live one. ``prepare`` sees the new trainer before its rows are loaded (a search gives
+    it a view of a shared key index there)."""
     from terarec.train.trainer import Trainer
 
     model_dir = Path(model_dir)
@@ -629,6 +634,8 @@ def restore_trainer(model_dir: str | Path, config: TrainConfig | None = None,
     if dense_comm is None and ctx.world > 1 and "dense_comm" in ckpt.meta:
         dense_comm = DenseCommConfig(**ckpt.meta["dense_comm"])
     trainer = Trainer(schema, config, ctx=ctx, dense_comm=dense_comm)
+    if prepare is not None:
+        prepare(trainer)
     trainer.model.load_state_dict(ckpt.dense)
     trainer.dense_optimizer.load_state_dict(ckpt.dense_optimizer)
     same_world = ckpt.world_size == ctx.world

@@ -24,6 +24,7 @@ K trials with the seeds of K separate runs end with the same weights.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +37,11 @@ from tqdm.auto import tqdm
 from terarec.data.positions import Idle, PassInput, Positions
 from terarec.distributed.lookup import ShardedPassPlan
 from terarec.embedding.working_set import PassPlan, plan_pass
+from terarec.finite import NonFiniteError
 from terarec.train.passes import Inputs, prefetch
 from terarec.train.progressive import ProgressiveScorer
 from terarec.train.selection import (
+    STOP_DIVERGED,
     STOP_END_OF_DATA,
     STOP_EPOCHS,
     STOP_PATIENCE,
@@ -84,6 +87,9 @@ class TrialRun:
     stop_reason: str | None = None
     rng: RngState | None = None  # the trainer's streams when None: taken now
     steps: int = 0  # optimizer steps so far
+    # A search trial whose loss or validation scores go non-finite stops (``diverged``)
+    # and the others train on; a single run raises instead.
+    stop_on_divergence: bool = False
     scorer: ProgressiveScorer = field(default_factory=ProgressiveScorer)
 
     def __post_init__(self) -> None:
@@ -239,11 +245,18 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
               "files": [Path(f).name for f in info.files], **scored}
     if valid:
         start = time.perf_counter()
-        metrics = trainer.evaluate(valid)
+        try:
+            metrics = trainer.evaluate(valid)
+        except NonFiniteError:  # its scores are not finite (the same on every rank)
+            if not run.stop_on_divergence:
+                raise
+            metrics = {"auc": math.nan, "logloss": math.nan}
         record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"],
                       eval_s=time.perf_counter() - start)
     if run.selection is not None and run.selection.observe(record).stop:
         run.stop(STOP_PATIENCE)
+    if run.stop_on_divergence and diverged(record):
+        run.stop(STOP_DIVERGED)
     trainer.history.append(record)
     shown = {"loss": f"{result.train_loss:.4f}"}
     if "valid_auc" in record:  # a run without --valid (a refit) has no AUC to show
@@ -251,6 +264,12 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     bar.set_postfix(shown)
     if run.on_pass_end is not None:
         run.on_pass_end(trainer, record)
+
+
+def diverged(record: dict) -> bool:
+    """A pass whose training loss or validation loss is not finite: every later weight
+    is poisoned (the same verdict on every rank: their figures are gathered)."""
+    return not all(math.isfinite(record.get(k, 0.0)) for k in ("train_loss", "valid_logloss"))
 
 
 def _steps(plan) -> int:

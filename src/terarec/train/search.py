@@ -18,15 +18,17 @@ share one key index (``embedding.shared``), each keeping only its rows and optim
 state. With a memory budget (tiered store) each trial keeps its own store and the
 budget is split across the live trials and re-split when trials are pruned.
 
+Every live trial commits a checkpoint at every pass end, as ``train`` does; a trial
+that trains no more keeps its checkpoints only while it holds the search's best pass.
 The study is journaled in ``out/study.journal``: a search stopped or killed is resumed
-(``resume``), finished trials kept, interrupted ones asked again. Under torchrun every
-rank runs this with its ``DistContext``; rank 0 alone talks to optuna.
+(``resume``), finished trials kept, the interrupted wave continued from the last pass
+all its trials committed. Under torchrun every rank runs this with its ``DistContext``;
+rank 0 alone talks to optuna.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import csv
 import io
 import json
@@ -39,9 +41,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-import torch
-
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.embedding.shared import (
@@ -50,14 +49,27 @@ from terarec.embedding.shared import (
     key_side_config,
     sharing_refusal,
 )
-from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
-from terarec.train.checkpoint import mark_best, save_checkpoint, write_train_config
-from terarec.train.loop import RngState, TrialRun, run_passes
+from terarec.train.checkpoint import (
+    LATEST_FILE,
+    CheckpointError,
+    checkpoint_meta,
+    clear_best,
+    list_checkpoints,
+    mark_best,
+    restore_trainer,
+    save_checkpoint,
+    write_train_config,
+)
+from terarec.train.loop import TrialRun, diverged, run_passes
 from terarec.train.passes import group_passes
-from terarec.train.selection import STOP_PRUNED, SelectionTracker, higher_is_better
+from terarec.train.selection import (
+    STOP_PRUNED,
+    SelectionTracker,
+    higher_is_better,
+)
 from terarec.train.trainer import Trainer, make_store
 from terarec.types import Batch, FeatureSchema
 
@@ -323,6 +335,7 @@ class SearchTrial:
     seconds: float = 0.0  # its own training and evaluation time
     history: list[dict] = field(default_factory=list)
     kept: tuple[SelectionTracker, str | None] | None = None
+    continued_from: str | None = None  # the checkpoint a resumed search continued it from
 
     @property
     def selection(self) -> SelectionTracker:
@@ -434,20 +447,29 @@ def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Pa
                 "config": to_dict(base)}
     study = open_study(out_dir, settings, resume) if ctx.is_main else None
     overall = _BestSoFar(SelectionTracker(select_by, patience=None))
-    done = _resumed_trials(study, out_dir, base, select_by, patience, overall) \
-        if resume and ctx.is_main else []
+    done, left = _resumed_trials(study, out_dir, base, select_by, patience, overall,
+                                 ctx.world) if resume and ctx.is_main else ([], None)
     if study is not None and not resume:
         for params in fixed or []:
             study.enqueue_trial(params)
     # Every rank takes the same checkpoint decisions: from the same best so far.
     tracker = overall.tracker
-    tracker.best_value, tracker.best_pass, overall.trial, finished = ctx.broadcast_object(
-        (tracker.best_value, tracker.best_pass, overall.trial, len(done)))
+    tracker.best_value, tracker.best_pass, overall.trial, finished, left = \
+        ctx.broadcast_object((tracker.best_value, tracker.best_pass, overall.trial,
+                              len(done), left))
     budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
     # The validation set's keys are planned once for every trial and evaluation.
     valid = [plan_pass(group, counts=False)
              for group in group_passes(valid_batches, base.pass_rows)]
     start = time.perf_counter()
+    if left is not None:  # the wave a stopped search was training, from its last commit
+        wave = _continue_wave(left, study, schema, base, out_dir, budget, select_by,
+                              patience, overall, ctx)
+        _train_wave(wave, study, train_paths, valid, select_by, budget,
+                    progress and ctx.is_main, on_boundary, overall, ctx, out_dir,
+                    reader=left.reader)
+        done.extend(wave)
+        finished += len(wave)
     while finished < trials:
         k = min(parallel, trials - finished)
         # Built one after another, each trainer seeds torch itself: the weights of a
@@ -455,9 +477,11 @@ def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Pa
         keys = _KeySides()  # one key index per admission/eviction setting of the wave
         wave = [_ask(study, space, schema, base, out_dir, budget, k, select_by, patience,
                      overall, keys, ctx) for _ in range(k)]
+        if ctx.is_main:  # which trial's sizes cut the wave's passes, for a resume
+            for t in wave:
+                t.optuna_trial.set_user_attr(_READER, wave[0].number)
         _train_wave(wave, study, train_paths, valid, select_by, budget,
                     progress and ctx.is_main, on_boundary, overall, ctx, out_dir)
-        overall.flush()
         done.extend(wave)
         finished += k
     # The trial with the best validation value of all, pruned ones included (a pruned
@@ -479,6 +503,7 @@ LOCK_FILE = ".lock"  # in the search directory: held by the one search using it
 STUDY_FILE = "study.journal"  # optuna's journal: every trial asked, reported and told
 SETTINGS_FILE = "search.json"  # what the search was started with
 _INTERRUPTED = "interrupted"  # user attribute of a trial a stopped search left running
+_READER = "reader"  # user attribute: the trial whose batch and pass sizes cut its wave
 
 
 def open_study(out_dir: Path, settings: dict[str, Any], resume: bool):
@@ -533,23 +558,24 @@ def _diff(before: Any, now: Any) -> str:
 
 
 def _resumed_trials(study, out_dir: Path, base: TrainConfig, select_by: str,
-                    patience: int | None, overall: _BestSoFar) -> list[SearchTrial]:
-    """The trials a stopped search finished, read back from their directories, and the
-    best of them so far (``overall``). Trials it left running are told FAIL (marked
-    interrupted, left out of the results) and asked again with the same values."""
+                    patience: int | None, overall: _BestSoFar, world: int
+                    ) -> tuple[list[SearchTrial], _LeftWave | None]:
+    """The trials a stopped search finished, read back from their directories, the best
+    of them so far (``overall``), and the wave it left running, to be continued from the
+    last pass all its trials committed (``_left_wave``). A running trial that cannot be
+    continued (no such pass) is told FAIL (marked interrupted, left out of the results)
+    and asked again with the same values."""
     import optuna
 
     states = {optuna.trial.TrialState.COMPLETE: "complete",
               optuna.trial.TrialState.PRUNED: "pruned",
               optuna.trial.TrialState.FAIL: "failed"}
     done: list[SearchTrial] = []
+    running = []
     for frozen in study.get_trials(deepcopy=False):
-        model_dir = out_dir / "trials" / f"trial-{frozen.number:03d}"
+        model_dir = trial_dir(out_dir, frozen.number)
         if frozen.state == optuna.trial.TrialState.RUNNING:
-            study._storage.set_trial_user_attr(frozen._trial_id, _INTERRUPTED, True)
-            _tell(study, frozen.number, state=optuna.trial.TrialState.FAIL)
-            _ask_again(study, frozen)
-            shutil.rmtree(model_dir, ignore_errors=True)
+            running.append(frozen)
             continue
         if frozen.state not in states or frozen.user_attrs.get(_INTERRUPTED):
             continue
@@ -562,13 +588,83 @@ def _resumed_trials(study, out_dir: Path, base: TrainConfig, select_by: str,
                         state=states[frozen.state], seconds=float(metrics.get("seconds", 0)),
                         history=history, kept=(selection, stop))
         done.append(t)
+        overall.finished[t.number] = model_dir
         value = selection.best_value
         # the best so far holds a BEST checkpoint, or, once a search ended, is out/best
         held = (model_dir / "BEST").exists() or _best_dir_trial(out_dir) == t.number
         if held and value is not None and overall.tracker.is_better(value):
             overall.tracker.update(value, selection.best_pass or 0)
             overall.trial = t.number
-    return done
+    left = _left_wave(study, running, out_dir, world, select_by, patience, overall) \
+        if running else None
+    if left is None:
+        for frozen in running:
+            study._storage.set_trial_user_attr(frozen._trial_id, _INTERRUPTED, True)
+            _tell(study, frozen.number, state=optuna.trial.TrialState.FAIL)
+            _ask_again(study, frozen)
+            shutil.rmtree(trial_dir(out_dir, frozen.number), ignore_errors=True)
+    return done, left
+
+
+def trial_dir(out_dir: Path, number: int) -> Path:
+    """A trial's model directory."""
+    return out_dir / "trials" / f"trial-{number:03d}"
+
+
+@dataclass(frozen=True)
+class _LeftWave:
+    """The trials a stopped search left running, to be continued from checkpoint
+    ``name``, which each of them committed: (number, values) each, and the values of the
+    trial whose batch and pass sizes cut the wave's passes when it is not one of them."""
+
+    name: str
+    trials: list[tuple[int, dict[str, Any]]]
+    reader: dict[str, Any] | None
+
+
+def _left_wave(study, running: list, out_dir: Path, world: int, select_by: str,
+               patience: int | None, overall: _BestSoFar) -> _LeftWave | None:
+    """The wave ``running`` (optuna's RUNNING trials), continued from the newest pass
+    every one of them committed at this world size, or None where there is none. The
+    trials of a wave train the same passes in step, so a kill leaves each at that pass or
+    one after it; checkpoints and ``BEST`` newer than it are dropped (training them again
+    writes them again, the same), and the best so far takes in their best passes."""
+    running = sorted(running, key=lambda f: f.number)
+    common: set[str] | None = None
+    for frozen in running:
+        have = {p.name for p in list_checkpoints(trial_dir(out_dir, frozen.number))}
+        common = have if common is None else common & have
+    if not common or any(set(f.params) != set(f.distributions) for f in running):
+        return None
+    name = max(common)
+    for frozen in running:
+        try:
+            meta = checkpoint_meta(trial_dir(out_dir, frozen.number) / "checkpoints" / name)
+        except CheckpointError:  # unreadable: the trials start again
+            return None
+        if int(meta.get("world_size", 1)) != world or not meta.get("inputs"):
+            return None
+    for frozen in running:
+        model_dir = trial_dir(out_dir, frozen.number)
+        for newer in list_checkpoints(model_dir):
+            if newer.name > name:
+                shutil.rmtree(newer)
+        atomic_write_text(model_dir / LATEST_FILE, name)
+        history = checkpoint_meta(model_dir / "checkpoints" / name).get("history", [])
+        selection = SelectionTracker.from_history(history, select_by, patience)
+        clear_best(model_dir)
+        best = f"pass-{selection.best_pass or 0:06d}"
+        if selection.best_pass and (model_dir / "checkpoints" / best).is_dir():
+            mark_best(model_dir, best)
+            value = selection.best_value
+            if value is not None and overall.tracker.is_better(value):
+                overall.tracker.update(value, selection.best_pass)
+                overall.trial = frozen.number
+    reader_number = running[0].user_attrs.get(_READER, running[0].number)
+    reader = None
+    if reader_number not in {f.number for f in running}:
+        reader = dict(study.trials[reader_number].params)
+    return _LeftWave(name, [(f.number, dict(f.params)) for f in running], reader)
 
 
 def _best_dir_trial(out_dir: Path) -> int | None:
@@ -640,7 +736,7 @@ def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
     number, params = ctx.broadcast_object(
         (trial.number, suggest(trial, space)) if trial is not None else None)
     config = apply_params(base, params)
-    model_dir = out_dir / "trials" / f"trial-{number:03d}"
+    model_dir = trial_dir(out_dir, number)
     if ctx.is_main:
         shutil.rmtree(model_dir, ignore_errors=True)
     if budget is not None:
@@ -650,8 +746,50 @@ def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
     trainer = Trainer(schema, config, ctx=ctx)
     keys.attach(trainer)
     run = TrialRun(trainer, SelectionTracker(select_by, patience),
-                   _checkpoint_best(model_dir, number, overall))
+                   _commit_pass(model_dir, number, overall), stop_on_divergence=True)
     return SearchTrial(number, params, config, model_dir, trial, run)
+
+
+def _continue_wave(left: _LeftWave, study, schema: FeatureSchema, base: TrainConfig,
+                   out_dir: Path, budget: int | None, select_by: str,
+                   patience: int | None, overall: _BestSoFar, ctx: DistContext
+                   ) -> list[SearchTrial]:
+    """The trials of ``left`` restored from their checkpoint ``left.name`` (collective),
+    sharing one key index as the wave did, each with its optuna trial, selection and
+    random stream as they were after that pass."""
+    import optuna
+
+    keys = _KeySides()
+    by_number = {f.number: f for f in study.get_trials(deepcopy=False)} \
+        if study is not None else {}
+    wave = []
+    for number, params in left.trials:
+        config = apply_params(base, params)
+        model_dir = trial_dir(out_dir, number)
+        if budget is not None:
+            config.store.memory_budget = budget // len(left.trials)
+        if config.store.tiered:
+            config.store.disk_path = str(model_dir / "store")
+        trainer = restore_trainer(model_dir, config, name=left.name, ctx=ctx,
+                                  prepare=keys.attach)  # torch's RNG: the trial's
+        selection = SelectionTracker.from_history(trainer.history, select_by, patience)
+        run = TrialRun(trainer, selection, _commit_pass(model_dir, number, overall),
+                       stop_on_divergence=True)
+        trial = optuna.trial.Trial(study, by_number[number]._trial_id) \
+            if study is not None else None
+        t = SearchTrial(number, params, config, model_dir, trial, run,
+                        seconds=sum(_pass_seconds(r) for r in trainer.history),
+                        continued_from=left.name)
+        wave.append(t)
+    if ctx.is_main:
+        print(f"continuing trial(s) {', '.join(str(t.number) for t in wave)} "
+              f"after {left.name}")
+    return wave
+
+
+def _pass_seconds(record: dict) -> float:
+    """A trial's own time in one pass: staging, training and writing back its rows."""
+    return record["staging_s"] + record["train_s"] + record["write_back_s"]
 
 
 class _KeySides:
@@ -674,79 +812,54 @@ class _KeySides:
 
 
 @dataclass
-class _Snapshot:
-    """A trial's state after one pass, held in RAM until it is written (a copy of its
-    rows, dense weights and optimizer state: what ``save_checkpoint`` writes)."""
-
-    model_dir: Path
-    trainer: Trainer
-    pass_id: int
-    history: list[dict]
-    rng: RngState
-    dense: dict[str, torch.Tensor]
-    dense_optimizer: dict[str, Any]
-    rows: dict[str, np.ndarray]
-
-    @classmethod
-    def take(cls, model_dir: Path, trainer: Trainer) -> _Snapshot:
-        return cls(model_dir, trainer, trainer.pass_id, list(trainer.history),
-                   RngState.capture(trainer.device),
-                   {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                   copy.deepcopy(trainer.dense_optimizer.state_dict()),
-                   trainer.store.to_arrays())
-
-    def write(self) -> None:
-        """Commit it as the trial's checkpoint and mark it BEST. The trial has stopped
-        training: its trainer is set back to the snapshot, on an in-RAM store."""
-        t = self.trainer
-        t.model.load_state_dict(self.dense)
-        t.dense_optimizer.load_state_dict(self.dense_optimizer)
-        t.store = make_store(t.model.row_dim, t.sparse_optimizer, _in_ram(t.config))
-        t.store.load_arrays(self.rows)
-        t.pass_id, t.history = self.pass_id, self.history
-        self.rng.restore(t.device)
-        name = save_checkpoint(self.model_dir, t).name  # collective on N ranks
-        if t.ctx.is_main:
-            mark_best(self.model_dir, name)
-
-
-@dataclass
 class _BestSoFar:
-    """The best pass of any trial so far, which trial holds it, and (for a trial whose
-    rows are all in RAM) its state not yet written."""
+    """The best pass of any trial so far and which trial holds it. A trial that trains
+    no more (``finished``) keeps its checkpoints only while it holds that pass: the pass
+    the search ends up choosing was the best so far when it was reached, so no later
+    pass of a trial it does not name is ever needed."""
 
     tracker: SelectionTracker
     trial: int | None = None
-    pending: _Snapshot | None = None
+    finished: dict[int, Path] = field(default_factory=dict)
 
-    def flush(self) -> None:
-        """Write the pending best state (at the end of each wave)."""
-        if self.pending is not None:
-            self.pending.write()
-            self.pending = None
+    def lead(self, number: int, value: float, best_pass: int, is_main: bool) -> None:
+        """Trial ``number`` holds the best pass now."""
+        before, self.trial = self.trial, number
+        self.tracker.update(value, best_pass)
+        if is_main and before is not None and before != number and before in self.finished:
+            _drop_checkpoints(self.finished[before])
+
+    def finish(self, number: int, model_dir: Path, is_main: bool) -> None:
+        """Trial ``number`` trains no more."""
+        self.finished[number] = model_dir
+        if is_main and number != self.trial:
+            _drop_checkpoints(model_dir)
 
 
-def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
-                     ) -> Callable[[Trainer, dict], None]:
-    """The pass-end hook of a trial: keep its state when the pass is the best of the
-    whole search so far (``overall``). The state the search ends up choosing is the best
-    of all, so it was the best so far when it was reached: later passes of other trials
-    are never needed. An in-RAM store's state is copied and written once, at the end of
-    the wave (most passes that lead at some point are overtaken before then); a tiered
-    store's is committed at once (its rows are not copied into RAM)."""
+def _drop_checkpoints(model_dir: Path) -> None:
+    shutil.rmtree(model_dir / "checkpoints", ignore_errors=True)
+    for pointer in ("BEST", LATEST_FILE):
+        (model_dir / pointer).unlink(missing_ok=True)
+
+
+def _commit_pass(model_dir: Path, number: int, overall: _BestSoFar
+                 ) -> Callable[[Trainer, dict], None]:
+    """The pass-end hook of a trial: commit a checkpoint (collective on N ranks), as
+    ``train`` does, so a stopped search continues the trial from it; mark it ``BEST`` when
+    it is the trial's best pass, and note when it is the whole search's best so far. A
+    diverged pass is not committed (the pass loop has stopped its trial)."""
 
     def hook(trainer: Trainer, record: dict) -> None:
-        value = record[overall.tracker.key]
-        if record.get("best") and overall.tracker.is_better(value):
-            overall.tracker.update(value, int(record["pass_id"]) + 1)
-            overall.trial = number
-            if isinstance(trainer.store, MemoryStore):
-                overall.pending = _Snapshot.take(model_dir, trainer)
-            else:
-                overall.pending = None
-                name = save_checkpoint(model_dir, trainer).name  # collective on N ranks
-                if trainer.ctx.is_main:
-                    mark_best(model_dir, name)
+        if diverged(record):  # its run stopped (``TrialRun.stop_on_divergence``)
+            return
+        name = save_checkpoint(model_dir, trainer).name
+        is_main = trainer.ctx.is_main
+        if record.get("best"):
+            if is_main:
+                mark_best(model_dir, name)
+            value = record[overall.tracker.key]
+            if overall.tracker.is_better(value):
+                overall.lead(number, value, int(record["pass_id"]) + 1, is_main)
 
     return hook
 
@@ -754,18 +867,29 @@ def _checkpoint_best(model_dir: Path, number: int, overall: _BestSoFar
 def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPlan],
                 select_by: str, budget: int | None, progress: bool,
                 on_boundary: Callable[[list[SearchTrial]], None] | None,
-                overall: _BestSoFar, ctx: DistContext, out_dir: Path) -> None:
+                overall: _BestSoFar, ctx: DistContext, out_dir: Path,
+                reader: dict[str, Any] | None = None) -> None:
+    """Train a wave to its end. ``reader``: the values of the trial whose batch and pass
+    sizes cut the wave's passes, when it is not in ``wave`` (a continued wave whose
+    first trial had finished): a stopped stand-in with its configuration reads."""
     import optuna
 
     by_run = {id(t.run): t for t in wave}
     runs = [t.run for t in wave if t.run is not None]
+    if reader is not None and runs:
+        first = runs[0].trainer
+        stand_in = TrialRun(Trainer(first.schema, _in_ram(apply_params(first.config, reader)),
+                                    ctx=ctx))
+        free_rows(stand_in.trainer)
+        stand_in.trainer.inputs = first.inputs
+        stand_in.stop(STOP_PRUNED)
+        runs.insert(0, stand_in)
 
     def finish(t: SearchTrial, pruned: bool = False) -> None:
-        """A trial that trains no more: its best state written if it leads, its files
-        written, then optuna told (so a told trial always has its files), rows freed."""
+        """A trial that trains no more: its files written, then optuna told (so a told
+        trial always has its files), its rows freed, its checkpoints dropped unless it
+        holds the best pass so far."""
         t.history = list(t.trainer.history)
-        if overall.pending is not None and overall.pending.trainer is t.trainer:
-            overall.flush()  # sets the trainer back to its best pass
         value = t.selection.best_value
         t.state = "pruned" if pruned else "complete" if value is not None else "failed"
         if ctx.is_main:  # rank 0 writes the files and tells optuna
@@ -774,12 +898,13 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
             _tell(study, t.optuna_trial, value if value is not None and not pruned else None,
                   state=state.PRUNED if pruned else state.FAIL if value is None else None)
         free_rows(t.trainer)
+        overall.finish(t.number, t.model_dir, ctx.is_main)
 
     def boundary(live: list[TrialRun]) -> None:
-        trials = [by_run[id(r)] for r in live]
+        trials = [by_run[id(r)] for r in live if id(r) in by_run]
         for t in trials:  # every live trial reports before any is pruned
             record = t.trainer.history[-1]
-            t.seconds += record["staging_s"] + record["train_s"] + record["write_back_s"]
+            t.seconds += _pass_seconds(record)
             value = record.get(f"valid_{select_by}")
             if ctx.is_main and value is not None and math.isfinite(value):
                 t.optuna_trial.report(value, step=len(t.trainer.history))
@@ -792,7 +917,8 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
             if t.run.live and t.number in prune:
                 t.run.stop(STOP_PRUNED)
                 finish(t, pruned=True)
-            elif not t.run.live:  # its patience ran out
+        for t in wave:  # patience ran out, it diverged, or its epochs ended (it sat out)
+            if t.state == "running" and t.run is not None and not t.run.live:
                 finish(t)
         alive = [t for t in trials if t.state == "running"]
         if budget is not None and alive:  # re-split the budget across live trials
@@ -836,7 +962,8 @@ def _write_trial_files(t: SearchTrial) -> None:
                if row["best_pass"] else None, "passes": row["passes"],
                "stop_reason": row["stop_reason"], "model": t.config.model.name,
                "trial": t.number, "params": t.params, "state": t.state,
-               "seconds": t.seconds, **t.selection.summary()}
+               "seconds": t.seconds, **t.selection.summary(),
+               **({"continued_from": t.continued_from} if t.continued_from else {})}
     atomic_write_text(t.model_dir / "metrics.json", json.dumps(metrics, indent=2))
 
 

@@ -28,6 +28,7 @@ STOP_PATIENCE = "patience"  # ``patience`` evaluations without improvement
 STOP_EPOCHS = "epochs_exhausted"  # the epoch upper bound was reached
 STOP_END_OF_DATA = "end_of_data"  # no validation set: the configured epochs were read
 STOP_PRUNED = "pruned"  # a search pruned the trial
+STOP_DIVERGED = "diverged"  # a search trial's loss or validation metric went non-finite
 
 
 def metric_key(select_by: str) -> str:
