@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "or [choices]} (default: a space for --model, see docs/search.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue the search in --out after a stop or a crash: finished "
-                   "trials are kept, interrupted ones run again (same settings needed)")
+                   "trials are kept, interrupted ones continue from their last "
+                   "committed pass (same settings needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--features", type=Path,
                    help="feature config from `terarec autofeature`: every trial trains on "

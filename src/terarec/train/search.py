@@ -395,7 +395,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
     ``fixed``: parameter sets to try first (``study.enqueue_trial``), e.g. the defaults.
     ``on_boundary`` sees the wave's trials after each pass's pruning. ``resume``:
     continue the search in ``out_dir`` (``open_study``, ``_resumed_trials``): finished
-    trials are kept, interrupted ones run again from the start with their values.
+    trials are kept, the interrupted wave continues from the last pass all its trials
+    committed (``_left_wave``; with none, its trials run again with their values).
 
     ``ctx``: a torchrun rank's topology (every rank calls this): each trial trains on
     all ranks, each rank keeping its key shard's rows; rank 0 alone holds the optuna
