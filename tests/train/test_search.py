@@ -192,16 +192,24 @@ def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
     assert all(refs[t.number]() is None for t in later), "pruned rows still referenced"
 
 
-def test_a_diverged_trial_stops_and_the_others_train_on(files, tmp_path):
-    """A trial whose weights go non-finite mid-search (here poisoned after its first pass)
-    stops as ``diverged`` with its best pass kept; no checkpoint of a non-finite model is
-    written, and the other trial trains to the end as it would alone."""
+def _setup(files, epochs: int, admit_min_count: int
+           ) -> tuple[FeatureSchema, TrainConfig, list]:
+    """The schema (numerics standardised by the training rows, as ``train`` does), the
+    base configuration and the validation batches the in-process searches use."""
     train, valid = files
     schema = with_numeric_stats(FeatureSchema.criteo(), [train])
     config = TrainConfig()
     config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
-    config.epochs, config.store.admit_min_count = 2, 1
-    batches = list(iter_file_batches([valid], schema, 500))
+    config.epochs, config.store.admit_min_count = epochs, admit_min_count
+    return schema, config, list(iter_file_batches([valid], schema, 500))
+
+
+def test_a_diverged_trial_stops_and_the_others_train_on(files, tmp_path):
+    """A trial whose weights go non-finite mid-search (here poisoned after its first pass)
+    stops as ``diverged`` with its best pass kept; no checkpoint of a non-finite model is
+    written, and the other trial trains to the end as it would alone."""
+    train, _ = files
+    schema, config, batches = _setup(files, epochs=2, admit_min_count=1)
     fixed = [{"model.embedding_dim": 4}, {"model.embedding_dim": 8}]
     space = check_space({"model.embedding_dim": [4, 8]}, config)
 
@@ -344,12 +352,8 @@ def test_grid_sampler_from_a_yaml_space_tries_each_point_once(files, tmp_path):
 
 
 def test_trials_share_one_key_index_and_pruned_views_are_dropped(files, tmp_path):
-    train, valid = files
-    schema = with_numeric_stats(FeatureSchema.criteo(), [train])
-    config = TrainConfig()
-    config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
-    config.epochs, config.store.admit_min_count = 1, 2
-    batches = list(iter_file_batches([valid], schema, 500))
+    train, _ = files
+    schema, config, batches = _setup(files, epochs=1, admit_min_count=2)
     sides: list[set[int]] = []
     live_bytes: list[tuple[int, int, int]] = []
 
