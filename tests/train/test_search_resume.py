@@ -143,11 +143,13 @@ class _Stop(Exception):
     """Stands for the process dying at a pass boundary."""
 
 
-def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path):
-    """Two trials of one wave (one key index), the one whose sizes cut the passes done
-    after its single epoch; the search stops while the other trains and is resumed: it
-    ends with the values of an uninterrupted search, its passes cut by the finished
-    trial's batch size as before the stop (300 rows: another cut than its own 250)."""
+@pytest.mark.parametrize("budget", [None, "8MB"], ids=["shared-keys", "tiered"])
+def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path, budget):
+    """Two trials of one wave (one key index in RAM; or each a tiered store with its
+    share of a memory budget), the one whose sizes cut the passes done after its single
+    epoch; the search stops while the other trains and is resumed: it ends with the
+    values of an uninterrupted search, its passes cut by the finished trial's batch size
+    as before the stop (300 rows: another cut than its own 250)."""
     from terarec.config import TrainConfig
     from terarec.data.numeric import with_numeric_stats
     from terarec.train.passes import iter_file_batches
@@ -157,7 +159,7 @@ def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path)
     schema = with_numeric_stats(FeatureSchema.criteo(), [files["train"]])
     config = TrainConfig()
     config.batch_size, config.pass_rows, config.threads, config.seed = 300, 1000, 1, 4
-    config.store.admit_min_count = 2
+    config.store.admit_min_count, config.store.memory_budget = 2, budget
     valid = list(iter_file_batches([files["valid"]], schema, 500))
     fixed = [{"epochs": 1, "batch_size": 300, "model.embedding_dim": 4},
              {"epochs": 3, "batch_size": 250, "model.embedding_dim": 8}]
