@@ -5,7 +5,13 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow.csv as pa_csv
@@ -19,6 +25,7 @@ from terarec.data.readers import batch_from_records
 from terarec.data.synth_features import generate_planted
 from terarec.train.checkpoint import checkpoint_name, read_model_meta, restore_trainer
 
+SRC = Path(__file__).resolve().parents[2] / "src"
 SCHEMA_ARGS = ["--format", "csv", "--label", "label", "--numeric", "I1,I2",
                "--categorical", "C1,C2,C3,C4,C5,C6,C7,C8", "--log1p", "I1,I2"]
 
@@ -299,6 +306,41 @@ def test_resume_with_tables_reads_on_inside_the_file(selected, data, tmp_path, c
     capsys.readouterr()
     rows = [r["rows"] for r in json.loads((out / "history.json").read_text())]
     assert sum(rows) == 15_000 and rows[-1] == 15_000 - 2000 * (len(rows) - 1)
+
+
+@pytest.mark.slow
+def test_a_killed_search_with_tables_continues_inside_the_file(selected, data, tmp_path):
+    """A trial continued by ``search --resume`` reads on from its row positions in the
+    raw file (the joined copy is made again in another temporary folder): one epoch is
+    every row once, and its values are those of an uninterrupted search (the trial after
+    it draws other values: a resumed sampler is seeded anew)."""
+    common = ["search", "--features", str(selected), "--train", str(data.train),
+              "--valid", str(data.valid), "--model", "lr", "--batch-size", "500",
+              "--pass-rows", "2000", "--threads", "1", "--no-progress", "--epochs", "1",
+              "--trials", "2", "--parallel", "1", "--pruner", "none", "--no-refit"]
+    whole, out = tmp_path / "whole", tmp_path / "killed"
+    assert main([*common, "--out", str(whole)]) == 0
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen([sys.executable, "-m", "terarec", *common, "--out", str(out)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = out / "trials" / "trial-000" / "LATEST"
+    deadline = time.monotonic() + 240
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert first.exists(), proc.stderr.read().decode() if proc.poll() else "too slow"
+    os.kill(proc.pid, signal.SIGKILL)  # while trial 0 trains
+    proc.wait()
+    assert main([*common, "--out", str(out), "--resume"]) == 0
+    metrics = json.loads((out / "trials" / "trial-000" / "metrics.json").read_text())
+    assert metrics["continued_from"].startswith("pass-")
+    for number in (0, 1):
+        runs = [json.loads((d / "trials" / f"trial-{number:03d}" / "history.json"
+                            ).read_text()) for d in (whole, out)]
+        assert [h["rows"] for h in runs[1]] == [h["rows"] for h in runs[0]]
+        assert sum(h["rows"] for h in runs[1]) == 15_000
+        if number == 0:
+            assert [h["valid_auc"] for h in runs[1]] == pytest.approx(
+                [h["valid_auc"] for h in runs[0]], abs=1e-9)
 
 
 def test_scoring_a_model_with_tables_refuses_on_bad_row_skip(model, data, tmp_path, capsys):

@@ -13,6 +13,7 @@ from terarec.autofeature.features import (
     FeatureConfig,
     feature_inputs,
     install_features,
+    keyed_copies,
     model_features,
 )
 from terarec.cli.common import (
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     with feature_inputs(features, args.train, schema=raw) as train, \
             feature_inputs(features, args.valid, schema=raw) as valid:
         # the inputs as the trials read them (joined copies with AutoFeature tables)
-        read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid})
+        read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid,
+                                     "raw_train": args.train})
         return _run(read, config, features, ctx)
 
 
@@ -135,7 +137,11 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     why = sharing_refusal(config.store, config.sparse_optimizer)
     if why is not None and ctx.is_main:
         print(f"search: each trial keeps its own key index ({why})", file=sys.stderr)
-    result = run_search(schema, config, args.train, valid, args.out, trials=args.trials,
+    # Joined copies are named in checkpoints by the raw files, so a continued trial reads
+    # on from its positions (the copies are made again in another temporary folder).
+    inputs = keyed_copies(args.raw_train, args.train) \
+        if features is not None and features.tables.tables else args.train
+    result = run_search(schema, config, inputs, valid, args.out, trials=args.trials,
                         parallel=args.parallel, space=space, sampler=args.sampler,
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,

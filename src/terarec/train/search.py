@@ -36,12 +36,13 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.embedding.shared import (
     SharedKeys,
@@ -380,7 +381,8 @@ class SearchResult:
         return [t.row() for t in self.trials]
 
 
-def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Path],
+def run_search(schema: FeatureSchema, base: TrainConfig,
+               train_paths: Sequence[str | Path | InputFile],
                valid_batches: list[Batch], out_dir: str | Path, *, trials: int = 8,
                parallel: int | None = None,
                space: Mapping[str, Mapping[str, Any]] | None = None,
@@ -432,7 +434,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str |
                        on_boundary, resume, ctx)
 
 
-def _search(schema: FeatureSchema, base: TrainConfig, train_paths: list[str | Path],
+def _search(schema: FeatureSchema, base: TrainConfig,
+            train_paths: Sequence[str | Path | InputFile],
             valid_batches: list[Batch], out_dir: Path, trials: int, parallel: int,
             space: dict[str, Any], sampler: str, pruner: str, select_by: str,
             patience: int | None, seed: int, progress: bool,
