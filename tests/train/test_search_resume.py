@@ -143,13 +143,16 @@ class _Stop(Exception):
     """Stands for the process dying at a pass boundary."""
 
 
-@pytest.mark.parametrize("budget", [None, "8MB"], ids=["shared-keys", "tiered"])
-def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path, budget):
+@pytest.mark.parametrize(("budget", "corrupt"), [(None, False), ("8MB", False), (None, True)],
+                         ids=["shared-keys", "tiered", "newest-corrupted"])
+def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path, budget,
+                                                                corrupt):
     """Two trials of one wave (one key index in RAM; or each a tiered store with its
     share of a memory budget), the one whose sizes cut the passes done after its single
     epoch; the search stops while the other trains and is resumed: it ends with the
     values of an uninterrupted search, its passes cut by the finished trial's batch size
-    as before the stop (300 rows: another cut than its own 250)."""
+    as before the stop (300 rows: another cut than its own 250). A newest checkpoint
+    that does not verify is passed over for the one before."""
     from terarec.config import TrainConfig
     from terarec.data.numeric import with_numeric_stats
     from terarec.train.passes import iter_file_batches
@@ -186,6 +189,12 @@ def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path,
     with pytest.raises(_Stop):
         search(out, on_boundary=stop)
     assert seen[-1] == ["complete", "running"]
+    if corrupt:
+        rows = next((out / "trials" / "trial-001" / "checkpoints" / "pass-000004"
+                     ).glob("sparse/*.safetensors"))
+        data = bytearray(rows.read_bytes())
+        data[-1] ^= 0xFF
+        rows.write_bytes(bytes(data))
     resumed = search(out, resume=True)
     got = curves(resumed)
     assert got.keys() == whole.keys() == {0, 1}
@@ -194,4 +203,4 @@ def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path,
         assert [loss for _, loss in got[number]] == pytest.approx(
             [loss for _, loss in curve], abs=1e-12), number
     continued = next(t for t in resumed.trials if t.number == 1)
-    assert continued.continued_from == "pass-000004"
+    assert continued.continued_from == ("pass-000003" if corrupt else "pass-000004")

@@ -32,6 +32,7 @@ import contextlib
 import csv
 import io
 import json
+import logging
 import math
 import os
 import shutil
@@ -62,6 +63,7 @@ from terarec.train.checkpoint import (
     mark_best,
     restore_trainer,
     save_checkpoint,
+    verify_checkpoint,
     write_train_config,
 )
 from terarec.train.loop import TrialRun, diverged, run_passes
@@ -73,6 +75,8 @@ from terarec.train.selection import (
 )
 from terarec.train.trainer import Trainer, make_store
 from terarec.types import Batch, FeatureSchema
+
+log = logging.getLogger(__name__)
 
 SAMPLERS = ("random", "tpe", "grid")
 PRUNERS = ("none", "halving", "median", "hyperband")
@@ -337,6 +341,7 @@ class SearchTrial:
     history: list[dict] = field(default_factory=list)
     kept: tuple[SelectionTracker, str | None] | None = None
     continued_from: str | None = None  # the checkpoint a resumed search continued it from
+    reported: int = 0  # passes optuna was told of (before a stop: they are trained again)
 
     @property
     def selection(self) -> SelectionTracker:
@@ -640,14 +645,10 @@ def _left_wave(study, running: list, out_dir: Path, world: int, select_by: str,
         common = have if common is None else common & have
     if not common or any(set(f.params) != set(f.distributions) for f in running):
         return None
-    name = max(common)
-    for frozen in running:
-        try:
-            meta = checkpoint_meta(trial_dir(out_dir, frozen.number) / "checkpoints" / name)
-        except CheckpointError:  # unreadable: the trials start again
-            return None
-        if int(meta.get("world_size", 1)) != world or not meta.get("inputs"):
-            return None
+    name = next((n for n in sorted(common, reverse=True)
+                 if _loadable(out_dir, running, n, world)), None)
+    if name is None:
+        return None
     for frozen in running:
         model_dir = trial_dir(out_dir, frozen.number)
         for newer in list_checkpoints(model_dir):
@@ -669,6 +670,20 @@ def _left_wave(study, running: list, out_dir: Path, world: int, select_by: str,
     if reader_number not in {f.number for f in running}:
         reader = dict(study.trials[reader_number].params)
     return _LeftWave(name, [(f.number, dict(f.params)) for f in running], reader)
+
+
+def _loadable(out_dir: Path, running: list, name: str, world: int) -> bool:
+    """Whether every trial's checkpoint ``name`` verifies (checksums) and was written at
+    this world size with input positions to read on from."""
+    for frozen in running:
+        try:
+            meta = verify_checkpoint(trial_dir(out_dir, frozen.number) / "checkpoints" / name)
+        except CheckpointError as exc:
+            log.warning("search --resume: not continuing from %s: %s", name, exc)
+            return False
+        if int(meta.get("world_size", 1)) != world or not meta.get("inputs"):
+            return False
+    return True
 
 
 def _best_dir_trial(out_dir: Path) -> int | None:
@@ -781,9 +796,10 @@ def _continue_wave(left: _LeftWave, study, schema: FeatureSchema, base: TrainCon
                        stop_on_divergence=True)
         trial = optuna.trial.Trial(study, by_number[number]._trial_id) \
             if study is not None else None
+        told = max(by_number[number].intermediate_values, default=0) if by_number else 0
         t = SearchTrial(number, params, config, model_dir, trial, run,
                         seconds=sum(_pass_seconds(r) for r in trainer.history),
-                        continued_from=left.name)
+                        continued_from=left.name, reported=told)
         wave.append(t)
     if ctx.is_main:
         print(f"continuing trial(s) {', '.join(str(t.number) for t in wave)} "
@@ -910,8 +926,10 @@ def _train_wave(wave: list[SearchTrial], study, train_paths, valid: list[PassPla
             record = t.trainer.history[-1]
             t.seconds += _pass_seconds(record)
             value = record.get(f"valid_{select_by}")
-            if ctx.is_main and value is not None and math.isfinite(value):
-                t.optuna_trial.report(value, step=len(t.trainer.history))
+            step = len(t.trainer.history)
+            if ctx.is_main and value is not None and math.isfinite(value) \
+                    and step > t.reported:  # a pass trained again was reported before
+                t.optuna_trial.report(value, step=step)
         # rank 0 asks the pruner; every rank stops the same trials
         prune = ctx.broadcast_object(
             {t.number for t in trials if t.run is not None and t.run.live
