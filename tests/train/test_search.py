@@ -130,6 +130,12 @@ def test_results_report_and_best_directory(files, searched, tmp_path):
     assert (searched / "trials.png").stat().st_size > 1000
     # the best trial is an ordinary model directory: eval, predict and export take it
     best = searched / "best"
+    # holding the one checkpoint it was picked by (its later passes are not copied)
+    picked = f"pass-{results['trials'][0]['best_pass']:06d}"
+    assert [c.name for c in (best / "checkpoints").iterdir()] == [picked]
+    assert (best / "BEST").read_text().strip() == (best / "LATEST").read_text().strip() \
+        == picked
+    assert not list((searched / "trials").glob("trial-*/checkpoints"))
     out = tmp_path / "eval.json"
     assert main(["eval", "--model", str(best), "--data", str(valid), "--out", str(out)]) == 0
     value = results["trials"][0]["value"]

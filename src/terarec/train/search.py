@@ -57,6 +57,7 @@ from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_at
 from terarec.train.checkpoint import (
     LATEST_FILE,
     CheckpointError,
+    best_checkpoint,
     checkpoint_meta,
     clear_best,
     list_checkpoints,
@@ -993,11 +994,21 @@ def _write_best(best: SearchTrial, out_dir: Path, base: TrainConfig) -> Path:
     """Copy the best trial's directory (less its live store folder) to ``out/best``. Its
     configuration keeps base's store budget and folder, not the trial's share of the
     budget and folder under trials/: ``out/best`` is an ordinary model directory, which
-    a refit, ``train --resume`` or ``eval`` uses alone."""
+    a refit, ``train --resume`` or ``eval`` uses alone. Of its checkpoints only the one
+    ``BEST`` names is copied (and is ``LATEST`` there): the trial's later passes lost."""
     target = out_dir / "best"
     tmp = out_dir / ".best.tmp"
+    chosen = best_checkpoint(best.model_dir)
+
+    def skipped(folder: str, names: list[str]) -> list[str]:
+        if chosen is not None and Path(folder).name == "checkpoints":
+            return [n for n in names if n != chosen]
+        return [n for n in names if n == "store"]  # the live disk tier
+
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(best.model_dir, tmp, ignore=shutil.ignore_patterns("store"))
+    shutil.copytree(best.model_dir, tmp, ignore=skipped)
+    if chosen is not None:
+        atomic_write_text(tmp / LATEST_FILE, chosen)
     store = replace(best.config.store, memory_budget=base.store.memory_budget,
                     disk_path=base.store.disk_path)
     write_train_config(tmp, replace(best.config, store=store))
