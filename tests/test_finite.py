@@ -95,6 +95,17 @@ def test_poisoned_embedding_rows_are_refused(tmp_path: Path, data: Path) -> None
     assert not list_checkpoints(tmp_path)
 
 
+def test_a_stale_row_in_a_freed_slot_does_not_refuse_the_checkpoint(tmp_path: Path,
+                                                                    data: Path) -> None:
+    """The quick check reads every slot handed out; a NaN left in a slot whose key was
+    evicted is not the model's, so the live rows decide."""
+    trainer = _trainer(data)
+    keys, slots = trainer.store.index.items()
+    assert trainer.store.evict(keys[:1]) == 1
+    trainer.store.values[slots[0], 0] = np.nan  # the freed slot
+    assert save_checkpoint(tmp_path, trainer).name == list_checkpoints(tmp_path)[0].name
+
+
 def test_export_refuses_non_finite_weights(tmp_path: Path) -> None:
     exporter = ModelExporter(tmp_path / "export")
     keys = np.arange(1, 4, dtype=np.int64)

