@@ -10,6 +10,12 @@ train   an uninterrupted run is the baseline (``baseline_train_s``, its model th
         the newest checkpoint is corrupted before the last resume. ``resumed_identical``
         counts rounds ending bit-identical (1e-6) to the reference; ``rows_lost`` the
         rows the final history lacks.
+search  an uninterrupted grid search (6 trials, 2 at a time) is the baseline; then per
+        store the same search killed with -9 at random moments ``--search-kills`` times
+        (after the process start-up), the newest
+        checkpoint of a trial it left running corrupted, and resumed until done.
+        ``search_identical`` counts rounds whose every grid point ends with the baseline's
+        value (1e-9), ``search_continued`` the resumes that continued trials from a pass.
 export  ``terarec export`` killed with -9 at random moments, then two exports to one URI
         at once (their versions must differ).
 serve   a ``terarec serve`` (cache off, so lookups read the shards) under a steady
@@ -173,6 +179,73 @@ def train_rounds(work: Path, data: Path, rng: random.Random, kills: int,
         totals["rows_lost"] += abs(_history_rows(reference) - _history_rows(out))
         # The checkpoint damaged on purpose was refused and rewritten, not kept.
         totals["poisoned_artifacts"] += bad_checkpoints(out) + bad_versions(export)
+
+
+# -- search ------------------------------------------------------------------------------
+SEARCH_ARGS = ["--model", "fm", "--trials", "6", "--parallel", "2", "--sampler", "grid",
+               "--pruner", "none", "--epochs", "4", "--patience", "10", "--batch-size",
+               "250", "--pass-rows", "500", "--threads", "1", "--seed", "1",
+               "--no-progress", "--admit-min-count", "1", "--no-refit"]
+
+
+def _grid_values(out: Path) -> dict[tuple, float]:
+    rows = json.loads((out / "results.json").read_text())["trials"]
+    return {tuple(sorted((k, v) for k, v in r.items() if k.startswith("params."))):
+            r["value"] for r in rows}
+
+
+def search_rounds(work: Path, data: Path, rng: random.Random, kills: int,
+                  totals: dict) -> None:
+    valid = work / "search-valid.tsv"
+    generate(valid, 1500, model_seed=3, sample_seed=9, vocab_scale=0.05)
+    space = work / "space.json"
+    space.write_text(json.dumps({"model.embedding_dim": [2, 4, 8],
+                                 "sparse_optimizer.lr": [0.05, 0.1]}))
+    cmd = ["search", "--train", str(data), "--valid", str(valid), "--space", str(space),
+           *SEARCH_ARGS]
+    t0 = time.perf_counter()
+    code, text = _run(*cmd, "--out", str(work / "search-reference"))
+    if code != 0:
+        raise RuntimeError(f"reference search failed: {text[-2000:]}")
+    baseline_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _run("search", "--help")  # what a process pays before it trains: the kills come later
+    start_s = time.perf_counter() - t0
+    for store, extra in STORES.items():
+        out = work / f"search-{store}"
+        _search_round([*cmd, *extra], out, rng, kills, start_s, baseline_s, totals)
+        want, got = _grid_values(work / "search-reference"), _grid_values(out)
+        totals["search_rounds"] += 1
+        totals["search_identical"] += want.keys() == got.keys() and all(
+            abs(want[k] - got[k]) <= 1e-9 for k in want)
+        totals["poisoned_artifacts"] += bad_checkpoints(out / "best")
+
+
+def _search_round(cmd: list[str], out: Path, rng: random.Random, kills: int,
+                  start_s: float, baseline_s: float, totals: dict) -> None:
+    """Kill the search ``kills`` times, corrupt a running trial's newest checkpoint,
+    resume until done."""
+    for i in range(kills):
+        proc = _terarec(*cmd, "--out", str(out), *(["--resume"] if i else []))
+        after = start_s + rng.uniform(0.1, 0.45) * max(baseline_s - start_s, 0.5)
+        totals["faults"] += _kill_after(proc, after)
+        assert proc.stdout is not None
+        totals["search_continued"] += b"continuing trial(s)" in proc.stdout.read()
+        if (out / "results.json").exists():
+            break
+    running = [d for d in (out / "trials").glob("trial-*") if (d / "LATEST").exists()] \
+        if (out / "trials").exists() else []
+    if running and not (out / "results.json").exists():
+        newest = list_checkpoints(max(running))[0]  # refused, the pass before taken
+        _flip(newest / "dense.safetensors")
+        totals["faults"] += 1
+    for _ in range(3):  # resumed until done (a resume is not killed)
+        if (out / "results.json").exists():
+            break
+        code, text = _run(*cmd, "--out", str(out), "--resume")
+        if code != 0:
+            raise RuntimeError(f"search resume failed: {text[-2000:]}")
+        totals["search_continued"] += "continuing trial(s)" in text
 
 
 # -- export ------------------------------------------------------------------------------
@@ -401,6 +474,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=9000, help="training rows (6 passes)")
     p.add_argument("--train-kills", type=int, default=3, help="kill -9s per train round")
     p.add_argument("--export-kills", type=int, default=3)
+    p.add_argument("--search-kills", type=int, default=4)
+    p.add_argument("--stages", default="train,search,export,serve",
+                   help="comma-separated stages to run (export and serve need train)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     rng = random.Random(args.seed)
@@ -408,7 +484,8 @@ def main() -> None:
     totals = dict.fromkeys(
         ["faults", "train_rounds", "resumed_identical", "server_5xx", "server_crashes",
          "poisoned_artifacts", "rows_lost", "versions_lost", "unguarded_writers",
-         "stuck_versions", "requests", "requests_ok"], 0)
+         "stuck_versions", "requests", "requests_ok", "search_rounds", "search_identical",
+         "search_continued"], 0)
     faults_by_stage: dict[str, int] = {}
     start = time.perf_counter()
     try:
@@ -422,11 +499,18 @@ def main() -> None:
         baseline_s = time.perf_counter() - t0
         stages = {"train": lambda: train_rounds(work, data, rng, args.train_kills, reference,
                                                 baseline_s, totals),
+                  "search": lambda: search_rounds(work, data, rng, args.search_kills, totals),
                   "export": lambda: export_rounds(work, work / "model-memory", rng,
                                                   args.export_kills, totals),
                   "serve": lambda: serve_rounds(work, work / "model-memory",
                                                 work / "export-memory", data, totals)}
-        for stage, run in stages.items():
+        chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
+        unknown = sorted(set(chosen) - set(stages))
+        if unknown:
+            raise SystemExit(f"--stages: unknown {', '.join(unknown)}; "
+                             f"known: {', '.join(stages)}")
+        for stage in chosen:
+            run = stages[stage]
             before = totals["faults"]
             run()
             faults_by_stage[stage] = totals["faults"] - before
