@@ -170,3 +170,16 @@ def test_overflowing_finite_weights_stop_scoring(tmp_path: Path, data: Path, cap
                  str(tmp_path / "m.json")]) == 2
     assert "scores are not finite" in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()
+
+
+def test_pruning_keeps_the_pinned_checkpoint(tmp_path: Path, data: Path) -> None:
+    """Older checkpoints go but the one named ``pinned`` (a search's last commit that
+    every trial of its wave holds) stays, as ``BEST`` would."""
+    trainer = _trainer(data)
+    names = []
+    for _ in range(4):
+        trainer.pass_id += 1
+        names.append(save_checkpoint(tmp_path, trainer,
+                                     pinned=names[0] if names else None).name)
+    kept = sorted(c.name for c in list_checkpoints(tmp_path))
+    assert kept == sorted([names[0], *names[-2:]])

@@ -315,7 +315,8 @@ def test_an_unreadable_or_broken_space_file_is_one_line_naming_it(tmp_path):
 @pytest.mark.parametrize(("flags", "message"), [
     (["--trials", "2", "--parallel", "0"], "--parallel 0: must be >= 1 (leave it out for all)"),
     (["--trials", "2", "--parallel", "-1"], "--parallel -1: must be >= 1 (leave it out for all)"),
-    (["--trials", "0"], "--trials 0: must be >= 1")])
+    (["--trials", "0"], "--trials 0: must be >= 1"),
+    (["--checkpoint-every", "0"], "--checkpoint-every 0: must be >= 1")])
 def test_trials_or_parallel_below_one_is_refused(files, tmp_path, capsys, flags, message):
     """--parallel 0 silently trained every trial at once; -1 failed with "run_passes needs
     at least one trial". The message named the arguments, not the flags."""

@@ -143,16 +143,19 @@ class _Stop(Exception):
     """Stands for the process dying at a pass boundary."""
 
 
-@pytest.mark.parametrize(("budget", "corrupt"), [(None, False), ("8MB", False), (None, True)],
-                         ids=["shared-keys", "tiered", "newest-corrupted"])
+@pytest.mark.parametrize(("budget", "corrupt", "every"),
+                         [(None, False, 1), ("8MB", False, 1), (None, True, 1),
+                          (None, False, 3)],
+                         ids=["shared-keys", "tiered", "newest-corrupted", "every-3-passes"])
 def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path, budget,
-                                                                corrupt):
+                                                                corrupt, every):
     """Two trials of one wave (one key index in RAM; or each a tiered store with its
     share of a memory budget), the one whose sizes cut the passes done after its single
     epoch; the search stops while the other trains and is resumed: it ends with the
     values of an uninterrupted search, its passes cut by the finished trial's batch size
     as before the stop (300 rows: another cut than its own 250). A newest checkpoint
-    that does not verify is passed over for the one before."""
+    that does not verify is passed over for the one before; committing every 3 passes,
+    the search continues from pass 3, the last such pass, when it stops after pass 4."""
     from terarec.config import TrainConfig
     from terarec.data.numeric import with_numeric_stats
     from terarec.train.passes import iter_file_batches
@@ -171,7 +174,7 @@ def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path,
     def search(out: Path, **kw):
         return run_search(schema, config, [files["train"]], valid, out, trials=2,
                           pruner="none", sampler="random", fixed=fixed, space=space,
-                          patience=10, **kw)
+                          patience=10, checkpoint_every=every, **kw)
 
     def curves(result) -> dict[int, list[tuple[int, float]]]:
         return {t.number: [(h["rows"], h["valid_logloss"]) for h in t.history]
@@ -203,4 +206,5 @@ def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path,
         assert [loss for _, loss in got[number]] == pytest.approx(
             [loss for _, loss in curve], abs=1e-12), number
     continued = next(t for t in resumed.trials if t.number == 1)
-    assert continued.continued_from == ("pass-000003" if corrupt else "pass-000004")
+    assert continued.continued_from == ("pass-000003" if corrupt or every == 3
+                                        else "pass-000004")

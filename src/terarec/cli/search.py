@@ -61,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue the search in --out after a stop or a crash: finished "
                    "trials are kept, interrupted ones continue from their last "
                    "committed pass (same settings needed)")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="every live trial commits a checkpoint every N passes (default 1; "
+                   "a resume continues from the last; a pass that leads the search is "
+                   "always committed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--features", type=Path,
                    help="feature config from `terarec autofeature`: every trial trains on "
@@ -85,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--trials {args.trials}: must be >= 1")
     if args.parallel is not None and args.parallel < 1:
         raise ValueError(f"--parallel {args.parallel}: must be >= 1 (leave it out for all)")
+    if args.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be >= 1")
     config = config_from_args(args)
     if args.features and config.on_bad_row == "skip":
         raise ValueError(SKIP_WITH_FEATURES)
@@ -145,7 +151,8 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
                         parallel=args.parallel, space=space, sampler=args.sampler,
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,
-                        progress=not args.no_progress, resume=args.resume, ctx=ctx)
+                        progress=not args.no_progress, resume=args.resume, ctx=ctx,
+                        checkpoint_every=args.checkpoint_every)
     if result.best_dir is not None and features is not None and ctx.is_main:
         install_features(result.best_dir, features)  # eval / predict / serve join them
     ctx.barrier()

@@ -143,9 +143,11 @@ def _durable(path: Path, files: dict[str, str], rel: str | None = None) -> None:
     files[rel or path.name] = sha256_file(path)
 
 
-def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -> Path:
+def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None,
+                    pinned: str | None = None) -> Path:
     """Commit the trainer's state after its last pass as a new checkpoint; collective
-    when the trainer is one of N ranks."""
+    when the trainer is one of N ranks. ``pinned``: a checkpoint the pruning of older
+    ones keeps (besides ``BEST``)."""
     trainer.sync_store()  # rows newer on the device go into the checkpoint
     check_trainer_finite(trainer)  # a diverged model never replaces a good checkpoint
     ctx: DistContext = trainer.ctx
@@ -178,7 +180,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None) -
             shutil.rmtree(staging, ignore_errors=True)
             raise
         atomic_write_text(model_dir / LATEST_FILE, name)
-        _prune(root, keep=KEEP_CHECKPOINTS)
+        _prune(root, keep=KEEP_CHECKPOINTS, pinned=pinned)
     ctx.barrier()
     trainer.store.committed(final / shard, shard_digests)  # later saves link unchanged slabs
     return final
@@ -311,12 +313,13 @@ def checkpoint_name(model_dir: str | Path, which: str = "best") -> str | None:
     raise ValueError(f"--checkpoint {which!r}: expected latest, best or pass-N")
 
 
-def _prune(ckpt_root: Path, keep: int) -> None:
-    """Drop all but the newest ``keep`` checkpoints, never the one ``BEST`` names."""
+def _prune(ckpt_root: Path, keep: int, pinned: str | None = None) -> None:
+    """Drop all but the newest ``keep`` checkpoints, never the one ``BEST`` names nor
+    ``pinned``."""
     done = sorted(p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith("pass-"))
-    best = best_checkpoint(ckpt_root.parent)
+    kept = {best_checkpoint(ckpt_root.parent), pinned}
     for old in done[:-keep]:
-        if old.name != best:
+        if old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
     for tmp in ckpt_root.glob(".pass-*"):
         shutil.rmtree(tmp, ignore_errors=True)

@@ -396,7 +396,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
                patience: int | None = 2, seed: int = 0, progress: bool = False,
                fixed: list[dict[str, Any]] | None = None,
                on_boundary: Callable[[list[SearchTrial]], None] | None = None,
-               resume: bool = False, ctx: DistContext | None = None) -> SearchResult:
+               resume: bool = False, ctx: DistContext | None = None,
+               checkpoint_every: int = 1) -> SearchResult:
     """Run ``trials`` trials, ``parallel`` at a time (default: all) in one pass loop,
     and write the best one to ``out_dir/best`` as a model directory.
 
@@ -405,6 +406,10 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
     continue the search in ``out_dir`` (``open_study``, ``_resumed_trials``): finished
     trials are kept, the interrupted wave continues from the last pass all its trials
     committed (``_left_wave``; with none, its trials run again with their values).
+
+    ``checkpoint_every``: every live trial commits its state every N passes (all at
+    the same passes: a resume continues from the last of them), and at each pass that
+    leads the search when reached (the search's answer must be on disk).
 
     ``ctx``: a torchrun rank's topology (every rank calls this): each trial trains on
     all ranks, each rank keeping its key shard's rows; rank 0 alone holds the optuna
@@ -416,6 +421,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
         raise ValueError(f"trials {trials}: must be >= 1")
     if parallel is not None and parallel < 1:  # 0 meant "all", a negative one no trial
         raise ValueError(f"parallel {parallel}: must be >= 1 (leave it out for all)")
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every {checkpoint_every}: must be >= 1")
     space = dict(space) if space is not None else default_space(base.model.name, base)
     if sampler == "grid":  # each grid point once
         trials = min(trials, math.prod(len(v) for v in grid_space(space).values()))
@@ -437,7 +444,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
             raise ValueError(failure)
         return _search(schema, base, train_paths, valid_batches, out_dir, trials, parallel,
                        space, sampler, pruner, select_by, patience, seed, progress, fixed,
-                       on_boundary, resume, ctx)
+                       on_boundary, resume, ctx, checkpoint_every)
 
 
 def _search(schema: FeatureSchema, base: TrainConfig,
@@ -447,7 +454,7 @@ def _search(schema: FeatureSchema, base: TrainConfig,
             patience: int | None, seed: int, progress: bool,
             fixed: list[dict[str, Any]] | None,
             on_boundary: Callable[[list[SearchTrial]], None] | None, resume: bool,
-            ctx: DistContext) -> SearchResult:
+            ctx: DistContext, every: int) -> SearchResult:
     """``run_search`` with the directory's lock held."""
     if ctx.world > 1 and "batch_size" in space:
         raise ValueError("under torchrun the trials train on one shared pass plan: "
@@ -456,7 +463,7 @@ def _search(schema: FeatureSchema, base: TrainConfig,
                 "select_by": select_by, "patience": patience, "seed": seed,
                 "config": to_dict(base)}
     study = open_study(out_dir, settings, resume) if ctx.is_main else None
-    overall = _BestSoFar(SelectionTracker(select_by, patience=None))
+    overall = _BestSoFar(SelectionTracker(select_by, patience=None), every=every)
     done, left = _resumed_trials(study, out_dir, base, select_by, patience, overall,
                                  ctx.world) if resume and ctx.is_main else ([], None)
     if study is not None and not resume:
@@ -842,6 +849,7 @@ class _BestSoFar:
     tracker: SelectionTracker
     trial: int | None = None
     finished: dict[int, Path] = field(default_factory=dict)
+    every: int = 1  # live trials commit every N passes (``_commit_pass``)
 
     def lead(self, number: int, value: float, best_pass: int, is_main: bool) -> None:
         """Trial ``number`` holds the best pass now."""
@@ -866,21 +874,27 @@ def _drop_checkpoints(model_dir: Path) -> None:
 def _commit_pass(model_dir: Path, number: int, overall: _BestSoFar
                  ) -> Callable[[Trainer, dict], None]:
     """The pass-end hook of a trial: commit a checkpoint (collective on N ranks), as
-    ``train`` does, so a stopped search continues the trial from it; mark it ``BEST`` when
-    it is the trial's best pass, and note when it is the whole search's best so far. A
+    ``train`` does, so a stopped search continues the trial from it (every
+    ``overall.every`` passes, the same passes for every trial, the last of which pruning
+    keeps); and a pass that leads the whole search so far, which it marks ``BEST``. A
     diverged pass is not committed (the pass loop has stopped its trial)."""
 
     def hook(trainer: Trainer, record: dict) -> None:
         if diverged(record):  # its run stopped (``TrialRun.stop_on_divergence``)
             return
-        name = save_checkpoint(model_dir, trainer).name
+        value = record[overall.tracker.key]
+        leads = bool(record.get("best")) and overall.tracker.is_better(value)
+        every = overall.every
+        if trainer.pass_id % every and not leads:
+            return
+        last = trainer.pass_id // every * every
+        name = save_checkpoint(model_dir, trainer,
+                               pinned=f"pass-{last:06d}" if last else None).name
         is_main = trainer.ctx.is_main
-        if record.get("best"):
-            if is_main:
-                mark_best(model_dir, name)
-            value = record[overall.tracker.key]
-            if overall.tracker.is_better(value):
-                overall.lead(number, value, int(record["pass_id"]) + 1, is_main)
+        if record.get("best") and is_main:
+            mark_best(model_dir, name)
+        if leads:
+            overall.lead(number, value, int(record["pass_id"]) + 1, is_main)
 
     return hook
 
