@@ -58,7 +58,6 @@ from terarec.train.checkpoint import (
     LATEST_FILE,
     CheckpointError,
     best_checkpoint,
-    checkpoint_meta,
     clear_best,
     list_checkpoints,
     mark_best,
@@ -606,12 +605,9 @@ def _resumed_trials(study, out_dir: Path, base: TrainConfig, select_by: str,
                         history=history, kept=(selection, stop))
         done.append(t)
         overall.finished[t.number] = model_dir
-        value = selection.best_value
         # the best so far holds a BEST checkpoint, or, once a search ended, is out/best
-        held = (model_dir / "BEST").exists() or _best_dir_trial(out_dir) == t.number
-        if held and value is not None and overall.tracker.is_better(value):
-            overall.tracker.update(value, selection.best_pass or 0)
-            overall.trial = t.number
+        if (model_dir / "BEST").exists() or _best_dir_trial(out_dir) == t.number:
+            overall.consider(t.number, selection)
     left = _left_wave(study, running, out_dir, world, select_by, patience, overall) \
         if running else None
     if left is None:
@@ -653,26 +649,24 @@ def _left_wave(study, running: list, out_dir: Path, world: int, select_by: str,
         common = have if common is None else common & have
     if not common or any(set(f.params) != set(f.distributions) for f in running):
         return None
-    name = next((n for n in sorted(common, reverse=True)
-                 if _loadable(out_dir, running, n, world)), None)
-    if name is None:
+    found = next(((n, metas) for n in sorted(common, reverse=True)
+                  if (metas := _loadable(out_dir, running, n, world)) is not None), None)
+    if found is None:
         return None
-    for frozen in running:
+    name, metas = found
+    for frozen, meta in zip(running, metas, strict=True):
         model_dir = trial_dir(out_dir, frozen.number)
         for newer in list_checkpoints(model_dir):
             if newer.name > name:
                 shutil.rmtree(newer)
         atomic_write_text(model_dir / LATEST_FILE, name)
-        history = checkpoint_meta(model_dir / "checkpoints" / name).get("history", [])
-        selection = SelectionTracker.from_history(history, select_by, patience)
+        selection = SelectionTracker.from_history(meta.get("history", []), select_by,
+                                                  patience)
         clear_best(model_dir)
         best = f"pass-{selection.best_pass or 0:06d}"
         if selection.best_pass and (model_dir / "checkpoints" / best).is_dir():
             mark_best(model_dir, best)
-            value = selection.best_value
-            if value is not None and overall.tracker.is_better(value):
-                overall.tracker.update(value, selection.best_pass)
-                overall.trial = frozen.number
+            overall.consider(frozen.number, selection)
     reader_number = running[0].user_attrs.get(_READER, running[0].number)
     reader = None
     if reader_number not in {f.number for f in running}:
@@ -680,18 +674,20 @@ def _left_wave(study, running: list, out_dir: Path, world: int, select_by: str,
     return _LeftWave(name, [(f.number, dict(f.params)) for f in running], reader)
 
 
-def _loadable(out_dir: Path, running: list, name: str, world: int) -> bool:
-    """Whether every trial's checkpoint ``name`` verifies (checksums) and was written at
-    this world size with input positions to read on from."""
+def _loadable(out_dir: Path, running: list, name: str, world: int) -> list[dict] | None:
+    """The metas of every trial's checkpoint ``name``, if each verifies (checksums) and
+    was written at this world size with input positions to read on from; else None."""
+    metas = []
     for frozen in running:
         try:
             meta = verify_checkpoint(trial_dir(out_dir, frozen.number) / "checkpoints" / name)
         except CheckpointError as exc:
             log.warning("search --resume: not continuing from %s: %s", name, exc)
-            return False
+            return None
         if int(meta.get("world_size", 1)) != world or not meta.get("inputs"):
-            return False
-    return True
+            return None
+        metas.append(meta)
+    return metas
 
 
 def _best_dir_trial(out_dir: Path) -> int | None:
@@ -762,19 +758,27 @@ def _ask(study, space, schema: FeatureSchema, base: TrainConfig, out_dir: Path,
     trial = study.ask() if ctx.is_main else None
     number, params = ctx.broadcast_object(
         (trial.number, suggest(trial, space)) if trial is not None else None)
-    config = apply_params(base, params)
     model_dir = trial_dir(out_dir, number)
     if ctx.is_main:
         shutil.rmtree(model_dir, ignore_errors=True)
-    if budget is not None:
-        config.store.memory_budget = budget // live
-    if config.store.tiered:
-        config.store.disk_path = str(model_dir / "store")
+    config = _trial_config(base, params, model_dir, budget, live)
     trainer = Trainer(schema, config, ctx=ctx)
     keys.attach(trainer)
     run = TrialRun(trainer, SelectionTracker(select_by, patience),
                    _commit_pass(model_dir, number, overall), stop_on_divergence=True)
     return SearchTrial(number, params, config, model_dir, trial, run)
+
+
+def _trial_config(base: TrainConfig, params: Mapping[str, Any], model_dir: Path,
+                  budget: int | None, live: int) -> TrainConfig:
+    """A trial's configuration: base with its values, its share of the memory budget
+    among the ``live`` trials of its wave, a tiered store's folder in its directory."""
+    config = apply_params(base, params)
+    if budget is not None:
+        config.store.memory_budget = budget // live
+    if config.store.tiered:
+        config.store.disk_path = str(model_dir / "store")
+    return config
 
 
 def _continue_wave(left: _LeftWave, study, schema: FeatureSchema, base: TrainConfig,
@@ -791,12 +795,8 @@ def _continue_wave(left: _LeftWave, study, schema: FeatureSchema, base: TrainCon
         if study is not None else {}
     wave = []
     for number, params in left.trials:
-        config = apply_params(base, params)
         model_dir = trial_dir(out_dir, number)
-        if budget is not None:
-            config.store.memory_budget = budget // len(left.trials)
-        if config.store.tiered:
-            config.store.disk_path = str(model_dir / "store")
+        config = _trial_config(base, params, model_dir, budget, len(left.trials))
         trainer = restore_trainer(model_dir, config, name=left.name, ctx=ctx,
                                   prepare=keys.attach)  # torch's RNG: the trial's
         selection = SelectionTracker.from_history(trainer.history, select_by, patience)
@@ -857,6 +857,13 @@ class _BestSoFar:
         self.tracker.update(value, best_pass)
         if is_main and before is not None and before != number and before in self.finished:
             _drop_checkpoints(self.finished[before])
+
+    def consider(self, number: int, selection: SelectionTracker) -> None:
+        """A resumed search: trial ``number``'s best pass, held on disk, leads if better."""
+        value = selection.best_value
+        if value is not None and self.tracker.is_better(value):
+            self.tracker.update(value, selection.best_pass or 0)
+            self.trial = number
 
     def finish(self, number: int, model_dir: Path, is_main: bool) -> None:
         """Trial ``number`` trains no more."""
