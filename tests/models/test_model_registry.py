@@ -118,7 +118,9 @@ def test_public_signatures_are_stable() -> None:
     """Guard: other packages build and call models only through these signatures."""
     for cls in MODELS.values():
         assert _params(cls.__init__) == [("self", POS), ("schema", POS), ("config", POS)]
-        assert _params(cls.forward) == [("self", POS), ("dense", POS), ("emb", POS)]
+        # DSSM's forward also gives its towers' vectors (sampled softmax through DDP)
+        extra = [("towers", inspect.Parameter.KEYWORD_ONLY)] if cls is models.DSSM else []
+        assert _params(cls.forward) == [("self", POS), ("dense", POS), ("emb", POS), *extra]
         assert _params(cls.row_dim_for) == [("config", POS)]
     assert _params(build_model) == [("schema", POS), ("config", POS)]
     assert _params(row_dim_for) == [("name", POS), ("config", POS)]

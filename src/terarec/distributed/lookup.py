@@ -344,6 +344,9 @@ class ShardedWorkingSet:
         self.step_bytes = 0
         self._in_flight: tuple | None = None  # gradients being sent (step, ...)
         self.column_mask: torch.Tensor | None = None
+        # this rank's batches with their global keys (``batches`` hold step-table ids):
+        # what names an item the same way on every rank
+        self.keyed_batches: list[Batch] = batches
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and train else None)
 
@@ -400,6 +403,7 @@ class ShardedWorkingSet:
                  remapped, plan.global_sizes, torch.from_numpy(served).to(ctx.device),
                  serve_offsets, serve_by_source.T.copy(), plan.rank.request_splits, stats)
         ws.column_mask = column_mask
+        ws.keyed_batches = plan.rank.batches
         return ws
 
     # -- per step -----------------------------------------------------------------------

@@ -127,30 +127,45 @@ class DSSM(CTRModel):
     def sampled_softmax_loss(self, dense: torch.Tensor, emb: torch.Tensor,
                              labels: torch.Tensor, item_ids: torch.Tensor) -> torch.Tensor:
         """Mean softmax cross-entropy of each clicked (label 1) sample's item against the
-        other clicked items of the batch (in-batch negatives), with logQ correction.
-
-        Popular items turn up as negatives more often than they would be drawn uniformly,
-        so uncorrected they are pushed down; subtracting ``log q(item)`` (q estimated by
-        the item's share of the batch's clicks) removes that sampling bias (Yi et al.,
-        RecSys 2019). Other occurrences of a sample's own item are not negatives. Rows
-        with label 0 are not used; a batch without clicks gives a zero loss."""
+        other clicked items of the batch (``in_batch_softmax``). Rows with label 0 are
+        not used; a batch without clicks gives a zero loss."""
         self.check_inputs(dense, emb)
         pos = torch.nonzero(labels > 0.5).squeeze(1)
         if len(pos) == 0:
             return emb.sum() * 0.0  # keeps the graph (and the lookup's backward) intact
-        emb, dense, ids = emb.index_select(0, pos), dense.index_select(0, pos), item_ids[pos]
-        user = self.user_embedding(dense, emb.index_select(1, self.user_index))
-        item = self.item_embedding(emb.index_select(1, self.item_index))
-        logits = self.scale * user @ item.T
+        vectors = self(dense.index_select(0, pos), emb.index_select(0, pos), towers=True)
+        user, item = vectors.chunk(2, dim=1)
+        return self.in_batch_softmax(user, item, item_ids[pos]) / len(pos)
+
+    def in_batch_softmax(self, user: torch.Tensor, items: torch.Tensor, ids: torch.Tensor,
+                         first: int = 0) -> torch.Tensor:
+        """Summed softmax cross-entropy of user vectors ``[P_r, K]`` (the clicked rows
+        ``first, first + 1, ...`` of the batch) against the items ``[P, K]`` of all its
+        clicked rows (ids ``[P]``), each row's own item the answer, with logQ correction.
+
+        Popular items turn up as negatives more often than they would be drawn uniformly,
+        so uncorrected they are pushed down; subtracting ``log q(item)`` (q estimated by
+        the item's share of the batch's clicks) removes that sampling bias (Yi et al.,
+        RecSys 2019). Other occurrences of a row's own item are not negatives. On N ranks
+        ``items`` and ``ids`` are every rank's (``distributed.negatives``)."""
+        logits = self.scale * user @ items.T
         _, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
         log_q = torch.log(counts[inverse].to(logits.dtype) / len(ids))
-        same = ids[:, None] == ids[None, :]
-        same.fill_diagonal_(False)
+        own = torch.arange(first, first + len(user), device=ids.device)
+        same = ids.index_select(0, own)[:, None] == ids[None, :]
+        same[torch.arange(len(user), device=ids.device), own] = False
         logits = (logits - log_q[None, :]).masked_fill(same, float("-inf"))
-        return F.cross_entropy(logits, torch.arange(len(ids), device=logits.device))
+        return F.cross_entropy(logits, own, reduction="sum")
 
-    def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    def forward(self, dense: torch.Tensor, emb: torch.Tensor, *,
+                towers: bool = False) -> torch.Tensor:
+        """Logits ``[B]``; ``towers=True``: the user and item vectors side by side
+        ``[B, 2K]`` instead, so that a DDP-wrapped model computes them in its forward
+        (with the bias, which a softmax over items ignores, at zero weight: DDP expects a
+        gradient for every parameter)."""
         self.check_inputs(dense, emb)
         user = self.user_embedding(dense, emb.index_select(1, self.user_index))
         item = self.item_embedding(emb.index_select(1, self.item_index))
+        if towers:
+            return torch.cat([user, item], dim=1) + 0.0 * self.bias
         return self.scale * (user * item).sum(dim=1) + self.bias

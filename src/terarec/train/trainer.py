@@ -59,6 +59,7 @@ from terarec.distributed.lookup import (
     exchange_plan,
     plan_rank_pass,
 )
+from terarec.distributed.negatives import gather_positives
 from terarec.distributed.sharding import deal_batches, iter_rank_pass_inputs, iter_rank_passes
 from terarec.embedding.device import make_device_cache
 from terarec.embedding.index import unique_inverse
@@ -137,11 +138,9 @@ class Trainer:
         np.random.seed(config.seed)
         self.device = self.ctx.device
         self.model = build_model(schema, config.model).to(self.device)
-        if config.loss == "sampled_softmax" and (not isinstance(self.model, DSSM)
-                                                 or self.ctx.world > 1):
-            raise ValueError("loss 'sampled_softmax' needs model 'dssm' (two towers) in one "
-                             f"process; got model {config.model.name!r} on "
-                             f"{self.ctx.world} rank(s)")
+        if config.loss == "sampled_softmax" and not isinstance(self.model, DSSM):
+            raise ValueError("loss 'sampled_softmax' needs model 'dssm' (two towers); got "
+                             f"model {config.model.name!r}")
         self.sparse_optimizer = SparseOptimizer(config.sparse_optimizer)
         self.store = store if store is not None else make_store(
             self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
@@ -278,20 +277,55 @@ class Trainer:
         self.pass_id += 1
         return result
 
-    def _rank_step_loss(self, ws: ShardedWorkingSet, step: int, batch: Batch) -> torch.Tensor:
-        """Summed BCE of a local batch. A rank with no rows this step still runs the
-        model (DDP all-reduces on every rank), on one zero sample weighted 0."""
+    def _rank_step_loss(self, ws: ShardedWorkingSet, step: int,
+                        batch: Batch) -> tuple[torch.Tensor, int]:
+        """The local batch's summed loss and the global count it is a mean over: BCE
+        over the step's rows, or the sampled softmax over its clicked rows (0 for a step
+        without clicks: its loss is a zero that keeps the graph). A rank with
+        no rows this step still runs the model (DDP all-reduces on every rank), on one
+        zero sample weighted 0."""
+        rows = max(int(ws.global_sizes[step]), 1)
         if len(batch) == 0:
             ws.fetch(step)  # collective: the owners serve whoever asked
             dense = torch.zeros(1, batch.dense.shape[1], device=self.device)
             emb = torch.zeros(1, batch.sparse.num_fields, self.model.row_dim,
                               device=self.device)
+            if self.config.loss == "sampled_softmax":
+                return self._rank_softmax(dense, emb, torch.zeros(1, dtype=torch.int64,
+                                                                  device=self.device),
+                                          torch.zeros(0, dtype=torch.int64,
+                                                      device=self.device))
             logits = self.ddp(dense, emb)
             return F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits),
-                                                      reduction="sum") * 0.0
+                                                      reduction="sum") * 0.0, rows
         emb = ws.lookup(step, batch.sparse, self.mean_fields, self._anchor)
+        if self.config.loss == "sampled_softmax":
+            ids = cast(DSSM, self.model).item_ids(ws.keyed_batches[step].sparse).to(
+                self.device)
+            pos = torch.nonzero(batch.labels > 0.5).squeeze(1)
+            return self._rank_softmax(batch.dense, emb, ids, pos)
         logits = self.ddp(batch.dense, emb)
-        return F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        return F.binary_cross_entropy_with_logits(logits, batch.labels,
+                                                  reduction="sum"), rows
+
+    def _rank_softmax(self, dense: torch.Tensor, emb: torch.Tensor, ids: torch.Tensor,
+                      pos: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Collective: the sampled softmax of this rank's clicked rows ``pos`` against
+        every rank's clicked items (``distributed.negatives``), summed, and the step's
+        clicked rows over all ranks. The towers run on one row even when ``pos`` is
+        empty, weighted 0, so every rank's graph has the same collectives and every
+        parameter a gradient."""
+        model = cast(DSSM, self.model)
+        take = pos if len(pos) else torch.zeros(1, dtype=torch.int64, device=self.device)
+        vectors = self.ddp(dense.index_select(0, take), emb.index_select(0, take),
+                           towers=True)
+        user, item = vectors.chunk(2, dim=1)
+        unused = 0.0 * vectors.sum()
+        user, item = user[:len(pos)], item[:len(pos)]
+        items, all_ids, first = gather_positives(self.ctx, item, ids.index_select(0, pos))
+        if len(all_ids) == 0:  # no clicks on any rank this step: no dense step either
+            return unused + 0.0 * emb.sum(), 0
+        return model.in_batch_softmax(user, items, all_ids, first) + unused, len(all_ids)
 
     def _train_rank_pass(self, batches: list[Batch] | ShardedPassPlan,
                          progress: tqdm | None,
@@ -312,14 +346,16 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         bytes_before = self.dense_comm.meter.bytes
         for step, batch in enumerate(ws.batches):
-            bce = self._rank_step_loss(ws, step, batch)
+            loss, count = self._rank_step_loss(ws, step, batch)
             global_rows = max(int(ws.global_sizes[step]), 1)
             self.dense_optimizer.zero_grad(set_to_none=True)
-            (bce * (ctx.world / global_rows)).backward()  # starts the row gradients' exchange
-            self.dense_optimizer.step()
+            (loss * (ctx.world / max(count, 1))).backward()  # starts the row exchange
+            if count:  # as one process, whose dense weights get no gradient then
+                self.dense_optimizer.step()
             ws.apply_gradients(step)
             self.dense_comm.count_step()
-            loss_sum += bce.detach().to(torch.float64).cpu()
+            # per row, as one process records a batch's mean loss times its rows
+            loss_sum += loss.detach().to(torch.float64).cpu() * (global_rows / max(count, 1))
             if progress is not None:
                 progress.update(global_rows)
         t2 = time.perf_counter()
