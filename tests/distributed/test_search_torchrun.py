@@ -1,5 +1,6 @@
 """``terarec search`` under torchrun (2 gloo ranks): the same trials, pruning decisions
-and values as one process, the best trial a model directory with one shard per rank; a
+and values as one process, the best trial a model directory with one shard per rank,
+refit on train + valid as one process refits it; a
 searched batch size is refused with a reason; a rank killed mid-search resumes,
 continuing the interrupted trial from its last committed pass."""
 
@@ -84,6 +85,29 @@ def test_two_ranks_search_like_one_process(args, tmp_path):
     winner = _rows(one)[json.loads((one / "results.json").read_text())["best_trial"]]
     assert json.loads(scores.read_text())["logloss"] == pytest.approx(winner["value"],
                                                                       abs=1e-5)
+    # the best pass ends no epoch: on both sides the refit is skipped, saying why
+    refits = [json.loads((side / "best" / "metrics.json").read_text())["refit"]
+              for side in (one, two)]
+    assert refits[0] == refits[1] == {"skipped": "no whole-epoch best pass to refit to"}
+
+
+@pytest.mark.slow
+def test_two_ranks_refit_the_best_trial_as_one_process(args, tmp_path):
+    """Small data: the best trial is trained again on train + valid, on 2 ranks as in
+    one process (one pass an epoch, so every pass ends an epoch)."""
+    argv = [*args, "--pass-rows", "3000", "--trials", "2", "--pruner", "none"]
+    one, two = _one_process_and_two_ranks(argv, tmp_path)
+    loglosses = []
+    for side in (one, two):
+        metrics = json.loads((side / "best" / "metrics.json").read_text())
+        assert metrics["refit"]["checkpoint"] == best_checkpoint(side / "best")
+        assert metrics["refit"]["rows"] % 4000 == 0  # whole epochs of train + valid
+        scores = side / "scores.json"
+        assert _run([sys.executable, "-m", "terarec", "eval", "--model", str(side / "best"),
+                     "--data", args[args.index("--valid") + 1], "--out",
+                     str(scores)]).returncode == 0
+        loglosses.append(json.loads(scores.read_text())["logloss"])
+    assert loglosses[1] == pytest.approx(loglosses[0], abs=1e-5)
 
 
 def test_a_searched_batch_size_is_refused_under_torchrun(args, tmp_path):

@@ -156,7 +156,7 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     if result.best_dir is not None and features is not None and ctx.is_main:
         install_features(result.best_dir, features)  # eval / predict / serve join them
     ctx.barrier()
-    if result.best_dir is not None and _refit(args, ctx.world):
+    if result.best_dir is not None and _refit(args):
         refit_best(result.best_dir, args, ctx)
     if ctx.is_main:
         write_results(result, args.out)
@@ -175,14 +175,12 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     return 0
 
 
-def _refit(args: argparse.Namespace, world: int) -> bool:
+def _refit(args: argparse.Namespace) -> bool:
     from terarec.train.defaults import estimate_rows, refit_by_default
 
     if args.refit is not None:
-        if args.refit and world > 1:
-            raise ValueError("search --refit runs in one process, not under torchrun")
         return bool(args.refit)
-    return world == 1 and refit_by_default(estimate_rows(args.train))
+    return refit_by_default(estimate_rows(args.train))
 
 
 def refit_best(best_dir: Path, args: argparse.Namespace, ctx) -> None:
