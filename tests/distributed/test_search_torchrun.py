@@ -1,7 +1,7 @@
 """``terarec search`` under torchrun (2 gloo ranks): the same trials, pruning decisions
 and values as one process, the best trial a model directory with one shard per rank,
 refit on train + valid as one process refits it; a
-searched batch size is refused with a reason; a rank killed mid-search resumes,
+searched batch size trains as in one process; a rank killed mid-search resumes,
 continuing the interrupted trial from its last committed pass."""
 
 from __future__ import annotations
@@ -110,14 +110,31 @@ def test_two_ranks_refit_the_best_trial_as_one_process(args, tmp_path):
     assert loglosses[1] == pytest.approx(loglosses[0], abs=1e-5)
 
 
-def test_a_searched_batch_size_is_refused_under_torchrun(args, tmp_path):
+def test_a_searched_batch_size_trains_on_two_ranks_as_in_one_process(args, tmp_path):
+    """Trials whose batch size differs from the first's get the pass dealt again for
+    theirs (``redeal``): the same values as one process re-batching it."""
     space = tmp_path / "space.json"
-    space.write_text(json.dumps({"batch_size": [250, 500]}))
+    space.write_text(json.dumps({"batch_size": [100, 250, 500]}))
+    grid = [*args, "--sampler", "grid", "--space", str(space), "--pruner", "none"]
+    one, two = _one_process_and_two_ranks(grid, tmp_path)
+    a, b = _rows(one), _rows(two)
+    assert {r["params.batch_size"] for r in a.values()} == {100, 250, 500}
+    assert len({r["value"] for r in a.values()}) == 3  # the batch size matters
+    for n in a:
+        assert b[n]["params.batch_size"] == a[n]["params.batch_size"]
+        assert b[n]["passes"] == a[n]["passes"]
+        assert b[n]["value"] == pytest.approx(a[n]["value"], abs=1e-6)
+
+
+def test_a_batch_size_that_does_not_divide_by_the_ranks_is_refused(args, tmp_path):
+    space = tmp_path / "space.json"
+    space.write_text(json.dumps({"batch_size": [250, 375]}))
     done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                  "--master_port", str(_free_port()), "-m", "terarec", *args, "--space",
                  str(space), "--out", str(tmp_path / "o")])
     assert done.returncode != 0
-    assert "batch_size cannot be searched" in done.stderr
+    assert "batch_size: choices [375] are not multiples of 2" in done.stderr
+    assert not (tmp_path / "o" / "trials").exists()  # refused before any trial trained
 
 
 def _workers(agent: int) -> list[int]:

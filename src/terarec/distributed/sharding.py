@@ -55,6 +55,25 @@ def shard_of(keys: np.ndarray, world: int) -> np.ndarray:
     return ((z >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
 
 
+def redeal(ctx: DistContext, batches: list[Batch], batch_size: int) -> list[Batch]:
+    """This rank's local batches of a pass cut for another global ``batch_size``: the
+    pass's rows in order (step by step, rank by rank: the batches one process trains),
+    re-cut into global batches of ``batch_size`` and dealt as the reader deals them, so
+    that a search trial with its own batch size trains on N ranks what it trains in one
+    process (``train.loop.rebatch`` there). Collective: every rank receives the whole
+    pass once."""
+    local = local_batch_size(batch_size, ctx.world)
+    parts = ctx.all_gather_object(batches)
+    steps = max(len(p) for p in parts)
+    whole = Batch.concat([p[s] for s in range(steps) for p in parts if s < len(p)])
+    out = []
+    for start in range(0, len(whole), batch_size):
+        end = min(start + batch_size, len(whole))
+        lo = min(start + ctx.rank * local, end)
+        out.append(whole.slice(lo, min(lo + local, end)))
+    return out
+
+
 def local_batch_size(batch_size: int, world: int) -> int:
     if batch_size % world:
         raise ValueError(f"batch size {batch_size} is not a multiple of the {world} ranks: "

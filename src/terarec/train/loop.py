@@ -35,7 +35,9 @@ import torch
 from tqdm.auto import tqdm
 
 from terarec.data.positions import Idle, PassInput, Positions
+from terarec.distributed.context import DistContext
 from terarec.distributed.lookup import ShardedPassPlan
+from terarec.distributed.sharding import redeal
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.finite import NonFiniteError
 from terarec.train.passes import Inputs, prefetch
@@ -116,21 +118,23 @@ def rebatch(batches: Sequence[Batch], batch_size: int) -> list[Batch]:
 
 class _PlanCache:
     """One pass's plan per batch size: the reader's plan, re-batched and re-planned for
-    other batch sizes (once each)."""
+    other batch sizes (once each). On N ranks the reader's share of the pass is dealt
+    again (``redeal``, collective: every rank's trials ask in the same order) and each
+    rank's working set plans it."""
 
-    def __init__(self, plan: list[Batch] | PassPlan, batch_size: int) -> None:
-        self.plan, self.batch_size = plan, batch_size
+    def __init__(self, plan: list[Batch] | PassPlan | ShardedPassPlan, batch_size: int,
+                 ctx: DistContext) -> None:
+        self.plan, self.batch_size, self.ctx = plan, batch_size, ctx
         self._by_size: dict[int, list[Batch] | PassPlan] = {}
 
-    def for_batch_size(self, batch_size: int) -> list[Batch] | PassPlan:
+    def for_batch_size(self, batch_size: int) -> list[Batch] | PassPlan | ShardedPassPlan:
         if batch_size == self.batch_size:
             return self.plan
         if batch_size not in self._by_size:
-            if not isinstance(self.plan, (PassPlan, list)):
-                raise ValueError(f"batch size {batch_size}: a rank's share of a pass "
-                                 f"(planned for batch size {self.batch_size}) cannot be "
-                                 "re-batched; under torchrun every model trains with one")
-            if isinstance(self.plan, PassPlan):
+            if isinstance(self.plan, ShardedPassPlan):
+                self._by_size[batch_size] = redeal(self.ctx, self.plan.rank.batches,
+                                                   batch_size)
+            elif isinstance(self.plan, PassPlan):
                 self._by_size[batch_size] = plan_pass(rebatch(self.plan.batches, batch_size))
             else:
                 self._by_size[batch_size] = rebatch(self.plan, batch_size)
@@ -204,7 +208,7 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                 seen += 1
                 if seen <= skip:
                     continue
-                plans = _PlanCache(plan, reader.config.batch_size)
+                plans = _PlanCache(plan, reader.config.batch_size, reader.ctx)
                 live = [r for r in runs if r.live]
                 ahead = upcoming[0] if isinstance(upcoming, tuple) else None
                 for run in live:  # before the first pulls the keys they may share

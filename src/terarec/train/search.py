@@ -456,8 +456,7 @@ def _search(schema: FeatureSchema, base: TrainConfig,
             ctx: DistContext, every: int) -> SearchResult:
     """``run_search`` with the directory's lock held."""
     if ctx.world > 1 and "batch_size" in space:
-        raise ValueError("under torchrun the trials train on one shared pass plan: "
-                         "batch_size cannot be searched (remove it from the space)")
+        _check_batch_sizes(space["batch_size"], ctx.world)
     settings = {"space": space, "sampler": sampler, "pruner": pruner,
                 "select_by": select_by, "patience": patience, "seed": seed,
                 "config": to_dict(base)}
@@ -519,6 +518,24 @@ LOCK_FILE = ".lock"  # in the search directory: held by the one search using it
 STUDY_FILE = "study.journal"  # optuna's journal: every trial asked, reported and told
 SETTINGS_FILE = "search.json"  # what the search was started with
 _INTERRUPTED = "interrupted"  # user attribute of a trial a stopped search left running
+def _check_batch_sizes(spec: dict[str, Any], world: int) -> None:
+    """Under torchrun every batch size a trial can get must be a multiple of the ranks
+    (each trains ``batch_size / world`` rows a step): refused before any trial runs."""
+    why = f"under torchrun each of the {world} ranks trains batch_size / {world} rows a step"
+    if spec["type"] == "categorical":
+        bad = [c for c in spec["choices"] if c % world]
+        if bad:
+            raise ValueError(f"space: batch_size: choices {bad} are not multiples of "
+                             f"{world} ({why})")
+        return
+    step = spec.get("step") or 1
+    if spec.get("log") or spec["low"] % world or step % world:
+        raise ValueError(f"space: batch_size: the range {spec['low']}..{spec['high']} "
+                         f"(step {step}{', log' if spec.get('log') else ''}) holds values "
+                         f"that are not multiples of {world} ({why}); give choices, or "
+                         f"a low and a step that are multiples of {world}")
+
+
 _READER = "reader"  # user attribute: the trial whose batch and pass sizes cut its wave
 
 
