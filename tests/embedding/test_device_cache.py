@@ -17,7 +17,6 @@ import torch
 from terarec.cli.main import main as cli_main
 from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate, generate_arrays
-from terarec.distributed.context import DistContext
 from terarec.embedding.device import (
     DeviceRowCache,
     codec_bytes,
@@ -141,12 +140,8 @@ def test_budget_sets_capacity_and_bad_settings_are_refused():
         DeviceRowCache(16, 1, "1MB", "cpu", StoreConfig(stochastic_rounding=True))
 
 
-def test_no_budget_no_cache_and_no_budget_under_torchrun():
+def test_no_budget_no_cache():
     assert Trainer(_schema(), _config(None)).device_cache is None
-    rank = DistContext(rank=0, world=2, local_rank=0, device=torch.device("cpu"),
-                       backend="gloo", sparse_group=None)
-    with pytest.raises(ValueError, match="under torchrun leave it out"):
-        Trainer(_schema(), _config("1MB"), ctx=rank)
 
 
 # -- transparency ---------------------------------------------------------------------------

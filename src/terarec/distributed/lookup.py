@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from terarec.distributed.context import DistContext
 from terarec.distributed.sharding import shard_of
+from terarec.embedding.device import DeviceRowCache
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import RowBlock
@@ -347,6 +348,10 @@ class ShardedWorkingSet:
         # this rank's batches with their global keys (``batches`` hold step-table ids):
         # what names an item the same way on every rank
         self.keyed_batches: list[Batch] = batches
+        # the device row cache the trained rows go back to (``stage(cache=)``), or None
+        self.cache: DeviceRowCache | None = None
+        self.pass_id = 0
+        self.pass_show: np.ndarray | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and train else None)
 
@@ -354,9 +359,13 @@ class ShardedWorkingSet:
     @classmethod
     def stage(cls, ctx: DistContext, store: EmbeddingStore,
               batches: list[Batch] | RankPassPlan | ShardedPassPlan, pass_id: int,
-              train: bool = True) -> ShardedWorkingSet:
+              train: bool = True, cache: DeviceRowCache | None = None) -> ShardedWorkingSet:
         """Collective: every rank calls it with its own batches (one per global step), or
-        with their plan made ahead (``plan_rank_pass``, then ``exchange_plan``)."""
+        with their plan made ahead (``plan_rank_pass``, then ``exchange_plan``). With a
+        device ``cache`` (``--device-budget``), the owner's rows it holds come from it, as
+        in one process (``WorkingSet.stage``), and trained rows go back to it."""
+        if cache is not None:
+            cache.bind(store)
         plan = batches
         if not isinstance(plan, (RankPassPlan, ShardedPassPlan)):
             plan = plan_rank_pass(plan, ctx.world, counts=train)
@@ -380,13 +389,19 @@ class ShardedWorkingSet:
         n_adm = int(admitted.sum())
         local = np.zeros(len(owned), np.int64)
         local[admitted] = np.arange(1, n_adm + 1)
-        weights = torch.zeros(n_adm + 1, dim, dtype=torch.float32)
-        weights[1:] = torch.from_numpy(rows)
         state = None
-        if state_rows is not None:
-            state = torch.zeros(n_adm + 1, state_rows.shape[1], dtype=torch.float32)
-            state[1:] = torch.from_numpy(state_rows)
-            state = state.to(ctx.device)
+        if cache is not None and train:
+            weights, state = cache.assemble(owned[admitted], block, pass_id)
+        else:
+            weights = torch.zeros(n_adm + 1, dim, dtype=torch.float32)
+            weights[1:] = torch.from_numpy(rows)
+            weights = weights.to(ctx.device)
+            if cache is not None:
+                cache.overlay(owned[admitted], weights)
+            if state_rows is not None:
+                state = torch.zeros(n_adm + 1, state_rows.shape[1], dtype=torch.float32)
+                state[1:] = torch.from_numpy(state_rows)
+                state = state.to(ctx.device)
         column_mask = None
         if widths is not None:  # variable-length rows: gradients stay off the zero padding
             full = np.concatenate([[dim], widths]).astype(np.int64)
@@ -399,11 +414,14 @@ class ShardedWorkingSet:
 
         stats = ShardedStats(keys=plan.rank.occurrences, unique_keys=len(owned),
                              admitted_keys=n_adm, staging_bytes=plan.staging_bytes)
-        ws = cls(ctx, owned[admitted], weights.to(ctx.device), state, store, train,
+        ws = cls(ctx, owned[admitted], weights, state, store, train,
                  remapped, plan.global_sizes, torch.from_numpy(served).to(ctx.device),
                  serve_offsets, serve_by_source.T.copy(), plan.rank.request_splits, stats)
         ws.column_mask = column_mask
         ws.keyed_batches = plan.rank.batches
+        if cache is not None and train:
+            assert plan.owned_show is not None
+            ws.cache, ws.pass_id, ws.pass_show = cache, pass_id, plan.owned_show[admitted]
         return ws
 
     # -- per step -----------------------------------------------------------------------
@@ -469,5 +487,10 @@ class ShardedWorkingSet:
     def write_back(self, store: EmbeddingStore) -> None:
         if self.state is None:
             raise RuntimeError("only a training working set is written back")
+        if self.cache is not None:
+            assert self.pass_show is not None
+            self.cache.write_back(store, self.keys, self.weights, self.state, self.pass_show,
+                                  self.pass_id)
+            return
         store.push(self.keys, RowBlock(self.weights[1:].cpu().numpy(),
                                        self.state[1:].cpu().numpy()))

@@ -145,9 +145,6 @@ class Trainer:
         self.store = store if store is not None else make_store(
             self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
         self.dense_optimizer = _dense_optimizer(self.model, config)
-        if config.device_budget is not None and self.ctx.world > 1:
-            raise ValueError("--device-budget keeps rows on the device of one process; "
-                             "under torchrun leave it out")
         # Hot rows kept on the device across passes (embedding/device.py), or None.
         self.device_cache = make_device_cache(config.device_budget, self.store, self.device)
         # The fused lookup's backward needs a graph input that requires grad.
@@ -339,9 +336,12 @@ class Trainer:
         t0 = time.perf_counter()
         if self._admitted_before is None or self._admitted_before[0] != self.pass_id:
             self.begin_pass()
-        ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True)
-        prefetcher = _start_prefetch(
-            self.store, upcoming.owned if isinstance(upcoming, ShardedPassPlan) else None)
+        ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True,
+                                     cache=self.device_cache)
+        owned_next = upcoming.owned if isinstance(upcoming, ShardedPassPlan) else None
+        prefetcher = _start_prefetch(self.store, owned_next)
+        if self.device_cache is not None and owned_next is not None:
+            self.device_cache.read_ahead(self.store, owned_next, ws.keys, after=prefetcher)
         t1 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64)
         bytes_before = self.dense_comm.meter.bytes
@@ -406,7 +406,8 @@ class Trainer:
         return torch.cat(out).numpy()
 
     def _predict_rank_batches(self, batches: list[Batch] | ShardedPassPlan) -> np.ndarray:
-        ws = ShardedWorkingSet.stage(self.ctx, self.store, batches, self.pass_id, train=False)
+        ws = ShardedWorkingSet.stage(self.ctx, self.store, batches, self.pass_id, train=False,
+                                     cache=self.device_cache)
         out = []
         for step, batch in enumerate(ws.batches):
             table = ws.fetch(step)
