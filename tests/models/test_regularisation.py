@@ -19,7 +19,7 @@ def test_mlp_layers_follow_the_flags() -> None:
     assert not any(isinstance(m, (nn.Dropout, nn.BatchNorm1d)) for m in plain)
     full = MLP(8, (16, 4), dropout=0.5, out_dim=1, batch_norm=True)
     kinds = [type(m).__name__ for m in full]
-    assert kinds == ["Linear", "BatchNorm1d", "ReLU", "Dropout"] * 2 + ["Linear"]
+    assert kinds == ["Linear", "BatchNorm", "ReLU", "Dropout"] * 2 + ["Linear"]
     with pytest.raises(ValueError, match="dropout"):
         MLP(8, (4,), dropout=1.0)
 
@@ -40,6 +40,27 @@ def test_every_mlp_model_takes_dropout_and_batch_norm(name: str) -> None:
     torch.testing.assert_close(model(dense, emb), model(dense, emb))
     single = model(dense[:1], emb[:1])  # batch norm in eval scores one row
     assert torch.isfinite(single).all()
+
+
+def test_batch_norm_trains_on_a_one_row_batch_with_its_running_statistics() -> None:
+    """A file's last batch may hold one row: it is normalised with the running
+    statistics, which it leaves as they are; larger batches update them as usual."""
+    torch.manual_seed(0)
+    mlp = MLP(4, (3,), out_dim=1, batch_norm=True)
+    norm = next(m for m in mlp if isinstance(m, nn.BatchNorm1d))
+    mlp.train()
+    mlp(torch.randn(16, 4)).sum().backward()
+    mean, var = norm.running_mean.clone(), norm.running_var.clone()
+    assert not torch.equal(mean, torch.zeros(3))  # a batch of 16 moved them
+    out = mlp(torch.randn(1, 4))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and norm.weight.grad is not None
+    torch.testing.assert_close(norm.running_mean, mean, rtol=0, atol=0)
+    torch.testing.assert_close(norm.running_var, var, rtol=0, atol=0)
+    mlp.eval()
+    x = torch.randn(1, 4)
+    mlp.train()
+    torch.testing.assert_close(mlp(x), mlp.eval()(x))  # what scoring gives that row
 
 
 def _step(kernel: str, l2: float, batch_rows: int | None = 4):

@@ -5,7 +5,21 @@ DCN-v2 cross network, and the small helpers that feed dense features next to emb
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+class BatchNorm(nn.BatchNorm1d):
+    """``BatchNorm1d`` that normalises a one-row training batch with its running
+    statistics (and leaves them as they are): one row has no batch variance, and PyTorch
+    refuses it, yet a file's last batch may hold one row, and under torchrun a rank whose
+    local batch is empty runs the model on one zero row weighted 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and x.shape[0] == 1:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                self.bias, False, 0.0, self.eps)
+        return super().forward(x)
 
 
 class MLP(nn.Sequential):
@@ -25,7 +39,7 @@ class MLP(nn.Sequential):
         for width in widths:
             layers.append(nn.Linear(in_dim, width))
             if batch_norm:
-                layers.append(nn.BatchNorm1d(width))
+                layers.append(BatchNorm(width))
             layers.append(nn.ReLU(inplace=True))
             if dropout > 0:
                 layers.append(nn.Dropout(dropout))
