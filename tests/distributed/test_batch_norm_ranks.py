@@ -1,7 +1,8 @@
 """``--batch-norm`` on N ranks: a step whose rows all fall on rank 0 (a file's tail
 shorter than a local batch) leaves rank 1 an empty local batch, on which it still runs
 the model (one zero row weighted 0: DDP all-reduces on every rank). That row must
-neither fail batch norm nor move its statistics (in-process gloo ranks)."""
+neither fail batch norm nor move its statistics; at the pass end the ranks average
+their statistics (in-process gloo ranks)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,7 @@ def test_an_empty_local_batch_runs_batch_norm_without_moving_it() -> None:
     tracked = [[int(v) for k, v in p["stats"].items() if k.endswith("num_batches_tracked")]
                for p in parts]
     assert tracked[0] and all(n == 3 for n in tracked[0]) and all(n == 2 for n in tracked[1])
+    # the running statistics are averaged over the ranks at the pass end: one model
+    for name, value in parts[0]["stats"].items():
+        if "running" in name:
+            torch.testing.assert_close(parts[1]["stats"][name], value, rtol=0, atol=0)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
@@ -358,6 +359,7 @@ class Trainer:
             loss_sum += loss.detach().to(torch.float64).cpu() * (global_rows / max(count, 1))
             if progress is not None:
                 progress.update(global_rows)
+        self._average_norm_statistics()
         t2 = time.perf_counter()
         wait_s, evicted = self._close_pass(ws, prefetcher)
         t3 = time.perf_counter()
@@ -367,6 +369,20 @@ class Trainer:
             ws.stats.unique_keys, ws.stats.admitted_keys, evicted, wait_s,
             sparse_bytes=(ws.stats.staging_bytes + ws.step_bytes) / steps,
             dense_bytes=(self.dense_comm.meter.bytes - bytes_before) / steps)
+
+    def _average_norm_statistics(self) -> None:
+        """Collective: the batch-norm running statistics averaged over ranks at a pass
+        end. Between steps each rank keeps its own (no broadcast in every forward);
+        averaged, every rank scores with, and checkpoints hold, the same model."""
+        stats = [t for m in self.model.modules() if isinstance(m, torch.nn.BatchNorm1d)
+                 for t in (m.running_mean, m.running_var) if t is not None]
+        if not stats:
+            return
+        flat = torch.cat([t.reshape(-1) for t in stats]).to(self.ctx.comm_device)
+        dist.all_reduce(flat)
+        flat /= self.ctx.world
+        for t, part in zip(stats, flat.split([t.numel() for t in stats]), strict=True):
+            t.copy_(part.view_as(t))
 
     def _close_pass(self, ws, prefetcher: _Prefetcher | None) -> tuple[float, int]:
         """Wait for the next pass's read-ahead (the store is the pass's own again before
