@@ -393,6 +393,22 @@ def test_resume_with_a_file_lacking_a_column_prints_no_progress_bar(tmp_path, ca
     assert "rows/s" not in err and "Traceback" not in err
 
 
+def test_predict_refuses_to_write_its_scores_over_an_input(data, lr_model, tmp_path, capsys):
+    """``predict --out`` naming one of its ``--data`` files (or a link to it) replaced the
+    input with its scores, then failed on the next run with a header of scores."""
+    rows = tmp_path / "rows.tsv"
+    shutil.copy(data, rows)
+    (tmp_path / "link.tsv").symlink_to(rows)
+    before = rows.read_bytes()
+    for named in (rows, tmp_path / "link.tsv"):
+        assert cli_main(["predict", "--model", str(lr_model), "--data", str(data), str(named),
+                         "--out", str(rows)]) == 2
+        assert _one_line(capsys).endswith(f"--out {rows} is the input file {named}: its "
+                                          "scores would replace it; write them to another "
+                                          "file")
+    assert rows.read_bytes() == before
+
+
 def test_resume_keeps_the_saved_model_and_takes_free_knobs(data, lr_model, tmp_path):
     out = tmp_path / "model"
     shutil.copytree(lr_model, out)
