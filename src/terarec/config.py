@@ -351,7 +351,7 @@ def load_train_config(path: str | Path) -> TrainConfig:
         # YAML failed as "invalid JSON (expected value at line 1 column 1)"
         raise InvalidInput(f"{path}: a config file is JSON, not YAML: write the same keys "
                            'as a JSON object, e.g. {"batch_size": 2048}')
-    repeated = _repeated_key(raw)
+    repeated = repeated_key(raw)
     if repeated is not None:  # JSON parsers keep the last: the first would be ignored
         raise InvalidInput(f"{path}: {repeated}: key given twice in one object; keep one")
     return validate_json(TrainConfig, raw, str(path), root="config")
@@ -395,7 +395,7 @@ class _Pairs(list[tuple[str, Any]]):
     """A JSON object's (key, value) pairs in file order, repeats kept."""
 
 
-def _repeated_key(raw: bytes) -> str | None:
+def repeated_key(raw: bytes | str) -> str | None:
     """The JSON path of the first key an object of ``raw`` repeats, or None (also for
     text that is not JSON: the validation that follows says what is wrong)."""
     try:
@@ -439,6 +439,13 @@ _READ_ONLY_BY: dict[tuple[str, str], tuple[str, ...]] = {
     ("sparse_optimizer", "initial_accumulator"): ("adagrad",),
     ("sparse_optimizer", "eps"): ("adagrad", "adam"),
 }
+
+
+def read_only_by(key: str) -> tuple[str, ...] | None:
+    """The models (``model.*``) or sparse optimizers (``sparse_optimizer.*``) that read
+    dotted ``key``, or None when every one reads it."""
+    section, _, name = key.partition(".")
+    return _READ_ONLY_BY.get((section, name))
 
 
 def unused_keys(config: TrainConfig, given: set[str]) -> dict[str, str]:

@@ -177,6 +177,31 @@ def test_bad_input_is_one_clear_line(data, tmp_path, capsys):
     assert not (tmp_path / "f.json").exists()
 
 
+@pytest.mark.parametrize("column,value,problem", [
+    ("label", "2", "label must be 0 or 1, got '2'"),
+    ("I1", "nan", "not a finite number, got 'nan'"),
+    ("I2", "1e40", "outside the float32 range (|x| > 3.403e+38), got '1e40'"),
+])
+@pytest.mark.parametrize("where", ["train", "valid"])
+def test_rows_train_refuses_are_refused_before_any_sql(data, tmp_path, capsys, column,
+                                                       value, problem, where):
+    """DuckDB reads a label of 2, ``nan`` and ``1e40`` as values: a NaN reached the
+    sample as a missing value (tables and gains computed on it), the others failed
+    naming a temporary sample file and its row instead of the input's line."""
+    lines = data.train.read_text().splitlines(keepends=True)[:400]
+    header = lines[0].rstrip("\n").replace('"', "").split(",")
+    cells = lines[40].rstrip("\n").split(",")
+    cells[header.index(column)] = value
+    bad = tmp_path / "bad.csv"
+    bad.write_text("".join(lines[:40]) + ",".join(cells) + "\n" + "".join(lines[41:]))
+    train, valid = (bad, data.valid) if where == "train" else (data.train, bad)
+    err = run_error(capsys, "autofeature", "--train", str(train), "--valid", str(valid),
+                    *SCHEMA_ARGS, "--candidates", "count(C1)", "avg(I1)_by(C2)",
+                    "--out", str(tmp_path / "f.json"))
+    assert err.strip().endswith(f"{bad}: line 41: field {column!r}: {problem}"), err
+    assert not (tmp_path / "f.json").exists()
+
+
 FLAG_ERRORS = [
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--seed", str(1 << 32)], "--seed must be < 2**32"),

@@ -372,6 +372,43 @@ def test_resume_refuses_format_flags_describing_other_columns(data, lr_model, tm
                      *RESUME, "--numeric-transform", "log1p", "--epochs", "2"]) == 0
 
 
+def test_resume_with_a_file_lacking_a_column_prints_no_progress_bar(tmp_path, capsys):
+    """A resumed run checks an input's header in the pass loop (a fresh one, while taking
+    statistics): the empty bar ``train: 0.00 rows [00:00, ? rows/s]`` was printed twice
+    above the error."""
+    rows = [f"{i % 2},{i},u{i % 7}" for i in range(200)]
+    full, short = tmp_path / "full.csv", tmp_path / "short.csv"
+    full.write_text("click,price,user\n" + "\n".join(rows) + "\n")
+    short.write_text("click,price\n1,2\n")
+    flags = ["--format", "csv", "--label", "click", "--numeric", "price",
+             "--categorical", "user", "--model", "lr", "--epochs", "1", "--threads", "1"]
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(full), "--out", str(out), *flags,
+                     "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli_main(["train", "--train", str(full), str(short), "--out", str(out),
+                     "--resume", "--epochs", "2", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "field(s) ['user' (categorical)] are not among the file's columns" in err
+    assert "rows/s" not in err and "Traceback" not in err
+
+
+def test_predict_refuses_to_write_its_scores_over_an_input(data, lr_model, tmp_path, capsys):
+    """``predict --out`` naming one of its ``--data`` files (or a link to it) replaced the
+    input with its scores, then failed on the next run with a header of scores."""
+    rows = tmp_path / "rows.tsv"
+    shutil.copy(data, rows)
+    (tmp_path / "link.tsv").symlink_to(rows)
+    before = rows.read_bytes()
+    for named in (rows, tmp_path / "link.tsv"):
+        assert cli_main(["predict", "--model", str(lr_model), "--data", str(data), str(named),
+                         "--out", str(rows)]) == 2
+        assert _one_line(capsys).endswith(f"--out {rows} is the input file {named}: its "
+                                          "scores would replace it; write them to another "
+                                          "file")
+    assert rows.read_bytes() == before
+
+
 def test_resume_keeps_the_saved_model_and_takes_free_knobs(data, lr_model, tmp_path):
     out = tmp_path / "model"
     shutil.copytree(lr_model, out)

@@ -267,6 +267,59 @@ def test_line_numbers_count_the_csv_header(tmp_path):
     assert "line 4: field 'a'" in stats.examples[1] and "'z'" in stats.examples[1]
 
 
+UNCLOSED_QUOTE_CASES = {
+    # the lines after it went into its value: 3 columns, the row skipped, those uncounted
+    "in a middle column": ('1,2,"x', "a quoted value runs over 20 lines, leaving 3 columns, "
+                                     "expected 4"),
+    # the right column count: every later line went into the last field, without a word
+    "in the last field": ('1,2,x,"q', "field 'd': a quoted value runs to the end of the "
+                                      "input"),
+    # ... or into a last column the schema does not read
+    "in an unread last column": ('1,2,x,q,"z', "column 'z': a quoted value runs to the end "
+                                               "of the input"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNCLOSED_QUOTE_CASES))
+@pytest.mark.parametrize("block_bytes", [None, 64])
+def test_an_unclosed_quote_is_an_error_even_with_skip(tmp_path, monkeypatch, case,
+                                                      block_bytes):
+    """An unclosed quote swallowed the rest of the file: with ``skip`` it counted as one
+    bad row and the rows after it were dropped uncounted; without, they were dropped
+    silently when the column count came out right. A quoted line break is data."""
+    if block_bytes:
+        monkeypatch.setattr(readers, "_BLOCK_BYTES", block_bytes)
+    bad, what = UNCLOSED_QUOTE_CASES[case]
+    unread = "unread" in case
+    lines = [f"{i % 2},{i},u{i},t" + (",z" if unread else "") for i in range(40)]
+    lines[10] = "0,1,short"  # a bad row of its own before it, skipped
+    lines[20] = bad
+    header = "y,a,c,d" + (",z" if unread else "")
+    path = write_lines(tmp_path / "q.csv", [header, *lines])
+    schema = csv_schema("y", ["a"], ["c", "d"])
+
+    def check(message: str) -> None:
+        if block_bytes and "a line after line" in message:  # it ran past a block's end
+            assert message.startswith(f"{path}: a line after line ")
+            assert int(message.split("after line ")[1].split(":")[0]) < 22
+        else:
+            assert message.startswith(f"{path}: line 22: {what} (an unclosed '\"'?)"), message
+
+    stats = ReadStats()
+    with pytest.raises(DataError) as err:
+        list(iter_batches(path, schema, 4, on_bad_row="skip", stats=stats))
+    check(str(err.value))
+    assert stats.skipped == 1 and "line 12" in stats.examples[0]
+    lines[10] = lines[9]  # without the short row, the default mode stops at the quote
+    write_lines(path, [header, *lines])
+    with pytest.raises(DataError) as err:
+        list(iter_batches(path, schema, 4))
+    check(str(err.value))
+    lines[20] = '1,2,"x\ny",q' + (",z" if unread else "")  # a value holding a line break
+    write_lines(path, [header, *lines])
+    assert sum(len(b) for b in iter_batches(path, schema, 4)) == 40
+
+
 def test_file_level_errors(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -282,6 +282,14 @@ SPACE_VALUE_ERRORS = [
     ({"batch_size": {"type": "int", "low": 256.5, "high": 1024}},
      "batch_size: int needs integer low, high and step"),
     ({"model": [1, 2]}, "model: a section, not a field; name one of its fields: model.name"),
+    # a parameter no trial reads: its trials trained alike (``train`` refuses the key)
+    ({"model.cross_layers": [1, 2]}, "model.cross_layers: only model dcnv2 reads it, this "
+                                     "search's is deepfm"),
+    ({"sparse_optimizer.beta1": [0.8, 0.9]}, "sparse_optimizer.beta1: only sparse optimizer "
+                                             "adam reads it, this search's is adagrad"),
+    ({"model.name": ["lr", "fm"], "model.dropout": [0.0, 0.1]},
+     "model.dropout: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this "
+     "search's are fm, lr"),
 ]
 
 
@@ -298,6 +306,26 @@ def test_space_values_are_checked_like_a_config_file(tmp_path, data, message):
     with pytest.raises(ValueError) as err:
         load_space(path, TrainConfig())
     assert str(err.value).startswith(f"{path}: {message}")
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("space.json", '{"model.embedding_dim": [4, 8], "model.embedding_dim": [16]}',
+     "model.embedding_dim: key given twice in one object; keep one"),
+    ("space.json", '{"batch_size": {"type": "int", "low": 256, "high": 1024, "low": 512}}',
+     "batch_size.low: key given twice in one object; keep one"),
+    ("space.yaml", "model.embedding_dim: [4, 8]\nmodel.embedding_dim: [16]\n",
+     "line 2: model.embedding_dim: key given twice in one mapping; keep one"),
+    ("space.yml", "batch_size: {type: int, low: 256, high: 1024, low: 512}\n",
+     "line 1: low: key given twice in one mapping; keep one"),
+])
+def test_a_key_given_twice_in_a_space_file_is_refused(tmp_path, name, text, message):
+    """The parsers keep the last of a repeated key: the first was silently dropped from
+    the space (a config file refuses the same)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_space(path, TrainConfig())
+    assert str(err.value) == f"{path}: {message}"
 
 
 def test_an_unreadable_or_broken_space_file_is_one_line_naming_it(tmp_path):

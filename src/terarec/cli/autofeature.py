@@ -39,9 +39,11 @@ from terarec.autofeature.selection import (
     sample_rows,
     select_features,
 )
-from terarec.autofeature.source import expand_paths
+from terarec.autofeature.source import expand_paths, first_bad_row
 from terarec.cli.common import add_format_args, check_disjoint, schema_from_args
+from terarec.data.readers import no_data_rows
 from terarec.io import atomic_write_text
+from terarec.types import FeatureSchema
 
 T = TypeVar("T")
 GAIN_FIELDS = ("name", "kind", "auc", "gain", "selected", "round", "gain_when_chosen")
@@ -136,11 +138,24 @@ def check_args(args: argparse.Namespace) -> None:
                          "e.g. features.json")
 
 
+def check_rows(paths: Sequence[str], schema: FeatureSchema) -> None:
+    """Every row of ``paths`` read as ``train`` reads it, before any SQL: DuckDB takes a
+    label of 2, ``nan`` and ``1e40`` as values (a NaN in a numeric column then reached
+    the sample as a missing value, and the others failed naming a temporary sample
+    file). Files with no rows are left to the training range's own check."""
+    for path in paths:
+        if not no_data_rows(Path(path), schema) \
+                and (bad := first_bad_row([path], schema)) is not None:
+            raise bad
+
+
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     check_args(args)
-    check_disjoint(expand_paths(args.train), expand_paths(args.valid, "--valid"))
+    train, valid = expand_paths(args.train), expand_paths(args.valid, "--valid")
+    check_disjoint(train, valid)
     schema = schema_from_args(args)
+    check_rows([*train, *valid], schema)
     selection = SelectionConfig(
         budget=args.budget, min_gain=args.min_gain, shortlist=args.shortlist,
         model=args.selection_model, train_rows=args.sample_rows, valid_rows=args.valid_rows,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import IO
 import numpy as np
 
 from terarec.cli.common import add_model_data_args, check_rows_scored, model_files, report_skipped
+from terarec.cli.main import UserError
 from terarec.data.readers import ReadStats, iter_batches, text_columns
 from terarec.finite import check_model_scores
 from terarec.io import atomic_open
@@ -28,6 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None:  # scores are written in its place once read: it is lost
+        for path in args.data:
+            if os.path.realpath(path) == os.path.realpath(args.out):
+                raise UserError(f"--out {args.out} is the input file {path}: its scores "
+                                "would replace it; write them to another file")
     skip = args.on_bad_row == "skip"
     total = ReadStats()
     with model_files(args) as (trainer, schema, data), _output(args.out) as fh:

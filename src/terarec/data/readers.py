@@ -627,24 +627,33 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
     # handler (with their line number in ``source``, since parsing is single-threaded)
     # and drops them.
     invalid: list[int] = []
-    first_invalid: list[str] = []
+    first_invalid: list[tuple[int, str]] = []  # (row number, message): raised
 
     def on_invalid(row: Any) -> str:
         if invalid and row.number <= invalid[-1]:
             return "skip"  # seen before the reader restarted with larger blocks
         got, want = row.actual_columns, row.expected_columns
         culprit = names[got] if got < want else names[-1]
-        message = (f"{path}: line {lines_before + row.number}: field {culprit!r}: "
-                   f"{got} columns, expected {want}"
+        where = f"{path}: line {lines_before + row.number}: field {culprit!r}"
+        message = (f"{where}: {got} columns, expected {want}"
                    + (" (missing values from here on)" if got < want
                       else " (extra values after the last field)"))
         invalid.append(row.number)
+        spans = len((row.text or "").splitlines())
+        if spans > 1:
+            # Lines after an unclosed quote were read into this row: skipping it would
+            # drop them uncounted, so this is an error even with skip.
+            first_invalid.append((row.number, (
+                f"{path}: line {lines_before + row.number}: a quoted value runs over "
+                f"{spans} lines, leaving {got} columns, expected {want} (an unclosed "
+                "'\"'?)")))
+            return "skip"
         if on_bad_row == "skip":
             stats.skip(message, lines_before + row.number)
             return "skip"
         # Dropped here too, and raised once the rows before it in its block are checked:
         # a bad value on an earlier line of the same block is the first bad row.
-        first_invalid.append(message)
+        first_invalid.append((row.number, message))
         return "skip"
 
     def line_of(stream_row: int) -> int:
@@ -658,8 +667,12 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
     parse_options = pa_csv.ParseOptions(
         delimiter=schema.delimiter, quote_char=False if criteo else '"',
         invalid_row_handler=on_invalid, ignore_empty_lines=False)
+    # A value ending in a line break took the input's last newline: a quote never closed
+    # swallowed every line after it. Looked for in the fields and in the last column,
+    # where those lines end up when the column count still comes out right.
+    read = needed if criteo or names[-1] in needed else [*needed, names[-1]]
     convert_options = pa_csv.ConvertOptions(
-        include_columns=needed, column_types={n: pa.string() for n in needed},
+        include_columns=read, column_types={n: pa.string() for n in read},
         strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""])
     cleaner = _Cleaner(schema, lambda i: f"{path}: line {line_of(i)}", on_bad_row, stats,
                        number=line_of)
@@ -667,19 +680,33 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
         stream_row = 0
         for block in _csv_blocks(path, source, column_names, parse_options,
                                  convert_options):
-            if first_invalid:  # on_bad_row "error": the rows before it, then it
-                before = invalid[0] - skip - 1 - stream_row
-                if before < block.num_rows:
-                    cleaner.clean(block.slice(0, max(before, 0)), stream_row)
-                    raise DataError(first_invalid[0])
+            stops = []  # (rows of the block before it, error): the first one is raised
+            if first_invalid:  # an invalid row that stops the read (see on_invalid)
+                number, message = first_invalid[0]
+                dropped = sum(1 for n in invalid if n < number)
+                stops.append((number - skip - 1 - dropped - stream_row, message))
+            if not criteo and (broken := _unclosed_quote(block)) is not None:
+                i, name = broken
+                what = "field" if name in needed else "column"
+                stops.append((i, f"{path}: line {line_of(stream_row + i)}: {what} {name!r}: "
+                                 "a quoted value runs to the end of the input (an unclosed "
+                                 "'\"'?)"))
+            stop = min(stops, default=None, key=lambda s: s[0])
+            if stop is not None and stop[0] < block.num_rows:
+                cleaner.clean(block.slice(0, max(stop[0], 0)), stream_row)
+                raise DataError(stop[1])
             yield cleaner.clean(block, stream_row)
             stream_row += block.num_rows
         if first_invalid:
-            raise DataError(first_invalid[0])
+            raise DataError(first_invalid[0][1])
     except pa.ArrowInvalid as exc:
         if first_invalid:
-            raise DataError(first_invalid[0]) from None
+            raise DataError(first_invalid[0][1]) from None
         text = str(exc)
+        if "out of sync with chunker" in text:  # an unclosed quote ran past a block's end
+            last = line_of(stream_row - 1) if stream_row else lines_before + skip
+            raise DataError(f"{path}: a line after line {last}: a quoted value runs over "
+                            "many lines (an unclosed '\"'?)") from None
         if not _printable(text) or "invalid UTF8" in text:  # say where, not what
             row = re.search(r"Row #(\d+)", text)
             where = f"line {lines_before + int(row.group(1))}" if row else "a row"
@@ -688,6 +715,25 @@ def parse_text(path: Path, schema: FeatureSchema, names: list[str], source: Any,
                 where += f": field {names[int(column.group(1))]!r}"
             raise DataError(f"{path}: {where}: not UTF-8 text (binary data?)") from None
         raise DataError(f"{path}: {exc}") from exc
+
+
+def _unclosed_quote(block: pa.RecordBatch) -> tuple[int, str] | None:
+    """The first row of ``block`` (and its column) with a value ending in a line break:
+    a quoted value may hold line breaks, but one that ends in one ran to the end of the
+    input."""
+    found: tuple[int, str] | None = None
+    for name in block.schema.names:
+        col = block.column(name)
+        data = col.buffers()[2]  # the values' bytes: searched first (the regex is slow)
+        raw = data.to_pybytes() if data is not None else b""
+        if b"\n" not in raw and b"\r" not in raw:
+            continue
+        hit = pc.match_substring_regex(col, r"[\r\n]$")
+        if pc.any(hit).as_py():
+            row = int(pc.index(pc.fill_null(hit, False), True).as_py())
+            if found is None or row < found[0]:
+                found = (row, name)
+    return found
 
 
 def _csv_blocks(path: Path, source: Any, column_names: list[str] | None,

@@ -70,7 +70,8 @@ SMALL_DATA_SHAPE = {"deepfm": (8, 0.5), "widedeep": (8, 0.5), "dlrm": (8, 0.5)}
 
 def estimate_rows(paths: Iterable[str | Path]) -> int | None:
     """Rows in ``paths`` from their sizes and the line length of their first MB (text
-    files) or their metadata (Parquet); None when a file cannot be sized."""
+    files, compressed ones by their decompressed lines) or their metadata (Parquet);
+    None when a file cannot be sized."""
     total = 0
     for path in paths:
         path = Path(path)
@@ -80,6 +81,10 @@ def estimate_rows(paths: Iterable[str | Path]) -> int | None:
                 import pyarrow.parquet as pq
 
                 total += pq.ParquetFile(path).metadata.num_rows
+                continue
+            codec = _CODECS.get(path.suffix.lower())
+            if codec is not None:
+                total += _compressed_rows(path, size, codec)
                 continue
             with open(path, "rb") as fh:
                 head = fh.read(_SAMPLE_BYTES)
@@ -93,6 +98,34 @@ def estimate_rows(paths: Iterable[str | Path]) -> int | None:
         else:
             total += int(size * lines / len(head))
     return total
+
+
+# What the readers decompress by extension (pyarrow's codec names).
+_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+
+
+def _compressed_rows(path: Path, size: int, codec: str) -> int:
+    """Rows of a compressed text file: the lines that its first MB of compressed bytes
+    hold once decompressed, scaled by its compressed size (the compressed bytes' own
+    newlines made a 10,000-row .gz file about 1,200 rows)."""
+    import pyarrow as pa
+
+    lines, last = 0, b"\n"
+    marks: list[tuple[int, int]] = []  # (compressed bytes read, lines out) as reads go on
+    with pa.OSFile(str(path)) as raw, pa.CompressedInputStream(raw, codec) as stream:
+        while raw.tell() < _SAMPLE_BYTES:
+            chunk = stream.read(1 << 16)
+            if not chunk:  # all of it read: the count is exact
+                return lines + (0 if last.endswith(b"\n") else 1)
+            lines, last = lines + chunk.count(b"\n"), chunk
+            if not marks or marks[-1][0] != raw.tell():
+                marks.append((raw.tell(), lines))
+    # The decompressor reads ahead (a bz2 block: hundreds of KB), so the lines per byte
+    # are taken between two reads, where that lead cancels out.
+    (read0, lines0), (read1, lines1) = marks[len(marks) // 4], marks[-1]
+    if read1 > read0 and lines1 > lines0:
+        return int(size * (lines1 - lines0) / (read1 - read0))
+    return int(size * lines / read1)
 
 
 def sized_defaults(rows: int, model: str = "") -> dict[str, float | int]:

@@ -179,8 +179,9 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
     epochs = max(r.trainer.config.epochs for r in runs)
     # A pass waits for the next one to be read only where its training uses it.
     lookahead = stream.lookahead and any(r.trainer.reads_ahead for r in runs)
-    bar = tqdm(unit=" rows", unit_scale=True, disable=not progress, dynamic_ncols=True,
-               desc="train" if len(runs) == 1 else f"train x{len(runs)}")
+    # Made once the first pass has been read: a file that fails its header check (read
+    # in the loop when resuming) must not leave an empty bar printed above the error.
+    bar: tqdm | None = None
     seen = 0
     try:
         first_epoch = start.epoch if start is not None else 0
@@ -208,6 +209,10 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                 seen += 1
                 if seen <= skip:
                     continue
+                if bar is None:
+                    bar = tqdm(unit=" rows", unit_scale=True, disable=not progress,
+                               dynamic_ncols=True,
+                               desc="train" if len(runs) == 1 else f"train x{len(runs)}")
                 plans = _PlanCache(plan, reader.config.batch_size, reader.ctx)
                 live = [r for r in runs if r.live]
                 ahead = upcoming[0] if isinstance(upcoming, tuple) else None
@@ -226,7 +231,8 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                 continue
             break  # stopped inside the epoch
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     for run in runs:
         run.stop(STOP_EPOCHS if run.selection is not None else STOP_END_OF_DATA)
 

@@ -42,7 +42,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from terarec.config import TrainConfig, from_dict, parse_bytes, to_dict
+from terarec.config import (
+    TrainConfig,
+    from_dict,
+    parse_bytes,
+    read_only_by,
+    repeated_key,
+    to_dict,
+)
 from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.embedding.shared import (
@@ -138,7 +145,9 @@ def load_space(path: str | Path, base: TrainConfig) -> dict[str, dict[str, Any]]
         import yaml  # type: ignore[import-untyped]
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())
+        except _RepeatedKey as exc:
+            raise ValueError(f"{path}: {exc}") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             at = f"line {mark.line + 1}: " if mark is not None else ""
@@ -150,7 +159,39 @@ def load_space(path: str | Path, base: TrainConfig) -> dict[str, dict[str, Any]]
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") \
                 from None
+        repeated = repeated_key(text)
+        if repeated is not None:  # json keeps the last one: the first would be ignored
+            raise ValueError(f"{path}: {repeated}: key given twice in one object; keep one")
     return check_space(data, base, str(path))
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
+    """A YAML mapping whose keys are all different: PyYAML keeps the last of a repeated
+    key, so the first was silently ignored."""
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise _RepeatedKey(f"line {key_node.start_mark.line + 1}: {key}: key given "
+                               "twice in one mapping; keep one")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+def _yaml_loader() -> type:
+    """PyYAML's safe loader, refusing a key given twice in one mapping."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        pass
+
+    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                                    _unique_mapping)
+    return UniqueKeyLoader
 
 
 _SPEC_KEYS = {"categorical": {"type", "choices"},
@@ -226,7 +267,26 @@ def check_space(data: Any, base: TrainConfig, where: str = "space"
             except ValueError as exc:
                 raise ValueError(f"{at}: {label} {value!r}: {exc}") from None
         out[str(name)] = dict(spec)
+    _refuse_unread(out, base, where)
     return out
+
+
+def _refuse_unread(space: dict[str, dict[str, Any]], base: TrainConfig, where: str) -> None:
+    """A parameter that no trial's model or sparse optimizer reads (``model.cross_layers``
+    for DeepFM) is an error, as the same key given to ``train`` is: trials differing only
+    in it would train alike."""
+    names = {"model": base.model.name, "sparse_optimizer": base.sparse_optimizer.name}
+    for name in space:
+        readers = read_only_by(name)
+        section = name.partition(".")[0]
+        if readers is None or section not in names:
+            continue
+        chosen = space.get(f"{section}.name", {}).get("choices", [names[section]])
+        used = {str(c).lower() for c in chosen}
+        if not used & set(readers):
+            raise ValueError(f"{where}: {name}: only {section.replace('_', ' ')} "
+                             f"{' / '.join(readers)} reads it, this search's "
+                             f"{'are' if len(used) > 1 else 'is'} {', '.join(sorted(used))}")
 
 
 def suggest(trial, space: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
