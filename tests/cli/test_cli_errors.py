@@ -285,6 +285,23 @@ def test_an_export_into_a_model_directory_is_refused(data, lr_model, tmp_path, c
     assert cli_main(["export", "--model", str(model), "--out", str(model / "export")]) == 0
 
 
+def test_an_export_into_a_version_folder_is_refused(data, lr_model, tmp_path, capsys):
+    """An export into ``URI/v000001`` wrote its own LATEST and v000001 inside that version,
+    files its manifest does not list, and a server of URI never saw the new version."""
+    uri = tmp_path / "exp"
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(uri)]) == 0
+    capsys.readouterr()
+    version = uri / "v000001"
+    before = sorted(p.name for p in version.iterdir())
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(version)]) == 2
+    assert (f"--out {version} is one exported version (it holds manifest.json); export to "
+            f"the export folder above it ({uri})") in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--export-to", f"file://{version}") == 2
+    assert f"--export-to file://{version} is one exported version" in _one_line(capsys)
+    assert sorted(p.name for p in version.iterdir()) == before
+    assert not (tmp_path / "m").exists()
+
+
 EXPORT_FLAG_ERRORS = [
     (["--shard-rows", "0"], "--shard-rows 0: must be >= 1"),
     (["--shard-rows", "-5", "--slice", "C1"], "--shard-rows -5: must be >= 1"),

@@ -39,11 +39,12 @@ def check_export_target(uri: str, options: dict[str, Any] | None, flag: str, *,
     botocore raise them only at first use, each as its own exception type (a traceback).
     Options given for a local folder would be ignored, so they are refused unless they
     serve another URI of the command (``options_elsewhere``)."""
+    from terarec.export.format import MANIFEST
     from terarec.export.storage import Storage
 
     try:
         storage = Storage(uri, options)
-        storage.list_names()
+        names = storage.list_names()
     except Exception as exc:  # any filesystem's own error types
         given = " with --storage-options" if options else ""
         raise ValueError(f"{flag} {uri}: cannot be used{given} "
@@ -51,6 +52,12 @@ def check_export_target(uri: str, options: dict[str, Any] | None, flag: str, *,
     if storage.is_local and options and not options_elsewhere:
         raise ValueError(f"--storage-options: {flag} {uri} is a local folder; the options "
                          "are for fsspec URLs such as s3://bucket/prefix")
+    if MANIFEST in names:
+        # The new version (and a LATEST) went inside that version, where no reader looks.
+        parent = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") \
+            else "its parent"
+        raise ValueError(f"{flag} {uri} is one exported version (it holds {MANIFEST}); "
+                         f"export to the export folder above it ({parent})")
     if storage.is_local and any((Path(storage.root) / name).exists()
                                 for name in MODEL_DIR_MARKERS):
         # Both keep a LATEST file: the export's overwrote the model's, and back.
