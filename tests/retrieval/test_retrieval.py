@@ -172,6 +172,42 @@ def test_delta_slice_and_delta_index(trained, tmp_path):
     assert step["mode"] == "delta" and step["embedded"] == 0
 
 
+RETRIEVAL_INFER_CASES = [
+    # each was answered 200 (the datatype, the element and the outputs never checked) or
+    # named "context" and Python's spelling of the value
+    ({"datatype": "STRING"}, "input 'user': unknown datatype 'STRING'"),
+    ({"datatype": "BOOL"}, "input 'user': data[0] is string \"5\", not a BOOL value"),
+    ({"data": [{"a": 1}]}, "input 'user': data[0] is object {\"a\":1}, not a BYTES value"),
+    ({"data": [["5", "6"]], "shape": [1, 1]}, "input 'user': data[0] is array"),
+    ({"parameters": {"top_k": None}}, "parameters.top_k: expected an integer from 1 to 100, "
+                                      "got null"),
+    ({"outputs": [{"name": "logit"}]}, "'outputs' may only request the outputs 'items' and "
+                                       "'scores'"),
+]
+
+
+@pytest.mark.parametrize("change,message", RETRIEVAL_INFER_CASES,
+                         ids=[m.split(":")[-1][:30] for _, m in RETRIEVAL_INFER_CASES])
+def test_retrieval_infer_checks_its_tensor_like_scoring_does(trained, change, message):
+    tmp, _, _ = trained
+    engine = ServingEngine(str(tmp / "user_tower"), cache_dir=tmp / "cache-ri")
+    assert engine.refresh()
+    tensor = {"name": "user", "shape": [1], "datatype": "BYTES", "data": ["5"]}
+    body: dict = {"inputs": [tensor], "parameters": {"top_k": 10}}
+    for key in ("datatype", "data", "shape"):
+        if key in change:
+            tensor[key] = change[key]
+    body.update({k: v for k, v in change.items() if k in ("parameters", "outputs")})
+    with TestClient(create_app(engine, index=load_index(tmp / "idx"), max_top_k=100)) as c:
+        bad = c.post("/v2/models/terarec/infer", json=body)
+        assert bad.status_code == 422, bad.text
+        assert message in bad.json()["error"]
+        ok = c.post("/v2/models/terarec/infer", json={
+            "inputs": [{"name": "user", "shape": [1], "datatype": "INT64", "data": [5]}],
+            "parameters": {"top_k": 10}, "outputs": [{"name": "items"}]})
+        assert ok.status_code == 200, ok.text
+
+
 def test_index_knobs_given_again_rebuild_rather_than_being_ignored(trained, tmp_path,
                                                                     capsys):
     """A second `terarec index` with other --nlist / --pq-m answered "mode": "current"
