@@ -738,6 +738,18 @@ def test_serve_refuses_a_version_folder_a_model_and_a_bad_cache_dir(lr_model, tm
         "version")
     assert cli_main(["serve", str(lr_model)]) == 2
     assert f"{lr_model} is a model directory, not an export" in _one_line(capsys)
+    # options a local folder ignores were taken silently (export refuses them); the port
+    # is taken so that a server which would start fails at once instead
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli_main(["serve", str(tmp_path / "export"), "--storage-options",
+                         '{"anon": true}', "--port", str(taken.getsockname()[1])]) == 2
+    assert _one_line(capsys) == (
+        f"terarec serve: error: --storage-options: {tmp_path / 'export'} is a local folder; "
+        "the options are for fsspec URLs such as s3://bucket/prefix")
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert cli_main(["serve", str(tmp_path / "export"), "--cache-dir", str(afile)]) == 2
@@ -896,6 +908,10 @@ def test_publish_checks_its_source_and_grace_before_connecting(lr_model, tmp_pat
                                     "manifest.json in it)"),
         ([str(lr_model)], f"{lr_model}: no version to publish (not an export written by "
                           "`terarec export` or `train --export-to`)"),
+        # ignored for a local folder, as export refuses them
+        ([str(export), "--storage-options", '{"anon": true}'],
+         f"--storage-options: {export} is a local folder; the options are for fsspec URLs "
+         "such as s3://bucket/prefix"),
     ]
     for extra, message in cases:
         assert cli_main(["publish", *extra, "--to", nowhere]) == 2

@@ -31,6 +31,13 @@ def storage_options_from_args(args: argparse.Namespace) -> dict[str, Any] | None
     return options
 
 
+def local_options_error(what: str) -> str:
+    """The refusal of ``--storage-options`` for ``what``, a local folder: fsspec's local
+    filesystem ignores them, so they would be taken and do nothing."""
+    return (f"--storage-options: {what} is a local folder; the options are for fsspec URLs "
+            "such as s3://bucket/prefix")
+
+
 def check_export_target(uri: str, options: dict[str, Any] | None, flag: str, *,
                         options_elsewhere: bool = False) -> None:
     """Reach the export URI ``uri`` (given by ``flag``) once before any work is done, so
@@ -50,8 +57,7 @@ def check_export_target(uri: str, options: dict[str, Any] | None, flag: str, *,
         raise ValueError(f"{flag} {uri}: cannot be used{given} "
                          f"({type(exc).__name__}: {exc})") from None
     if storage.is_local and options and not options_elsewhere:
-        raise ValueError(f"--storage-options: {flag} {uri} is a local folder; the options "
-                         "are for fsspec URLs such as s3://bucket/prefix")
+        raise ValueError(local_options_error(f"{flag} {uri}"))
     if MANIFEST in names:
         # The new version (and a LATEST) went inside that version, where no reader looks.
         parent = uri.rstrip("/").rsplit("/", 1)[0] if "/" in uri.rstrip("/") \
