@@ -285,6 +285,23 @@ def test_an_export_into_a_model_directory_is_refused(data, lr_model, tmp_path, c
     assert cli_main(["export", "--model", str(model), "--out", str(model / "export")]) == 0
 
 
+def test_an_export_into_a_version_folder_is_refused(data, lr_model, tmp_path, capsys):
+    """An export into ``URI/v000001`` wrote its own LATEST and v000001 inside that version,
+    files its manifest does not list, and a server of URI never saw the new version."""
+    uri = tmp_path / "exp"
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(uri)]) == 0
+    capsys.readouterr()
+    version = uri / "v000001"
+    before = sorted(p.name for p in version.iterdir())
+    assert cli_main(["export", "--model", str(lr_model), "--out", str(version)]) == 2
+    assert (f"--out {version} is one exported version (it holds manifest.json); export to "
+            f"the export folder above it ({uri})") in _one_line(capsys)
+    assert _train(data, tmp_path / "m", "--export-to", f"file://{version}") == 2
+    assert f"--export-to file://{version} is one exported version" in _one_line(capsys)
+    assert sorted(p.name for p in version.iterdir()) == before
+    assert not (tmp_path / "m").exists()
+
+
 EXPORT_FLAG_ERRORS = [
     (["--shard-rows", "0"], "--shard-rows 0: must be >= 1"),
     (["--shard-rows", "-5", "--slice", "C1"], "--shard-rows -5: must be >= 1"),
@@ -758,6 +775,18 @@ def test_serve_refuses_a_version_folder_a_model_and_a_bad_cache_dir(lr_model, tm
         "version")
     assert cli_main(["serve", str(lr_model)]) == 2
     assert f"{lr_model} is a model directory, not an export" in _one_line(capsys)
+    # options a local folder ignores were taken silently (export refuses them); the port
+    # is taken so that a server which would start fails at once instead
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli_main(["serve", str(tmp_path / "export"), "--storage-options",
+                         '{"anon": true}', "--port", str(taken.getsockname()[1])]) == 2
+    assert _one_line(capsys) == (
+        f"terarec serve: error: --storage-options: {tmp_path / 'export'} is a local folder; "
+        "the options are for fsspec URLs such as s3://bucket/prefix")
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert cli_main(["serve", str(tmp_path / "export"), "--cache-dir", str(afile)]) == 2
@@ -916,6 +945,10 @@ def test_publish_checks_its_source_and_grace_before_connecting(lr_model, tmp_pat
                                     "manifest.json in it)"),
         ([str(lr_model)], f"{lr_model}: no version to publish (not an export written by "
                           "`terarec export` or `train --export-to`)"),
+        # ignored for a local folder, as export refuses them
+        ([str(export), "--storage-options", '{"anon": true}'],
+         f"--storage-options: {export} is a local folder; the options are for fsspec URLs "
+         "such as s3://bucket/prefix"),
     ]
     for extra, message in cases:
         assert cli_main(["publish", *extra, "--to", nowhere]) == 2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from terarec.cli.inspect import show_histogram, summarise
+from terarec.cli.inspect import _fmt, show_histogram, summarise
 from terarec.cli.main import main
 from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
@@ -62,12 +62,18 @@ def test_inspect_reports_keys_tiers_and_counts(data, tmp_path, budget, capsys):
     assert sum(info["show_histogram"].values()) == info["keys"]
     if budget:
         assert 0 < info["memory_keys"] < info["keys"]
-        assert info["bytes"]["disk_tier_files"] > 0
+        # The bytes the slab files take, not their apparent size: slabs are sparse files
+        # created at full size, so a tiny table said "disk tier 64.0 MiB" per slab.
+        slabs = list((tmp_path / "store").rglob("slab-*.bin"))
+        apparent = sum(p.stat().st_size for p in slabs)
+        assert 0 < info["bytes"]["disk_tier_files"] < apparent / 4
     assert main(["inspect", str(model), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(info))
     assert main(["inspect", str(model)]) == 0
     text = capsys.readouterr().out
     assert f"keys        {info['keys']:,}" in text and "show count" in text
+    if budget:
+        assert f"disk tier {_fmt(info['bytes']['disk_tier_files'])} allocated" in text
     assert f"{stats.rejected:,} rejected" in text and "admitted    rejected" in text
 
 
@@ -100,3 +106,28 @@ def test_inspect_counts_a_refit_models_own_passes(data, tmp_path, capsys):
     assert main(["inspect", str(out)]) == 0
     assert (f"{refit['checkpoint']} (refit: {refit['epochs']} passes on the train and "
             "valid rows)") in capsys.readouterr().out
+
+
+def test_inspect_into_a_closed_pipe_is_no_traceback(data, tmp_path):
+    """``terarec inspect MODEL | head -3`` ended in a BrokenPipeError traceback once
+    ``head`` exited (every time with unbuffered output, PYTHONUNBUFFERED=1)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = tmp_path / "model"
+    assert main(["train", "--train", str(data), "--out", str(model), "--model", "lr",
+                 "--threads", "1", "--no-progress", "--pass-rows", "2000"]) == 0
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "terarec", "inspect", str(model)],
+                              stdout=write, stderr=subprocess.PIPE, env=env, text=True,
+                              timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 1

@@ -240,6 +240,28 @@ def test_delta_needs_a_version_to_build_on(tmp_path):
             deleted=np.empty(0, np.int64), pass_id=0)
 
 
+def test_an_unreadable_newest_manifest_does_not_block_the_next_version(tmp_path):
+    """A server skips a newest version whose manifest cannot be read and waits for a good
+    full version; writing one (or a delta) failed on that very manifest, so nothing could
+    replace it short of deleting it by hand."""
+    uri = tmp_path / "export"
+    exporter = ModelExporter(uri)
+    keys, values = np.array([1, 5], np.int64), np.ones((2, 4), np.float32)
+    exporter.write_full(schema=SCHEMA, model_config=ModelConfig(), dense={}, keys=keys,
+                        values=values, pass_id=1)
+    broken = uri / "v000002"
+    broken.mkdir()
+    (broken / MANIFEST).write_text('{"name": ')  # truncated
+    (uri / LATEST).write_text("v000002")
+    delta = exporter.write_delta(dense={}, keys=keys[:1], values=values[:1] * 2,
+                                 deleted=np.empty(0, np.int64), pass_id=2)
+    assert delta.name == "v000003"
+    assert read_manifest(Storage(uri), "v000003").data["parent"] == "v000001"
+    full = exporter.write_full(schema=SCHEMA, model_config=ModelConfig(), dense={},
+                               keys=keys, values=values, pass_id=3)
+    assert full.name == "v000004" and latest_version(Storage(uri)) == "v000004"
+
+
 def test_unsorted_keys_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="sorted"):
         ModelExporter(tmp_path / "x").write_full(

@@ -172,6 +172,85 @@ def test_delta_slice_and_delta_index(trained, tmp_path):
     assert step["mode"] == "delta" and step["embedded"] == 0
 
 
+RETRIEVAL_INFER_CASES = [
+    # each was answered 200 (the datatype, the element and the outputs never checked) or
+    # named "context" and Python's spelling of the value
+    ({"datatype": "STRING"}, "input 'user': unknown datatype 'STRING'"),
+    ({"datatype": "BOOL"}, "input 'user': data[0] is string \"5\", not a BOOL value"),
+    ({"data": [{"a": 1}]}, "input 'user': data[0] is object {\"a\":1}, not a BYTES value"),
+    ({"data": [["5", "6"]], "shape": [1, 1]}, "input 'user': data[0] is array"),
+    ({"parameters": {"top_k": None}}, "parameters.top_k: expected an integer from 1 to 100, "
+                                      "got null"),
+    ({"outputs": [{"name": "logit"}]}, "'outputs' may only request the outputs 'items' and "
+                                       "'scores'"),
+]
+
+
+@pytest.mark.parametrize("change,message", RETRIEVAL_INFER_CASES,
+                         ids=[m.split(":")[-1][:30] for _, m in RETRIEVAL_INFER_CASES])
+def test_retrieval_infer_checks_its_tensor_like_scoring_does(trained, change, message):
+    tmp, _, _ = trained
+    engine = ServingEngine(str(tmp / "user_tower"), cache_dir=tmp / "cache-ri")
+    assert engine.refresh()
+    tensor = {"name": "user", "shape": [1], "datatype": "BYTES", "data": ["5"]}
+    body: dict = {"inputs": [tensor], "parameters": {"top_k": 10}}
+    for key in ("datatype", "data", "shape"):
+        if key in change:
+            tensor[key] = change[key]
+    body.update({k: v for k, v in change.items() if k in ("parameters", "outputs")})
+    with TestClient(create_app(engine, index=load_index(tmp / "idx"), max_top_k=100)) as c:
+        bad = c.post("/v2/models/terarec/infer", json=body)
+        assert bad.status_code == 422, bad.text
+        assert message in bad.json()["error"]
+        ok = c.post("/v2/models/terarec/infer", json={
+            "inputs": [{"name": "user", "shape": [1], "datatype": "INT64", "data": [5]}],
+            "parameters": {"top_k": 10}, "outputs": [{"name": "items"}]})
+        assert ok.status_code == 200, ok.text
+
+
+def test_index_knobs_given_again_rebuild_rather_than_being_ignored(trained, tmp_path,
+                                                                    capsys):
+    """A second `terarec index` with other --nlist / --pq-m answered "mode": "current"
+    and kept the index built with the first ones."""
+    tmp, log, _ = trained
+    out = tmp_path / "idx"
+    argv = ["index", str(tmp / "item_tower"), "--items", str(catalog_path(log)),
+            "--out", str(out), "--kind", "ivfpq"]
+    assert main([*argv, "--nlist", "4", "--pq-m", "2"]) == 0
+    assert main([*argv, "--nlist", "4", "--pq-m", "2"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--nlist", "8", "--pq-m", "4"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["mode"] == "full" and again["generation"] == "g000002"
+    assert load_index(out).meta["options"]["nlist"] == 8
+    assert load_index(out).meta["options"]["pq_m"] == 4
+
+
+def test_a_catalog_listing_an_item_twice_is_refused(trained, tmp_path, capsys):
+    """Every copy was indexed: /retrieve answered the same item id over and over."""
+    tmp, log, _ = trained
+    lines = catalog_path(log).read_text().splitlines(keepends=True)
+    catalog = tmp_path / "twice.items"
+    catalog.write_text("".join(lines[:6] + [lines[3]] + lines[6:10]))
+    item = lines[3].split("\t")[0]
+    assert main(["index", str(tmp / "item_tower"), "--items", str(catalog), "--out",
+                 str(tmp_path / "idx")]) == 2
+    err = capsys.readouterr().err
+    assert (f"{catalog}: item {item!r} (id field 'item') is on lines 4 and 7; a catalog "
+            "lists each item once") in err
+    assert not (tmp_path / "idx").exists()
+
+
+def test_index_out_naming_a_file_is_refused(trained, tmp_path, capsys):
+    tmp, log, _ = trained
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["index", str(tmp / "item_tower"), "--items", str(catalog_path(log)),
+                 "--out", str(afile)]) == 2
+    assert f"--out {afile} is a file, not an index folder" in capsys.readouterr().err
+    assert afile.read_text() == "x"
+
+
 def test_slice_errors_name_the_problem(trained, tmp_path):
     tmp, log, model = trained
     assert main(["export", "--model", model, "--out", str(tmp_path / "x"), "--slice",

@@ -107,6 +107,13 @@ INFER_CASES = [
      "input 'I1': data[1] is number 1.5, not a INT64 value"),
     ("negative UINT8", _kserve_typed("UINT8", [-1, 2]), 422,
      "input 'I1': data[0] is integer -1, not a UINT8 value"),
+    # values past the datatype's range were taken as the numbers they held
+    ("UINT8 past 255", _kserve_typed("UINT8", [1, 256]), 422,
+     "input 'I1': data[1] is integer 256, not a UINT8 value"),
+    ("INT8 below -128", _kserve_typed("INT8", [-129, 2]), 422,
+     "input 'I1': data[0] is integer -129, not a INT8 value"),
+    ("INT64 past 2**63 - 1", _kserve_typed("INT64", [None, 2 ** 63]), 422,
+     f"input 'I1': data[1] is integer {2 ** 63}, not a INT64 value"),
     ("string in an FP32 tensor", _kserve_typed("FP32", [1.0, "x"]), 422,
      "input 'I1': data[1] is string \"x\", not a FP32 value"),
     ("number in a BOOL tensor", _kserve_typed("BOOL", [True, 3]), 422,

@@ -49,6 +49,8 @@ _KIND_KNOBS = {"hnsw": ("hnsw_m", "ef_construction", "ef_search"),
 def run(args: argparse.Namespace) -> int:
     from terarec.retrieval.index import IndexOptions, build_index, update_index
 
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not an index folder")
     if args.batch_rows < 1:
         raise ValueError(f"--batch-rows must be >= 1, got {args.batch_rows}")
     knobs: dict[str, int] = {}

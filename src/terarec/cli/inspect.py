@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {h.get('pass_id', '-'):>4}" + "".join(
                 f"  {'-' if c is None else f'{c:,}':>10}" for c in cells))
     print(f"  bytes       memory tier {_fmt(b['memory_tier'])}, key index "
-          f"{_fmt(b['key_index'])}, disk tier {_fmt(b['disk_tier_files'])}, "
+          f"{_fmt(b['key_index'])}, disk tier {_fmt(b['disk_tier_files'])} allocated, "
           f"checkpoint {_fmt(b['checkpoint_sparse'])}")
     print("  show count  keys")
     hist = info["show_histogram"]

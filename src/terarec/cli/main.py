@@ -51,12 +51,29 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError, FileNotFoundError) as exc:
         print(f"terarec {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a socket or another pipe: a real failure
+        return 1  # ``terarec inspect M | head``: the reader has what it wanted
     except OSError as exc:  # a path the user named cannot be written: one line
         if exc.errno not in NOT_WRITABLE:
             raise
         shown = exc.strerror if isinstance(exc, NotWritableError) else exc
         print(f"terarec {args.command}: error: {shown}", file=sys.stderr)
         return 2
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (its write end polls as an
+    error), so that a BrokenPipeError came from printing, not from a connection."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll()
+        return False
 
 
 def run() -> NoReturn:

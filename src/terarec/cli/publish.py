@@ -13,7 +13,11 @@ import json
 import logging
 import math
 
-from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.cli.storage_args import (
+    add_storage_args,
+    local_options_error,
+    storage_options_from_args,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,6 +60,8 @@ def check_publish_args(args: argparse.Namespace) -> None:
     export, name = split_version_uri(args.version_uri)
     try:
         storage = Storage(export, storage_options_from_args(args))
+        if storage.is_local and args.storage_options:
+            raise UserError(local_options_error(export))
         if name is not None and not storage.exists(f"{name}/{MANIFEST}"):
             raise UserError(f"{args.version_uri}: no such version (no {MANIFEST} in it)")
         if name is None and latest_version(storage) is None:

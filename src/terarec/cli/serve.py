@@ -13,7 +13,11 @@ import os
 import re
 from pathlib import Path
 
-from terarec.cli.storage_args import add_storage_args, storage_options_from_args
+from terarec.cli.storage_args import (
+    add_storage_args,
+    local_options_error,
+    storage_options_from_args,
+)
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -152,6 +156,8 @@ def check_serve_source(uri: str, storage_options: dict | None) -> None:
         storage = Storage(uri, storage_options)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if storage.is_local and storage_options:
+        raise UserError(local_options_error(uri))
     try:
         version, model = (storage.exists("manifest.json"),
                           storage.exists("train_config.json") and storage.exists("checkpoints"))

@@ -514,7 +514,9 @@ class DiskTier:
 
     @property
     def file_bytes(self) -> int:
-        return len(self._maps) * self.slab_rows * self.width * 4
+        """Bytes the slab files take on disk (allocated blocks): a slab is a sparse file
+        created at its full size, so its apparent size says nothing of the rows held."""
+        return sum(self.slab_path(i).stat().st_blocks * 512 for i in range(len(self._maps)))
 
     def stats(self) -> DiskStats:
         return DiskStats(len(self), len(self._maps), self.file_bytes, self.ram_bytes,

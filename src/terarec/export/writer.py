@@ -100,8 +100,22 @@ class ModelExporter:
         self.codec = codec
 
     def latest(self) -> Manifest | None:
-        name = latest_version(self.storage)
-        return read_manifest(self.storage, name) if name else None
+        """The newest version whose manifest can be read. An unreadable one is skipped
+        (logged), as servers skip it: the next version, full or delta, must be able to
+        replace it rather than fail on it."""
+        newest = latest_version(self.storage)
+        if newest is None:
+            return None
+        number = parse_version_name(newest) or 0
+        for name in [newest, *reversed(list_versions(self.storage))]:
+            if name != newest and ((parse_version_name(name) or 0) >= number
+                                   or not self.storage.exists(f"{name}/{MANIFEST}")):
+                continue  # newer than LATEST's pick, or half-written
+            try:
+                return read_manifest(self.storage, name)
+            except ExportError as exc:
+                log.warning("%s: skipping version %s: %s", self.storage.uri, name, exc)
+        return None
 
     def _next_version(self) -> int:
         # Past every folder, half-written ones included: a name is never reused.

@@ -351,6 +351,7 @@ def build_index(uri: str, catalog: str | Path, out: str | Path,
             raw = pa.concat_tables(raw_parts).combine_chunks()
             keys = np.concatenate(key_parts)
             ids = np.asarray(raw.column(id_field).to_numpy(zero_copy_only=False), dtype=str)
+            _check_unique_ids(ids, catalog, id_field)
             t1 = time.perf_counter()
             sample = np.random.default_rng(0).permutation(len(vectors))[:1 << 16]
             index = _new_index(vectors.shape[1], options, vectors[np.sort(sample)],
@@ -374,6 +375,22 @@ def build_index(uri: str, catalog: str | Path, out: str | Path,
             "build_s": build_s, "kind": options.kind}
 
 
+def _check_unique_ids(ids: np.ndarray, catalog: Path, id_field: str) -> None:
+    """Refuse a catalog holding an item id twice: every copy was indexed, and /retrieve
+    answered the same item again and again instead of ``top_k`` items."""
+    order = np.argsort(ids, kind="stable")
+    repeats = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+    if not len(repeats):
+        return
+    j = int(np.argmin(order[repeats + 1]))  # the first repeat in file order
+    first, again = int(order[repeats[j]]), int(order[repeats[j] + 1])
+    # lines of a text catalog count its header; a Parquet file has rows
+    unit, base = ("rows", 1) if catalog.suffix == ".parquet" else ("lines", 2)
+    raise ValueError(f"{catalog}: item {str(ids[again])!r} (id field {id_field!r}) is on "
+                     f"{unit} {first + base} and {again + base}; a catalog lists each item "
+                     "once")
+
+
 def update_index(uri: str, catalog: str | Path, out: str | Path,
                  options: IndexOptions | None = None, *, id_field: str | None = None,
                  storage_options: dict[str, Any] | None = None,
@@ -393,7 +410,7 @@ def update_index(uri: str, catalog: str | Path, out: str | Path,
             chain = version.manifest.chain
             same = (meta["uri"] == str(uri) and chain[:len(meta["chain"])] == meta["chain"]
                     and meta["catalog_sha256"] == _file_digest(Path(catalog))
-                    and options.kind == meta["kind"]
+                    and options == IndexOptions(**meta["options"])
                     and dense_digest(version) == meta["dense_sha256"])
             if same and version.name == meta["version"]:
                 return {"out": str(out), "generation": folder.name, "mode": "current",

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import msgspec
+import numpy as np
 import orjson
 import pyarrow as pa
 from fastapi import FastAPI, Request
@@ -652,14 +653,21 @@ _DATA_TYPES: dict[str, frozenset[type]] = {
     "BYTES": frozenset({str, int, type(None)})}
 
 
+# The values an integer datatype holds: UINT8 300 or INT64 2**70 was read as that number.
+_INT_RANGES = {d: (int(np.iinfo(d.lower()).min), int(np.iinfo(d.lower()).max))
+               for d in KSERVE_DATATYPES if "INT" in d}
+
+
 def _check_data(where: str, datatype: str, data: list[Any]) -> None:
-    """Every value of a JSON tensor is of its datatype (unsigned ones not negative)."""
+    """Every value of a JSON tensor is of its datatype (integers within its range)."""
     allowed = _DATA_TYPES[datatype]
-    if {type(v) for v in data} <= allowed and not (
-            datatype.startswith("UINT") and any(v is not None and v < 0 for v in data)):
-        return
+    low, high = _INT_RANGES.get(datatype, (None, None))
+    if {type(v) for v in data} <= allowed:
+        numbers = [v for v in data if v is not None] if low is not None else None
+        if not numbers or low <= min(numbers) and max(numbers) <= high:
+            return
     i, v = next((i, v) for i, v in enumerate(data) if type(v) not in allowed
-                or (datatype.startswith("UINT") and v is not None and v < 0))
+                or (low is not None and v is not None and not low <= v <= high))
     raise BadRequest(f"{where}: data[{i}] is {json_type(v)} {orjson.dumps(v).decode()[:60]}, "
                      f"not a {datatype} value")
 

@@ -32,7 +32,9 @@ from terarec.finite import NonFiniteError, check_scores
 from terarec.models.dssm import DSSM
 from terarec.retrieval.index import IndexWatcher, ItemIndex
 from terarec.serving.app import (
+    KSERVE_DATATYPES,
     BadRequest,
+    _check_data,
     _check_features,
     _parse,
     _read_body,
@@ -45,6 +47,7 @@ from terarec.serving.engine import ServedVersion, ServingEngine
 from terarec.validation import STRICT
 
 DEFAULT_TOP_K = 100
+RETRIEVAL_OUTPUTS = ("items", "scores")
 
 
 @dataclass
@@ -112,10 +115,12 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | IndexWatcher | N
     top_k = body.parameters["top_k"]
     if type(top_k) is not int or not 1 <= top_k <= max_top_k:
         raise BadRequest(f"parameters.top_k: expected an integer from 1 to {max_top_k}, "
-                         f"got {top_k!r}")
+                         f"got {orjson.dumps(top_k).decode()[:60]}")
     if index is None:
         raise BadRequest("parameters.top_k: this server has no item index (serve --index)",
                          404)
+    if any(o.get("name") not in RETRIEVAL_OUTPUTS for o in body.outputs):
+        raise BadRequest("'outputs' may only request the outputs 'items' and 'scores'")
     context: dict[str, Any] = {}
     for i, tensor in enumerate(body.inputs):
         if tensor.name not in version.feature_set:
@@ -126,9 +131,14 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | IndexWatcher | N
         if tensor.shape not in ([1], [1, 1]) or len(tensor.data) != 1:
             raise BadRequest(f"inputs[{i}]: retrieval takes one user: shape [1] and one "
                              f"value, got shape {tensor.shape} and {len(tensor.data)} values")
+        where = f"input {tensor.name!r}"
+        if tensor.datatype not in KSERVE_DATATYPES:
+            raise BadRequest(f"{where}: unknown datatype {tensor.datatype!r}")
         value = tensor.data[0]
-        context[tensor.name] = value[0] if isinstance(value, list) and len(value) == 1 \
-            else value
+        if tensor.shape == [1, 1] and isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        _check_data(where, tensor.datatype, [value])  # as the scoring path checks it
+        context[tensor.name] = value
     index = watcher_of(index).for_version(version.name)
     found, scores = await _search(engine, index, version, context, top_k)
     try:
