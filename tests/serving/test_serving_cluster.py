@@ -281,3 +281,22 @@ def test_the_serve_command_reads_the_tier(chain, redis_cluster):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_an_unreadable_newest_manifest_publishes_the_version_before_it(chain, redis_cluster,
+                                                                      tmp_path, capsys):
+    """As a server loads (and a writer builds on) the newest readable version, publish
+    sends it; a version named outright whose manifest is unreadable is an error."""
+    import shutil
+
+    export = tmp_path / "export"
+    shutil.copytree(chain.export, export)
+    manifest = export / "v000004" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])  # truncated
+    url = redis_cluster.url
+    assert publish(url, export, "unreadable") == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["version"] == "v000003" and out["announced"]
+    assert publish(url, export / "v000004", "unreadable") == 2
+    err = capsys.readouterr().err
+    assert "v000004" in err and "Traceback" not in err

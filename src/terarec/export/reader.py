@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from terarec.export.format import (
     ExportError,
     Manifest,
     latest_version,
+    list_versions,
     memmap_tensors,
     parse_version_name,
     read_manifest,
@@ -49,6 +50,46 @@ class IncompleteVersionError(ExportError):
     copied or uploaded. A server retries it for a while before refusing it."""
 
 
+def version_manifest(storage: Storage, name: str) -> Manifest:
+    """A version's manifest; a missing one may still be arriving (``IncompleteVersionError``)."""
+    try:
+        if not storage.exists(f"{name}/{MANIFEST}"):
+            raise IncompleteVersionError(f"{storage.uri}: version {name} has no "
+                                         "manifest (yet)")
+        return read_manifest(storage, name)
+    except StorageError as exc:
+        raise ExportError(str(exc)) from None
+
+
+def newest_readable(storage: Storage, newest: str | None,
+                    read: Callable[[str], Manifest],
+                    refused: Callable[[str, str], None]) -> Manifest | None:
+    """The manifest of version ``newest`` (what ``LATEST`` names) or, when it is
+    unreadable, of the newest older version with a readable one, ``refused(name, why)``
+    told of each one passed over; older half-written versions (no manifest) are skipped,
+    and None if ``newest`` itself has gone. A broken newest manifest must not hide the
+    versions before it: servers serve them, writers build on them, publish sends them."""
+    if newest is None:
+        return None
+    try:
+        return read(newest)
+    except IncompleteVersionError:
+        return None  # removed since it was named
+    except ExportError as exc:
+        refused(newest, str(exc))
+    number = parse_version_name(newest) or 0
+    for name in reversed(list_versions(storage)):
+        if (parse_version_name(name) or 0) >= number:
+            continue
+        try:
+            return read(name)
+        except IncompleteVersionError:
+            continue  # half-written: no manifest
+        except ExportError as exc:
+            refused(name, str(exc))
+    return None
+
+
 class VersionReader:
     """Manifests, verified files, rows and networks of the versions under ``storage``;
     files are served from private copies under ``cache_dir``."""
@@ -62,13 +103,7 @@ class VersionReader:
 
     def manifest(self, name: str) -> Manifest:
         """A version's manifest; a missing one may still be arriving."""
-        try:
-            if not self.storage.exists(f"{name}/{MANIFEST}"):
-                raise IncompleteVersionError(f"{self.storage.uri}: version {name} has no "
-                                             "manifest (yet)")
-            return read_manifest(self.storage, name)
-        except StorageError as exc:
-            raise ExportError(str(exc)) from None
+        return version_manifest(self.storage, name)
 
     def fetch(self, manifest: Manifest, rel: str) -> Path:
         """A private copy of one of the version's files, verified (size and sha256)

@@ -58,12 +58,12 @@ from terarec.export.format import (
     latest_version,
     list_versions,
     parse_version_name,
-    read_manifest,
     rows_bytes,
     sha256_bytes,
     shard_name,
     version_name,
 )
+from terarec.export.reader import newest_readable, version_manifest
 from terarec.export.storage import Storage, StorageError
 from terarec.finite import check_finite
 from terarec.kernels import grown
@@ -100,22 +100,14 @@ class ModelExporter:
         self.codec = codec
 
     def latest(self) -> Manifest | None:
-        """The newest version whose manifest can be read. An unreadable one is skipped
-        (logged), as servers skip it: the next version, full or delta, must be able to
-        replace it rather than fail on it."""
-        newest = latest_version(self.storage)
-        if newest is None:
-            return None
-        number = parse_version_name(newest) or 0
-        for name in [newest, *reversed(list_versions(self.storage))]:
-            if name != newest and ((parse_version_name(name) or 0) >= number
-                                   or not self.storage.exists(f"{name}/{MANIFEST}")):
-                continue  # newer than LATEST's pick, or half-written
-            try:
-                return read_manifest(self.storage, name)
-            except ExportError as exc:
-                log.warning("%s: skipping version %s: %s", self.storage.uri, name, exc)
-        return None
+        """The newest version whose manifest can be read (``newest_readable``): the next
+        version, full or delta, must be able to replace an unreadable one rather than
+        fail on it. Each one skipped is logged."""
+        return newest_readable(
+            self.storage, latest_version(self.storage),
+            lambda name: version_manifest(self.storage, name),
+            lambda name, why: log.warning("%s: skipping version %s: %s",
+                                          self.storage.uri, name, why))
 
     def _next_version(self) -> int:
         # Past every folder, half-written ones included: a name is never reused.

@@ -26,8 +26,8 @@ import torch
 from terarec.autofeature.lookup import FeatureLookup
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.working_set import StagingStats, WorkingSet
-from terarec.export.format import ExportError, Manifest, list_versions, parse_version_name
-from terarec.export.reader import IncompleteVersionError, VersionReader
+from terarec.export.format import ExportError, Manifest
+from terarec.export.reader import IncompleteVersionError, VersionReader, newest_readable
 from terarec.export.storage import Storage
 from terarec.io import ScratchDir, atomic_write_text
 from terarec.models.base import CTRModel
@@ -387,26 +387,9 @@ class ServingEngine:
             log.exception("warm-up of version %s failed", state.name)
 
     def _target(self, newest: str) -> Manifest | None:
-        """The manifest of version ``newest``; when it is unreadable (refused), that of
-        the newest older version with a readable one, so that a broken newest manifest
-        does not hide the versions before it."""
-        try:
-            return self._manifest(newest)
-        except IncompleteVersionError:
-            return None  # removed since it was listed
-        except ExportError as exc:
-            self._refuse(newest, str(exc))
-        number = parse_version_name(newest) or 0
-        for name in reversed(list_versions(self.storage)):
-            if (parse_version_name(name) or 0) >= number:
-                continue
-            try:
-                return self._manifest(name)
-            except IncompleteVersionError:
-                continue  # half-written: no manifest
-            except ExportError as exc:
-                self._refuse(name, str(exc))
-        return None
+        """The manifest of version ``newest``, or of the newest older readable one
+        (``newest_readable``): each unreadable one passed over is refused."""
+        return newest_readable(self.storage, newest, self._manifest, self._refuse)
 
     def _same_export(self, target: Manifest) -> bool:
         """Whether the served version is still in the export as it was served."""

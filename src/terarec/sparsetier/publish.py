@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from terarec.export.format import Manifest, parse_version_name
-from terarec.export.reader import VersionReader
+from terarec.export.reader import VersionReader, newest_readable
 from terarec.export.storage import Storage
 from terarec.export.writer import ExportedVersion, IncrementalExporter
 from terarec.io import ScratchDir
@@ -98,10 +98,15 @@ class Publisher:
         scratch = ScratchDir(tempfile.gettempdir(), "terarec-publish")
         try:
             reader = VersionReader(Storage(export, storage_options), scratch.path)
-            name = name or reader.latest()
-            if name is None:
-                raise PublishError(f"{export}: no version to publish")
-            target = reader.manifest(name)
+            if name is not None:
+                target = reader.manifest(name)
+            else:  # the newest version a server would load: an unreadable one is passed over
+                found = newest_readable(reader.storage, reader.latest(), reader.manifest,
+                                        lambda n, why: log.warning(
+                                            "%s: skipping version %s: %s", export, n, why))
+                if found is None:
+                    raise PublishError(f"{export}: no version to publish")
+                target = found
             result = PublishResult(target.name, part)
             manifests = [reader.manifest(n) if n != target.name else target
                          for n in target.chain]
