@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -115,10 +116,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
     for attr, low, inclusive in _BOUNDS:
         value = getattr(args, attr, None)
-        if value is None or (value >= low if inclusive else value > low):
+        if value is None or (math.isfinite(value)
+                             and (value >= low if inclusive else value > low)):
             continue
-        raise UserError(f"--{attr.replace('_', '-')} must be {'>=' if inclusive else '>'} "
-                        f"{low}, got {value}")
+        raise UserError(f"--{attr.replace('_', '-')} must be a finite number "
+                        f"{'>=' if inclusive else '>'} {low}, got {value}")
     if args.port > 65535:
         raise UserError(f"--port must be <= 65535, got {args.port}")
     given = [a for a in _TIER_DEFAULTS if getattr(args, a) is not None]
