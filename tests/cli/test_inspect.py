@@ -66,14 +66,15 @@ def test_inspect_reports_keys_tiers_and_counts(data, tmp_path, budget, capsys):
         # created at full size, so a tiny table said "disk tier 64.0 MiB" per slab.
         slabs = list((tmp_path / "store").rglob("slab-*.bin"))
         apparent = sum(p.stat().st_size for p in slabs)
-        assert 0 < info["bytes"]["disk_tier_files"] < apparent / 4
+        assert 0 < info["bytes"]["disk_tier"] < apparent / 4
+        assert info["disk_tier_counted"] == "allocated"
     assert main(["inspect", str(model), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(info))
     assert main(["inspect", str(model)]) == 0
     text = capsys.readouterr().out
     assert f"keys        {info['keys']:,}" in text and "show count" in text
     if budget:
-        assert f"disk tier {_fmt(info['bytes']['disk_tier_files'])} allocated" in text
+        assert f"disk tier {_fmt(info['bytes']['disk_tier'])} allocated" in text
     assert f"{stats.rejected:,} rejected" in text and "admitted    rejected" in text
 
 

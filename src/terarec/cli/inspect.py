@@ -89,9 +89,14 @@ def summarise(model_dir: Path) -> dict:
         "bytes": {
             "memory_tier": tiers["memory_bytes"] if tiers else store.get("bytes"),
             "key_index": tiers["index_bytes"] if tiers else None,
-            "disk_tier_files": tiers["disk_file_bytes"] if tiers else 0,
+            # allocated blocks; checkpoints from before that figure hold the slab files'
+            # apparent size (sparse files created at full size)
+            "disk_tier": (tiers.get("disk_allocated_bytes", tiers.get("disk_file_bytes"))
+                          if tiers else 0),
             "checkpoint_sparse": sparse_bytes,
         },
+        "disk_tier_counted": "allocated" if tiers is None or "disk_allocated_bytes" in tiers
+        else "file size",
         "memory_keys": tiers["memory_keys"] if tiers else keys[0],
         "show_histogram": histogram,
     }
@@ -138,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {h.get('pass_id', '-'):>4}" + "".join(
                 f"  {'-' if c is None else f'{c:,}':>10}" for c in cells))
     print(f"  bytes       memory tier {_fmt(b['memory_tier'])}, key index "
-          f"{_fmt(b['key_index'])}, disk tier {_fmt(b['disk_tier_files'])} allocated, "
+          f"{_fmt(b['key_index'])}, disk tier {_fmt(b['disk_tier'])} "
+          f"{info['disk_tier_counted']}, "
           f"checkpoint {_fmt(b['checkpoint_sparse'])}")
     print("  show count  keys")
     hist = info["show_histogram"]

@@ -271,7 +271,7 @@ def _scatter(bases, slots, order, shift, mask, rows, dirty):
 class DiskStats:
     keys: int
     slabs: int
-    file_bytes: int
+    allocated_bytes: int
     index_bytes: int
     rows_read: int
     rows_written: int
@@ -513,13 +513,13 @@ class DiskTier:
         return 2 * self.index.nbytes + self.last_seen.nbytes
 
     @property
-    def file_bytes(self) -> int:
+    def allocated_bytes(self) -> int:
         """Bytes the slab files take on disk (allocated blocks): a slab is a sparse file
         created at its full size, so its apparent size says nothing of the rows held."""
         return sum(self.slab_path(i).stat().st_blocks * 512 for i in range(len(self._maps)))
 
     def stats(self) -> DiskStats:
-        return DiskStats(len(self), len(self._maps), self.file_bytes, self.ram_bytes,
+        return DiskStats(len(self), len(self._maps), self.allocated_bytes, self.ram_bytes,
                          self.rows_read, self.rows_written, self.read_s, self.write_s)
 
     # -- snapshots ----------------------------------------------------------------------

@@ -100,7 +100,7 @@ class TierStats:
     memory_capacity: int
     memory_bytes: int
     disk_keys: int
-    disk_file_bytes: int
+    disk_allocated_bytes: int
     index_bytes: int
     spilled: int
     loaded: int
@@ -779,7 +779,8 @@ class TieredStore(EvictionLog):
         return TierStats(
             memory_keys=len(self.memory),
             memory_capacity=int(min(self.memory_capacity(), 1 << 62)),
-            memory_bytes=self.memory.nbytes, disk_keys=d.keys, disk_file_bytes=d.file_bytes,
+            memory_bytes=self.memory.nbytes, disk_keys=d.keys,
+            disk_allocated_bytes=d.allocated_bytes,
             index_bytes=d.index_bytes, disk_rows_read=d.rows_read,
             disk_rows_written=d.rows_written, disk_read_s=d.read_s, disk_write_s=d.write_s,
             prefetch_s=self._prefetch_s, pull_disk_s=self._pull_disk_s, **self._counters)
