@@ -383,6 +383,24 @@ def test_a_slice_exported_again_is_a_delta_with_bucketed_numeric_fields(data, tm
 
 
 
+def test_a_criteo_slice_takes_its_keys_from_the_headerless_training_file(data, tmp_path):
+    """The Criteo files a model trained on have no header: read with the model's own
+    columns, they give the keys a one-column file with a header gives."""
+    trainer = _trainer(evict_after_passes=None)
+    trainer.fit([data], progress=False)
+    save_checkpoint(tmp_path / "model", trainer)
+    keys_file = tmp_path / "keys.tsv"
+    keys_file.write_text("C1\n" + "\n".join(line.split("\t")[14] for line in
+                                              data.read_text().splitlines()) + "\n")
+    rows = []
+    for name, source in (("headed", keys_file), ("training", data)):
+        assert cli_main(["export", "--model", str(tmp_path / "model"), "--out",
+                         str(tmp_path / name), "--slice", "C1", "--keys-from",
+                         str(source)]) == 0
+        rows.append(read_manifest(Storage(tmp_path / name), "v000001").data["sparse"]["rows"])
+    assert rows[0] == rows[1] > 0
+
+
 def test_a_delta_of_an_empty_slice_keeps_the_row_width(data, tmp_path):
     # A delta with no changed row (the same checkpoint exported again): its rows were
     # 0 x 0, the manifest said row_dim 0 and no reader could open it.

@@ -32,6 +32,7 @@ import torch
 
 from terarec.config import ModelConfig, to_dict
 from terarec.data.hashing import hash_column
+from terarec.data.readers import text_columns
 from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.format import Manifest
 from terarec.export.writer import ExportedVersion, ModelExporter, as_json, check_same_part
@@ -103,8 +104,9 @@ def slice_of(manifest: Manifest) -> dict[str, Any] | None:
 
 def iter_field_columns(path: str | Path, schema: FeatureSchema, fields: Sequence[str],
                        rows: int = READ_ROWS) -> Iterator[dict[str, pa.Array]]:
-    """Blocks of ``fields``' raw values (as strings) from a CSV/TSV file with a header or
-    a Parquet file; the file may hold only these columns (an item catalog)."""
+    """Blocks of ``fields``' raw values (as strings) from a CSV/TSV file with a header, a
+    Parquet file, or (for a Criteo-format model) a headerless Criteo file such as the
+    training files; the file may hold only these columns (an item catalog)."""
     path = Path(path)
     if not path.is_file():  # a folder was called "no such file"
         raise FileNotFoundError(f"{path}: " + ("a folder, expected a file" if path.is_dir()
@@ -124,10 +126,17 @@ def iter_field_columns(path: str | Path, schema: FeatureSchema, fields: Sequence
         return
     delimiter = "\t" if schema.delimiter == "\t" or path.suffix in (".tsv", ".items") \
         else schema.delimiter
+    names = None  # from the header line
+    criteo = schema.format == "criteo"
+    if criteo and not set(fields) <= set(_first_line(path, delimiter)):
+        # a Criteo file as training read it: no header, the schema's columns (the label
+        # may be left out, as in Criteo's test files)
+        names, _ = text_columns(path, schema, with_label=False)
     try:
         reader = pa_csv.open_csv(
-            path, read_options=pa_csv.ReadOptions(block_size=1 << 22),
-            parse_options=pa_csv.ParseOptions(delimiter=delimiter),
+            path, read_options=pa_csv.ReadOptions(block_size=1 << 22, column_names=names),
+            parse_options=pa_csv.ParseOptions(delimiter=delimiter,
+                                              quote_char=False if criteo else '"'),
             convert_options=pa_csv.ConvertOptions(
                 include_columns=list(fields), column_types={f: pa.string() for f in fields},
                 strings_can_be_null=False))
@@ -135,6 +144,11 @@ def iter_field_columns(path: str | Path, schema: FeatureSchema, fields: Sequence
             yield {f: block.column(f) for f in fields}
     except (pa.ArrowInvalid, KeyError) as exc:
         raise ValueError(f"{path}: cannot read columns {list(fields)} ({exc})") from None
+
+
+def _first_line(path: Path, delimiter: str) -> list[str]:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.readline().rstrip("\r\n").split(delimiter)
 
 
 def field_keys(paths: Sequence[str | Path], schema: FeatureSchema,
