@@ -208,6 +208,19 @@ def test_retrieval_infer_checks_its_tensor_like_scoring_does(trained, change, me
         assert ok.status_code == 200, ok.text
 
 
+def test_retrieval_infer_errors_name_the_inputs_not_a_context(trained):
+    """The v2 request has no ``context``: its errors name its ``inputs``."""
+    tmp, _, _ = trained
+    engine = ServingEngine(str(tmp / "user_tower"), cache_dir=tmp / "cache-rn")
+    assert engine.refresh()
+    with TestClient(create_app(engine, index=load_index(tmp / "idx"), max_top_k=100)) as c:
+        bad = c.post("/v2/models/terarec/infer", json={
+            "inputs": [{"name": "item", "shape": [1], "datatype": "BYTES", "data": ["7"]}],
+            "parameters": {"top_k": 5}})
+        assert bad.status_code == 422, bad.text
+        assert bad.json()["error"].startswith("inputs.item: an item-side feature")
+
+
 def test_index_knobs_given_again_rebuild_rather_than_being_ignored(trained, tmp_path,
                                                                     capsys):
     """A second `terarec index` with other --nlist / --pq-m answered "mode": "current"

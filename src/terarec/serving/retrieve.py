@@ -72,20 +72,21 @@ def _user_tower(version: ServedVersion) -> DSSM:
 
 @torch.no_grad()
 def user_vector(engine: ServingEngine, version: ServedVersion,
-                context: dict[str, Any]) -> np.ndarray:
-    """``[1, K]`` user vector of one request's user features."""
+                context: dict[str, Any], where: str = "context") -> np.ndarray:
+    """``[1, K]`` user vector of one request's user features; errors name them as
+    ``where`` (the /retrieve body's ``context``, a v2 request's ``inputs``)."""
     model = _user_tower(version)
-    context = dict(_check_features(context, "context", version))
+    context = dict(_check_features(context, where, version))
     item_side = [k for k in context if k in model.item_fields]
     if item_side:
-        raise BadRequest(f"context.{item_side[0]}: an item-side feature; /retrieve takes "
+        raise BadRequest(f"{where}.{item_side[0]}: an item-side feature; /retrieve takes "
                          f"the user's features {list(model.user_fields)}")
-    batch = _request_batch(version, context, [{}], "context")
+    batch = _request_batch(version, context, [{}], where)
     emb = engine.pooled(batch, version)
     vector = model.user_embedding(batch.dense, emb.index_select(1, model.user_index))
     out = vector.numpy()
     if not np.isfinite(out).all():
-        raise BadRequest("context: the user vector is not finite")
+        raise BadRequest(f"{where}: the user vector is not finite")
     return out
 
 
@@ -96,9 +97,10 @@ def watcher_of(index: ItemIndex | IndexWatcher) -> IndexWatcher:
 
 
 async def _search(engine: ServingEngine, index: ItemIndex, version: ServedVersion,
-                  context: dict[str, Any], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+                  context: dict[str, Any], top_k: int, where: str = "context"
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """(item positions, inner products) of the user's ``top_k`` nearest items."""
-    vector = user_vector(engine, version, context)
+    vector = user_vector(engine, version, context, where)
     if vector.shape[1] != index.dim:
         raise BadRequest(f"the user vector has {vector.shape[1]} values, the item index "
                          f"{index.dim}: the index was built from another model", 503)
@@ -140,7 +142,7 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | IndexWatcher | N
         _check_data(where, tensor.datatype, [value])  # as the scoring path checks it
         context[tensor.name] = value
     index = watcher_of(index).for_version(version.name)
-    found, scores = await _search(engine, index, version, context, top_k)
+    found, scores = await _search(engine, index, version, context, top_k, "inputs")
     try:
         check_scores(scores)
     except NonFiniteError as exc:
