@@ -9,7 +9,7 @@ import pytest
 import torch
 from ranks import run_ranks
 
-from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig
+from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.distributed.context import DistContext
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
@@ -21,9 +21,10 @@ SCHEMA = FeatureSchema(label="label", fields=(
 BATCH = 64
 
 
-def _config() -> TrainConfig:
+def _config(admit_min_count: int = 1) -> TrainConfig:
     return TrainConfig(batch_size=BATCH, pass_rows=4 * BATCH, threads=1, seed=5,
                        loss="sampled_softmax",
+                       store=StoreConfig(admit_min_count=admit_min_count),
                        model=ModelConfig(name="dssm", embedding_dim=4, deep_mlp=(8, 4),
                                          user_fields=("user",)),
                        sparse_optimizer=SparseOptimizerConfig(name="adagrad", lr=0.2))
@@ -61,16 +62,16 @@ def _result(trainer: Trainer, losses: list[float]) -> dict:
             "losses": losses}
 
 
-def _one_process() -> dict:
+def _one_process(admit_min_count: int) -> dict:
     torch.manual_seed(0)
-    trainer = Trainer(SCHEMA, _config())
+    trainer = Trainer(SCHEMA, _config(admit_min_count))
     losses = [trainer.train_pass(batches).train_loss for batches in _passes()]
     return _result(trainer, losses)
 
 
-def _rank(ctx: DistContext) -> dict:
+def _rank(ctx: DistContext, admit_min_count: int) -> dict:
     torch.manual_seed(0)
-    trainer = Trainer(SCHEMA, _config(), ctx=ctx)
+    trainer = Trainer(SCHEMA, _config(admit_min_count), ctx=ctx)
     local = BATCH // ctx.world
     losses = [trainer.train_pass([b.slice(ctx.rank * local, (ctx.rank + 1) * local)
                                   for b in batches]).train_loss
@@ -79,9 +80,12 @@ def _rank(ctx: DistContext) -> dict:
 
 
 @pytest.mark.slow
-def test_sampled_softmax_on_two_ranks_matches_one_process() -> None:
-    want = _one_process()
-    parts = run_ranks(_rank, 2)
+@pytest.mark.parametrize("admit_min_count", [1, 2])
+def test_sampled_softmax_on_two_ranks_matches_one_process(admit_min_count: int) -> None:
+    """With admission, items whose keys have no row yet are still told apart by their
+    keys (one process once took them for one item: the zero row's local id)."""
+    want = _one_process(admit_min_count)
+    parts = run_ranks(_rank, 2, admit_min_count)
     keys = np.concatenate([p["keys"] for p in parts])
     order = np.argsort(keys)
     np.testing.assert_array_equal(keys[order], want["keys"])

@@ -23,6 +23,11 @@ SUBCOMMANDS = [
 ]
 
 
+# Subcommands that run as torchrun ranks (one code path for 1..N); the others run whole
+# in one process.
+RANK_COMMANDS = frozenset({"train", "search"})
+
+
 class UserError(Exception):
     """An error in the user's input: printed as one line, exit code 2, no traceback."""
 
@@ -47,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from terarec.io import NOT_WRITABLE, NotWritableError
 
     try:
+        _check_launch(args.command)
         return int(args.func(args) or 0)
     except (UserError, ValueError, FileNotFoundError) as exc:
         print(f"terarec {args.command}: error: {exc}", file=sys.stderr)
@@ -74,6 +80,20 @@ def _stdout_closed() -> bool:
         return any(events & select.POLLERR for _, events in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # no file descriptor, or no poll()
         return False
+
+
+def _check_launch(command: str) -> None:
+    """Refuse a one-process subcommand started as several torchrun ranks: each rank ran
+    it whole, so ``export`` wrote one version per rank, ``predict`` printed every score
+    once per rank and ``eval`` / ``inspect`` repeated their report."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if command in RANK_COMMANDS or not world.isdigit() or int(world) <= 1:
+        return
+    from terarec.distributed.context import launched_by_torchrun
+
+    if launched_by_torchrun():
+        raise UserError(f"{command} runs in one process, not as {world} torchrun ranks "
+                        f"(each would run it whole); run it without torchrun")
 
 
 def run() -> NoReturn:

@@ -191,13 +191,15 @@ class Trainer:
         emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
         return self.model(batch.dense, emb)
 
-    def _train_loss(self, ws: WorkingSet, batch: Batch) -> torch.Tensor:
-        """The batch's mean loss: pointwise BCE, or the two-tower sampled softmax."""
+    def _train_loss(self, ws: WorkingSet, batch: Batch, keyed: Batch) -> torch.Tensor:
+        """The batch's mean loss: pointwise BCE, or the two-tower sampled softmax.
+        ``keyed``: the batch before remapping; items are told apart by their keys, since
+        every key without a row shares the zero row's local id."""
         if self.config.loss == "sampled_softmax":
             model = cast(DSSM, self.model)
             emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
             return model.sampled_softmax_loss(batch.dense, emb, batch.labels,
-                                              model.item_ids(batch.sparse))
+                                              model.item_ids(keyed.sparse).to(self.device))
         return F.binary_cross_entropy_with_logits(self._logits(ws, batch, train=True),
                                                   batch.labels)
 
@@ -223,6 +225,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self._admitted_before is None or self._admitted_before[0] != self.pass_id:
             self.begin_pass()
+        keyed = batches.batches if isinstance(batches, PassPlan) else batches
         ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True,
                               cache=self.device_cache)
         batches = ws.batches
@@ -231,8 +234,8 @@ class Trainer:
             self.device_cache.read_ahead(self.store, upcoming, ws.keys, after=prefetcher)
         t1 = time.perf_counter()
         losses = []
-        for batch in ws.batches:
-            loss = self._train_loss(ws, batch)
+        for batch, raw in zip(ws.batches, keyed, strict=True):
+            loss = self._train_loss(ws, batch, raw)
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.dense_optimizer.step()
