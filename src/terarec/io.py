@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic file writes: a reader sees the old file or the new one, never half of one; and
+the JSON of run records, written with non-finite numbers as null."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
+import math
 import os
 import shutil
 import socket
@@ -14,10 +17,27 @@ import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 # Why a folder cannot be written to: the user's to fix (another --out), not a bug.
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def finite_json(value: Any, **kwargs: Any) -> str:
+    """``json.dumps`` with every non-finite float written as null: NaN and Infinity are
+    not JSON (strict readers refuse the file), and an AUC over rows of one class is
+    undefined, not a number."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class NotWritableError(PermissionError):

@@ -971,3 +971,26 @@ def test_a_run_failing_before_its_first_write_leaves_no_model_folder(data, tmp_p
     out.mkdir()
     assert _train(data, out, "--model", "dssm") == 2
     assert out.is_dir()
+
+
+def test_a_one_class_valid_file_writes_its_undefined_auc_as_null(data, tmp_path, capsys):
+    """AUC over rows of one class is NaN, which is not JSON: metrics.json, history.json
+    and the printed line could not be read by a strict reader."""
+    valid = tmp_path / "valid.tsv"
+    valid.write_text("".join("0" + line[line.index("\t"):] + "\n"
+                             for line in data.read_text().splitlines()[:300]))
+    out = tmp_path / "model"
+    assert cli_main(["train", "--train", str(data), "--valid", str(valid), "--out",
+                     str(out), *TRAIN, "--no-refit"]) == 0
+    captured = capsys.readouterr()
+    assert "AUC is undefined: every validation label is the same class" in captured.err
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+
+    line = next(x for x in captured.out.splitlines() if x.startswith("{"))
+    assert strict(line)["auc"] is None
+    assert strict((out / "metrics.json").read_text())["auc"] is None
+    history = strict((out / "history.json").read_text())
+    assert history and all(h["valid_auc"] is None for h in history)
+    assert all(h["valid_logloss"] > 0 for h in history)  # the loss is defined

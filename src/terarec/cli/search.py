@@ -122,6 +122,7 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
          ctx: DistContext) -> int:
     """The search on ``args.train`` / ``args.valid`` as the trials read them."""
     from terarec.embedding.shared import sharing_refusal
+    from terarec.io import finite_json
     from terarec.train.defaults import apply_sized_defaults
     from terarec.train.search import (
         load_space,
@@ -163,7 +164,7 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
         write_search_report(result, args.out)
         report_skipped(stats)
         best = result.best
-        print(json.dumps({"trials": len(result.trials),
+        print(finite_json({"trials": len(result.trials),
                           "pruned": sum(t.state == "pruned" for t in result.trials),
                           "best_trial": best.number if best else None,
                           "best_value": best.selection.best_value if best else None,
@@ -203,6 +204,6 @@ def refit_best(best_dir: Path, args: argparse.Namespace, ctx) -> None:
         metrics.update(selected_checkpoint=metrics.get("checkpoint"),
                        checkpoint=refit["checkpoint"])
     if ctx.is_main:
-        from terarec.io import atomic_write_text
+        from terarec.io import atomic_write_text, finite_json
 
-        atomic_write_text(best_dir / "metrics.json", json.dumps(metrics, indent=2))
+        atomic_write_text(best_dir / "metrics.json", finite_json(metrics, indent=2))

@@ -48,6 +48,7 @@ from terarec.export.writer import model_features_dir, parse_hhmm
 from terarec.io import (
     LockedError,
     exclusive_lock,
+    finite_json,
     remove_atomic_leftovers,
     shared_lock,
     try_lock_file,
@@ -333,7 +334,8 @@ def _follow_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         selection=selection_from_args(args, config))
     if ctx.is_main:
         report_skipped(stats)
-        print(json.dumps({k: metrics.get(k) for k in (
+        _say_undefined_auc(metrics)
+        print(finite_json({k: metrics.get(k) for k in (
             "auc", "logloss", "rows", "files_trained", "passes", "stop_reason")}))
         _write_report(args, metrics, {}, f"terarec train: {config.model.name} following "
                       f"{args.follow}")
@@ -430,7 +432,8 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
         report_skipped(stats)
         shown = ("auc", "logloss", "rows", "samples_per_s") + (
             ("world_size",) if ctx.world > 1 else ())
-        print(json.dumps({k: metrics[k] for k in shown}))
+        _say_undefined_auc(metrics)
+        print(finite_json({k: metrics[k] for k in shown}))
         _write_report(args, metrics, sized, f"terarec train: {config.model.name} on "
                       f"{', '.join(Path(p).name for p in args.train)}")
     ctx.close()
@@ -479,6 +482,14 @@ def _check_resumed_columns(args: argparse.Namespace) -> None:
                         f"flags describe ({', '.join(differ)} "
                         f"{'differs' if len(differ) == 1 else 'differ'}); resume with the "
                         "flags it was trained with, or train into another --out")
+
+
+def _say_undefined_auc(metrics: dict) -> None:
+    """A validation AUC over rows of one class is undefined: said, and written as null."""
+    auc = metrics.get("auc")
+    if isinstance(auc, float) and not math.isfinite(auc):
+        print("AUC is undefined: every validation label is the same class; written as null",
+              file=sys.stderr)
 
 
 def _refit(args: argparse.Namespace, train: list[Path]) -> bool:

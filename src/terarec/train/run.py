@@ -11,7 +11,6 @@ own.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -27,7 +26,7 @@ from terarec.distributed.context import DistContext, restart_count
 from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.export.writer import IncrementalExporter
 from terarec.finite import check_finite_loss
-from terarec.io import atomic_write_text
+from terarec.io import atomic_write_text, finite_json
 from terarec.train.checkpoint import (
     best_checkpoint,
     clear_best,
@@ -237,11 +236,11 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
                 metrics["selected_version"] = versions.export(selected, full=True).name
         metrics["phase_seconds"] = clock.rounded()
     if ctx.is_main:
-        atomic_write_text(run.out / "metrics.json", json.dumps(metrics, indent=2))
+        atomic_write_text(run.out / "metrics.json", finite_json(metrics, indent=2))
         records = [*trainer.history[:-1], {**trainer.history[-1],
                                            "stop_reason": trainer.stop_reason}] \
             if trainer.history else []
-        atomic_write_text(run.out / "history.json", json.dumps(records, indent=2))
+        atomic_write_text(run.out / "history.json", finite_json(records, indent=2))
     return metrics, stats
 
 
@@ -348,7 +347,8 @@ class _Following:
 
     def on_pass_end(self, trainer: Trainer) -> None:
         """Rank 0, after the pass's checkpoint: history and metrics for watchers."""
-        atomic_write_text(self.run.out / "history.json", json.dumps(trainer.history, indent=2))
+        atomic_write_text(self.run.out / "history.json",
+                          finite_json(trainer.history, indent=2))
         write_prometheus(self.run.out / METRICS_FILE, trainer)
 
     def close(self) -> None:

@@ -60,7 +60,13 @@ from terarec.embedding.shared import (
 )
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
-from terarec.io import LockedError, atomic_write_text, exclusive_lock, remove_atomic_leftovers
+from terarec.io import (
+    LockedError,
+    atomic_write_text,
+    exclusive_lock,
+    finite_json,
+    remove_atomic_leftovers,
+)
 from terarec.train.checkpoint import (
     LATEST_FILE,
     CheckpointError,
@@ -1076,7 +1082,7 @@ def _write_trial_files(t: SearchTrial) -> None:
     t.model_dir.mkdir(parents=True, exist_ok=True)
     history = [*t.history[:-1], {**t.history[-1], "stop_reason": t.stop_reason}] \
         if t.history else []
-    atomic_write_text(t.model_dir / "history.json", json.dumps(history, indent=2))
+    atomic_write_text(t.model_dir / "history.json", finite_json(history, indent=2))
     row = t.row()
     metrics = {"auc": row["valid_auc"], "logloss": row["valid_logloss"],
                "evaluated_on": "valid", "checkpoint": f"pass-{row['best_pass']:06d}"
@@ -1085,7 +1091,7 @@ def _write_trial_files(t: SearchTrial) -> None:
                "trial": t.number, "params": t.params, "state": t.state,
                "seconds": t.seconds, **t.selection.summary(),
                **({"continued_from": t.continued_from} if t.continued_from else {})}
-    atomic_write_text(t.model_dir / "metrics.json", json.dumps(metrics, indent=2))
+    atomic_write_text(t.model_dir / "metrics.json", finite_json(metrics, indent=2))
 
 
 def _write_best(best: SearchTrial, out_dir: Path, base: TrainConfig) -> Path:
@@ -1124,7 +1130,7 @@ def write_results(result: SearchResult, out_dir: str | Path) -> tuple[Path, Path
     payload = {"best_trial": best, "best_dir": str(result.best_dir) if result.best_dir
                else None, "seconds": result.seconds, "trials": rows}
     json_path = out_dir / "results.json"
-    atomic_write_text(json_path, json.dumps(payload, indent=2))
+    atomic_write_text(json_path, finite_json(payload, indent=2))
     columns = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns)
