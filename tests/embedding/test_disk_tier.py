@@ -162,7 +162,7 @@ def full_disk(tmp_path):
     if done.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
     yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 @pytest.mark.parametrize("key_index", ["ram", "disk"])
