@@ -150,3 +150,41 @@ def test_peak_rss_stays_within_budget_for_a_table_four_times_larger(tmp_path):
     allocator_slack = 2 * _MMAP_THRESHOLD_BYTES
     assert out["peak"] - out["baseline"] < budget + pass_overhead + allocator_slack, out
     assert 0 < out["memory_keys"] < out["keys"] / 4
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MB filesystem of its own (tmpfs: mounting needs root, else the test skips)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("key_index", ["ram", "disk"])
+def test_full_disk_is_an_error_naming_the_folder_not_sigbus(full_disk, key_index):
+    """Slabs are sparse files written through mappings: on a full disk a write to a hole
+    was a SIGBUS that killed the process without a word."""
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from terarec.embedding.disk import DiskTier
+        from terarec.io import NotWritableError
+        tier = DiskTier({str(full_disk / "store")!r}, 20, key_index={key_index!r},
+                        buffer_keys=1024)
+        try:
+            for start in range(0, 1_000_000, 10_000):
+                keys = np.arange(start, start + 10_000, dtype=np.int64) + 1
+                tier.write(keys, np.ones((len(keys), 20), np.float32))
+                tier.end_pass()
+        except NotWritableError as exc:
+            print("REFUSED", exc.strerror)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED cannot write" in done.stdout and "no space left" in done.stdout

@@ -156,6 +156,16 @@ def test_budget_too_small_for_the_key_index_is_refused(tmp_path):
             store.push(part, block)
 
 
+@pytest.mark.parametrize("budget", [f"{1 << 20}TB", "99999999999TB"])
+def test_budget_beyond_this_machine_is_refused_naming_the_flag(tmp_path, budget):
+    """The memory tier's index is allocated up front for the budget's hot rows: a budget
+    no machine can allocate is one error naming --memory-budget, not numpy's."""
+    optimizer = SparseOptimizer(SparseOptimizerConfig())
+    with pytest.raises(MemoryBudgetError, match=f"--memory-budget {budget}: .* lower"):
+        TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget=budget),
+                    path=tmp_path / "s")
+
+
 def test_change_tracking_matches_memory_store(tmp_path):
     """What incremental export reads: rows touched since a pass, and evicted keys."""
     mem, tiered = _stores(tmp_path, budget="2MB", evict_after_passes=3)

@@ -174,3 +174,18 @@ def test_without_valid_training_is_unchanged(files, tmp_path):
         main(["train", "--train", str(train), "--out", str(out), "--eval-every", "x"])
     assert main(["train", "--train", str(train), "--out", str(out), "--eval-every",
                  "2"]) == 2
+
+
+def test_resume_after_patience_ran_out_trains_nothing_more(files, tmp_path):
+    """A run killed after committing the pass whose evaluation stopped it resumes to the
+    uninterrupted run's model: patience rebuilt from the history stops it at once."""
+    out = tmp_path / "m"
+    args = (*NOISY, "--epochs", "20", "--patience", "2", "--no-refit")
+    metrics, history = _train(files, out, *args)
+    assert metrics["stop_reason"] == "patience"
+    (out / "metrics.json").unlink()  # as if killed between the commit and the metrics
+    resumed, again = _train(files, out, *args, "--resume")
+    assert [h["pass_id"] for h in again] == [h["pass_id"] for h in history]
+    assert resumed["stop_reason"] == "patience"
+    assert resumed["checkpoint"] == metrics["checkpoint"]
+    assert resumed["logloss"] == metrics["logloss"]

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             raise  # a socket or another pipe: a real failure
         return 1  # ``terarec inspect M | head``: the reader has what it wanted
     except OSError as exc:  # a path the user named cannot be written: one line
-        if exc.errno not in NOT_WRITABLE:
+        if exc.errno not in NOT_WRITABLE and not isinstance(exc, NotWritableError):
             raise
         shown = exc.strerror if isinstance(exc, NotWritableError) else exc
         print(f"terarec {args.command}: error: {shown}", file=sys.stderr)

@@ -30,6 +30,7 @@ With ``key_index="disk"`` the keys live in sorted run files next to the slabs
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -52,10 +53,12 @@ from terarec.embedding.compression import CodedRows, FrequencyClasses
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.keyindex import RunIndex, read_run_items
 from terarec.embedding.quant import decode_rows, encode_rows, row_bytes
-from terarec.io import sha256_file, try_lock_file
+from terarec.io import NotWritableError, sha256_file, try_lock_file
 from terarec.kernels import grown
 
 SLAB_BYTES = 64 << 20
+# Slab blocks allocated ahead of the highest slot in use, per fallocate call.
+RESERVE_BYTES = 4 << 20
 INDEX_FILE = "index.safetensors"
 KEY_INDEXES = ("ram", "disk")
 
@@ -316,6 +319,7 @@ class DiskTier:
         # last-seen mirror: ``index`` stays empty, ``last_seen`` unused).
         self.runs = RunIndex(self.path, buffer_keys) if key_index == "disk" else None
         self._maps: list[np.memmap] = []
+        self._reserved = 0  # slots whose file blocks are allocated (``_reserve``)
         self._bases = np.zeros(0, np.int64)  # address of each mapped slab, for the kernels
         self._dirty = np.zeros(0, np.bool_)
         self.rows_read = 0
@@ -347,12 +351,52 @@ class DiskTier:
     def _ensure_slots(self, bound: int) -> None:
         while len(self._maps) * self.slab_rows < bound:
             self._open_slab(len(self._maps))
+        if bound > self._reserved:
+            self._reserve(bound)
         if self.runs is None:
             self.last_seen = grown(self.last_seen, bound)
+
+    def _reserve(self, bound: int) -> None:
+        """Allocate the slabs' file blocks for slots below ``bound`` (and some ahead).
+        Slabs are sparse files written through mappings: on a full disk the first store to
+        a hole is a SIGBUS that kills the process without a word, so the blocks are
+        claimed here, where no space is an error naming the file."""
+        row = 4 * self.width
+        end = min(len(self._maps) * self.slab_rows, bound + max(1, RESERVE_BYTES // row))
+        try:
+            self._allocate(self._reserved, end)
+        except OSError as exc:  # room for the rows, maybe, if not for the blocks ahead
+            if exc.errno != errno.ENOSPC:
+                raise
+            end = bound
+            try:
+                self._allocate(self._reserved, end)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise NotWritableError(
+                    errno.ENOSPC, f"cannot write {self.path}: no space left on device for "
+                    f"{(end - self._reserved) * row:,} B more of the disk tier's rows"
+                ) from None
+        self._reserved = end
+
+    def _allocate(self, start: int, end: int) -> None:
+        """posix_fallocate the blocks of slots ``start`` to ``end`` in their slabs."""
+        row = 4 * self.width
+        while start < end:
+            slab = start >> self.shift
+            stop = min(end, (slab + 1) * self.slab_rows)
+            fd = os.open(self.slab_path(slab), os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, (start & self.mask) * row, (stop - start) * row)
+            finally:
+                os.close(fd)
+            start = stop
 
     def close(self) -> None:
         """Unmap the slabs (the folder stays locked: ``restore`` maps them again)."""
         self._bases = np.zeros(0, np.int64)
+        self._reserved = 0
         for mm in self._maps:
             _mapping(mm).close()
         self._maps = []

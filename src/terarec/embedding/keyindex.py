@@ -33,6 +33,7 @@ runs in ``index.safetensors`` and hard-link their files: runs are never written 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import mmap
 import os
@@ -45,6 +46,7 @@ import numba
 import numpy as np
 
 from terarec.embedding.index import KeyIndex
+from terarec.io import NotWritableError
 from terarec.kernels import GOLDEN_GAMMA, grown, splitmix64
 
 RUN_BLOCK = 512  # keys per fence: one 4 KB page of keys per binary search
@@ -202,13 +204,27 @@ class _RunWriter:
         self.files = {c: open(folder / f"{name}.{c}", "wb") for c, _ in _COLUMNS}  # noqa: SIM115
 
     def append(self, keys: np.ndarray, slots: np.ndarray, seen: np.ndarray) -> None:
-        for c, a in (("keys", keys), ("slots", slots), ("seen", seen)):
-            self.files[c].write(np.ascontiguousarray(a, dict(_COLUMNS)[c]).tobytes())
+        with self._no_space():
+            for c, a in (("keys", keys), ("slots", slots), ("seen", seen)):
+                self.files[c].write(np.ascontiguousarray(a, dict(_COLUMNS)[c]).tobytes())
 
     def close(self) -> Run:
-        for fh in self.files.values():
-            fh.close()
+        with self._no_space():
+            for fh in self.files.values():
+                fh.close()
         return Run(self.folder, self.name)
+
+    @contextlib.contextmanager
+    def _no_space(self) -> Iterator[None]:
+        """A full disk is one error naming the run's files, not a traceback."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise NotWritableError(errno.ENOSPC, f"cannot write {self.folder / self.name}.*: "
+                                   "no space left on device for the disk key index"
+                                   ) from None
 
 
 def _newest(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], drop_removed: bool

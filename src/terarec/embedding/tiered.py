@@ -236,11 +236,26 @@ class TieredStore(EvictionLog):
         rows never used cost no RAM; the index is sized for the capacity up front."""
         cap = self.memory_capacity()
         alloc = int(min(cap, 1 << 16)) if self.budget is None else int(cap)
-        m = MemoryStore(self.row_dim, self.optimizer, self.config, seed=self.seed,
-                        capacity=max(alloc + alloc // 2, 16))
+        try:
+            m = MemoryStore(self.row_dim, self.optimizer, self.config, seed=self.seed,
+                            capacity=max(alloc + alloc // 2, 16))
+        except MemoryError as exc:  # numpy's too-large shapes too (a ValueError there)
+            raise self._unallocatable(alloc) from exc
+        except ValueError as exc:
+            if "maximum allowed dimension" not in str(exc).lower():
+                raise
+            raise self._unallocatable(alloc) from exc
         self.memory = m
         self._meta_size = 0
         self._ensure_meta()
+
+    def _unallocatable(self, rows: int) -> MemoryBudgetError:
+        """The budget's memory tier cannot be allocated: its index is sized for every hot
+        row the budget allows up front, so a budget beyond this machine's RAM fails here."""
+        return MemoryBudgetError(
+            f"--memory-budget {self.config.memory_budget}: its memory tier of {rows:,} hot "
+            f"rows has an index of {rows * _INDEX_BYTES_PER_ROW // 2:,} B or more, allocated "
+            "up front, and this machine cannot allocate it; lower --memory-budget")
 
     def _ensure_meta(self) -> None:
         """Per memory slot: last use (LRU), dirty (disk copy behind), on_disk."""

@@ -47,6 +47,7 @@ the shards one by one and keeps the keys it now owns (``shard_of``).
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -82,7 +83,13 @@ from terarec.embedding.store import (
 )
 from terarec.embedding.tiered import iter_saved, saved_extras, snapshot_arrays
 from terarec.finite import check_trainer_finite
-from terarec.io import atomic_write_text, fsync_dir, sha256_file, write_text_if_changed
+from terarec.io import (
+    NotWritableError,
+    atomic_write_text,
+    fsync_dir,
+    sha256_file,
+    write_text_if_changed,
+)
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 from terarec.validation import validate_json
@@ -166,9 +173,13 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None,
                               "directory must be on a filesystem every rank sees")
     try:
         files, shard, shard_digests = _write_rank_files(staging, trainer)
-    except BaseException:
+    except BaseException as exc:
+        full = _out_of_space(exc, staging)
         if ctx.world == 1:
             shutil.rmtree(staging, ignore_errors=True)
+        if full:
+            raise NotWritableError(errno.ENOSPC, f"cannot write checkpoint {root / name}: "
+                                   "no space left on device") from exc
         raise  # a rank that fails exits; torchrun stops the others
     # past here, every rank's files are durable
     every_rank = ctx.all_gather_object((files, store_summary(trainer.store)))
@@ -176,14 +187,31 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None,
     if ctx.is_main:
         try:
             _commit(staging, final, trainer, every_rank, extra)
-        except BaseException:
+        except BaseException as exc:
+            full = _out_of_space(exc, staging)
             shutil.rmtree(staging, ignore_errors=True)
+            if full:
+                raise NotWritableError(errno.ENOSPC, f"cannot write checkpoint {final}: "
+                                       "no space left on device") from exc
             raise
         atomic_write_text(model_dir / LATEST_FILE, name)
         _prune(root, keep=KEEP_CHECKPOINTS, pinned=pinned)
     ctx.barrier()
     trainer.store.committed(final / shard, shard_digests)  # later saves link unchanged slabs
     return final
+
+
+def _out_of_space(exc: BaseException, where: Path) -> bool:
+    """Whether a failed checkpoint write ran out of disk: an ENOSPC, or torch.save's
+    writer, which reports a short write as a RuntimeError, on a filesystem left full."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, RuntimeError):
+        try:
+            return shutil.disk_usage(where).free < (1 << 20)
+        except OSError:
+            return False
+    return False
 
 
 def _write_rank_files(staging: Path, trainer) -> tuple[dict[str, str], str, dict[str, str]]:

@@ -99,6 +99,10 @@ class TrialRun:
             self.rng = RngState.capture(self.trainer.device)
         if self.trainer.history:
             self.steps = int(self.trainer.history[-1].get("steps", 0))
+        if self.selection is not None and self.selection.exhausted:
+            # Resumed after its stopping evaluation was committed (killed before the
+            # run finished): training on would give another model than the run's.
+            self.stop(STOP_PATIENCE)
 
     @property
     def live(self) -> bool:

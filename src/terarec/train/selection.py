@@ -92,8 +92,13 @@ class SelectionTracker:
             self.best_value, self.best_pass, self.since_best = float(value), pass_id, 0
         else:
             self.since_best += 1
-        stop = self.patience is not None and self.since_best >= self.patience
-        return Verdict(improved, stop)
+        return Verdict(improved, self.exhausted)
+
+    @property
+    def exhausted(self) -> bool:
+        """Patience has run out: true from the stopping evaluation on, so a tracker
+        rebuilt from the history of a run killed after it still stops that run."""
+        return self.patience is not None and self.since_best >= self.patience
 
     def observe(self, record: dict) -> Verdict:
         """:meth:`update` from a history record (its metric and ``pass_id + 1``, the pass
