@@ -324,7 +324,7 @@ class TrainConfig:
     # docs/device.md: rows kept on the training device across passes, at most this much.
     device_budget: MemorySize | None = knob(
         None, "--device-budget", "device memory for hot rows and their optimizer state "
-        "kept on the device across passes, e.g. 40GB (one process)")
+        "kept on the device across passes, e.g. 40GB (under torchrun: per rank, for its key shard)")
     on_bad_row: Literal["error", "skip"] = knob(
         "error", "--on-bad-row", "stop at the first bad row or skip and count bad rows",
         group=INPUT_FORMAT)
