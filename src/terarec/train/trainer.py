@@ -72,6 +72,7 @@ from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pa
 from terarec.finite import check_model_scores
 from terarec.models import build_model
 from terarec.models.dssm import DSSM
+from terarec.train.dense_optimizer import dense_optimizer
 from terarec.train.metrics import evaluate_scores
 from terarec.train.passes import Inputs, group_passes, iter_file_batches, iter_input_passes
 from terarec.train.selection import SelectionTracker
@@ -145,7 +146,7 @@ class Trainer:
         self.sparse_optimizer = SparseOptimizer(config.sparse_optimizer)
         self.store = store if store is not None else make_store(
             self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
-        self.dense_optimizer = _dense_optimizer(self.model, config)
+        self.dense_optimizer = dense_optimizer(self.model, config)
         # Hot rows kept on the device across passes (embedding/device.py), or None.
         self.device_cache = make_device_cache(config.device_budget, self.store, self.device)
         # The fused lookup's backward needs a graph input that requires grad.
@@ -651,15 +652,3 @@ def _start_prefetch(store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np
     thread = _Prefetcher(store, upcoming)
     thread.start()
     return thread
-
-
-def _dense_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    c = config.dense_optimizer
-    params = list(model.parameters())
-    if c.name == "adam":
-        return torch.optim.Adam(params, lr=c.lr, weight_decay=c.weight_decay)
-    if c.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=c.lr, weight_decay=c.weight_decay)
-    if c.name == "sgd":
-        return torch.optim.SGD(params, lr=c.lr, weight_decay=c.weight_decay)
-    raise ValueError(f"unknown dense optimizer {c.name!r}; known: adam, adagrad, sgd")
