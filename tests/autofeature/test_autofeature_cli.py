@@ -83,8 +83,10 @@ def test_model_carries_its_tables_and_scores_raw_rows_like_records(model, data, 
     assert features.tables.directory == model / "features"
     assert features.selected == FeatureConfig.load(selected).selected
     trainer = restore_trainer(model, name=checkpoint_name(model))  # the one predict uses
-    # The model's schema is the feature schema plus the numeric statistics training took.
-    unscaled = tuple(dataclasses.replace(f, mean=None, std=None) for f in trainer.schema.fields)
+    # The model's schema is the feature schema plus the numeric statistics and bucket
+    # edges training took.
+    unscaled = tuple(dataclasses.replace(f, mean=None, std=None, buckets=None)
+                     for f in trainer.schema.fields)
     assert dataclasses.replace(trainer.schema, fields=unscaled) == features.schema
     assert all(f.std is not None for f in trainer.schema.numeric)
     assert [f.name for f in trainer.schema.fields][-len(features.selected):] == \

@@ -1,5 +1,6 @@
-"""Quantile buckets of numeric columns: edges from the stats pass, saved in the schema,
-fed as one categorical key per row by training, predict and the server alike."""
+"""Buckets of numeric columns (quantile; log-square for integer columns on request): edges
+from the stats pass, saved in the schema, fed as one categorical key per row by training,
+predict and the server alike."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from terarec.data.numeric import (
     MAX_BUCKETS,
     ROWS_PER_BUCKET,
     bucket_edges,
+    bucket_index,
+    log_or_tested_edges,
+    log_square_edges,
     transform_values,
     with_numeric_stats,
 )
@@ -22,6 +26,43 @@ from terarec.serving.engine import ServingEngine
 from terarec.serving.features import request_batch
 from terarec.types import FeatureSchema
 from terarec.validation import InvalidInput
+
+
+@pytest.mark.parametrize("transform", ["log1p", "none"])
+def test_log_square_edges_cut_integers_as_the_formula_does(transform: str) -> None:
+    rng = np.random.default_rng(0)
+    counts = np.minimum(rng.zipf(1.3, 5000) - 1, 10 ** 5)  # 148 edges: none thinned
+    x = np.concatenate([rng.integers(-50, 50, 2000), counts, [10 ** 5]]).astype(np.float64)
+    t = transform_values(x, transform)
+    edges = log_square_edges(t, transform)
+    assert edges is not None and list(edges) == sorted(set(edges))
+    ours = bucket_index(t, edges)
+    formula = np.sign(x) * np.floor(np.log1p(np.abs(x)) ** 2)
+    # The same partition of the values: each formula bucket is one of ours and back.
+    pairs = np.unique(np.stack([ours, formula]), axis=1)
+    assert pairs.shape[1] == len(np.unique(ours)) == len(np.unique(formula))
+    assert len(np.unique(formula[np.abs(x) <= 1])) == 1  # 0 and +-1 share a bucket
+    assert len(np.unique(ours[(x >= 4) & (x <= 5)])) == 2  # 4 and 5 do not
+    # A range too wide for MAX_BUCKETS is thinned evenly, not cut off.
+    wide = transform_values(np.array([-3e38, 0.0, 3e38]), transform)
+    thinned = log_square_edges(wide, transform)
+    assert thinned is not None and len(thinned) == MAX_BUCKETS - 1
+    assert thinned[0] < 0 < thinned[-1]
+    assert log_square_edges(transform_values(np.array([0.0, 1.0]), transform),
+                            transform) is None  # one bucket: nothing to cut
+
+
+def test_integer_columns_get_log_square_buckets_and_others_the_tested_ones() -> None:
+    rng = np.random.default_rng(1)
+    counts = np.floor(np.exp(rng.normal(2, 1.5, 5000)))
+    t = transform_values(counts, "log1p")
+    no_effect = (rng.random(5000) < 0.3).astype(np.float64)
+    # No test for counts: they are cut whatever the label does.
+    assert log_or_tested_edges(t, no_effect, "log1p") == log_square_edges(t, "log1p")
+    floats = t + rng.uniform(0.01, 0.99, 5000)
+    assert log_or_tested_edges(floats, no_effect, "log1p") is None  # tested, and linear
+    window = (np.abs(floats - 2.5) < 0.5).astype(np.float64)
+    assert log_or_tested_edges(floats, window, "log1p") is not None
 
 
 def test_buckets_only_where_the_label_departs_from_a_linear_effect() -> None:
@@ -102,6 +143,15 @@ def test_schema_keys_and_round_trip(tmp_path: Path) -> None:
     assert schema.sparse_names == ("c", "x", "z")  # categorical first, then bucketed
     assert with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data],
                               buckets=0).sparse_names == ("c",)
+    # "log": the integer column x is cut at the log-square edges, untested; z (fractions,
+    # no effect) stays tested and gets none.
+    logged = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data], buckets="log")
+    x_log, z_log = logged.numeric
+    assert z_log.buckets is None and x_log.buckets is not None
+    assert x_log.buckets != sized.numeric[0].buckets
+    raw = np.array(x_log.buckets) if x_log.transform == "none" else np.expm1(x_log.buckets)
+    k = np.log1p(raw) ** 2  # the edges sit at log1p(x) = sqrt(k)
+    assert np.allclose(k, np.round(k)) and np.all(np.diff(np.round(k)) == 1)
     schema.save(tmp_path / "schema.json")
     assert FeatureSchema.load(tmp_path / "schema.json") == schema
 
@@ -175,6 +225,19 @@ def test_buckets_learn_a_window_and_serve_like_predict(tmp_path: Path) -> None:
         np.testing.assert_allclose(served, offline, rtol=1e-5, atol=1e-6)
     finally:
         engine.close()
+
+
+def test_log_buckets_from_the_command_line(tmp_path: Path, capsys) -> None:
+    train = _planted(tmp_path / "train.csv", 3000, 1)
+    valid = _planted(tmp_path / "valid.csv", 1000, 2)
+    _train(train, valid, tmp_path / "log", "--numeric-buckets", "log")
+    x, z = FeatureSchema.load(tmp_path / "log" / "schema.json").numeric
+    assert x.buckets is not None and z.buckets is None
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        _train(train, valid, tmp_path / "bad", "--numeric-buckets", "logs")
+    assert "--numeric-buckets: 'logs': expected a bucket count or 'log'" in \
+        capsys.readouterr().err
 
 
 def test_two_tower_puts_bucketed_numerics_on_the_user_side() -> None:

@@ -20,7 +20,6 @@ from terarec.embedding.store import MemoryStore, RowBlock
 from terarec.embedding.tiered import TieredStore, snapshot_arrays
 from terarec.serving.engine import ServingEngine
 from terarec.train.checkpoint import load_checkpoint, restore_trainer
-from terarec.types import FeatureSchema
 
 ROW_DIM = 32
 
@@ -246,7 +245,6 @@ def test_cli_trains_checkpoints_and_exports_a_compressed_tiered_model(tmp_path, 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        schema = FeatureSchema.criteo()
         generate(tmp_path / "train.tsv", 3000, model_seed=0, sample_seed=5,
                  vocab_scale=0.02)
         generate(tmp_path / "test.tsv", 500, model_seed=0, sample_seed=6, vocab_scale=0.02)
@@ -271,7 +269,7 @@ def test_cli_trains_checkpoints_and_exports_a_compressed_tiered_model(tmp_path, 
         assert ckpt.tiered and 0 < meta["tiers"]["memory_keys"] < meta["keys"]
         trainer = restore_trainer(model)
         assert trainer.store.layout.precisions == ("fp16", "fp16", "int8")
-        batch = next(iter(iter_batches(tmp_path / "test.tsv", schema, 500)))
+        batch = next(iter(iter_batches(tmp_path / "test.tsv", trainer.schema, 500)))
         offline = trainer.predict_batches([batch])
         engine = ServingEngine(uri)
         assert engine.refresh()

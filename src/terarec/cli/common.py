@@ -175,10 +175,22 @@ def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stats-rows", type=int, default=DEFAULT_STATS_ROWS,
                    help="rows read from the start of --train for numeric statistics "
                    f"(default {DEFAULT_STATS_ROWS:,})")
-    g.add_argument("--numeric-buckets", type=int, default=None, metavar="N",
-                   help="also feed each numeric column's quantile bucket as a categorical "
-                   "key, at most N buckets (default: one per "
-                   f"{ROWS_PER_BUCKET} sampled values, at most {MAX_BUCKETS}; 0: off)")
+    g.add_argument("--numeric-buckets", type=_buckets_arg, default=None, metavar="N|log",
+                   help="also feed each numeric column's bucket as a categorical key: N: at "
+                   "most N quantile buckets on every column; log: integer columns cut at "
+                   "sign(x)*floor(log1p|x|^2), others as by default (default: one quantile "
+                   f"bucket per {ROWS_PER_BUCKET} sampled values, at most {MAX_BUCKETS}, "
+                   "where the label departs from a linear effect; 0: off)")
+
+
+def _buckets_arg(text: str) -> int | str:
+    if text == "log":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a bucket count or 'log'") from None
 
 
 def train_schema_from_args(args: argparse.Namespace,
@@ -194,7 +206,7 @@ def train_schema_from_args(args: argparse.Namespace,
     if rows <= 0:
         raise ValueError(f"--stats-rows must be positive, got {rows}")
     buckets = getattr(args, "numeric_buckets", None)
-    if buckets is not None and (buckets < 0 or buckets == 1):
+    if isinstance(buckets, int) and (buckets < 0 or buckets == 1):
         raise ValueError(f"--numeric-buckets {buckets}: must be 0 (off) or at least 2")
     standardize = not getattr(args, "no_standardize", False)
     if ctx is not None and ctx.world > 1:
