@@ -184,6 +184,7 @@ def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _buckets_arg(text: str) -> int | str:
+    """The value of ``--numeric-buckets``: a bucket count, or ``log``."""
     if text == "log":
         return text
     try:
