@@ -175,7 +175,12 @@ class SparseOptimizerConfig:
     name: SparseOptimizerName = knob("adagrad", "--sparse-optimizer")
     lr: LearningRate = knob(0.05, "--sparse-lr")
     eps: Rate = 1e-8
-    initial_accumulator: NonNegativeFloat = 0.0
+    # Adagrad's accumulator before a row's first step: at 0 that step moves every
+    # coordinate by the full rate whatever the gradient's size, which at batch 4096
+    # makes keys seen once jump as far as frequent ones (terarec.train.defaults).
+    initial_accumulator: NonNegativeFloat = knob(
+        0.001, "--sparse-initial-accumulator", "Adagrad's per-row accumulator before the "
+        "first step; 0 below 100,000 rows", metavar="ACC")
     beta1: Fraction = 0.9
     beta2: Fraction = 0.999
     ftrl_alpha: Rate = 0.05

@@ -9,7 +9,7 @@ import pytest
 import torch
 from ranks import run_ranks
 
-from terarec.config import ModelConfig, StoreConfig, TrainConfig
+from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.distributed.context import DistContext
 from terarec.distributed.sharding import deal_batches
 from terarec.train.trainer import Trainer
@@ -22,8 +22,10 @@ LOCAL = 64  # rows of a local batch; a global step is 2 of them
 
 
 def _config(store: dict) -> TrainConfig:
+    # Full first steps: rows clear the L2 eviction bar the policies are set against.
     return TrainConfig(batch_size=2 * LOCAL, pass_rows=4 * LOCAL, threads=1, seed=3,
                        model=ModelConfig(name="deepfm", embedding_dim=4),
+                       sparse_optimizer=SparseOptimizerConfig(initial_accumulator=0.0),
                        store=StoreConfig(**store))
 
 

@@ -90,8 +90,9 @@ def test_training_with_group_lasso_prunes_rare_rows_and_keeps_the_rest_nonzero()
     def passes(group_lasso):
         config = TrainConfig(batch_size=64, seed=0,
                              model=ModelConfig(name="fm", embedding_dim=4),
-                             sparse_optimizer=SparseOptimizerConfig(lr=0.05,
-                                                                    group_lasso=group_lasso))
+                             sparse_optimizer=SparseOptimizerConfig(
+                                 lr=0.05, group_lasso=group_lasso,
+                                 initial_accumulator=0.0))  # full first steps: rare rows grow
         trainer = Trainer(schema, config)
         for _ in range(3):
             hot = rng.integers(0, 20, 256)  # informative, frequent

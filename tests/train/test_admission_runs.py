@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from terarec.config import ModelConfig, StoreConfig, TrainConfig
+from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
 from terarec.embedding.eviction import store_bytes
 from terarec.export import IncrementalExporter, Storage, read_manifest
@@ -41,8 +41,10 @@ def data(tmp_path_factory):
 
 def _config(store_dir=None, **store) -> TrainConfig:
     tiered = {"memory_budget": "1MB", "disk_path": str(store_dir)} if store_dir else {}
+    # Full first steps: rows clear the L2 eviction bar the policies are set against.
     return TrainConfig(batch_size=200, pass_rows=600, seed=1, threads=1,
                        model=ModelConfig(name="deepfm", embedding_dim=4, deep_mlp=(16,)),
+                       sparse_optimizer=SparseOptimizerConfig(initial_accumulator=0.0),
                        store=StoreConfig(**store, **tiered))
 
 

@@ -18,6 +18,7 @@ from terarec.train.defaults import (
     sized_admission,
     sized_defaults,
     sized_embedding_dim,
+    sized_initial_accumulator,
 )
 from terarec.types import FeatureSchema
 
@@ -87,7 +88,8 @@ def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
         args = _args(argv)
         explicit = explicit_config_keys(args)
         config, sized = apply_sized_defaults(config_from_args(args), [data], explicit)
-        assert set(sized) <= {"estimated_rows", "store.admit_min_count", "model.embedding_dim"}
+        assert set(sized) <= {"estimated_rows", "store.admit_min_count", "model.embedding_dim",
+                              "sparse_optimizer.initial_accumulator"}
         assert config.epochs == 1 and config.sparse_optimizer.lr == 0.05
         assert config.store.admit_min_count == 2  # admission is sized on its own
     assert explicit == {"dense_optimizer.lr"}
@@ -101,6 +103,32 @@ def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
 def test_admission_sized_only_on_small_data() -> None:
     assert sized_admission(8_000) == 2
     assert sized_admission(10**9) == TrainConfig().store.admit_min_count == 1
+
+
+def test_adagrad_accumulator_starts_at_zero_only_on_small_data(tmp_path: Path) -> None:
+    """Large data keeps the fixed start (keys seen once move in proportion to their
+    gradient); small data starts at 0, unless the user set the value or another
+    optimizer reads none."""
+    assert sized_initial_accumulator(8_000) == 0.0
+    assert sized_initial_accumulator(10**9) == TrainConfig().sparse_optimizer.initial_accumulator
+    assert TrainConfig().sparse_optimizer.initial_accumulator > 0
+    data = tmp_path / "d.csv"
+    data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))
+
+    def sized(argv: list[str]) -> tuple[TrainConfig, dict]:
+        args = _args(argv)
+        return apply_sized_defaults(config_from_args(args), [data], explicit_config_keys(args))
+
+    config, chosen = sized(["--batch-size", "512"])  # sized apart from the schedule
+    assert config.sparse_optimizer.initial_accumulator == 0.0
+    assert chosen["sparse_optimizer.initial_accumulator"] == 0.0
+    given = tmp_path / "acc.json"
+    given.write_text(json.dumps({"sparse_optimizer": {"initial_accumulator": 0.5}}))
+    config, chosen = sized(["--config", str(given)])
+    assert config.sparse_optimizer.initial_accumulator == 0.5
+    assert "sparse_optimizer.initial_accumulator" not in chosen
+    config, chosen = sized(["--sparse-optimizer", "adam"])
+    assert "sparse_optimizer.initial_accumulator" not in chosen
 
 
 def test_epoch_bound_with_validation_leaves_room_for_enough_steps() -> None:

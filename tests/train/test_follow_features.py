@@ -38,7 +38,7 @@ FILE_ROWS = 2000
 # file's rows: a --follow run and a --train run of the same files then train alike.
 ARGS = ["--threads", "1", "--no-progress", "--model", "deepfm", "--embedding-dim", "4",
         "--seed", "3", "--batch-size", "250", "--epochs", "1", "--admit-min-count", "1",
-        "--stats-rows", str(FILE_ROWS)]
+        "--stats-rows", str(FILE_ROWS), "--sparse-initial-accumulator", "0.001"]
 FOLLOW = ["--poll-seconds", "0.2"]
 
 

@@ -12,6 +12,7 @@ follow it::
 
     admit_min_count 2 below 100,000 rows, else 1               (a key seen once gets no
                                                                  row of its own)
+    initial_accumulator 0 below 100,000 rows, else 0.01         (sparse Adagrad)
 
     DeepFM, Wide&Deep and DLRM below 100,000 rows: embedding_dim 8 instead of 16 and
     half the dense learning rate (``SMALL_DATA_SHAPE``; DLRM's bottom MLP ends at the
@@ -27,10 +28,20 @@ optimizer steps: on small data a linear model still improving after ten short ep
 was cut off by the bound, not by its validation loss.
 A run that gives any of the first four (flag or config file) gets the fixed defaults for
 the rest: they are tuned together. Admission is separate: it is sized unless
-``store.admit_min_count`` itself is given; so is the embedding width, unless
-``model.embedding_dim`` is given (a checkpoint fixes the width: a resumed run keeps its
+``store.admit_min_count`` itself is given; so are the embedding width, unless
+``model.embedding_dim`` is given, and Adagrad's initial accumulator, unless
+``sparse_optimizer.initial_accumulator`` is (a checkpoint fixes the width: a resumed run keeps its
 own, ``config.resumed_config``). On few rows a key seen once has one label to
 fit, so its own row learns noise; unadmitted keys share the store's zero row.
+Row-wise Adagrad's first step moves a row by the full rate whatever its gradient; the
+accumulator it starts from (0.01, in squared-gradient units of the batch-mean loss) makes a
+row's first steps proportional to its gradient instead. At batch 4096 that stops keys seen
+once or twice in a batch from jumping as far as frequent ones: on synthetic data with a
+planted model it raised DeepFM from 0.7179 to 0.7399 AUC on 300,000 rows and from 0.7407
+to 0.7501 in ``quickstart`` (1,000,000 rows; ceiling 0.775), LR on 300,000 rows from 0.7316
+to 0.7395. On the small samples (batch 256), where the keys that admission keeps carry
+most of what there is to learn, the same start cost Avazu DeepFM 0.009 and LR 0.017 AUC,
+so small data keeps 0.
 With a validation set on small data the run is refit (``refit_by_default``): once
 validation has picked the best epoch count, a fresh model trains that many epochs on
 the training and validation rows together, and that is the model the run writes.
@@ -58,6 +69,8 @@ _SAMPLE_BYTES = 1 << 20
 SIZED_KEYS = ("batch_size", "epochs", "sparse_optimizer.lr", "dense_optimizer.lr")
 ADMIT_KEY = "store.admit_min_count"
 SMALL_DATA_ADMIT = 2
+ACCUMULATOR_KEY = "sparse_optimizer.initial_accumulator"
+SMALL_DATA_ACCUMULATOR = 0.0
 # The epoch upper bound with a validation set: room for this many steps, within limits.
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
@@ -166,6 +179,14 @@ def sized_admission(rows: int) -> int:
     return SMALL_DATA_ADMIT if rows < SMALL_DATA_ROWS else TrainConfig().store.admit_min_count
 
 
+def sized_initial_accumulator(rows: int) -> float:
+    """The data-sized ``sparse_optimizer.initial_accumulator`` for ``rows`` training rows
+    (read by Adagrad only)."""
+    if rows < SMALL_DATA_ROWS:
+        return SMALL_DATA_ACCUMULATOR
+    return TrainConfig().sparse_optimizer.initial_accumulator
+
+
 def refit_by_default(rows: int | None) -> bool:
     """Whether a run with a validation set refits on its training plus validation rows
     unless told otherwise (``--refit`` / ``--no-refit``): on small data, where the
@@ -185,7 +206,8 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
     # A probability admits by draws, not counts: no count to size next to it.
     sized_admit = ADMIT_KEY not in explicit and config.store.admit_probability is None
     sized_dim = DIM_KEY not in explicit
-    if not (sized_schedule or sized_admit or sized_dim):
+    sized_acc = ACCUMULATOR_KEY not in explicit and config.sparse_optimizer.name == "adagrad"
+    if not (sized_schedule or sized_admit or sized_dim or sized_acc):
         return config, {}
     rows = estimate_rows(paths)
     if rows is None:
@@ -196,6 +218,12 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
         if admit != config.store.admit_min_count:
             config = replace(config, store=replace(config.store, admit_min_count=admit))
             set_[ADMIT_KEY] = admit
+    if sized_acc:
+        acc = sized_initial_accumulator(rows)
+        if acc != config.sparse_optimizer.initial_accumulator:
+            config = replace(config, sparse_optimizer=replace(config.sparse_optimizer,
+                                                              initial_accumulator=acc))
+            set_[ACCUMULATOR_KEY] = acc
     if sized_dim:
         dim = sized_embedding_dim(rows, config.model.name)
         model = config.model.with_embedding_dim(dim)
