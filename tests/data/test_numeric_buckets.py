@@ -132,9 +132,9 @@ def _planted(path: Path, n: int, seed: int) -> Path:
 
 def test_schema_keys_and_round_trip(tmp_path: Path) -> None:
     data = _planted(tmp_path / "train.csv", 3000, 0)
-    # Sized: x (a window) departs from a linear effect and gets buckets, z (no effect
+    # Tested: x (a window) departs from a linear effect and gets buckets, z (no effect
     # at all) does not.
-    sized = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data])
+    sized = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data], buckets="tested")
     assert sized.numeric[0].buckets is not None and sized.numeric[1].buckets is None
     assert sized.sparse_names == ("c", "x")
     schema = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data], buckets=64)
@@ -143,9 +143,10 @@ def test_schema_keys_and_round_trip(tmp_path: Path) -> None:
     assert schema.sparse_names == ("c", "x", "z")  # categorical first, then bucketed
     assert with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data],
                               buckets=0).sparse_names == ("c",)
-    # "log": the integer column x is cut at the log-square edges, untested; z (fractions,
-    # no effect) stays tested and gets none.
+    # "log" (the default): the integer column x is cut at the log-square edges,
+    # untested; z (fractions, no effect) stays tested and gets none.
     logged = with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data], buckets="log")
+    assert with_numeric_stats(csv_schema("y", ["x", "z"], ["c"]), [data]) == logged
     x_log, z_log = logged.numeric
     assert z_log.buckets is None and x_log.buckets is not None
     assert x_log.buckets != sized.numeric[0].buckets
@@ -233,10 +234,13 @@ def test_log_buckets_from_the_command_line(tmp_path: Path, capsys) -> None:
     _train(train, valid, tmp_path / "log", "--numeric-buckets", "log")
     x, z = FeatureSchema.load(tmp_path / "log" / "schema.json").numeric
     assert x.buckets is not None and z.buckets is None
+    _train(train, valid, tmp_path / "tested", "--numeric-buckets", "tested")
+    tested = FeatureSchema.load(tmp_path / "tested" / "schema.json").numeric
+    assert tested[0].buckets is not None and tested[0].buckets != x.buckets
     capsys.readouterr()
     with pytest.raises(SystemExit):
         _train(train, valid, tmp_path / "bad", "--numeric-buckets", "logs")
-    assert "--numeric-buckets: 'logs': expected a bucket count or 'log'" in \
+    assert "--numeric-buckets: 'logs': expected a bucket count, 'log' or 'tested'" in \
         capsys.readouterr().err
 
 

@@ -88,8 +88,7 @@ def test_sized_only_when_none_of_the_four_is_given(tmp_path: Path) -> None:
         args = _args(argv)
         explicit = explicit_config_keys(args)
         config, sized = apply_sized_defaults(config_from_args(args), [data], explicit)
-        assert set(sized) <= {"estimated_rows", "store.admit_min_count", "model.embedding_dim",
-                              "sparse_optimizer.initial_accumulator"}
+        assert set(sized) <= {"estimated_rows", "store.admit_min_count", "model.embedding_dim"}
         assert config.epochs == 1 and config.sparse_optimizer.lr == 0.05
         assert config.store.admit_min_count == 2  # admission is sized on its own
     assert explicit == {"dense_optimizer.lr"}
@@ -107,8 +106,8 @@ def test_admission_sized_only_on_small_data() -> None:
 
 def test_adagrad_accumulator_starts_at_zero_only_on_small_data(tmp_path: Path) -> None:
     """Large data keeps the fixed start (keys seen once move in proportion to their
-    gradient); small data starts at 0, unless the user set the value or another
-    optimizer reads none."""
+    gradient); small data starts at 0 with its sized rates, unless the user set the
+    value, the schedule, or another optimizer that reads none."""
     assert sized_initial_accumulator(8_000) == 0.0
     assert sized_initial_accumulator(10**9) == TrainConfig().sparse_optimizer.initial_accumulator
     assert TrainConfig().sparse_optimizer.initial_accumulator > 0
@@ -119,9 +118,12 @@ def test_adagrad_accumulator_starts_at_zero_only_on_small_data(tmp_path: Path) -
         args = _args(argv)
         return apply_sized_defaults(config_from_args(args), [data], explicit_config_keys(args))
 
-    config, chosen = sized(["--batch-size", "512"])  # sized apart from the schedule
+    config, chosen = sized([])
     assert config.sparse_optimizer.initial_accumulator == 0.0
     assert chosen["sparse_optimizer.initial_accumulator"] == 0.0
+    config, chosen = sized(["--batch-size", "512"])  # the fixed rates: the fixed start
+    assert config.sparse_optimizer.initial_accumulator == 0.001
+    assert "sparse_optimizer.initial_accumulator" not in chosen
     given = tmp_path / "acc.json"
     given.write_text(json.dumps({"sparse_optimizer": {"initial_accumulator": 0.5}}))
     config, chosen = sized(["--config", str(given)])

@@ -175,23 +175,25 @@ def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stats-rows", type=int, default=DEFAULT_STATS_ROWS,
                    help="rows read from the start of --train for numeric statistics "
                    f"(default {DEFAULT_STATS_ROWS:,})")
-    g.add_argument("--numeric-buckets", type=_buckets_arg, default=None, metavar="N|log",
-                   help="also feed each numeric column's bucket as a categorical key: N: at "
-                   "most N quantile buckets on every column; log: integer columns cut at "
-                   "sign(x)*floor(log1p|x|^2), others as by default (default: one quantile "
-                   f"bucket per {ROWS_PER_BUCKET} sampled values, at most {MAX_BUCKETS}, "
-                   "where the label departs from a linear effect; 0: off)")
+    g.add_argument("--numeric-buckets", type=_buckets_arg, default=None,
+                   metavar="log|tested|N",
+                   help="also feed each numeric column's bucket as a categorical key: log "
+                   "(default): integer columns cut at sign(x)*floor(log1p|x|^2), the others "
+                   "as tested; tested: one quantile bucket per "
+                   f"{ROWS_PER_BUCKET} sampled values, at most {MAX_BUCKETS}, where the "
+                   "label departs from a linear effect; N: at most N quantile buckets on "
+                   "every column; 0: off")
 
 
 def _buckets_arg(text: str) -> int | str:
-    """The value of ``--numeric-buckets``: a bucket count, or ``log``."""
-    if text == "log":
+    """The value of ``--numeric-buckets``: a bucket count, ``log`` or ``tested``."""
+    if text in ("log", "tested"):
         return text
     try:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected a bucket count or 'log'") from None
+            f"{text!r}: expected a bucket count, 'log' or 'tested'") from None
 
 
 def train_schema_from_args(args: argparse.Namespace,

@@ -8,23 +8,21 @@ field's (transformed) mean and standard deviation are stored in its ``FieldSpec`
 mean). The statistics live in ``schema.json``, so eval, predict and serving apply
 exactly the transform training used; schemas without them feed ``t(x)`` as before.
 
-The same pass also cuts each numeric field into quantile buckets of ``t(x)`` (FuxiCTR /
-BARS-style discretisation): the bucket index becomes a categorical key of the field, so
-the model gets a first-order weight and an embedding per value range on top of the
-standardised value, which a linear term (or an MLP over few inputs) cannot bend into a
-step or a peak. The edges are stored in the schema too. Their number follows the data:
-about ``ROWS_PER_BUCKET`` sampled values per bucket, at most ``MAX_BUCKETS``, so a
-bucket has rows enough to fit its weight; a column keeps them only where the label
-departs from a linear effect, tested at that count and at ``COARSE_FACTOR`` times fewer
-(``tested_edges``).
-
-``buckets="log"`` (``--numeric-buckets log``) cuts integer-valued columns (counts, ages,
-durations) at ``sign(x) * floor(log1p(|x|) ** 2)`` instead (``log_square_edges``), the
+The same pass also cuts each numeric field into buckets of ``t(x)``: the bucket index
+becomes a categorical key of the field, so the model gets a first-order weight and an
+embedding per value range on top of the standardised value, which a linear term (or an
+MLP over few inputs) cannot bend into a step or a peak. The edges are stored in the
+schema too. By default (``buckets="log"``) integer-valued columns (counts, ages,
+durations) are cut at ``sign(x) * floor(log1p(|x|) ** 2)`` (``log_square_edges``), the
 discretisation of counts that the Criteo winners and the BARS / FuxiCTR Criteo pipelines
-use, on every such column without the test; other columns keep the tested quantiles. It
-is not the default: it raised every model on the small Criteo and Adult samples, but with
-the large-data defaults (batch 4096, sparse rate 0.05) thirteen always-present bucket keys
-destabilised DeepFM's first passes on synthetic data (docs/models.md).
+use, on every such column; the other columns get quantile buckets (FuxiCTR / BARS-style)
+where a test finds them worth it (``tested_edges``, ``buckets="tested"`` on every
+column): about ``ROWS_PER_BUCKET`` sampled values per bucket, at most ``MAX_BUCKETS``,
+kept only where the label departs from a linear effect, tested at that count and at
+``COARSE_FACTOR`` times fewer. The log rule raised every model on the small Criteo and
+Adult samples; on large data it needs Adagrad's damped first steps
+(``sparse_optimizer.initial_accumulator``), without which thirteen always-present bucket
+keys destabilised DeepFM's first passes (docs/models.md).
 """
 
 from __future__ import annotations
@@ -210,14 +208,16 @@ def tested_edges(values: np.ndarray, labels: np.ndarray) -> tuple[float, ...] | 
 
 def with_numeric_stats(schema: FeatureSchema, paths: Sequence[str | Path], *,
                        max_rows: int = DEFAULT_STATS_ROWS, on_bad_row: str = "error",
-                       standardize: bool = True, buckets: int | Literal["log"] | None = None,
+                       standardize: bool = True,
+                       buckets: int | Literal["log", "tested"] | None = None,
                        rank: int = 0, world: int = 1,
                        gather: Callable[[Part], list[Part]] | None = None,
                        ) -> FeatureSchema:
     """``schema`` with each numeric field's mean and std (``standardize``) and bucket
     edges over the first ``max_rows`` rows of ``paths`` (bad rows skipped or raised as
-    the reader does). ``buckets``: at most that many per field, 0 for none, None sized
-    by ``bucket_edges`` behind the linearity test, "log" as ``log_or_tested_edges``.
+    the reader does). ``buckets``: at most that many per field, 0 for none, None or
+    "log" as ``log_or_tested_edges``, "tested" sized by ``bucket_edges`` behind the
+    linearity test (``tested_edges``) on every column.
     Fields with no value in the sample keep no statistics (fed untransformed by
     standardisation) and no buckets.
 
@@ -321,7 +321,7 @@ def _rank_moments(schema: FeatureSchema, paths: Sequence[str | Path], max_rows: 
 
 
 def _with_moments(schema: FeatureSchema, parts: list[Part], standardize: bool,
-                  buckets: int | Literal["log"] | None) -> FeatureSchema:
+                  buckets: int | Literal["log", "tested"] | None) -> FeatureSchema:
     """``schema`` with the mean and std the sums of ``parts`` (one per rank) give, and
     bucket edges from their pooled samples."""
     fields = []
@@ -333,9 +333,9 @@ def _with_moments(schema: FeatureSchema, parts: list[Part], standardize: bool,
         if buckets != 0:
             values = np.concatenate([s[spec.name][0] for _, s in parts if spec.name in s])
             labels = np.concatenate([s[spec.name][1] for _, s in parts if spec.name in s])
-            if buckets is None:
+            if buckets == "tested":
                 edges = tested_edges(values, labels)
-            elif buckets == "log":
+            elif buckets is None or buckets == "log":
                 edges = log_or_tested_edges(values, labels, spec.transform)
             else:
                 edges = bucket_edges(values, buckets)
