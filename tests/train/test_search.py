@@ -63,7 +63,6 @@ def searched(files, tmp_path_factory) -> Path:
     config = TrainConfig()
     config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
     config.epochs = 2
-    config.sparse_optimizer.initial_accumulator = 0.0  # as train sizes it on few rows
     batches = list(iter_file_batches([valid], schema, 500))
     space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
     result = run_search(schema, config, [train], batches, out, trials=2, pruner="none",
@@ -429,7 +428,6 @@ def test_k2_search_with_admission_and_eviction_equals_two_single_runs(files, tmp
     config = TrainConfig()
     config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
     config.epochs, config.store.admit_min_count, config.store.evict_after_passes = 2, 2, 1
-    config.sparse_optimizer.initial_accumulator = 0.0  # as train sizes it on few rows
     batches = list(iter_file_batches([valid], schema, 500))
     space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
     out = tmp_path / "search"
