@@ -174,8 +174,9 @@ class TieredStore(EvictionLog):
         # This pass's rows that were not in RAM at pull: (key -> row index, records,
         # on disk), written back or placed in RAM by push.
         self._pending: tuple[KeyIndex, np.ndarray, np.ndarray] | None = None
-        # Keys written to disk by this pass's push: with group lasso, end_pass checks them
-        # (and the memory tier's rows of the pass) for rows shrunk to zero.
+        # Keys of trained rows written to disk this pass, by push or by a spill of the
+        # memory tier: with group lasso, end_pass checks them (and the memory tier's rows
+        # of the pass) for rows shrunk to zero.
         self._pushed_to_disk: list[np.ndarray] = []
         self._disk_only_pruned = 0
 
@@ -287,6 +288,10 @@ class TieredStore(EvictionLog):
 
     def _spill(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Move rows out of the memory tier, writing back those the disk lacks."""
+        if self.optimizer.config.group_lasso and len(keys):
+            # A row trained this pass and spilled by a later push of it must still be
+            # pruned at its end if group lasso zeroed it.
+            self._pushed_to_disk.append(keys[self._dirty[slots]])
         self._write_back(keys, slots)
         self.memory.index.remove(keys)
         if self._variable:  # their pool positions go to the rows that take their places
@@ -625,7 +630,7 @@ class TieredStore(EvictionLog):
     def _prune_zero_rows(self, pass_id: int) -> int:
         """Drop the keys whose rows group lasso shrank to exactly zero in this pass, from
         both tiers: the pass's rows are in the memory tier or were written to disk by
-        push (``_pushed_to_disk``), so no other disk row needs reading."""
+        push or a spill (``_pushed_to_disk``), so no other disk row needs reading."""
         m = self.memory
         mkeys, mslots = m.index.items()
         seen = m.last_seen[mslots] == pass_id
