@@ -122,8 +122,9 @@ def log_square_edges(values: np.ndarray, transform: str) -> tuple[float, ...] | 
 
 def log_or_tested_edges(values: np.ndarray, labels: np.ndarray, transform: str,
                         ) -> tuple[float, ...] | None:
-    """A column's buckets under ``--numeric-buckets log``: ``log_square_edges`` for an
-    integer-valued column they cut, else the tested quantile buckets."""
+    """A column's buckets under ``--numeric-buckets log`` (the default):
+    ``log_square_edges`` for an integer-valued column they cut, else the tested quantile
+    buckets."""
     if integer_valued(values, transform):
         edges = log_square_edges(values, transform)
         if edges is not None:

@@ -177,7 +177,7 @@ class TieredStore(EvictionLog):
         # Keys of trained rows written to disk this pass, by push or by a spill of the
         # memory tier: with group lasso, end_pass checks them (and the memory tier's rows
         # of the pass) for rows shrunk to zero.
-        self._pushed_to_disk: list[np.ndarray] = []
+        self._trained_to_disk: list[np.ndarray] = []
         self._disk_only_pruned = 0
 
     def _new_disk_tier(self, path: str | Path) -> DiskTier:
@@ -291,7 +291,7 @@ class TieredStore(EvictionLog):
         if self.optimizer.config.group_lasso and len(keys):
             # A row trained this pass and spilled by a later push of it must still be
             # pruned at its end if group lasso zeroed it.
-            self._pushed_to_disk.append(keys[self._dirty[slots]])
+            self._trained_to_disk.append(keys[self._dirty[slots]])
         self._write_back(keys, slots)
         self.memory.index.remove(keys)
         if self._variable:  # their pool positions go to the rows that take their places
@@ -504,7 +504,7 @@ class TieredStore(EvictionLog):
         """Write trained rows straight to disk (remembered for group-lasso pruning)."""
         self.disk.write(keys, rec)
         if self.optimizer.config.group_lasso and len(keys):
-            self._pushed_to_disk.append(keys.copy())
+            self._trained_to_disk.append(keys.copy())
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Read-only values of ``keys`` (zero rows where absent) and the found mask; the
@@ -552,7 +552,7 @@ class TieredStore(EvictionLog):
         with self._lock:
             evicted = self._prune_zero_rows(pass_id) if self.optimizer.config.group_lasso \
                 else 0
-            self._pushed_to_disk = []
+            self._trained_to_disk = []
             policies, runs = self.memory.eviction, self.disk.runs
             if runs is not None:
                 evicted += apply_eviction_streamed(
@@ -630,7 +630,7 @@ class TieredStore(EvictionLog):
     def _prune_zero_rows(self, pass_id: int) -> int:
         """Drop the keys whose rows group lasso shrank to exactly zero in this pass, from
         both tiers: the pass's rows are in the memory tier or were written to disk by
-        push or a spill (``_pushed_to_disk``), so no other disk row needs reading."""
+        push or a spill (``_trained_to_disk``), so no other disk row needs reading."""
         m = self.memory
         mkeys, mslots = m.index.items()
         seen = m.last_seen[mslots] == pass_id
@@ -639,8 +639,8 @@ class TieredStore(EvictionLog):
         pruned = m.evict(mzero)
         m.pruned_total += pruned
         self.disk.remove(mzero)
-        if self._pushed_to_disk:
-            dkeys = np.unique(np.concatenate(self._pushed_to_disk))
+        if self._trained_to_disk:
+            dkeys = np.unique(np.concatenate(self._trained_to_disk))
             dkeys = dkeys[m.index.lookup(dkeys) < 0]
             rec, found = self.disk.read(dkeys)
             seen = rec[:, -1].view(np.int32) == pass_id  # not rows pushed without a pull
@@ -936,7 +936,7 @@ class TieredStore(EvictionLog):
         self._new_memory_tier()
         self._disk_only_evicted = 0
         self._disk_only_pruned = 0
-        self._pushed_to_disk = []
+        self._trained_to_disk = []
         self._snapshot_dir, self._snapshot_digests = None, {}
         self._pending = None
 

@@ -12,7 +12,7 @@ follow it::
 
     admit_min_count 2 below 100,000 rows, else 1               (a key seen once gets no
                                                                  row of its own)
-    initial_accumulator 0 below 100,000 rows, else 0.01         (sparse Adagrad)
+    initial_accumulator 0 below 100,000 rows, else 0.001        (sparse Adagrad)
 
     DeepFM, Wide&Deep and DLRM below 100,000 rows: embedding_dim 8 instead of 16 and
     half the dense learning rate (``SMALL_DATA_SHAPE``; DLRM's bottom MLP ends at the
@@ -208,11 +208,7 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
     # A probability admits by draws, not counts: no count to size next to it.
     sized_admit = ADMIT_KEY not in explicit and config.store.admit_probability is None
     sized_dim = DIM_KEY not in explicit
-    # The small-data start goes with the small-data rates: with the fixed ones (a given
-    # batch size or rate) always-present keys need the damped start at any size.
-    sized_acc = (sized_schedule and ACCUMULATOR_KEY not in explicit
-                 and config.sparse_optimizer.name == "adagrad")
-    if not (sized_schedule or sized_admit or sized_dim or sized_acc):
+    if not (sized_schedule or sized_admit or sized_dim):
         return config, {}
     rows = estimate_rows(paths)
     if rows is None:
@@ -223,12 +219,6 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
         if admit != config.store.admit_min_count:
             config = replace(config, store=replace(config.store, admit_min_count=admit))
             set_[ADMIT_KEY] = admit
-    if sized_acc:
-        acc = sized_initial_accumulator(rows)
-        if acc != config.sparse_optimizer.initial_accumulator:
-            config = replace(config, sparse_optimizer=replace(config.sparse_optimizer,
-                                                              initial_accumulator=acc))
-            set_[ACCUMULATOR_KEY] = acc
     if sized_dim:
         dim = sized_embedding_dim(rows, config.model.name)
         model = config.model.with_embedding_dim(dim)
@@ -243,6 +233,13 @@ def apply_sized_defaults(config: TrainConfig, paths: Sequence[str | Path],
     sparse, dense = config.sparse_optimizer, config.dense_optimizer
     if "sparse_optimizer.lr" in chosen:
         sparse = replace(sparse, lr=chosen["sparse_optimizer.lr"])
+    # The small-data start goes with the small-data rates: with the fixed ones (a given
+    # batch size or rate) always-present keys need the damped start at any size.
+    if ACCUMULATOR_KEY not in explicit and sparse.name == "adagrad":
+        acc = sized_initial_accumulator(rows)
+        if acc != sparse.initial_accumulator:
+            sparse = replace(sparse, initial_accumulator=acc)
+            set_[ACCUMULATOR_KEY] = acc
     if "dense_optimizer.lr" in chosen:
         dense = replace(dense, lr=chosen["dense_optimizer.lr"])
     config = replace(config, sparse_optimizer=sparse, dense_optimizer=dense,
