@@ -241,15 +241,20 @@ def test_a_snapshot_lists_the_runs_it_linked_when_a_merge_swaps_them_right_after
         runs.flush()
         runs.wait()
     assert len(runs.runs) > 1
-    linked = RunIndex.snapshot
+    linked, at_link = RunIndex.snapshot, []
 
     def snapshot_then_merge(self, dst):
+        at_link.append(len(self.runs))
         out = linked(self, dst)
         self.compact()  # what a merge finishing at that moment does
         return out
 
+    # No merge but the one above: one that save's own flush started could otherwise
+    # finish first, leaving a single run to link and nothing for compact to swap.
+    monkeypatch.setattr(RunIndex, "_schedule", lambda self: None)
     monkeypatch.setattr(RunIndex, "snapshot", snapshot_then_merge)
     digests = store.save(tmp_path / "saved")
+    assert at_link[0] > 1
     assert len(runs.runs) == 1 and runs.runs[0].files[0] not in digests
     loaded = _store(tmp_path / "l", "disk")
     loaded.load(tmp_path / "saved")
