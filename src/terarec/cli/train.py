@@ -54,7 +54,13 @@ from terarec.io import (
     try_lock_file,
 )
 from terarec.train.checkpoint import list_checkpoints, read_model_meta
-from terarec.train.defaults import apply_sized_defaults, estimate_rows, refit_by_default
+from terarec.train.defaults import (
+    ACCUMULATOR_KEY,
+    accumulator_choices,
+    apply_sized_defaults,
+    estimate_rows,
+    refit_by_default,
+)
 from terarec.train.follow import (
     CACHE_DIR,
     FollowOptions,
@@ -62,7 +68,10 @@ from terarec.train.follow import (
     first_landed,
     remove_first_leftovers,
 )
+from terarec.train.passes import iter_file_batches
 from terarec.train.run import TrainRun, train_model
+from terarec.train.search import Choice, choose_by_validation
+from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
@@ -165,6 +174,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 
 LOCK_FILE = ".lock"  # in --out: held by the one run training that model directory
+CHOOSING_DIR = "choosing"  # in --out while a default is chosen by validation (_choose)
 RANKS_LOCK_FILE = ".lock-ranks"  # in --out: shared by every rank of that run
 
 
@@ -412,22 +422,31 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                                     str(args.out))
             _refuse_unused_keys(args, config)
             sized = {}  # the run's own values hold where no flag was given
-        if sized and ctx.is_main:
-            print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
-                  file=sys.stderr)
+        selection = selection_from_args(args, config)  # the epoch bound, before choosing
         # Joined copies are named in checkpoints by the raw files, so --resume reads on.
         inputs: list[Path | InputFile] = [*keyed_copies(args.train, train)] \
             if features and features.tables.tables else [*train]
+        schema = functools.cache(lambda: train_schema_from_args(
+            read, features.schema if features else None, ctx))
+        notes: dict[str, Any] = {}
+        # With a memory budget the trials would split it: the start stays the sized one.
+        choices = accumulator_choices(sized) if config.store.memory_budget is None else None
+        if choices is not None and selection is not None:
+            choice = _choose(args, config, schema(), choices, inputs, valid, selection, ctx)
+            config.sparse_optimizer.initial_accumulator = choice.chosen
+            sized[ACCUMULATOR_KEY] = choice.chosen
+            notes["chosen_by_validation"] = [choice.summary()]
+        if sized and ctx.is_main:
+            print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
+                  file=sys.stderr)
         metrics, stats = train_model(
             TrainRun(train=inputs, valid=valid, out=args.out, resume=args.resume,
                      checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
-                     refit=_refit(args, train)),
-            config, lambda: train_schema_from_args(read, features.schema if features else None,
-                                                   ctx),
-            ctx,
+                     refit=_refit(args, train), notes=notes),
+            config, schema, ctx,
             dense_comm=dense_comm_from_args(args),
             exporter=lambda trainer: make_exporter(args, trainer), on_commit=on_commit,
-            selection=selection_from_args(args, config))
+            selection=selection)
     if ctx.is_main:
         report_skipped(stats)
         shown = ("auc", "logloss", "rows", "samples_per_s") + (
@@ -438,6 +457,24 @@ def _locked_run(args: argparse.Namespace, config: TrainConfig, ctx: DistContext,
                       f"{', '.join(Path(p).name for p in args.train)}")
     ctx.close()
     return 0
+
+
+def _choose(args: argparse.Namespace, config: TrainConfig, schema: FeatureSchema,
+            choices: tuple[float, ...], inputs: list[Path | InputFile], valid: list[Path],
+            selection: SelectionTracker, ctx: DistContext) -> Choice:
+    """Adagrad's start on small data, by validation (``accumulator_choices``): one run
+    per start side by side in a scratch folder of ``--out``, said on stderr."""
+    batches = list(iter_file_batches(valid, schema, config.batch_size,
+                                     on_bad_row=config.on_bad_row))
+    choice = choose_by_validation(schema, config, ACCUMULATOR_KEY, choices, inputs, batches,
+                                  args.out / CHOOSING_DIR, select_by=selection.select_by,
+                                  patience=selection.patience, ctx=ctx)
+    if ctx.is_main:
+        said = ", ".join(f"{v:g}: {b:.5f}" if b is not None else f"{v:g}: none"
+                         for v, b in choice.values.items())
+        print(f"{ACCUMULATOR_KEY} chosen by validation {selection.select_by} ({said})",
+              file=sys.stderr)
+    return choice
 
 
 def _refuse_unused_keys(args: argparse.Namespace, config: TrainConfig) -> None:

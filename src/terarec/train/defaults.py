@@ -73,6 +73,9 @@ ADMIT_KEY = "store.admit_min_count"
 SMALL_DATA_ADMIT = 2
 ACCUMULATOR_KEY = "sparse_optimizer.initial_accumulator"
 SMALL_DATA_ACCUMULATOR = 0.0
+# With a validation set, small data trains both starts side by side and keeps the one
+# with the better validation value (``accumulator_choices``).
+SMALL_DATA_ACCUMULATOR_CHOICES = (0.0, 0.001)
 # The epoch upper bound with a validation set: room for this many steps, within limits.
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
@@ -179,6 +182,15 @@ def max_epochs(rows: int | None, batch_size: int) -> int:
 def sized_admission(rows: int) -> int:
     """The data-sized ``store.admit_min_count`` for ``rows`` training rows."""
     return SMALL_DATA_ADMIT if rows < SMALL_DATA_ROWS else TrainConfig().store.admit_min_count
+
+
+def accumulator_choices(sized: dict) -> tuple[float, ...] | None:
+    """The starts a run with a validation set chooses between by validation
+    (``SMALL_DATA_ACCUMULATOR_CHOICES``) when ``sized`` (``apply_sized_defaults``'s
+    report) gave it the small-data start; None when the start is not the data's to pick."""
+    if sized.get(ACCUMULATOR_KEY) != SMALL_DATA_ACCUMULATOR:
+        return None
+    return SMALL_DATA_ACCUMULATOR_CHOICES
 
 
 def sized_initial_accumulator(rows: int) -> float:

@@ -106,6 +106,8 @@ class TrainRun:
     # Once selection has picked the best epoch count, train a fresh model that long on
     # train + valid and make it the run's model (``refit``).
     refit: bool = False
+    # What was decided before training (a value chosen by validation): metrics.json keeps it.
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], FeatureSchema],
@@ -235,6 +237,7 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             with clock.phase("export"):
                 metrics["selected_version"] = versions.export(selected, full=True).name
         metrics["phase_seconds"] = clock.rounded()
+    metrics.update(run.notes)
     if ctx.is_main:
         atomic_write_text(run.out / "metrics.json", finite_json(metrics, indent=2))
         records = [*trainer.history[:-1], {**trainer.history[-1],

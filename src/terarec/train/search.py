@@ -1121,6 +1121,52 @@ def _write_best(best: SearchTrial, out_dir: Path, base: TrainConfig) -> Path:
     return target
 
 
+@dataclass
+class Choice:
+    """What ``choose_by_validation`` measured: each value's best validation value."""
+
+    key: str
+    chosen: Any
+    values: dict[Any, float | None]
+
+    def summary(self) -> dict[str, Any]:
+        return {"key": self.key, "chosen": self.chosen,
+                "validation": [{"value": v, "best": b} for v, b in self.values.items()]}
+
+
+def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
+                         choices: Sequence[Any],
+                         train_paths: Sequence[str | Path | InputFile],
+                         valid_batches: list[Batch], scratch: str | Path, *,
+                         select_by: str = "logloss", patience: int | None = 2,
+                         ctx: DistContext | None = None) -> Choice:
+    """The value of ``key`` (a dotted config path) among ``choices`` whose run reaches
+    the best validation value: one trial per value, trained side by side in one pass
+    loop (``run_search``: grid, no pruning), in ``scratch``, which is removed after.
+    A default the data decides, as scikit-learn's ``LogisticRegressionCV`` picks C."""
+    ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
+    scratch = Path(scratch)
+    if ctx.is_main:  # a run stopped while choosing left its trials: start them again
+        shutil.rmtree(scratch, ignore_errors=True)
+    ctx.barrier()
+    try:
+        result = run_search(schema, base, train_paths, valid_batches, scratch,
+                            trials=len(choices),
+                            space={key: {"type": "categorical", "choices": list(choices)}},
+                            sampler="grid", pruner="none", select_by=select_by,
+                            patience=patience, seed=base.seed, ctx=ctx)
+    finally:
+        ctx.barrier()
+        if ctx.is_main:
+            shutil.rmtree(scratch, ignore_errors=True)
+    values = {t.params[key]: t.selection.best_value for t in
+              sorted(result.trials, key=lambda t: list(choices).index(t.params[key]))}
+    if result.best is None:
+        raise ValueError(f"choosing {key} by validation: no trial reached a finite "
+                         "validation value")
+    return Choice(key, result.best.params[key], values)
+
+
 def write_results(result: SearchResult, out_dir: str | Path) -> tuple[Path, Path]:
     """results.json and results.csv: one row per trial, best first."""
     out_dir = Path(out_dir)

@@ -1,0 +1,57 @@
+"""Adagrad's start on small data chosen by validation: both starts trained side by side,
+the one with the better validation value kept, and what each reached in metrics.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from terarec.cli.main import main
+from terarec.data.synth import generate
+from terarec.train.defaults import ACCUMULATOR_KEY, SMALL_DATA_ACCUMULATOR_CHOICES
+
+FLAGS = ["--no-progress", "--threads", "1", "--seed", "3", "--model", "lr"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("start")
+    generate(root / "train.tsv", 1500, model_seed=1, sample_seed=2)
+    generate(root / "valid.tsv", 500, model_seed=1, sample_seed=3)
+    return root / "train.tsv", root / "valid.tsv"
+
+
+def _train(files, out: Path, *extra: str, valid: bool = True) -> dict:
+    train, held_out = files
+    argv = ["train", "--train", str(train), "--out", str(out), *FLAGS, *extra]
+    assert main([*argv, "--valid", str(held_out), "--patience", "1"] if valid else argv) == 0
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_the_start_with_the_better_validation_value_is_kept(files, tmp_path, capsys) -> None:
+    metrics = _train(files, tmp_path / "m")
+    (choice,) = metrics["chosen_by_validation"]
+    assert choice["key"] == ACCUMULATOR_KEY
+    tried = {v["value"]: v["best"] for v in choice["validation"]}
+    assert sorted(tried) == sorted(SMALL_DATA_ACCUMULATOR_CHOICES)
+    assert choice["chosen"] == min(tried, key=lambda v: tried[v])  # logloss: lower wins
+    # The model trained is the chosen start's, from the same seed: the same best value.
+    assert metrics["best_value"] == pytest.approx(tried[choice["chosen"]], rel=1e-9)
+    config = json.loads((tmp_path / "m" / "train_config.json").read_text())
+    assert config["sparse_optimizer"]["initial_accumulator"] == choice["chosen"]
+    assert not (tmp_path / "m" / "choosing").exists()  # the trials' folder is gone
+    err = capsys.readouterr().err
+    assert f"{ACCUMULATOR_KEY} chosen by validation logloss" in err
+
+
+def test_no_choice_when_the_start_is_given_or_there_is_no_validation(files, tmp_path) -> None:
+    given = _train(files, tmp_path / "given", "--sparse-initial-accumulator", "0")
+    assert "chosen_by_validation" not in given
+    config = json.loads((tmp_path / "given" / "train_config.json").read_text())
+    assert config["sparse_optimizer"]["initial_accumulator"] == 0.0
+    alone = _train(files, tmp_path / "alone", "--epochs", "1", valid=False)
+    assert "chosen_by_validation" not in alone
+    fixed = _train(files, tmp_path / "fixed", "--batch-size", "512")  # the fixed start
+    assert "chosen_by_validation" not in fixed
