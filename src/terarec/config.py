@@ -180,7 +180,8 @@ class SparseOptimizerConfig:
     # makes keys seen once jump as far as frequent ones (terarec.train.defaults).
     initial_accumulator: NonNegativeFloat = knob(
         0.001, "--sparse-initial-accumulator", "Adagrad's per-row accumulator before the "
-        "first step; 0 below 100,000 rows unless the batch size or a rate is given",
+        "first step; below 100,000 rows 0, or with --valid 0 or 0.001 by validation, "
+        "unless the batch size or a rate is given",
         metavar="ACC")
     beta1: Fraction = 0.9
     beta2: Fraction = 0.999

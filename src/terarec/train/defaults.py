@@ -12,7 +12,10 @@ follow it::
 
     admit_min_count 2 below 100,000 rows, else 1               (a key seen once gets no
                                                                  row of its own)
-    initial_accumulator 0 below 100,000 rows, else 0.001        (sparse Adagrad)
+    initial_accumulator 0 below 100,000 rows, else 0.001        (sparse Adagrad; with a
+                                                                 validation set, small data
+                                                                 tries 0 and 0.001 and
+                                                                 keeps the better)
 
     DeepFM, Wide&Deep and DLRM below 100,000 rows: embedding_dim 8 instead of 16 and
     half the dense learning rate (``SMALL_DATA_SHAPE``; DLRM's bottom MLP ends at the
