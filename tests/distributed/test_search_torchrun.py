@@ -221,3 +221,20 @@ def test_two_ranks_search_with_feature_tables_like_one_process(tmp_path):
     winner = b[json.loads((two / "results.json").read_text())["best_trial"]]
     assert json.loads(scores.read_text())["logloss"] == pytest.approx(winner["value"],
                                                                       abs=1e-5)
+
+
+def test_two_ranks_choose_the_small_data_start_as_one_process(tmp_path):
+    """``train`` on small data with --valid chooses Adagrad's start with this loop: on 2
+    ranks the same two runs, validation values and choice as in one process."""
+    generate(tmp_path / "t.tsv", 1200, model_seed=2, sample_seed=1)
+    generate(tmp_path / "v.tsv", 400, model_seed=2, sample_seed=2)
+    argv = ["train", "--train", str(tmp_path / "t.tsv"), "--valid", str(tmp_path / "v.tsv"),
+            "--model", "lr", "--patience", "1", "--threads", "1", "--seed", "1",
+            "--no-progress", "--no-refit"]
+    one, two = _one_process_and_two_ranks(argv, tmp_path)
+    a, b = (json.loads((d / "metrics.json").read_text())["chosen_by_validation"][0]
+            for d in (one, two))
+    assert b["chosen"] == a["chosen"]
+    for x, y in zip(a["validation"], b["validation"], strict=True):
+        assert y["value"] == x["value"] and y["best"] == pytest.approx(x["best"], abs=1e-5)
+    assert not (two / "choosing").exists()
