@@ -1149,18 +1149,17 @@ def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
     if ctx.is_main:  # a run stopped while choosing left its trials: start them again
         shutil.rmtree(scratch, ignore_errors=True)
     ctx.barrier()
-    try:
-        result = run_search(schema, base, train_paths, valid_batches, scratch,
-                            trials=len(choices),
-                            space={key: {"type": "categorical", "choices": list(choices)}},
-                            sampler="grid", pruner="none", select_by=select_by,
-                            patience=patience, seed=base.seed, ctx=ctx)
-    finally:
-        ctx.barrier()
-        if ctx.is_main:
-            shutil.rmtree(scratch, ignore_errors=True)
-    values = {t.params[key]: t.selection.best_value for t in
-              sorted(result.trials, key=lambda t: list(choices).index(t.params[key]))}
+    # No try/finally: a rank that fails exits rather than wait for its peers in a
+    # barrier; the next run removes what it left.
+    result = run_search(schema, base, train_paths, valid_batches, scratch,
+                        trials=len(choices),
+                        space={key: {"type": "categorical", "choices": list(choices)}},
+                        sampler="grid", pruner="none", select_by=select_by,
+                        patience=patience, seed=base.seed, ctx=ctx)
+    if ctx.is_main:  # every rank is past the search's closing barrier
+        shutil.rmtree(scratch, ignore_errors=True)
+    reached = {t.params[key]: t.selection.best_value for t in result.trials}
+    values = {c: reached[c] for c in choices}
     if result.best is None:
         raise ValueError(f"choosing {key} by validation: no trial reached a finite "
                          "validation value")
