@@ -192,6 +192,11 @@ class SparseOptimizerConfig:
     weight_decay: NonNegativeFloat = knob(
         0.0, "--sparse-weight-decay", "L2 added to a touched row's gradient once per step",
         group=REGULARISATION, metavar="WD")
+    # L2 on every row at every step (a full-batch penalty; scikit-learn's 1 / (C * N)),
+    # applied lazily: see terarec.embedding.optimizers.
+    l2: NonNegativeFloat = knob(
+        0.0, "--sparse-l2", "L2 on every embedding row at every step, touched or not "
+        "(adagrad, sgd): rare keys shrink more", group=REGULARISATION, metavar="L2")
     # L2 on the embeddings a batch looks up (BARS's embedding_regularizer), per use and
     # relative to the batch size: see terarec.embedding.optimizers.
     embedding_l2: NonNegativeFloat = knob(
@@ -444,6 +449,7 @@ _READ_ONLY_BY: dict[tuple[str, str], tuple[str, ...]] = {
     **{("sparse_optimizer", k): ("ftrl",) for k in ("ftrl_alpha", "ftrl_beta", "ftrl_l1",
                                                       "ftrl_l2")},
     ("sparse_optimizer", "initial_accumulator"): ("adagrad",),
+    ("sparse_optimizer", "l2"): ("adagrad", "sgd"),
     ("sparse_optimizer", "eps"): ("adagrad", "adam"),
 }
 

@@ -1,6 +1,9 @@
-"""``embedding_l2`` on N ranks: each requester adds the term for its own occurrences of
-a row and the owner sums them, so 2 ranks train the rows 1 process trains (in-process
-gloo ranks, ``ranks.run_ranks``)."""
+"""L2 on embedding rows on N ranks (in-process gloo ranks, ``ranks.run_ranks``).
+
+``embedding_l2``: each requester adds the term for its own occurrences of a row and the
+owner sums them. ``l2`` (every row, every step): the owner decays its rows for the
+global steps that did not touch them. Either way 2 ranks train the rows 1 process
+trains."""
 
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ SCHEMA = FeatureSchema(label="label", fields=(
 BATCH = 64
 
 
-def _config(l2: float) -> TrainConfig:
+def _config(l2: float, knob: str) -> TrainConfig:
     return TrainConfig(batch_size=BATCH, pass_rows=4 * BATCH, threads=1, seed=5,
                        model=ModelConfig(name="deepfm", embedding_dim=4),
                        sparse_optimizer=SparseOptimizerConfig(name="adagrad", lr=0.2,
-                                                              embedding_l2=l2))
+                                                              **{knob: l2}))
 
 
 def _passes() -> list[list[Batch]]:
@@ -45,17 +48,17 @@ def _passes() -> list[list[Batch]]:
     return out
 
 
-def _one_process(l2: float) -> dict[str, np.ndarray]:
+def _one_process(l2: float, knob: str) -> dict[str, np.ndarray]:
     torch.manual_seed(0)
-    trainer = Trainer(SCHEMA, _config(l2))
+    trainer = Trainer(SCHEMA, _config(l2, knob))
     for batches in _passes():
         trainer.train_pass(batches)
     return trainer.store.to_arrays()
 
 
-def _rank(ctx: DistContext, l2: float) -> dict[str, np.ndarray]:
+def _rank(ctx: DistContext, l2: float, knob: str) -> dict[str, np.ndarray]:
     torch.manual_seed(0)
-    trainer = Trainer(SCHEMA, _config(l2), ctx=ctx)
+    trainer = Trainer(SCHEMA, _config(l2, knob), ctx=ctx)
     local = BATCH // ctx.world
     for batches in _passes():  # rank r trains rows [r * local, (r + 1) * local) of a step
         trainer.train_pass([b.slice(ctx.rank * local, (ctx.rank + 1) * local)
@@ -71,10 +74,11 @@ def _merged(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_embedding_l2_on_two_ranks_matches_one_process() -> None:
-    want = _one_process(0.5)
-    unregularised = _one_process(0.0)
-    got = _merged(run_ranks(_rank, 2, 0.5))
+@pytest.mark.parametrize(("knob", "strength"), [("embedding_l2", 0.5), ("l2", 0.05)])
+def test_embedding_l2_on_two_ranks_matches_one_process(knob: str, strength: float) -> None:
+    want = _one_process(strength, knob)
+    unregularised = _one_process(0.0, knob)
+    got = _merged(run_ranks(_rank, 2, strength, knob))
     np.testing.assert_array_equal(got["keys"], want["keys"])
     np.testing.assert_allclose(got["values"], want["values"], atol=2e-5)
     np.testing.assert_allclose(got["state"], want["state"], atol=2e-5, rtol=1e-4)

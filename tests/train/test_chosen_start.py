@@ -55,3 +55,24 @@ def test_no_choice_when_the_start_is_given_or_there_is_no_validation(files, tmp_
     assert "chosen_by_validation" not in alone
     fixed = _train(files, tmp_path / "fixed", "--batch-size", "512")  # the fixed start
     assert "chosen_by_validation" not in fixed
+
+
+def _search(files, out: Path, *extra: str) -> dict:
+    train, held_out = files
+    assert main(["search", "--train", str(train), "--valid", str(held_out), "--out", str(out),
+                 "--trials", "6", "--sampler", "random", "--pruner", "none", "--patience", "1",
+                 "--no-refit", *FLAGS, *extra]) == 0
+    return json.loads((out / "search.json").read_text())
+
+
+def test_search_tries_both_starts_where_train_would_choose(files, tmp_path) -> None:
+    """The default space holds the start where ``train`` would choose it, so a search's
+    trials can reach what ``train`` reaches; a given start or batch leaves it out."""
+    space = _search(files, tmp_path / "s")["space"]
+    assert space[ACCUMULATOR_KEY]["choices"] == list(SMALL_DATA_ACCUMULATOR_CHOICES)
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    starts = {t[f"params.{ACCUMULATOR_KEY}"] for t in results["trials"]}
+    assert starts == set(SMALL_DATA_ACCUMULATOR_CHOICES)
+    for extra in (["--sparse-initial-accumulator", "0.01"], ["--batch-size", "512"]):
+        out = tmp_path / extra[0].strip("-")
+        assert ACCUMULATOR_KEY not in _search(files, out, *extra)["space"]

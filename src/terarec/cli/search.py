@@ -123,8 +123,9 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     """The search on ``args.train`` / ``args.valid`` as the trials read them."""
     from terarec.embedding.shared import sharing_refusal
     from terarec.io import finite_json
-    from terarec.train.defaults import apply_sized_defaults
+    from terarec.train.defaults import ACCUMULATOR_KEY, accumulator_choices, apply_sized_defaults
     from terarec.train.search import (
+        default_space,
         load_space,
         run_search,
         write_results,
@@ -132,11 +133,19 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     )
 
     # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
-    config, _ = apply_sized_defaults(config, args.train, explicit_config_keys(args))
+    config, sized = apply_sized_defaults(config, args.train, explicit_config_keys(args))
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)
     selection_from_args(args, config)  # epoch upper bound, --eval-every
-    space = load_space(args.space, config) if args.space else None  # before reading data
+    if args.space:  # before reading data
+        space = load_space(args.space, config)
+    else:
+        # Where ``train`` would choose Adagrad's start by validation, so do the trials.
+        space = default_space(config.model.name, config)
+        starts = accumulator_choices(sized) if config.sparse_optimizer.name == "adagrad" \
+            else None
+        if starts is not None:
+            space[ACCUMULATOR_KEY] = {"type": "categorical", "choices": list(starts)}
     schema = train_schema_from_args(args, features.schema if features else None)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,

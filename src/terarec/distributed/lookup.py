@@ -354,6 +354,8 @@ class ShardedWorkingSet:
         self.pass_show: np.ndarray | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and train else None)
+        self.lazy_l2 = (self.optimizer.lazy_l2(weights.shape[0], weights.device)
+                        if self.optimizer is not None else None)
 
     # -- pass start ---------------------------------------------------------------------
     @classmethod
@@ -481,12 +483,13 @@ class ShardedWorkingSet:
             received = received * self.column_mask.index_select(0, step_rows)
         # the embedding_l2 term is in ``received`` already (added by each requester)
         self.optimizer.step(self.weights, self.state, step_rows, received, self._scratch,
-                            occurrence_l2=False)
+                            occurrence_l2=False, lazy=self.lazy_l2, step_index=step)
 
     # -- pass end -----------------------------------------------------------------------
     def write_back(self, store: EmbeddingStore) -> None:
-        if self.state is None:
+        if self.state is None or self.optimizer is None:
             raise RuntimeError("only a training working set is written back")
+        self.optimizer.catch_up(self.weights, self.state, self.lazy_l2, len(self.batches))
         if self.cache is not None:
             assert self.pass_show is not None
             self.cache.write_back(store, self.keys, self.weights, self.state, self.pass_show,

@@ -19,6 +19,19 @@ State layout per row (``S`` floats):
 embeddings: ``embedding_l2 * occurrences / batch_rows * w``, so a frequent key is pulled
 toward zero as often as it is used, and the strength does not depend on the batch size.
 
+``l2`` is L2 on the whole table at every step, touched or not: the gradient of
+``l2 / 2 * ||W||^2`` added to every row at every step, as a full-batch penalty
+(scikit-learn's ``1 / (2 C)`` over N rows is ``l2 = 1 / (C * N)`` per step of the mean
+loss). A row seen rarely is pulled toward zero as often as a frequent one, so it keeps
+less of the few labels it saw: the prior that per-use and per-touch L2 lack. It is
+applied as its proximal step, ``w <- w / (1 + step * l2)`` per step (``step`` the row's
+step size; stable at any step size, and the same optimum as adding ``l2 * w`` to the
+gradient), and lazily: a touched row first shrinks once for each step it missed since its
+last update, at its step size then (Adagrad's does not change while a row is untouched, so
+this equals shrinking it at every step), then takes its update and this step's shrink; at
+the pass end every row of the working set catches up to the pass's last step. A pass a
+key is not in does not shrink it.
+
 Row 0 of every working set is the shared zero row of unadmitted and unknown keys: it is
 never updated.
 
@@ -48,7 +61,7 @@ _KINDS = {"adagrad": _ADAGRAD, "adam": _ADAM, "ftrl": _FTRL, "sgd": _SGD}
 
 @numba.njit(nogil=True, cache=True)
 def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, beta2,
-                  alpha, beta, l1, l2, group_lasso, emb_l2):
+                  alpha, beta, l1, l2, group_lasso, emb_l2, table_l2, last, step_index):
     n, dim = grads.shape
     touched = np.empty(n, np.int64)
     gsum = np.empty((n, dim), np.float32)
@@ -76,6 +89,16 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
         w = weights[r]
         s = state[r]
         g = gsum[j]
+        if table_l2 != 0.0:
+            # the steps since the row was last brought up to date shrink it first, at
+            # the rate its accumulator gave it then (unchanged while it was not touched)
+            k = step_index - last[r] - 1
+            if k > 0:
+                rate = lr / (np.sqrt(s[0]) + eps) if kind == _ADAGRAD else lr
+                f = (1.0 + rate * table_l2) ** -float(k)
+                for d in range(dim):
+                    w[d] *= f
+            last[r] = step_index
         if wd != 0.0:
             for d in range(dim):
                 g[d] += wd * w[d]
@@ -115,6 +138,10 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
         else:
             for d in range(dim):
                 w[d] -= lr * g[d]
+        if table_l2 != 0.0:  # this step's own shrink, after its update
+            f = 1.0 / (1.0 + step * table_l2)
+            for d in range(dim):
+                w[d] *= f
         if group_lasso > 0.0:
             norm = 0.0
             for d in range(dim):
@@ -125,6 +152,18 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
             for d in range(dim):
                 w[d] *= factor
     return n_t
+
+
+_NO_ROWS = np.zeros(1, np.int64)
+
+
+class LazyL2:
+    """One working set's bookkeeping for ``l2``: the step of the pass each row was last
+    brought up to date at (-1: the pass start). Untouched rows cost nothing per step;
+    they decay when next touched and at the pass end (``SparseOptimizer.catch_up``)."""
+
+    def __init__(self, rows: int, device: torch.device | str) -> None:
+        self.last = torch.full((rows,), -1, dtype=torch.int64, device=device)
 
 
 class SparseOptimizer:
@@ -138,6 +177,10 @@ class SparseOptimizer:
         if config.group_lasso and config.name == "ftrl":
             raise ValueError("group_lasso does not apply to ftrl (it recomputes weights from "
                              "its accumulators); use ftrl_l1, or adagrad/adam/sgd")
+        if config.l2 and config.name not in ("adagrad", "sgd"):
+            raise ValueError(f"l2 (every-step L2) applies to adagrad and sgd, not "
+                             f"{config.name}: use weight_decay"
+                             + (" or ftrl_l2" if config.name == "ftrl" else ""))
         self.config = config
         self.kind = _KINDS[config.name]
         self.lr = config.lr
@@ -165,9 +208,39 @@ class SparseOptimizer:
                              "does not pass it (use weight_decay for a per-step L2)")
         return self.config.embedding_l2 / max(batch_rows, 1)
 
+    def lazy_l2(self, rows: int, device: torch.device | str) -> LazyL2 | None:
+        """A working set's bookkeeping for ``l2``, or None without it."""
+        return LazyL2(rows, device) if self.config.l2 else None
+
+    def rate(self, state: torch.Tensor) -> torch.Tensor | float:
+        """Each row's current step size: ``lr / (sqrt(acc) + eps)`` for row-wise Adagrad,
+        ``lr`` for SGD (the optimizers ``l2`` applies to)."""
+        if self.kind == _ADAGRAD:
+            return self.lr / (state[:, :1].sqrt() + self.config.eps)
+        return self.lr
+
+    @torch.no_grad()
+    def catch_up(self, weights: torch.Tensor, state: torch.Tensor, lazy: LazyL2 | None,
+                 steps: int) -> None:
+        """Decay every row for the steps up to ``steps`` (the pass's) that did not touch
+        it since its last update: after this the working set holds what an L2 applied to
+        every row at every step gives."""
+        if lazy is None or weights.shape[0] <= 1:
+            return
+        pending = (steps - 1 - lazy.last[1:]).clamp_min(0).to(torch.float32).unsqueeze(1)
+        weights[1:] *= self._shrink(state[1:], weights.device) ** pending
+        lazy.last[1:] = steps - 1
+
+    def _shrink(self, state: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Each row's factor for one step of ``l2`` (its proximal step at the row's rate:
+        stable at any rate, where ``1 - rate * l2`` would turn negative)."""
+        return torch.as_tensor(1.0 / (1.0 + self.rate(state) * self.config.l2),
+                               dtype=torch.float32, device=device)
+
     def step(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
              grads: torch.Tensor, scratch: np.ndarray | None = None,
-             batch_rows: int | None = None, occurrence_l2: bool = True) -> int:
+             batch_rows: int | None = None, occurrence_l2: bool = True,
+             lazy: LazyL2 | None = None, step_index: int = 0) -> int:
         """Apply one update for gradient ``grads[i]`` of row ``rows[i]`` (rows may repeat).
 
         ``scratch``: int64 array of -1 with one entry per working-set row, reused across
@@ -175,6 +248,8 @@ class SparseOptimizer:
         scales ``embedding_l2``. ``occurrence_l2=False``: ``grads`` already hold the
         ``embedding_l2`` term (the sharded lookup adds it where the occurrences are
         counted: an owner receives one gradient per requesting rank, not per occurrence).
+        ``lazy``/``step_index``: with ``l2``, the working set's bookkeeping and this step's
+        index in the pass (a touched row first decays for the steps it missed).
         Returns the number of rows updated.
         """
         c = self.config
@@ -186,13 +261,17 @@ class SparseOptimizer:
                 self.kind, weights.numpy(), state.numpy(), rows.numpy(),
                 grads.detach().to(torch.float32).contiguous().numpy(), scratch,
                 self.lr, c.eps, c.weight_decay, c.beta1, c.beta2, c.ftrl_alpha,
-                c.ftrl_beta, c.ftrl_l1, c.ftrl_l2, c.group_lasso, emb_l2))
-        return self.step_torch(weights, state, rows, grads, batch_rows, occurrence_l2)
+                c.ftrl_beta, c.ftrl_l1, c.ftrl_l2, c.group_lasso, emb_l2,
+                c.l2 if lazy is not None else 0.0,
+                lazy.last.numpy() if lazy is not None else _NO_ROWS, step_index))
+        return self.step_torch(weights, state, rows, grads, batch_rows, occurrence_l2,
+                               lazy, step_index)
 
     @torch.no_grad()
     def step_torch(self, weights: torch.Tensor, state: torch.Tensor, rows: torch.Tensor,
                    grads: torch.Tensor, batch_rows: int | None = None,
-                   occurrence_l2: bool = True) -> int:
+                   occurrence_l2: bool = True, lazy: LazyL2 | None = None,
+                   step_index: int = 0) -> int:
         """The same update in torch ops, for CUDA and as the CPU kernel's reference."""
         c = self.config
         emb_l2 = self.l2_per_occurrence(batch_rows) if occurrence_l2 else 0.0
@@ -205,6 +284,10 @@ class SparseOptimizer:
         w = weights[uniq]
         s = state[uniq]
         dim = w.shape[1]
+        if lazy is not None:
+            missed = (step_index - 1 - lazy.last[uniq]).clamp_min(0).to(torch.float32)
+            w = w * self._shrink(s, w.device) ** missed.unsqueeze(1)
+            lazy.last[uniq] = step_index
         if c.weight_decay:
             g = g + c.weight_decay * w
         if emb_l2:
@@ -233,6 +316,8 @@ class SparseOptimizer:
                 / ((c.ftrl_beta + n_new.sqrt()) / c.ftrl_alpha + c.ftrl_l2))
         else:
             w -= self.lr * g
+        if lazy is not None:
+            w = w / (1.0 + step * c.l2)
         if c.group_lasso > 0:
             norm = w.norm(dim=1, keepdim=True)
             shrink = step * c.group_lasso

@@ -112,6 +112,9 @@ class WorkingSet:
         self.column_mask: torch.Tensor | None = None
         self._scratch = (np.full(weights.shape[0], -1, np.int64)
                          if weights.device.type == "cpu" and optimizer is not None else None)
+        # the every-step L2's bookkeeping, and the pass's step the trainer is at
+        self.lazy_l2 = optimizer.lazy_l2(weights.shape[0], weights.device) if optimizer else None
+        self.step = 0
         # A device row cache the rows came from and go back to (embedding/device.py),
         # with this pass's number and its keys' shows (the cache's LFU score).
         self.cache: DeviceRowCache | None = None
@@ -187,6 +190,8 @@ class WorkingSet:
         """Push trained rows and their optimizer state back to the store."""
         if not self.trainable or self.state is None:
             raise RuntimeError("only a training working set is written back")
+        assert self.optimizer is not None
+        self.optimizer.catch_up(self.weights, self.state, self.lazy_l2, len(self.batches))
         if self.cache is not None:
             assert self.pass_show is not None
             self.cache.write_back(store, self.keys, self.weights, self.state, self.pass_show,
@@ -259,5 +264,6 @@ class _FusedLookup(torch.autograd.Function):
         if ws.column_mask is not None:
             occ_grad = occ_grad * ws.column_mask.index_select(0, rows)
         ws.optimizer.step(ws.weights, ws.state, rows, occ_grad, ws._scratch,
-                          batch_rows=ctx.sparse.batch_size)
+                          batch_rows=ctx.sparse.batch_size, lazy=ws.lazy_l2,
+                          step_index=ws.step)
         return torch.zeros((), device=grad.device), None, None, None

@@ -235,7 +235,8 @@ class Trainer:
             self.device_cache.read_ahead(self.store, upcoming, ws.keys, after=prefetcher)
         t1 = time.perf_counter()
         losses = []
-        for batch, raw in zip(ws.batches, keyed, strict=True):
+        for step, (batch, raw) in enumerate(zip(ws.batches, keyed, strict=True)):
+            ws.step = step
             loss = self._train_loss(ws, batch, raw)
             self.dense_optimizer.zero_grad(set_to_none=True)
             loss.backward()
