@@ -44,6 +44,7 @@ def args(tmp_path_factory) -> list[str]:
     generate(root / "v.tsv", 1000, model_seed=3, sample_seed=2)
     return ["search", "--train", str(root / "t.tsv"), "--valid", str(root / "v.tsv"),
             "--model", "fm", "--trials", "3", "--sampler", "random", "--pruner", "halving",
+            "--prune-after", "1",
             "--epochs", "2", "--batch-size", "250", "--pass-rows", "500", "--threads", "1",
             "--seed", "1", "--no-progress", "--admit-min-count", "2"]
 

@@ -73,6 +73,14 @@ def test_search_tries_both_starts_where_train_would_choose(files, tmp_path) -> N
     results = json.loads((tmp_path / "s" / "results.json").read_text())
     starts = {t[f"params.{ACCUMULATOR_KEY}"] for t in results["trials"]}
     assert starts == set(SMALL_DATA_ACCUMULATOR_CHOICES)
+    # the first trials are what ``train`` runs, with each start
+    config = json.loads((tmp_path / "s" / "search.json").read_text())["config"]
+    first = sorted((t for t in results["trials"] if t["trial"] < 2), key=lambda t: t["trial"])
+    assert [t[f"params.{ACCUMULATOR_KEY}"] for t in first] == \
+        list(SMALL_DATA_ACCUMULATOR_CHOICES)
+    for t in first:
+        assert t["params.sparse_optimizer.lr"] == config["sparse_optimizer"]["lr"]
+        assert t["params.dense_optimizer.lr"] == config["dense_optimizer"]["lr"]
     for extra in (["--sparse-initial-accumulator", "0.01"], ["--batch-size", "512"]):
         out = tmp_path / extra[0].strip("-")
         assert ACCUMULATOR_KEY not in _search(files, out, *extra)["space"]

@@ -26,6 +26,7 @@ from terarec.train.search import (
     apply_params,
     check_space,
     default_space,
+    first_rung,
     grid_space,
     load_space,
     run_search,
@@ -344,7 +345,8 @@ def test_an_unreadable_or_broken_space_file_is_one_line_naming_it(tmp_path):
     (["--trials", "2", "--parallel", "0"], "--parallel 0: must be >= 1 (leave it out for all)"),
     (["--trials", "2", "--parallel", "-1"], "--parallel -1: must be >= 1 (leave it out for all)"),
     (["--trials", "0"], "--trials 0: must be >= 1"),
-    (["--checkpoint-every", "0"], "--checkpoint-every 0: must be >= 1")])
+    (["--checkpoint-every", "0"], "--checkpoint-every 0: must be >= 1"),
+    (["--prune-after", "0"], "--prune-after 0: must be >= 1")])
 def test_trials_or_parallel_below_one_is_refused(files, tmp_path, capsys, flags, message):
     """--parallel 0 silently trained every trial at once; -1 failed with "run_passes needs
     at least one trial". The message named the arguments, not the flags."""
@@ -461,3 +463,30 @@ def test_a_trials_rng_state_restores_its_stream():
     state.restore(device)
     again = torch.rand(4, device=device), torch.rand(4)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_the_first_rung_is_sized_to_a_hundred_steps():
+    config = TrainConfig()
+    config.batch_size, config.pass_rows = 256, 200_000
+    assert first_rung(None, config) == 1  # rows unknown
+    assert first_rung(8000, config) == 4  # an epoch of 32 steps a pass
+    config.batch_size = 4096
+    assert first_rung(10**9, config) == 3  # 200,000-row passes of 49 steps
+    config.pass_rows = 10**6
+    assert first_rung(10**9, config) == 1
+
+
+def test_no_trial_is_pruned_before_the_first_rung(files, tmp_path):
+    schema, config, batches = _setup(files, epochs=3, admit_min_count=1)
+    space = {"sparse_optimizer.lr": {"type": "float", "low": 0.001, "high": 0.5, "log": True}}
+    result = run_search(schema, config, [files[0]], batches, tmp_path / "s", trials=4,
+                        sampler="random", pruner="halving", patience=None, space=space,
+                        first_rung=3)
+    pruned = [t for t in result.trials if t.state == "pruned"]
+    assert pruned, "halving prunes some of 4 trials once they reach the rung"
+    assert all(len(t.history) >= 3 for t in pruned)
+    saved = json.loads((tmp_path / "s" / "search.json").read_text())
+    assert saved["first_rung"] == 3
+    with pytest.raises(ValueError, match=r"first rung \(--prune-after\) 0"):
+        run_search(schema, config, [files[0]], batches, tmp_path / "bad", trials=2,
+                   space=space, first_rung=0)

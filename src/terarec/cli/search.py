@@ -54,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="optuna pruner at pass boundaries (default halving: successive "
                    "halving, which compares trials training together; median compares "
                    "with finished trials, i.e. earlier waves of --parallel)")
+    p.add_argument("--prune-after", type=int, metavar="PASSES",
+                   help="the pass at which the pruner first compares trials (default: "
+                   "enough passes for 100 optimizer steps; 1 pass on large data)")
     p.add_argument("--space", type=Path,
                    help="search space, JSON or YAML: {config.path: {type, low, high, log} "
                    "or [choices]} (default: a space for --model, see docs/search.md)")
@@ -91,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--parallel {args.parallel}: must be >= 1 (leave it out for all)")
     if args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be >= 1")
+    if args.prune_after is not None and args.prune_after < 1:
+        raise ValueError(f"--prune-after {args.prune_after}: must be >= 1")
     config = config_from_args(args)
     if args.features and config.on_bad_row == "skip":
         raise ValueError(SKIP_WITH_FEATURES)
@@ -123,9 +128,16 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     """The search on ``args.train`` / ``args.valid`` as the trials read them."""
     from terarec.embedding.shared import sharing_refusal
     from terarec.io import finite_json
-    from terarec.train.defaults import ACCUMULATOR_KEY, accumulator_choices, apply_sized_defaults
+    from terarec.train.defaults import (
+        ACCUMULATOR_KEY,
+        accumulator_choices,
+        apply_sized_defaults,
+        estimate_rows,
+    )
     from terarec.train.search import (
+        base_params,
         default_space,
+        first_rung,
         load_space,
         run_search,
         write_results,
@@ -137,15 +149,23 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     if config.store.memory_budget is not None:
         parse_bytes(config.store.memory_budget)
     selection_from_args(args, config)  # epoch upper bound, --eval-every
+    fixed: list[dict] = []
     if args.space:  # before reading data
         space = load_space(args.space, config)
     else:
-        # Where ``train`` would choose Adagrad's start by validation, so do the trials.
+        # Where ``train`` would choose Adagrad's start by validation, so do the trials;
+        # the first trials are what ``train`` runs (with each start), so the search
+        # answers at least what ``train`` would on the validation rows.
         space = default_space(config.model.name, config)
         starts = accumulator_choices(sized) if config.sparse_optimizer.name == "adagrad" \
             else None
         if starts is not None:
             space[ACCUMULATOR_KEY] = {"type": "categorical", "choices": list(starts)}
+        own = base_params(space, config)
+        if own is not None:
+            fixed = [{**own, ACCUMULATOR_KEY: start} for start in starts] if starts \
+                else [own]
+            fixed = fixed[:args.trials]
     schema = train_schema_from_args(args, features.schema if features else None)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
@@ -162,7 +182,9 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
                         pruner=args.pruner, select_by=args.select_by,
                         patience=args.patience, seed=config.seed,
                         progress=not args.no_progress, resume=args.resume, ctx=ctx,
-                        checkpoint_every=args.checkpoint_every)
+                        checkpoint_every=args.checkpoint_every, fixed=fixed,
+                        first_rung=args.prune_after if args.prune_after is not None
+                        else first_rung(estimate_rows(args.train), config))
     if result.best_dir is not None and features is not None and ctx.is_main:
         install_features(result.best_dir, features)  # eval / predict / serve join them
     ctx.barrier()

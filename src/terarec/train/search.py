@@ -330,6 +330,25 @@ def apply_params(base: TrainConfig, params: Mapping[str, Any]) -> TrainConfig:
     return config
 
 
+def base_params(space: Mapping[str, Mapping[str, Any]], base: TrainConfig
+                ) -> dict[str, Any] | None:
+    """``base``'s own value of every parameter of ``space`` (the trial that is ``train``
+    with the run's settings), or None when one of them lies outside its spec."""
+    data = to_dict(base)
+    params: dict[str, Any] = {}
+    for name, spec in space.items():
+        node: Any = data
+        for part in name.split("."):
+            node = node[part]
+        if spec["type"] == "categorical":
+            if node not in spec["choices"]:
+                return None
+        elif not float(spec["low"]) <= float(node) <= float(spec["high"]):
+            return None
+        params[name] = node
+    return params
+
+
 def grid_space(space: Mapping[str, Mapping[str, Any]]) -> dict[str, list]:
     """The grid sampler's search space: every parameter must list its values."""
     grid: dict[str, list] = {}
@@ -356,20 +375,39 @@ def make_sampler(name: str, space: Mapping[str, Mapping[str, Any]], seed: int):
     raise ValueError(f"sampler {name!r}: expected one of {', '.join(SAMPLERS)}")
 
 
-def make_pruner(name: str):
+# The pruners first compare trials after this many optimizer steps: on small data one
+# pass is an epoch of about 30 steps, which shows how fast a trial starts rather than
+# where it ends (a trial with Adagrad's damped start always lost there).
+FIRST_RUNG_STEPS = 100
+
+
+def first_rung(rows: int | None, config: TrainConfig) -> int:
+    """The pass at which the pruners first compare trials: enough passes for
+    ``FIRST_RUNG_STEPS`` steps of ``config``'s batch on ``rows`` training rows (a pass is
+    ``pass_rows`` rows, or the epoch when shorter); 1 when ``rows`` is unknown."""
+    if rows is None or rows < 1:
+        return 1
+    per_pass = max(1, math.ceil(min(rows, config.pass_rows) / config.batch_size))
+    return max(1, math.ceil(FIRST_RUNG_STEPS / per_pass))
+
+
+def make_pruner(name: str, first: int = 1):
     """Pruners that work while trials train together: successive halving and hyperband
-    compare trials that reached the same pass; median needs finished trials (earlier
-    waves, ``parallel`` < ``trials``)."""
+    compare trials that reached the same pass, first at pass ``first`` (``first_rung``);
+    median needs finished trials (earlier waves, ``parallel`` < ``trials``) and prunes
+    from pass ``first`` on."""
     import optuna
 
+    if first < 1:
+        raise ValueError(f"first rung (--prune-after) {first}: must be >= 1")
     if name == "none":
         return optuna.pruners.NopPruner()
     if name == "halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=first, reduction_factor=3)
     if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0)
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=first - 1)
     if name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=1, reduction_factor=3)
+        return optuna.pruners.HyperbandPruner(min_resource=first, reduction_factor=3)
     raise ValueError(f"pruner {name!r}: expected one of {', '.join(PRUNERS)}")
 
 
@@ -462,7 +500,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
                fixed: list[dict[str, Any]] | None = None,
                on_boundary: Callable[[list[SearchTrial]], None] | None = None,
                resume: bool = False, ctx: DistContext | None = None,
-               checkpoint_every: int = 1) -> SearchResult:
+               checkpoint_every: int = 1, first_rung: int = 1) -> SearchResult:
     """Run ``trials`` trials, ``parallel`` at a time (default: all) in one pass loop,
     and write the best one to ``out_dir/best`` as a model directory.
 
@@ -471,6 +509,8 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
     continue the search in ``out_dir`` (``open_study``, ``_resumed_trials``): finished
     trials are kept, the interrupted wave continues from the last pass all its trials
     committed (``_left_wave``; with none, its trials run again with their values).
+
+    ``first_rung``: the pass at which the pruner first compares trials (``first_rung``).
 
     ``checkpoint_every``: every live trial commits its state every N passes (all at
     the same passes: a resume continues from the last of them), and at each pass that
@@ -488,6 +528,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
         raise ValueError(f"parallel {parallel}: must be >= 1 (leave it out for all)")
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every {checkpoint_every}: must be >= 1")
+    make_pruner(pruner, first_rung)  # a bad name or rung fails before anything is written
     space = dict(space) if space is not None else default_space(base.model.name, base)
     if sampler == "grid":  # each grid point once
         trials = min(trials, math.prod(len(v) for v in grid_space(space).values()))
@@ -509,7 +550,7 @@ def run_search(schema: FeatureSchema, base: TrainConfig,
             raise ValueError(failure)
         return _search(schema, base, train_paths, valid_batches, out_dir, trials, parallel,
                        space, sampler, pruner, select_by, patience, seed, progress, fixed,
-                       on_boundary, resume, ctx, checkpoint_every)
+                       on_boundary, resume, ctx, checkpoint_every, first_rung)
 
 
 def _search(schema: FeatureSchema, base: TrainConfig,
@@ -519,13 +560,15 @@ def _search(schema: FeatureSchema, base: TrainConfig,
             patience: int | None, seed: int, progress: bool,
             fixed: list[dict[str, Any]] | None,
             on_boundary: Callable[[list[SearchTrial]], None] | None, resume: bool,
-            ctx: DistContext, every: int) -> SearchResult:
+            ctx: DistContext, every: int, first: int) -> SearchResult:
     """``run_search`` with the directory's lock held."""
     if ctx.world > 1 and "batch_size" in space:
         _check_batch_sizes(space["batch_size"], ctx.world)
     settings = {"space": space, "sampler": sampler, "pruner": pruner,
                 "select_by": select_by, "patience": patience, "seed": seed,
                 "config": to_dict(base)}
+    if first > 1:  # searches saved before it existed pruned from pass 1
+        settings["first_rung"] = first
     study = open_study(out_dir, settings, resume) if ctx.is_main else None
     overall = _BestSoFar(SelectionTracker(select_by, patience=None), every=every)
     done, left = _resumed_trials(study, out_dir, base, select_by, patience, overall,
@@ -635,7 +678,8 @@ def open_study(out_dir: Path, settings: dict[str, Any], resume: bool):
         "maximize" if higher_is_better(settings["select_by"]) else "minimize"
     study = optuna.create_study(storage=storage, study_name="search",
                                 load_if_exists=resume, direction=direction,
-                                pruner=make_pruner(settings["pruner"]))
+                                pruner=make_pruner(settings["pruner"],
+                                                   settings.get("first_rung", 1)))
     # A sampler's random stream is not journaled: a resumed one continues from a seed of
     # its own, so that it does not draw again the values it drew before. The grid
     # sampler's seed orders its grid, which point numbers in the journal refer to.
