@@ -110,3 +110,40 @@ def test_l2_is_refused_where_it_has_no_meaning(name: str, hint: str) -> None:
 
 def test_without_l2_there_is_no_bookkeeping() -> None:
     assert SparseOptimizer(SparseOptimizerConfig()).lazy_l2(10, "cpu") is None
+
+
+def test_the_tiered_store_trains_the_rows_the_memory_store_trains(tmp_path) -> None:
+    """Rows come back to a store after their pass's catch-up: one with most rows in its
+    disk tier ends with the rows the all-in-RAM store ends with."""
+    from dataclasses import replace
+
+    from terarec.config import ModelConfig, TrainConfig
+    from terarec.train.trainer import Trainer
+    from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
+
+    schema = FeatureSchema(label="label", fields=(
+        FieldSpec("x", "numeric"), FieldSpec("a", "categorical"),
+        FieldSpec("b", "categorical")), missing_flags=False)
+    rng = np.random.default_rng(2)
+    passes = [[Batch(torch.from_numpy(rng.random((64, 1), np.float32)),
+                     KeyedIds.from_dense(schema.sparse_names, torch.from_numpy(
+                         rng.zipf(1.3, size=(64, 2)).astype(np.int64) % 2000)),
+                     torch.from_numpy((rng.random(64) < 0.3).astype(np.float32)))
+               for _ in range(4)] for _ in range(3)]
+    base = TrainConfig(batch_size=64, pass_rows=256, threads=1, seed=5,
+                       model=ModelConfig(name="lr"),
+                       sparse_optimizer=SparseOptimizerConfig(lr=0.2, l2=0.05))
+    out = {}
+    for name, store in (("ram", base.store),
+                        ("tiered", replace(base.store, memory_budget="40KB",
+                                           disk_path=str(tmp_path / "disk")))):
+        torch.manual_seed(0)
+        trainer = Trainer(schema, replace(base, store=store))
+        for batches in passes:
+            trainer.train_pass(batches)
+        out[name] = trainer.store.to_arrays()
+        if name == "tiered":
+            tiers = trainer.store.tier_stats()
+            assert len(trainer.store) > tiers.memory_keys > 0  # most rows only on disk
+    np.testing.assert_array_equal(out["tiered"]["keys"], out["ram"]["keys"])
+    np.testing.assert_allclose(out["tiered"]["values"], out["ram"]["values"], atol=1e-6)
