@@ -157,8 +157,7 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
         # the first trials are what ``train`` runs (with each start), so the search
         # answers at least what ``train`` would on the validation rows.
         space = default_space(config.model.name, config)
-        starts = accumulator_choices(sized) if config.sparse_optimizer.name == "adagrad" \
-            else None
+        starts = accumulator_choices(sized)  # set only for adagrad
         if starts is not None:
             space[ACCUMULATOR_KEY] = {"type": "categorical", "choices": list(starts)}
         own = base_params(space, config)
