@@ -29,6 +29,7 @@ import optuna
 
 from terarec.cli.main import main as cli
 from terarec.config import TrainConfig, to_dict
+from terarec.data.numeric import with_numeric_stats
 from terarec.data.readers import csv_schema
 from terarec.data.synth import generate
 from terarec.train.passes import iter_file_batches
@@ -53,8 +54,11 @@ def _search(schema, base, train, valid, out, params, pruner) -> tuple[float, obj
     space = default_space(base.model.name)
     keys = sorted({k for p in params for k in p})
     space = {k: space[k] for k in keys} if keys else space
-    batches = list(iter_file_batches([valid], schema, base.batch_size))
     start = time.perf_counter()
+    # The schema `train` and `search` build: numeric statistics and bucket keys from the
+    # training rows, once per search as the command does (each `train` run pays it too).
+    schema = with_numeric_stats(schema, [train], on_bad_row="skip")
+    batches = list(iter_file_batches([valid], schema, base.batch_size))
     with contextlib.redirect_stdout(io.StringIO()):
         result = run_search(schema, base, [train], batches, out, trials=len(params),
                             space=space, sampler="random", pruner=pruner, select_by="auc",
