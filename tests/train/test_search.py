@@ -490,3 +490,86 @@ def test_no_trial_is_pruned_before_the_first_rung(files, tmp_path):
     with pytest.raises(ValueError, match=r"first rung \(--prune-after\) 0"):
         run_search(schema, config, [files[0]], batches, tmp_path / "bad", trials=2,
                    space=space, first_rung=0)
+
+
+def _checkpoint_digests(out: Path) -> dict[str, tuple]:
+    """Every checkpoint of the search's best directory: its files' digests and the random
+    state it recorded, by name; and the ``BEST`` pointer."""
+    root = out / "best" / "checkpoints"
+    found: dict[str, tuple] = {"BEST": ((out / "best" / "BEST").read_text(),)}
+    for ck in sorted(root.glob("pass-*")):
+        meta = json.loads((ck / "meta.json").read_text())
+        found[ck.name] = (meta["sha256"], meta["rng"], meta["pass_id"])
+    return found
+
+
+def test_commits_written_in_the_background_equal_commits_written_in_place(
+        files, tmp_path, monkeypatch):
+    """In one process a trial's commit is written on a background thread while the other
+    trials train their pass: the checkpoints are those written in place, file for file
+    (the random state recorded is the trial's own, taken when its pass ended)."""
+    import threading
+
+    import terarec.train.search as search
+
+    train, _ = files
+    schema, config, batches = _setup(files, epochs=2, admit_min_count=1)
+    space = check_space({"model.embedding_dim": [4, 8]}, config)
+    fixed = [{"model.embedding_dim": 4}, {"model.embedding_dim": 8}]
+    threads: set[str] = set()
+    save = search.save_checkpoint
+
+    def recording(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(search, "save_checkpoint", recording)
+    background = run_search(schema, config, [train], batches, tmp_path / "bg", trials=2,
+                            sampler="random", pruner="none", space=space, fixed=fixed)
+    assert threads and all(name.startswith("terarec-commit") for name in threads)
+
+    class InPlace(search._Commits):
+        def __init__(self, background: bool) -> None:
+            super().__init__(background=False)
+
+    threads.clear()
+    monkeypatch.setattr(search, "_Commits", InPlace)
+    in_place = run_search(schema, config, [train], batches, tmp_path / "ip", trials=2,
+                          sampler="random", pruner="none", space=space, fixed=fixed)
+    assert threads == {threading.current_thread().name}
+    assert background.best.number == in_place.best.number
+    assert [t.history[-1]["valid_auc"] for t in background.trials] == \
+        [t.history[-1]["valid_auc"] for t in in_place.trials]
+    assert _checkpoint_digests(tmp_path / "bg") == _checkpoint_digests(tmp_path / "ip")
+
+
+def test_a_commit_that_fails_in_the_background_stops_the_search(files, tmp_path,
+                                                                 monkeypatch):
+    """A commit written on the background thread that fails (here a full disk at the
+    third commit) raises its error from the search, and no later pass is journaled as
+    committed: the next boundary waits for the commits first."""
+    import errno
+
+    import terarec.train.search as search
+
+    train, _ = files
+    schema, config, batches = _setup(files, epochs=2, admit_min_count=1)
+    space = check_space({"model.embedding_dim": [4, 8]}, config)
+    calls: list[int] = []
+    boundaries: list[int] = []
+    save = search.save_checkpoint
+
+    def failing(model_dir, trainer, **kwargs):
+        calls.append(trainer.pass_id)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "no space left on device")
+        return save(model_dir, trainer, **kwargs)
+
+    monkeypatch.setattr(search, "save_checkpoint", failing)
+    with pytest.raises(OSError, match="no space left"):
+        run_search(schema, config, [train], batches, tmp_path / "s", trials=2,
+                   sampler="random", pruner="none", space=space,
+                   fixed=[{"model.embedding_dim": 4}, {"model.embedding_dim": 8}],
+                   on_boundary=lambda trials: boundaries.append(len(calls)))
+    assert len(calls) == 3  # the failing commit was the last one written
+    assert boundaries == [2]  # the second round's boundary did not pass it

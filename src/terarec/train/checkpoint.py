@@ -151,10 +151,11 @@ def _durable(path: Path, files: dict[str, str], rel: str | None = None) -> None:
 
 
 def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None,
-                    pinned: str | None = None) -> Path:
+                    pinned: str | None = None, rng: list[int] | None = None) -> Path:
     """Commit the trainer's state after its last pass as a new checkpoint; collective
     when the trainer is one of N ranks. ``pinned``: a checkpoint the pruning of older
-    ones keeps (besides ``BEST``)."""
+    ones keeps (besides ``BEST``). ``rng``: torch's random state to record, taken when
+    the pass ended (a commit written later, on another thread, cannot read it then)."""
     trainer.sync_store()  # rows newer on the device go into the checkpoint
     check_trainer_finite(trainer)  # a diverged model never replaces a good checkpoint
     ctx: DistContext = trainer.ctx
@@ -186,7 +187,7 @@ def save_checkpoint(model_dir: str | Path, trainer, extra: dict | None = None,
     final = root / name
     if ctx.is_main:
         try:
-            _commit(staging, final, trainer, every_rank, extra)
+            _commit(staging, final, trainer, every_rank, extra, rng)
         except BaseException as exc:
             full = _out_of_space(exc, staging)
             shutil.rmtree(staging, ignore_errors=True)
@@ -240,7 +241,8 @@ def _write_rank_files(staging: Path, trainer) -> tuple[dict[str, str], str, dict
     return files, shard, shard_digests
 
 
-def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict | None) -> None:
+def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict | None,
+            rng: list[int] | None = None) -> None:
     """Rank 0: the manifest, then the folder renamed into place."""
     world = trainer.ctx.world
     summaries = [summary for _, summary in every_rank]
@@ -249,7 +251,7 @@ def _commit(staging: Path, final: Path, trainer, every_rank: list, extra: dict |
         "world_size": world,
         "sparse_format": trainer.store.saved_format,
         "history": trainer.history,
-        "rng": {"torch": torch.get_rng_state().tolist()},
+        "rng": {"torch": rng if rng is not None else torch.get_rng_state().tolist()},
         "sha256": {k: v for part, _ in every_rank for k, v in part.items()},
         "store": sum_store_summaries(summaries),  # the whole model's figures
         # every input file's row position after this pass (data.positions)
