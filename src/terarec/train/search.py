@@ -63,7 +63,6 @@ from terarec.embedding.shared import (
 )
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, plan_pass
-from terarec.finite import check_trainer_finite
 from terarec.io import (
     LockedError,
     atomic_write_text,
@@ -1031,11 +1030,9 @@ def _commit_pass(model_dir: Path, number: int, overall: _BestSoFar
             return
         last = trainer.pass_id // every * every
         pinned = f"pass-{last:06d}" if last else None
-        # What the commit takes from the moment the pass ended is taken now: the rows
-        # newer on the device, the finiteness check (its error raised here), torch's
-        # random state, and the lead (the next trial's pass compares against it).
-        trainer.sync_store()
-        check_trainer_finite(trainer)
+        # What the trial's own state cannot tell later is taken now: torch's random
+        # state (the next trial's pass replaces it) and the lead (the next trial's pass
+        # compares against it). The rest waits, unchanged, until the trial's next pass.
         rng = torch.get_rng_state().tolist()
         is_main = trainer.ctx.is_main
         best = bool(record.get("best"))
