@@ -9,9 +9,7 @@ processes import it); a rank's exception fails the call with that rank's traceba
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,16 +22,12 @@ import torch.multiprocessing as mp
 from terarec.distributed.context import DistContext
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world: int, out: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file store, not a TCP port: a port picked free here can be taken by another
+    # test process before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{Path(out) / 'store'}", rank=rank,
+                            world_size=world)
     try:
         ctx = DistContext(rank=rank, world=world, local_rank=rank,
                           device=torch.device("cpu"), backend="gloo",
@@ -49,7 +43,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable, args: t
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """``fn(ctx, *args)`` on ``world`` gloo ranks; their results in rank order."""
     with tempfile.TemporaryDirectory(prefix="terarec-ranks-") as out:
-        mp.spawn(_rank_main, args=(world, _free_port(), out, fn, args), nprocs=world,
+        mp.spawn(_rank_main, args=(world, out, fn, args), nprocs=world,
                  join=True)
         results = []
         for rank in range(world):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from test_torchrun import _free_port, port_taken
 
 from terarec.data.synth import generate
 from terarec.train.checkpoint import best_checkpoint
@@ -25,16 +25,15 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-                          start_new_session=True)
+    cmd = list(cmd)
+    for _ in range(3):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S, start_new_session=True)
+        if not port_taken(cmd, done):
+            break
+    return done
 
 
 @pytest.fixture(scope="module")

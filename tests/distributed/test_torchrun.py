@@ -39,17 +39,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_taken(cmd: list[str], done: subprocess.CompletedProcess) -> bool:
+    """Whether a torchrun launch failed because its ``--master_port`` was taken between
+    ``_free_port`` and the agent's bind (by another test process); then ``cmd`` gets a
+    new port and the launch is retried. Nothing has run: the agent binds first."""
+    if done.returncode == 0 or "EADDRINUSE" not in done.stderr or "--master_port" not in cmd:
+        return False
+    cmd[cmd.index("--master_port") + 1] = str(_free_port())
+    return True
+
+
 def _run(cmd: list[str], env: dict | None = None,
          check: bool = True) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session, so that a hang is ended with all its workers."""
-    proc = subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {TIMEOUT_S}s: {' '.join(cmd)}\n{err[-6000:]}")
+    cmd = list(cmd)
+    for _ in range(3):
+        proc = subprocess.Popen(cmd, env={**_env(), **(env or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"timed out after {TIMEOUT_S}s: {' '.join(cmd)}\n{err[-6000:]}")
+        if not port_taken(cmd, subprocess.CompletedProcess(cmd, proc.returncode, out, err)):
+            break
     if check:
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{out[-3000:]}\n{err[-6000:]}"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
