@@ -60,11 +60,16 @@ class ServerThread:
     """uvicorn serving ``app`` on a loopback port, in a thread, for one ``with`` block."""
 
     def __init__(self, app) -> None:
-        self.port = free_port()
+        # The socket is bound here and handed to uvicorn, so that no other test process
+        # can take the port between choosing it and listening on it.
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                 access_log=False, lifespan="on")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run,
+                                       kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
@@ -78,6 +83,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.socket.close()
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)

@@ -18,10 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 class ClusterStartError(RuntimeError):
     """The local cluster did not come up (binary missing, port taken, never healthy)."""
+
+
+class _PortTaken(ClusterStartError):
+    """A node could not listen: its port, free when chosen, was taken before it bound."""
 
 
 def redis_binaries() -> tuple[str, str] | None:
@@ -82,21 +88,37 @@ class LocalCluster:
                                             stderr=subprocess.DEVNULL)
 
     def _wait_ping(self, port: int, timeout_s: float = 10.0) -> None:
+        """Until the node launched on ``port`` answers: the answer must come from this
+        node (its ``dir``), not from another process that took the port first."""
+        folder = self.root / str(port)
         deadline = time.monotonic() + timeout_s
         while True:
+            proc = self.procs.get(port)
             try:
-                redis.Redis(port=port, socket_timeout=1).ping()
-                return
+                answered = redis.Redis(port=port, socket_timeout=1,
+                                       retry=Retry(NoBackoff(), 0)).config_get("dir")
+                if answered.get("dir") == str(folder.resolve()):
+                    return
+                raise _PortTaken(f"port {port} is served by another process")
             except redis.RedisError:
-                proc = self.procs.get(port)
-                if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+                if proc is not None and proc.poll() is not None:
+                    raise _PortTaken(f"redis-server on port {port} exited at start "
+                                     f"(log: {folder / 'redis.log'})") from None
+                if time.monotonic() > deadline:
                     raise ClusterStartError(f"redis-server on port {port} did not start "
-                                            f"(log: {self.root / str(port) / 'redis.log'})"
-                                            ) from None
+                                            f"(log: {folder / 'redis.log'})") from None
                 time.sleep(0.05)
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         """Launch fresh nodes, create the cluster and wait until every slot is served."""
+        for _ in range(2):
+            try:
+                return self._start_on_free_ports(timeout_s)
+            except _PortTaken:  # another process bound a chosen port first: choose again
+                pass
+        return self._start_on_free_ports(timeout_s)
+
+    def _start_on_free_ports(self, timeout_s: float) -> LocalCluster:
         if self.root.exists():
             shutil.rmtree(self.root)
         self.ports = _free_ports(self.masters * (1 + self.replicas))
