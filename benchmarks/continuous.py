@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from terarec.data.synth import generate_hourly
+from terarec.loopback import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_ARGS = ["--threads", "1", "--no-progress", "--embedding-dim", "8", "--seed", "1",
@@ -51,12 +51,6 @@ def _env() -> dict[str, str]:
     src = str(ROOT / "src")
     return {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (src, os.environ.get("PYTHONPATH")) if p), "OMP_NUM_THREADS": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _terarec(*args: str) -> list[str]:
@@ -138,7 +132,7 @@ def run(work: Path, args: argparse.Namespace, rng: random.Random) -> dict:
     follow = _terarec("train", "--follow", str(logs), "--out", str(model), "--resume",
                       "--export-to", str(exports), "--delta-minutes", str(args.delta_minutes),
                       "--stop-after", str(args.files), "--poll-seconds", "0.5", *TRAIN_ARGS)
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(_terarec("serve", str(exports), "--port", str(port),
                                        "--poll-seconds", "0.5", "--threads", "1",
                                        "--log-level", "warning"),

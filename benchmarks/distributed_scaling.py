@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,13 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from terarec.loopback import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(args: argparse.Namespace, ranks: int, target: list[str]) -> float:

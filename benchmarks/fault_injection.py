@@ -41,7 +41,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from terarec.export import (
 )
 from terarec.export.format import MANIFEST, sha256_bytes, shard_name
 from terarec.io import sha256_file
+from terarec.loopback import free_port
 from terarec.train.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -319,12 +319,6 @@ def wait_for(port: int, version: int, seconds: float = 60) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _requests(data: Path, n: int) -> bytes:

@@ -26,7 +26,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from terarec.config import ModelConfig, TrainConfig
 from terarec.data.synth import generate
 from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.writer import ModelExporter
+from terarec.loopback import free_port
 from terarec.sparsetier.local import LocalCluster
 from terarec.sparsetier.publish import Publisher
 from terarec.train.trainer import Trainer
@@ -86,12 +86,6 @@ def make_bodies(path: Path, count: int, candidates: int = 100) -> list[bytes]:
         cands = [{k: v for k, v in r.items() if k not in CONTEXT_FIELDS} for r in group]
         bodies.append(json.dumps({"context": context, "candidates": cands}).encode())
     return bodies
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(export: Path, *flags: str) -> tuple[subprocess.Popen, int]:

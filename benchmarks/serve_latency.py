@@ -56,6 +56,7 @@ from terarec.data.readers import batch_from_records
 from terarec.data.synth import generate
 from terarec.export import IncrementalExporter
 from terarec.io import atomic_write_bytes
+from terarec.loopback import free_port
 from terarec.serving.engine import ServingEngine
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
@@ -262,12 +263,6 @@ def cpu_seconds(pid: int) -> float:
         family |= more
         grew = bool(more)
     return sum(times.get(p, 0.0) for p in family)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(port: int, timeout_s: float = 120) -> None:

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_torchrun import _free_port, port_taken
+from test_torchrun import port_taken
 
 from terarec.data.synth import generate
+from terarec.loopback import free_port
 from terarec.train.checkpoint import best_checkpoint
 
 pytestmark = pytest.mark.dist
@@ -58,7 +59,7 @@ def _one_process_and_two_ranks(argv: list[str], tmp_path: Path) -> tuple[Path, P
     done = _run([sys.executable, "-m", "terarec", *argv, "--out", str(one)])
     assert done.returncode == 0, done.stderr[-3000:]
     done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                 "--master_port", str(_free_port()), "-m", "terarec", *argv,
+                 "--master_port", str(free_port()), "-m", "terarec", *argv,
                  "--out", str(two)])
     assert done.returncode == 0, done.stderr[-3000:]
     return one, two
@@ -130,7 +131,7 @@ def test_a_batch_size_that_does_not_divide_by_the_ranks_is_refused(args, tmp_pat
     space = tmp_path / "space.json"
     space.write_text(json.dumps({"batch_size": [250, 375]}))
     done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                 "--master_port", str(_free_port()), "-m", "terarec", *args, "--space",
+                 "--master_port", str(free_port()), "-m", "terarec", *args, "--space",
                  str(space), "--out", str(tmp_path / "o")])
     assert done.returncode != 0
     assert "batch_size: choices [375] are not multiples of 2" in done.stderr
@@ -161,11 +162,11 @@ def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_on
             "--pruner", "none", "--epochs", "6", "--patience", "10"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    done = _run([*launch, "--master_port", str(_free_port()), "-m", "terarec", *grid,
+    done = _run([*launch, "--master_port", str(free_port()), "-m", "terarec", *grid,
                  "--out", str(whole)])
     assert done.returncode == 0, done.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    agent = subprocess.Popen([*launch, "--master_port", str(_free_port()), "-m", "terarec",
+    agent = subprocess.Popen([*launch, "--master_port", str(free_port()), "-m", "terarec",
                               *grid, "--out", str(killed)], env=env, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     second = killed / "trials" / "trial-001" / "LATEST"
@@ -176,7 +177,7 @@ def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_on
     os.kill(_workers(agent.pid)[0], signal.SIGKILL)  # rank 0, while trial 1 trains
     assert agent.wait(timeout=TIMEOUT_S) != 0  # torchrun stops the other rank
     assert not (killed / "results.json").exists()
-    done = _run([*launch, "--master_port", str(_free_port()), "-m", "terarec", *grid,
+    done = _run([*launch, "--master_port", str(free_port()), "-m", "terarec", *grid,
                  "--out", str(killed), "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
     want = {r["params.model.embedding_dim"]: r["value"] for r in _rows(whole).values()}

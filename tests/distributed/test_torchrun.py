@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from terarec.distributed.sharding import shard_of
+from terarec.loopback import free_port
 from terarec.train.checkpoint import list_checkpoints, rank_arrays, restore_trainer
 
 pytestmark = pytest.mark.dist
@@ -33,19 +33,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def port_taken(cmd: list[str], done: subprocess.CompletedProcess) -> bool:
     """Whether a torchrun launch failed because its ``--master_port`` was taken between
     ``_free_port`` and the agent's bind (by another test process); then ``cmd`` gets a
     new port and the launch is retried. Nothing has run: the agent binds first."""
     if done.returncode == 0 or "EADDRINUSE" not in done.stderr or "--master_port" not in cmd:
         return False
-    cmd[cmd.index("--master_port") + 1] = str(_free_port())
+    cmd[cmd.index("--master_port") + 1] = str(free_port())
     return True
 
 
@@ -78,7 +72,7 @@ def torchrun(args: list[str], nproc: int = 2, script: Path | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
     target = [str(script)] if script else ["-m", "terarec"]
     return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                 "--master_port", str(_free_port()), *launcher, *target, "train", *args],
+                 "--master_port", str(free_port()), *launcher, *target, "train", *args],
                 env, check)
 
 

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_torchrun import HERE, _env, _free_port, _run, torchrun
+from test_torchrun import HERE, _env, _run, torchrun
 
 from terarec.data.synth import generate
+from terarec.loopback import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -54,7 +55,7 @@ def test_a_second_job_or_process_is_refused_on_every_rank(data, tmp_path):
     hold.mkdir()
     first = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), str(HERE / "hold_after_commit.py"), "train",
+         "--master_port", str(free_port()), str(HERE / "hold_after_commit.py"), "train",
          "--train", str(data), "--out", str(out), *ARGS],
         env={**_env(), "HOLD_DIR": str(hold)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)

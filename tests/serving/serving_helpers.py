@@ -50,12 +50,6 @@ def raw_records(path: Path, rows: int) -> list[dict[str, Any]]:
             for r in records]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerThread:
     """uvicorn serving ``app`` on a loopback port, in a thread, for one ``with`` block."""
 

@@ -10,10 +10,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from serving_helpers import SCHEMA, ServerThread, free_port, make_data, small_config
+from serving_helpers import SCHEMA, ServerThread, make_data, small_config
 
 from terarec.client import Client, ClientError
 from terarec.export import IncrementalExporter
+from terarec.loopback import free_port
 from terarec.serving.app import create_app
 from terarec.serving.engine import ServingEngine
 from terarec.train.trainer import Trainer

@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cluster_helpers import local_scores
-from serving_helpers import SCHEMA, free_port, make_data, raw_records, small_config
+from serving_helpers import SCHEMA, make_data, raw_records, small_config
 
 from terarec.export.reader import VersionReader
 from terarec.export.storage import Storage
+from terarec.loopback import free_port
 from terarec.serving.cluster import ClusterEngine
 from terarec.sparsetier.control import Control
 from terarec.sparsetier.layout import Layout

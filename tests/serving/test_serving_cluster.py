@@ -211,7 +211,7 @@ def test_hot_rows_are_the_most_shown_within_the_budget(chain, redis_cluster):
 
 @pytest.mark.parametrize("command", ["serve", "publish"])
 def test_tier_urls_that_cannot_work_are_clear_errors(command, tmp_path, capsys):
-    from serving_helpers import free_port
+    from terarec.loopback import free_port
 
     flag = "--sparse-tier" if command == "serve" else "--to"
     assert cli_main([command, str(tmp_path), flag, "http://127.0.0.1:1"]) == 2
@@ -251,7 +251,7 @@ def test_the_serve_command_reads_the_tier(chain, redis_cluster):
     import sys
     import time
 
-    from serving_helpers import free_port
+    from terarec.loopback import free_port
 
     assert publish(redis_cluster.url, chain.export, "cli") == 0
     port = free_port()

@@ -20,9 +20,10 @@ import torch
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from serving_helpers import SCHEMA, free_port
+from serving_helpers import SCHEMA
 
 from terarec.data.readers import DataError, batch_from_columns, batch_from_records, csv_schema
+from terarec.loopback import free_port
 from terarec.serving.app import create_app
 from terarec.serving.batching import DynamicBatcher, QueueFull
 from terarec.serving.binary import HEADER, encode_bytes

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serving_helpers import SCHEMA, free_port
+from serving_helpers import SCHEMA
 
 import terarec
 from terarec.data.readers import batch_from_records
 from terarec.export import ExportError, ModelExporter, Storage
 from terarec.export.format import MANIFEST, check_member_path, sha256_bytes, shard_name
+from terarec.loopback import free_port
 from terarec.serving.engine import ServingEngine
 
 TOL = 1e-5

@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from serving_helpers import SCHEMA, ServerThread, free_port, split_context
+from serving_helpers import SCHEMA, ServerThread, split_context
 
 import terarec
 from terarec.data.readers import batch_from_records
+from terarec.loopback import free_port
 from terarec.serving.app import create_app
 from terarec.serving.engine import ServingEngine
 

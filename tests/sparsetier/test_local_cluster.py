@@ -20,17 +20,17 @@ def test_a_port_taken_before_the_node_binds_is_chosen_again(tmp_path, monkeypatc
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        real = local._free_ports
+        real = local.free_ports
         calls: list[list[int]] = []
 
-        def first_one_taken(n: int) -> list[int]:
-            ports = real(n)
+        def first_one_taken(n: int, offsets: tuple[int, ...]) -> list[int]:
+            ports = real(n, offsets)
             if not calls:
                 ports[0] = taken
             calls.append(ports)
             return ports
 
-        monkeypatch.setattr(local, "_free_ports", first_one_taken)
+        monkeypatch.setattr(local, "free_ports", first_one_taken)
         cluster = LocalCluster(tmp_path / "c", masters=3, replicas=0)
         try:
             cluster.start()

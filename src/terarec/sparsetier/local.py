@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,8 @@ from pathlib import Path
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from terarec.loopback import free_ports
 
 
 class ClusterStartError(RuntimeError):
@@ -34,24 +35,6 @@ def redis_binaries() -> tuple[str, str] | None:
     """Paths of ``redis-server`` and ``redis-cli``, or None when either is missing."""
     server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     return (server, cli) if server and cli else None
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` free loopback ports whose cluster bus ports (+10000) are free too."""
-    ports: list[int] = []
-    while len(ports) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 > 65535 or port in ports:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        ports.append(port)
-    return ports
 
 
 @dataclass
@@ -121,7 +104,7 @@ class LocalCluster:
     def _start_on_free_ports(self, timeout_s: float) -> LocalCluster:
         if self.root.exists():
             shutil.rmtree(self.root)
-        self.ports = _free_ports(self.masters * (1 + self.replicas))
+        self.ports = free_ports(self.masters * (1 + self.replicas), offsets=(0, 10_000))
         self._bring_up(timeout_s)
         return self
 
