@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_torchrun import HERE, _env, _run, torchrun
+from test_torchrun import HERE, _env, _run, port_taken, torchrun
 
 from terarec.data.synth import generate
 from terarec.loopback import free_port
@@ -40,27 +40,40 @@ def _only_the_launchers_traceback(err: str) -> None:
     assert err.count("Traceback") <= 1 and "ChildFailedError" in err, err[-4000:]
 
 
-def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(p.exists() for p in paths):
-        if proc.poll() is not None:
-            pytest.fail(f"the holding run exited early: {proc.communicate()[1][-4000:]}")
-        if time.monotonic() > deadline:
-            pytest.fail("the holding run never committed its first pass")
-        time.sleep(0.1)
+def _hold(cmd: list[str], env: dict[str, str], paths: list[Path],
+          timeout_s: float = 180) -> subprocess.Popen:
+    """Start ``cmd`` (a torchrun launch that holds the lock) and wait for ``paths``; a
+    launch whose ``--master_port`` was taken before the agent bound it (it exits with
+    EADDRINUSE having run nothing) is started again on a new port."""
+    cmd = list(cmd)
+    for _ in range(3):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while not all(p.exists() for p in paths):
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                if port_taken(cmd, subprocess.CompletedProcess(cmd, proc.returncode, out, err)):
+                    break
+                pytest.fail(f"the holding run exited early: {err[-4000:]}")
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail("the holding run never committed its first pass")
+            time.sleep(0.1)
+        else:
+            return proc
+    pytest.fail("the holding run's port was taken three times")
 
 
 def test_a_second_job_or_process_is_refused_on_every_rank(data, tmp_path):
     out, hold = tmp_path / "model", tmp_path / "hold"
     hold.mkdir()
-    first = subprocess.Popen(
+    first = _hold(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(free_port()), str(HERE / "hold_after_commit.py"), "train",
          "--train", str(data), "--out", str(out), *ARGS],
-        env={**_env(), "HOLD_DIR": str(hold)}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        {**_env(), "HOLD_DIR": str(hold)}, [hold / "rank-0", hold / "rank-1"])
     try:
-        _wait_for([hold / "rank-0", hold / "rank-1"], first)
         refused = f"model directory {out} is in use by another process (lock file " \
                   f"{out / '.lock'}, held by pid"
         started = time.monotonic()
