@@ -327,6 +327,11 @@ class TrainConfig:
     batch_size: Positive = knob(4096, "--batch-size")
     pass_rows: Positive = knob(200_000, "--pass-rows", "rows per pass (store write-back unit)")
     epochs: Positive = knob(1, "--epochs")
+    # train.passes.shuffled_steps: cyclic order (the same batches in the same order every
+    # epoch) when off; docs/models.md "Shuffled step order" for what it changes.
+    shuffle: bool = knob(False, "--shuffle", "train each pass's batches in a new order "
+                         "every epoch (drawn from --seed; the same on every rank and "
+                         "on resume)")
     loss: Literal["bce", "sampled_softmax"] = knob(
         "bce", "--loss", "bce (pointwise click loss) or sampled_softmax (dssm only: "
         "in-batch negatives with logQ correction, for retrieval; docs/retrieval.md)")

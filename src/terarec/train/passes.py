@@ -19,6 +19,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from terarec.data.positions import (
     FileMark,
     Idle,
@@ -85,6 +87,23 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
                    skipped + read.skipped - skipped_at_start)
 
     return iter_position_passes(items, pass_rows, positions, steps, per_file=per_file)
+
+
+def shuffled_steps(passes: Iterator[tuple[list[Batch], PassInput] | Idle], seed: int
+                   ) -> Iterator[tuple[list[Batch], PassInput] | Idle]:
+    """Each pass's batches in an order drawn from ``seed``, the pass's epoch and the rows
+    the epoch has consumed after it (``--shuffle``). The draw depends on nothing a
+    resumed run or a rank could see differently: a resumed run trains a pass in the
+    order the uninterrupted run did, and every torchrun rank permutes its local batches
+    (one per global step) the same way, so N ranks still train what one process does.
+    Batches keep their rows; only the order of the steps changes."""
+    for item in passes:
+        if isinstance(item, Idle):
+            yield item
+            continue
+        group, info = item
+        rng = np.random.default_rng([seed, info.positions.epoch, info.positions.rows])
+        yield [group[i] for i in rng.permutation(len(group))], info
 
 
 READ_AHEAD_NICE = 5  # how much lower than the training thread the read-ahead runs

@@ -203,6 +203,9 @@ def _yaml_loader() -> type:
     return UniqueKeyLoader
 
 
+# How the shared pass loop reads the data: one setting for every trial of a search.
+SHARED_FIELDS = ("pass_rows", "shuffle", "on_bad_row")
+
 _SPEC_KEYS = {"categorical": {"type", "choices"},
               "float": {"type", "low", "high", "log", "step"},
               "int": {"type", "low", "high", "log", "step"}}
@@ -234,6 +237,10 @@ def check_space(data: Any, base: TrainConfig, where: str = "space"
         if isinstance(node, dict):
             raise ValueError(f"{at}: a section, not a field; name one of its fields: "
                              + ", ".join(f"{name}.{k}" for k in node))
+        if name in SHARED_FIELDS:
+            raise ValueError(f"{at}: the trials share one pass loop, which reads the data "
+                             f"this way for all of them: set it for the whole search "
+                             f"(--{str(name).replace('_', '-')}), not per trial")
         if isinstance(spec, list):
             spec = {"type": "categorical", "choices": spec}
         if not isinstance(spec, dict) or spec.get("type") not in _KINDS:

@@ -74,7 +74,13 @@ from terarec.models import build_model
 from terarec.models.dssm import DSSM
 from terarec.train.dense_optimizer import dense_optimizer
 from terarec.train.metrics import evaluate_scores
-from terarec.train.passes import Inputs, group_passes, iter_file_batches, iter_input_passes
+from terarec.train.passes import (
+    Inputs,
+    group_passes,
+    iter_file_batches,
+    iter_input_passes,
+    shuffled_steps,
+)
 from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
 
@@ -519,15 +525,17 @@ class Trainer:
         cfg = self.config
         positions = positions if positions is not None else Positions()
         if self.ctx.world > 1:
-            groups = iter_rank_pass_inputs(
+            passes = iter_rank_pass_inputs(
                 train_paths, self.schema, cfg.batch_size, cfg.pass_rows, self.ctx.rank,
                 self.ctx.world, positions, per_file=per_file, on_bad_row=cfg.on_bad_row,
                 stats=stats, ctx=self.ctx)
-            return _plans(groups, first, skip, self.plan)
-        passes = iter_input_passes(train_paths, self.schema, cfg.batch_size, cfg.pass_rows,
-                                   positions, per_file=per_file, on_bad_row=cfg.on_bad_row,
-                                   stats=stats)
-        return _plans(passes, first, skip, plan_pass)
+        else:
+            passes = iter_input_passes(train_paths, self.schema, cfg.batch_size,
+                                       cfg.pass_rows, positions, per_file=per_file,
+                                       on_bad_row=cfg.on_bad_row, stats=stats)
+        if cfg.shuffle:
+            passes = shuffled_steps(passes, cfg.seed)
+        return _plans(passes, first, skip, self.plan if self.ctx.world > 1 else plan_pass)
 
     def plan(self, batches: list[Batch]) -> ShardedPassPlan:
         """Collective in the planning group: this rank's share of a training pass, planned
