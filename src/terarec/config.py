@@ -329,9 +329,13 @@ class TrainConfig:
     epochs: Positive = knob(1, "--epochs")
     # train.passes.shuffled_steps: cyclic order (the same batches in the same order every
     # epoch) when off; docs/models.md "Shuffled step order" for what it changes.
-    shuffle: bool = knob(False, "--shuffle", "train each pass's batches in a new order "
+    shuffle: bool = knob(True, "--shuffle", "train each pass's batches in a new order "
                          "every epoch (drawn from --seed; the same on every rank and "
-                         "on resume)")
+                         "on resume); --no-shuffle: file order every epoch")
+    # Trainer.recalibrate; docs/models.md "Recalibrated output bias".
+    recalibrate: bool = knob(True, "--recalibrate", "after every pass, shift the model's "
+                             "output bias so that its mean prediction on the pass's rows "
+                             "(65,536 at most) equals their click rate")
     loss: Literal["bce", "sampled_softmax"] = knob(
         "bce", "--loss", "bce (pointwise click loss) or sampled_softmax (dssm only: "
         "in-batch negatives with logQ correction, for retrieval; docs/retrieval.md)")

@@ -1,5 +1,6 @@
-"""``--shuffle``: each pass's batches in a new order every epoch, drawn from the seed, the
-epoch and the pass's position, so that runs, resumed runs and N ranks agree."""
+"""``--shuffle`` (the default): each pass's batches in a new order every epoch, drawn from
+the seed, the epoch and the pass's position, so that runs, resumed runs, N ranks and
+search trials of any batch size agree."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from terarec.data.readers import csv_schema
 from terarec.data.synth import generate
 from terarec.distributed.context import DistContext
 from terarec.train.checkpoint import restore_trainer
-from terarec.train.passes import shuffled_steps
+from terarec.train.passes import in_file_order, shuffled, shuffled_steps
 from terarec.train.search import check_space
 from terarec.train.trainer import Trainer
 
@@ -70,7 +71,8 @@ def data(tmp_path_factory) -> Path:
 def test_shuffle_reorders_steps_not_rows_and_resumes_exactly(data, tmp_path) -> None:
     runs = {name: tmp_path / name for name in ("cyclic", "shuffled", "again", "resumed")}
     train = ["--train", str(data), *COMMON]
-    assert main(["train", *train, "--out", str(runs["cyclic"]), "--epochs", "3"]) == 0
+    assert main(["train", *train, "--out", str(runs["cyclic"]), "--epochs", "3",
+                 "--no-shuffle"]) == 0
     for name in ("shuffled", "again"):
         assert main(["train", *train, "--out", str(runs[name]), "--epochs", "3",
                      "--shuffle"]) == 0
@@ -139,3 +141,9 @@ def test_a_search_space_cannot_vary_how_the_shared_loop_reads() -> None:
         with pytest.raises(ValueError, match=f"space: {name}: the trials share one pass loop"):
             check_space({name: [True, False] if name == "shuffle" else [512, 1024]},
                         TrainConfig())
+
+
+def test_in_file_order_undoes_the_shuffle() -> None:
+    info = _info(2, 777)
+    batches = list(range(9))
+    assert in_file_order(shuffled(batches, 3, info), 3, info) == batches

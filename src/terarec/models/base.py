@@ -40,6 +40,12 @@ class CTRModel(nn.Module):
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:  # noqa: D102
         raise NotImplementedError
 
+    def logit_offset(self) -> nn.Parameter | None:
+        """The one-element parameter added to every logit (the global bias), which
+        ``Trainer.recalibrate`` shifts; None where the model has none."""
+        bias = getattr(self, "bias", None)
+        return bias if isinstance(bias, nn.Parameter) and bias.numel() == 1 else None
+
     @classmethod
     def row_dim_for(cls, config: ModelConfig) -> int:
         """Floats per key this model needs, known before it is built so the store can be

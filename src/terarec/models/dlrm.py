@@ -4,6 +4,7 @@ the embeddings, top MLP over the products and the bottom output."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
@@ -49,6 +50,11 @@ class DLRM(CTRModel):
     def row_dim_for(cls, config: ModelConfig) -> int:
         cls.check_config(config)
         return config.embedding_dim
+
+    def logit_offset(self) -> nn.Parameter | None:
+        """The bias of the last layer of the MLP that outputs the logit."""
+        last = self.top[-1]
+        return last.bias if isinstance(last, nn.Linear) else None
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)

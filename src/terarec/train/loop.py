@@ -5,6 +5,7 @@
     for each epoch, for each pass (read, parsed, hashed and planned ONCE, read ahead):
         for each live trial:                     its own store, rows, optimizer state,
             trainer.train_pass(plan)             dense network and RNG stream
+            trainer.recalibrate(plan)            its output bias fitted to the pass's rows
             evaluate on the validation set       (shared batches), selection tracker
             on_pass_end(trainer, record)         checkpoint, BEST, export deltas
         on_boundary(live trials)                 a search reports to optuna and prunes
@@ -40,7 +41,7 @@ from terarec.distributed.lookup import ShardedPassPlan
 from terarec.distributed.sharding import redeal
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.finite import NonFiniteError
-from terarec.train.passes import Inputs, prefetch
+from terarec.train.passes import Inputs, in_file_order, prefetch, shuffled
 from terarec.train.progressive import ProgressiveScorer
 from terarec.train.selection import (
     STOP_DIVERGED,
@@ -124,24 +125,33 @@ class _PlanCache:
     """One pass's plan per batch size: the reader's plan, re-batched and re-planned for
     other batch sizes (once each). On N ranks the reader's share of the pass is dealt
     again (``redeal``, collective: every rank's trials ask in the same order) and each
-    rank's working set plans it."""
+    rank's working set plans it. With ``--shuffle`` (``seed`` not None) the pass is put
+    back in file order before it is re-cut, and the new batches are shuffled as a run
+    with that batch size shuffles them, so a trial still trains what its run would."""
 
     def __init__(self, plan: list[Batch] | PassPlan | ShardedPassPlan, batch_size: int,
-                 ctx: DistContext) -> None:
+                 ctx: DistContext, seed: int | None = None,
+                 info: PassInput | None = None) -> None:
         self.plan, self.batch_size, self.ctx = plan, batch_size, ctx
+        self.seed, self.info = seed, info
         self._by_size: dict[int, list[Batch] | PassPlan] = {}
 
     def for_batch_size(self, batch_size: int) -> list[Batch] | PassPlan | ShardedPassPlan:
         if batch_size == self.batch_size:
             return self.plan
         if batch_size not in self._by_size:
-            if isinstance(self.plan, ShardedPassPlan):
-                self._by_size[batch_size] = redeal(self.ctx, self.plan.rank.batches,
-                                                   batch_size)
-            elif isinstance(self.plan, PassPlan):
-                self._by_size[batch_size] = plan_pass(rebatch(self.plan.batches, batch_size))
+            plan = self.plan
+            batches = plan.rank.batches if isinstance(plan, ShardedPassPlan) else \
+                plan.batches if isinstance(plan, PassPlan) else plan
+            if self.seed is not None and self.info is not None:
+                batches = in_file_order(batches, self.seed, self.info)
+            if isinstance(plan, ShardedPassPlan):
+                cut = redeal(self.ctx, batches, batch_size)
             else:
-                self._by_size[batch_size] = rebatch(self.plan, batch_size)
+                cut = rebatch(batches, batch_size)
+            if self.seed is not None and self.info is not None:
+                cut = shuffled(cut, self.seed, self.info)
+            self._by_size[batch_size] = plan_pass(cut) if isinstance(plan, PassPlan) else cut
         return self._by_size[batch_size]
 
 
@@ -217,7 +227,9 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                     bar = tqdm(unit=" rows", unit_scale=True, disable=not progress,
                                dynamic_ncols=True,
                                desc="train" if len(runs) == 1 else f"train x{len(runs)}")
-                plans = _PlanCache(plan, reader.config.batch_size, reader.ctx)
+                plans = _PlanCache(plan, reader.config.batch_size, reader.ctx,
+                                   reader.config.seed if reader.config.shuffle else None,
+                                   info)
                 live = [r for r in runs if r.live]
                 ahead = upcoming[0] if isinstance(upcoming, tuple) else None
                 for run in live:  # before the first pulls the keys they may share
@@ -252,11 +264,14 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     assert run.rng is not None  # set in __post_init__
     run.rng.restore(trainer.device)
     result = trainer.train_pass(plan, bar, upcoming)
+    shift = trainer.recalibrate(plan)
     run.rng = RngState.capture(trainer.device)
     run.steps += _steps(plan)
     trainer.inputs = info.positions.to_dict()
     record = {"epoch": epoch, "steps": run.steps, **result.as_dict(),
               "files": [Path(f).name for f in info.files], **scored}
+    if shift is not None:
+        record["offset_shift"] = shift
     if valid:
         start = time.perf_counter()
         try:

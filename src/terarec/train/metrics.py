@@ -51,3 +51,25 @@ def evaluate_scores(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
     return {"auc": auc(labels, probs), "logloss": logloss(labels, probs),
             "ctr": float(np.mean(labels)) if len(labels) else float("nan"),
             "mean_prediction": float(np.mean(probs)) if len(probs) else float("nan")}
+
+
+def offset_shift(labels: np.ndarray, probs: np.ndarray, iterations: int = 50) -> float:
+    """The constant added to every logit that makes the mean prediction equal the mean
+    label (Newton's method on that one parameter: the logloss is convex in it); 0 when
+    the labels are of one class or the probabilities give no finite answer."""
+    y = np.asarray(labels, np.float64)
+    if y.size == 0 or y.min() == y.max():
+        return 0.0
+    target = float(y.mean())
+    p = np.clip(np.asarray(probs, np.float64), 1e-7, 1 - 1e-7)
+    logits = np.log(p) - np.log1p(-p)
+    shift = 0.0
+    for _ in range(iterations):
+        q = 0.5 * (1.0 + np.tanh(0.5 * (logits + shift)))  # the sigmoid, overflow-free
+        step = (float(q.mean()) - target) / max(float((q * (1.0 - q)).mean()), 1e-12)
+        shift -= step
+        if not np.isfinite(shift):
+            return 0.0
+        if abs(step) < 1e-10:
+            break
+    return float(shift)

@@ -89,21 +89,40 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
     return iter_position_passes(items, pass_rows, positions, steps, per_file=per_file)
 
 
+def step_order(seed: int, info: PassInput, steps: int) -> np.ndarray:
+    """The order ``--shuffle`` trains a pass's ``steps`` batches in: drawn from ``seed``,
+    the pass's epoch and the rows the epoch has consumed after it. It depends on nothing
+    a resumed run or a rank could see differently: a resumed run trains a pass in the
+    order the uninterrupted run did, and every torchrun rank permutes its local batches
+    (one per global step) the same way, so N ranks still train what one process does."""
+    rng = np.random.default_rng([seed, info.positions.epoch, info.positions.rows])
+    return rng.permutation(steps)
+
+
+def shuffled(batches: list[Batch], seed: int, info: PassInput) -> list[Batch]:
+    """``batches`` (one pass, in file order) in their ``step_order``."""
+    return [batches[i] for i in step_order(seed, info, len(batches))]
+
+
+def in_file_order(batches: list[Batch], seed: int, info: PassInput) -> list[Batch]:
+    """The file order of a pass's ``shuffled`` batches (a search re-cuts it for a trial
+    with another batch size, then shuffles that trial's batches as its own run would)."""
+    out: list[Batch] = list(batches)
+    for position, index in enumerate(step_order(seed, info, len(batches))):
+        out[index] = batches[position]
+    return out
+
+
 def shuffled_steps(passes: Iterator[tuple[list[Batch], PassInput] | Idle], seed: int
                    ) -> Iterator[tuple[list[Batch], PassInput] | Idle]:
-    """Each pass's batches in an order drawn from ``seed``, the pass's epoch and the rows
-    the epoch has consumed after it (``--shuffle``). The draw depends on nothing a
-    resumed run or a rank could see differently: a resumed run trains a pass in the
-    order the uninterrupted run did, and every torchrun rank permutes its local batches
-    (one per global step) the same way, so N ranks still train what one process does.
-    Batches keep their rows; only the order of the steps changes."""
+    """Each pass's batches in their ``step_order`` (``--shuffle``). Batches keep their
+    rows; only the order of the steps changes."""
     for item in passes:
         if isinstance(item, Idle):
             yield item
             continue
         group, info = item
-        rng = np.random.default_rng([seed, info.positions.epoch, info.positions.rows])
-        yield [group[i] for i in rng.permutation(len(group))], info
+        yield shuffled(group, seed, info), info
 
 
 READ_AHEAD_NICE = 5  # how much lower than the training thread the read-ahead runs
