@@ -53,23 +53,31 @@ def evaluate_scores(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
             "mean_prediction": float(np.mean(probs)) if len(probs) else float("nan")}
 
 
-def offset_shift(labels: np.ndarray, probs: np.ndarray, iterations: int = 50) -> float:
+def offset_shift(labels: np.ndarray, probs: np.ndarray, iterations: int = 100) -> float:
     """The constant added to every logit that makes the mean prediction equal the mean
-    label (Newton's method on that one parameter: the logloss is convex in it); 0 when
-    the labels are of one class or the probabilities give no finite answer."""
+    label: the root of an increasing function of one variable, found by Newton steps
+    kept inside a shrinking bracket (bisection where a step would leave it, as far from
+    the answer as a probability of 1 - 1e-7 is); 0 when the labels are of one class."""
     y = np.asarray(labels, np.float64)
     if y.size == 0 or y.min() == y.max():
         return 0.0
     target = float(y.mean())
     p = np.clip(np.asarray(probs, np.float64), 1e-7, 1 - 1e-7)
     logits = np.log(p) - np.log1p(-p)
+    low, high = -40.0, 40.0
     shift = 0.0
     for _ in range(iterations):
         q = 0.5 * (1.0 + np.tanh(0.5 * (logits + shift)))  # the sigmoid, overflow-free
-        step = (float(q.mean()) - target) / max(float((q * (1.0 - q)).mean()), 1e-12)
-        shift -= step
-        if not np.isfinite(shift):
-            return 0.0
-        if abs(step) < 1e-10:
+        excess = float(q.mean()) - target
+        if abs(excess) < 1e-12:
+            break
+        if excess > 0:
+            high = shift
+        else:
+            low = shift
+        slope = float((q * (1.0 - q)).mean())
+        step = shift - excess / slope if slope > 0 else np.inf
+        shift = step if low < step < high else 0.5 * (low + high)
+        if high - low < 1e-12:
             break
     return float(shift)
