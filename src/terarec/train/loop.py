@@ -41,7 +41,7 @@ from terarec.distributed.lookup import ShardedPassPlan
 from terarec.distributed.sharding import redeal
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.finite import NonFiniteError
-from terarec.train.passes import Inputs, in_file_order, prefetch, shuffled
+from terarec.train.passes import Inputs, in_file_order, pass_batches, prefetch, shuffled
 from terarec.train.progressive import ProgressiveScorer
 from terarec.train.selection import (
     STOP_DIVERGED,
@@ -130,26 +130,23 @@ class _PlanCache:
     with that batch size shuffles them, so a trial still trains what its run would."""
 
     def __init__(self, plan: list[Batch] | PassPlan | ShardedPassPlan, batch_size: int,
-                 ctx: DistContext, seed: int | None = None,
-                 info: PassInput | None = None) -> None:
+                 ctx: DistContext, info: PassInput, seed: int | None = None) -> None:
         self.plan, self.batch_size, self.ctx = plan, batch_size, ctx
-        self.seed, self.info = seed, info
+        self.info, self.seed = info, seed
         self._by_size: dict[int, list[Batch] | PassPlan] = {}
 
     def for_batch_size(self, batch_size: int) -> list[Batch] | PassPlan | ShardedPassPlan:
         if batch_size == self.batch_size:
             return self.plan
         if batch_size not in self._by_size:
-            plan = self.plan
-            batches = plan.rank.batches if isinstance(plan, ShardedPassPlan) else \
-                plan.batches if isinstance(plan, PassPlan) else plan
-            if self.seed is not None and self.info is not None:
+            plan, batches = self.plan, pass_batches(self.plan)
+            if self.seed is not None:
                 batches = in_file_order(batches, self.seed, self.info)
             if isinstance(plan, ShardedPassPlan):
                 cut = redeal(self.ctx, batches, batch_size)
             else:
                 cut = rebatch(batches, batch_size)
-            if self.seed is not None and self.info is not None:
+            if self.seed is not None:
                 cut = shuffled(cut, self.seed, self.info)
             self._by_size[batch_size] = plan_pass(cut) if isinstance(plan, PassPlan) else cut
         return self._by_size[batch_size]
@@ -227,9 +224,8 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                     bar = tqdm(unit=" rows", unit_scale=True, disable=not progress,
                                dynamic_ncols=True,
                                desc="train" if len(runs) == 1 else f"train x{len(runs)}")
-                plans = _PlanCache(plan, reader.config.batch_size, reader.ctx,
-                                   reader.config.seed if reader.config.shuffle else None,
-                                   info)
+                plans = _PlanCache(plan, reader.config.batch_size, reader.ctx, info,
+                                   reader.config.seed if reader.config.shuffle else None)
                 live = [r for r in runs if r.live]
                 ahead = upcoming[0] if isinstance(upcoming, tuple) else None
                 for run in live:  # before the first pulls the keys they may share

@@ -37,6 +37,8 @@ from terarec.data.readers import (
     table_to_batch,
 )
 from terarec.data.split import iter_tables_from
+from terarec.distributed.lookup import ShardedPassPlan
+from terarec.embedding.working_set import PassPlan
 from terarec.types import Batch, FeatureSchema
 
 Inputs = Iterable[str | Path | InputFile | Idle]  # files, or IDLE while none is new
@@ -87,6 +89,14 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
                    skipped + read.skipped - skipped_at_start)
 
     return iter_position_passes(items, pass_rows, positions, steps, per_file=per_file)
+
+
+def pass_batches(plan: list[Batch] | PassPlan | ShardedPassPlan) -> list[Batch]:
+    """This process's batches of a pass (global keys, one per step), however it is held:
+    as batches, a pass plan, or a rank's exchanged plan."""
+    if isinstance(plan, ShardedPassPlan):
+        return plan.rank.batches
+    return plan.batches if isinstance(plan, PassPlan) else plan
 
 
 def step_order(seed: int, info: PassInput, steps: int) -> np.ndarray:

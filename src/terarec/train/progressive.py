@@ -18,8 +18,8 @@ import numpy as np
 
 from terarec.data.positions import PassInput
 from terarec.distributed.lookup import ShardedPassPlan
-from terarec.embedding.working_set import PassPlan
 from terarec.train.metrics import evaluate_scores
+from terarec.train.passes import pass_batches
 
 
 def finite_or_none(x: float) -> float | None:
@@ -38,7 +38,7 @@ class ProgressiveScorer:
         """Score ``plan`` with ``trainer``'s current model (collective on N ranks: every
         rank gets the figures over all ranks' rows); the history fields it adds."""
         batches = plan.rank.batches if isinstance(plan, ShardedPassPlan) else plan
-        rows = batches.batches if isinstance(batches, PassPlan) else batches
+        rows = pass_batches(plan)
         probs = trainer.predict_batches(batches)
         labels = (np.concatenate([b.labels.numpy() for b in rows]) if rows
                   else np.empty(0, np.float32))

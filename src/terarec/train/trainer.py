@@ -80,6 +80,7 @@ from terarec.train.passes import (
     group_passes,
     iter_file_batches,
     iter_input_passes,
+    pass_batches,
     shuffled_steps,
 )
 from terarec.train.selection import SelectionTracker
@@ -437,12 +438,7 @@ class Trainer:
         if not self.config.recalibrate or offset is None \
                 or self.config.loss != "bce":
             return None
-        if isinstance(batches, PassPlan):
-            local: list[Batch] = batches.batches
-        elif isinstance(batches, ShardedPassPlan):
-            local = batches.rank.batches
-        else:
-            local = batches
+        local = pass_batches(batches)
         if not local:
             return None
         wanted = max(1, math.ceil(RECALIBRATE_ROWS / self.config.batch_size))
