@@ -169,3 +169,29 @@ def test_sketch_counters_are_as_narrow_as_the_threshold_and_merge_by_sum():
     merged = SketchCount(4096, 2)  # what a re-sharded restore gets: the ranks' sum
     merged.load_arrays({SKETCH_ARRAY: a.counters().astype(np.int64) + b.counters()})
     assert len(merged.admit(keys[1:], ones[1:], ones[1:], 1)[0]) == 299  # each seen twice
+
+
+def test_loaded_candidates_take_the_ram_grown_ones_take() -> None:
+    """A resumed run's candidate arrays (loaded from a checkpoint) have the capacity the
+    uninterrupted run's have, which the memory budget counts: loaded at their exact
+    size they later doubled past the grown ones, and a resume from some checkpoints was
+    refused under the budget the run had trained within."""
+    from terarec.embedding.admission import ExactCount
+
+    grown_table = ExactCount(min_show=3)
+    for pass_id, n in enumerate((10, 27, 9)):  # jumps past twice the capacity, then not
+        keys = np.arange(1000 * pass_id, 1000 * pass_id + n, dtype=np.int64)
+        ones = np.ones(n, np.float32)
+        grown_table.admit(keys, ones, ones * 0, pass_id)
+    loaded = ExactCount(min_show=3)
+    loaded.load_arrays(grown_table.arrays())
+    assert loaded.candidate_count == grown_table.candidate_count == 46
+    for pass_id, n in enumerate((14, 40, 100), start=3):  # both go on alike
+        keys = np.arange(1000 * pass_id, 1000 * pass_id + n, dtype=np.int64)
+        ones = np.ones(n, np.float32)
+        for table in (grown_table, loaded):
+            table.admit(keys, ones, ones * 0, pass_id)
+        assert loaded.candidate_count == grown_table.candidate_count
+        # the per-candidate arrays (3 of them) have the same capacity either way
+        assert loaded.nbytes - loaded._index.nbytes \
+            == grown_table.nbytes - grown_table._index.nbytes, pass_id

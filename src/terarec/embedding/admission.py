@@ -129,7 +129,7 @@ class ExactCount:
         n = len(keys)
         self._index = KeyIndex.from_items(keys, np.arange(n, dtype=np.int64)) if n \
             else KeyIndex(16)
-        size = max(n, 16)
+        size = _capacity(n)
         self._show = np.zeros(size, np.float32)
         self._click = np.zeros(size, np.float32)
         self._seen = np.zeros(size, np.int32)
@@ -141,7 +141,7 @@ class ExactCount:
     def admit(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray,
               pass_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         slots, _ = self._index.lookup_or_insert(keys)
-        need = self._index.slot_bound
+        need = _capacity(self._index.slot_bound)
         self._show = grown(self._show, need)
         self._click = grown(self._click, need)
         self._seen = grown(self._seen, need)
@@ -182,6 +182,14 @@ class ExactCount:
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         self._load(arrays.get("cand_keys", np.empty(0, np.int64)), arrays)
+
+
+def _capacity(slots: int) -> int:
+    """Rows of the candidate arrays for ``slots`` slots: a power of two (at least 16),
+    so that a table loaded from a checkpoint has the capacity growth gives it, and a
+    resumed run's RAM, which the memory budget counts, is what the uninterrupted run's
+    was."""
+    return 1 << max(4, (max(slots, 1) - 1).bit_length())
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
