@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from terarec.config import ModelConfig
 from terarec.types import FeatureSchema, FieldSpec
 
@@ -29,3 +31,14 @@ def small_config(name: str, schema: FeatureSchema, **overrides) -> ModelConfig:
                          deep_mlp=(32, 16), cross_layers=2,
                          user_fields=names[: max(1, len(names) // 2)])
     return replace(config, **overrides)
+
+
+def as_trained(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its zero-started layers (DeepFM's deep output, the dense linear
+    terms) drawn at random, as training moves them: behind a zero layer an untrained
+    model's output shows nothing of what lies before it."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and not module.weight.any():
+                torch.nn.init.normal_(module.weight)
+    return model

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from model_helpers import MODEL_NAMES, small_config, tiny_schema
+from model_helpers import MODEL_NAMES, as_trained, small_config, tiny_schema
 
 from terarec.models import DLRM, DSSM, FM, LR, DCNv2, DeepFM, WideDeep, build_model
 from terarec.types import FeatureSchema
@@ -23,7 +23,7 @@ def random_inputs(model, batch: int = 6, seed: int = 0) -> tuple[torch.Tensor, t
 def test_forward_shape_and_gradients_reach_emb_and_every_parameter(
         name: str, schema: FeatureSchema) -> None:
     torch.manual_seed(0)
-    model = build_model(schema, small_config(name, schema))
+    model = as_trained(build_model(schema, small_config(name, schema)))
     dense, emb = random_inputs(model)
     logits = model(dense, emb)
     assert logits.shape == (6,)

@@ -83,6 +83,40 @@ def test_mlp_widths_activation_and_output_layer() -> None:
     assert (hidden(torch.randn(10, 5)) >= 0).all()
 
 
+def test_zero_output_mlp_starts_at_zero_and_learns() -> None:
+    torch.manual_seed(4)
+    mlp = MLP(5, (8, 4), out_dim=1, zero_output=True)
+    x = torch.randn(32, 5)
+    assert torch.count_nonzero(mlp(x)) == 0
+    hidden = [m for m in mlp if isinstance(m, torch.nn.Linear)][:-1]
+    assert all(torch.count_nonzero(m.weight) > 0 for m in hidden)  # Xavier as before
+    opt = torch.optim.Adam(mlp.parameters(), lr=0.01)
+    for _ in range(2):  # the output layer moves first, then the hidden ones get gradient
+        opt.zero_grad()
+        ((mlp(x).squeeze(1) - x[:, 0]) ** 2).mean().backward()
+        opt.step()
+    assert torch.count_nonzero(mlp(x)) > 0
+    with pytest.raises(ValueError, match="out_dim"):
+        MLP(5, (8,), zero_output=True)
+
+
+def test_untrained_deepfm_is_its_fm(schema) -> None:
+    """DeepFM's deep part starts at zero, so before training it scores as FM does with
+    the same rows and first-order weights."""
+    from model_helpers import small_config
+
+    from terarec.models.registry import build_model
+
+    torch.manual_seed(5)
+    deepfm = build_model(schema, small_config("deepfm", schema))
+    fm = build_model(schema, small_config("fm", schema))
+    fm.load_state_dict({k: v for k, v in deepfm.state_dict().items()
+                        if not k.startswith("deep.")})
+    dense = torch.randn(6, deepfm.dense_dim)
+    emb = torch.randn(6, deepfm.num_fields, 1 + 8)
+    torch.testing.assert_close(deepfm(dense, emb), fm(dense, emb))
+
+
 def test_mlp_dropout_only_when_training() -> None:
     torch.manual_seed(3)
     mlp = MLP(16, (64,), dropout=0.5)

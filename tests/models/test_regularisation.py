@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from model_helpers import as_trained
 from torch import nn
 
 from terarec.config import ModelConfig, SparseOptimizerConfig
@@ -30,7 +31,7 @@ def test_every_mlp_model_takes_dropout_and_batch_norm(name: str) -> None:
     config = ModelConfig(name=name, embedding_dim=4, dropout=0.5, batch_norm=True,
                          deep_mlp=(8, 4), bottom_mlp=(8, 4), top_mlp=(8,),
                          user_fields=("C1", "C2") if name == "dssm" else ())
-    model = build_model(FeatureSchema.criteo(), config)
+    model = as_trained(build_model(FeatureSchema.criteo(), config))
     assert any(isinstance(m, nn.BatchNorm1d) for m in model.modules())
     dense = torch.randn(32, FeatureSchema.criteo().dense_dim)
     emb = torch.randn(32, 26, model.row_dim)

@@ -164,13 +164,16 @@ def test_small_data_deep_models_are_narrower_and_their_dense_part_slower(tmp_pat
         args = _args(argv)
         return apply_sized_defaults(config_from_args(args), [data], explicit_config_keys(args))
 
-    config, chosen = sized([])  # deepfm is the default model
-    assert config.model.embedding_dim == 8 and chosen["model.embedding_dim"] == 8
-    assert config.dense_optimizer.lr == pytest.approx(sized_lr * 0.5)
-    config, chosen = sized(["--embedding-dim", "16"])  # a given width is kept
+    # deepfm, the default model: the full width, an eighth of the dense rate (its deep
+    # part starts at zero and stays near it on few rows)
+    config, chosen = sized([])
+    assert config.model.embedding_dim == 16 and "model.embedding_dim" not in chosen
+    assert config.dense_optimizer.lr == pytest.approx(sized_lr * 0.125)
+    wide = ["--model", "widedeep"]
+    config, chosen = sized([*wide, "--embedding-dim", "16"])  # a given width is kept
     assert config.model.embedding_dim == 16 and "model.embedding_dim" not in chosen
     assert config.dense_optimizer.lr == pytest.approx(sized_lr * 0.5)
-    config, chosen = sized(["--dense-lr", "0.001"])  # the width is sized on its own
+    config, chosen = sized([*wide, "--dense-lr", "0.001"])  # the width is sized on its own
     assert config.model.embedding_dim == 8 and config.dense_optimizer.lr == 0.001
     for model in ("widedeep", "dlrm"):  # measured to gain from it too (docs/models.md)
         config, chosen = sized(["--model", model])

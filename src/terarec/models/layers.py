@@ -28,11 +28,18 @@ class MLP(nn.Sequential):
 
     Xavier weights and zero biases: activations keep their scale through the layers, so
     an untrained network's logit is O(1) and the loss starts near chance. Batch norm
-    sits before the activation, as in FuxiCTR's MLP blocks.
+    sits before the activation, as in FuxiCTR's MLP blocks. With ``zero_output`` the last
+    ``Linear`` starts at zero: an MLP whose output is added to a shallow model's logit
+    (DeepFM's deep part) then starts as nothing, so the untrained model is the shallow
+    one and the MLP learns only what that misses, instead of adding a random function
+    of the factors that training must first undo.
     """
 
     def __init__(self, in_dim: int, widths: tuple[int, ...], dropout: float = 0.0,
-                 out_dim: int | None = None, batch_norm: bool = False) -> None:
+                 out_dim: int | None = None, batch_norm: bool = False,
+                 zero_output: bool = False) -> None:
+        if zero_output and out_dim is None:
+            raise ValueError("zero_output needs an output layer (out_dim)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         layers: list[nn.Module] = []
@@ -53,6 +60,8 @@ class MLP(nn.Sequential):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
+        if zero_output:
+            nn.init.zeros_(self[-1].weight)
 
 
 def dense_linear(dense_dim: int) -> nn.Linear | None:
