@@ -20,11 +20,13 @@ follow it::
     Wide&Deep and DLRM below 100,000 rows: embedding_dim 8 instead of 16 and half the
     dense learning rate (``SMALL_DATA_SHAPE``; DLRM's bottom MLP ends at the width):
     keys seen a few times each fit fewer factors, and the deep part, which overfits
-    the first, learns more slowly. DeepFM keeps width 16 and takes an eighth of the
-    dense rate: its deep part starts at zero (an untrained DeepFM is an FM), and on
-    few rows the slow deep part leaves it near the FM, which is what the data supports
+    the first, learns more slowly
 
-At 131,072 rows and above every value is the fixed default, so large runs are unchanged.
+    DeepFM at every size: an eighth of the dense learning rate (``DENSE_RATE_FACTOR``).
+    Its deep part starts at zero (an untrained DeepFM is an FM); learning slowly, it
+    adds to the FM what the rows support instead of memorising them within a few passes
+
+At 131,072 rows and above every other value is the fixed default.
 
 With a validation set the epoch count is only an upper bound (patience stops training);
 ``max_epochs`` sizes that bound so that it allows at least ``MIN_SELECTED_STEPS``
@@ -87,7 +89,9 @@ DIM_KEY = "model.embedding_dim"
 BOTTOM_KEY = "model.bottom_mlp"  # dlrm: it ends at the width
 # Per model, below SMALL_DATA_ROWS: the embedding width and the dense learning rate's
 # factor (docs/models.md: measured on the three real samples and the synthetic data).
-SMALL_DATA_SHAPE = {"deepfm": (16, 0.125), "widedeep": (8, 0.5), "dlrm": (8, 0.5)}
+SMALL_DATA_SHAPE = {"widedeep": (8, 0.5), "dlrm": (8, 0.5)}
+# Per model, at every size the schedule is sized: the dense learning rate's factor.
+DENSE_RATE_FACTOR = {"deepfm": 0.125}
 
 
 def estimate_rows(paths: Iterable[str | Path]) -> int | None:
@@ -156,7 +160,8 @@ def sized_defaults(rows: int, model: str = "") -> dict[str, float | int]:
     batch = int(min(MAX_BATCH, max(MIN_BATCH, batch)))
     scale = math.sqrt(batch / MAX_BATCH)
     small = rows < SMALL_DATA_ROWS
-    dense_factor = SMALL_DATA_SHAPE[model][1] if small and model in SMALL_DATA_SHAPE else 1.0
+    dense_factor = DENSE_RATE_FACTOR.get(model, 1.0) * (
+        SMALL_DATA_SHAPE[model][1] if small and model in SMALL_DATA_SHAPE else 1.0)
     base = TrainConfig()
     return {"batch_size": batch,
             "epochs": SMALL_DATA_EPOCHS if small else base.epochs,
