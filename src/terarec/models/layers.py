@@ -56,12 +56,12 @@ class MLP(nn.Sequential):
             in_dim = out_dim
         super().__init__(*layers)
         self.out_dim = in_dim
-        for module in self:
-            if isinstance(module, nn.Linear):
-                nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
+        linears = [m for m in self if isinstance(m, nn.Linear)]
+        for linear in linears:
+            nn.init.xavier_uniform_(linear.weight)
+            nn.init.zeros_(linear.bias)
         if zero_output:
-            nn.init.zeros_(self[-1].weight)
+            nn.init.zeros_(linears[-1].weight)
 
 
 def dense_linear(dense_dim: int) -> nn.Linear | None:
