@@ -6,7 +6,9 @@ import itertools
 
 import pytest
 import torch
+from model_helpers import small_config
 
+from terarec.models import build_model
 from terarec.models.layers import MLP, CrossNetV2, DotInteraction, concat_dense, fm_pairwise
 
 
@@ -103,17 +105,13 @@ def test_zero_output_mlp_starts_at_zero_and_learns() -> None:
 def test_untrained_deepfm_is_its_fm(schema) -> None:
     """DeepFM's deep part starts at zero, so before training it scores as FM does with
     the same rows and first-order weights."""
-    from model_helpers import small_config
-
-    from terarec.models.registry import build_model
-
     torch.manual_seed(5)
     deepfm = build_model(schema, small_config("deepfm", schema))
     fm = build_model(schema, small_config("fm", schema))
     fm.load_state_dict({k: v for k, v in deepfm.state_dict().items()
                         if not k.startswith("deep.")})
     dense = torch.randn(6, deepfm.dense_dim)
-    emb = torch.randn(6, deepfm.num_fields, 1 + 8)
+    emb = torch.randn(6, deepfm.num_fields, deepfm.row_dim)
     torch.testing.assert_close(deepfm(dense, emb), fm(dense, emb))
 
 
