@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import duckdb
 
+from terarec.api.training import check_disjoint
 from terarec.autofeature import (
     ALL_AGGREGATES,
     ALL_KINDS,
@@ -40,7 +41,7 @@ from terarec.autofeature.selection import (
     select_features,
 )
 from terarec.autofeature.source import expand_paths, first_bad_row
-from terarec.cli.common import add_format_args, check_disjoint, schema_from_args
+from terarec.cli.common import add_format_args, schema_from_args
 from terarec.data.readers import no_data_rows
 from terarec.io import atomic_write_text
 from terarec.types import FeatureSchema

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import tempfile
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from terarec.autofeature.features import FeatureConfig, install_features, model_features
+from terarec.autofeature.features import model_features
 from terarec.config import (
     COMPRESSION,
     INPUT_FORMAT,
@@ -30,9 +28,9 @@ from terarec.data.numeric import (
     DEFAULT_STATS_ROWS,
     MAX_BUCKETS,
     ROWS_PER_BUCKET,
-    with_numeric_stats,
 )
-from terarec.data.readers import ReadStats, check_delimiter, csv_schema
+from terarec.data.readers import ReadStats
+from terarec.data.spec import DataSpec, names
 from terarec.distributed.context import DistContext
 from terarec.io import ScratchDir, file_above
 from terarec.train.defaults import estimate_rows, max_epochs
@@ -42,7 +40,7 @@ from terarec.train.selection import (
     SELECT_BY,
     SelectionTracker,
 )
-from terarec.types import FeatureSchema, NumericTransform
+from terarec.types import FeatureSchema
 from terarec.validation import InvalidInput, strip_type
 
 
@@ -70,100 +68,24 @@ def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> N
     add_config_flags(g, INPUT_FORMAT)  # --on-bad-row
 
 
-def _split(text: str | None) -> list[str]:
-    return [c.strip() for c in (text or "").split(",") if c.strip()]
-
-
-def check_format_args(args: argparse.Namespace) -> None:
-    """The input-format flags a new schema needs, checked before any work is done."""
-    fmt = args.format or "criteo"
-    if fmt != "criteo" and (not args.label or not (args.numeric or args.categorical)):
-        raise ValueError(f"--format {fmt} needs --label and --numeric and/or --categorical")
-    if fmt != "criteo":  # Criteo refuses it with the other column flags
-        check_delimiter_arg(getattr(args, "delimiter", None), fmt)
-
-
-def check_delimiter_arg(delimiter: str | None, fmt: str) -> None:
-    """``--delimiter``: one character, and only where it is read (csv); elsewhere it
-    would be ignored, and a longer one failed deep in the reader with a traceback."""
-    if delimiter is None:
-        return
-    if fmt != "csv":
-        raise ValueError(f"--delimiter: only for csv data; this data is {fmt}")
-    problem = check_delimiter(delimiter)
-    if problem:
-        raise ValueError(f"--delimiter {delimiter!r}: {problem}")
+def spec_from_args(args: argparse.Namespace) -> DataSpec:
+    """The ``DataSpec`` the format and numeric-statistics flags describe (a command
+    without the numeric flags gets their defaults)."""
+    return DataSpec(
+        format=args.format, label=args.label, numeric=names(args.numeric),
+        categorical=names(args.categorical), delimiter=getattr(args, "delimiter", None),
+        multi_sep=args.multi_sep,
+        multi_valued=names(args.multi_valued) if args.multi_valued is not None else None,
+        log1p=names(args.log1p) if args.log1p is not None else None,
+        numeric_transform=getattr(args, "numeric_transform", None),
+        standardize=not getattr(args, "no_standardize", False),
+        stats_rows=getattr(args, "stats_rows", DEFAULT_STATS_ROWS),
+        numeric_buckets=getattr(args, "numeric_buckets", None))
 
 
 def schema_from_args(args: argparse.Namespace) -> FeatureSchema:
-    check_format_args(args)
-    fmt = args.format or "criteo"
-    if fmt == "criteo":
-        return _criteo_schema(args)
-    numeric = _split(args.numeric)
-    default: NumericTransform = getattr(args, "numeric_transform", None) or "log1p"
-    transform: dict[str, NumericTransform] = {c: default for c in numeric}
-    if args.log1p is not None:  # an explicit list: those columns, and no others
-        if getattr(args, "numeric_transform", None) is not None:
-            raise ValueError("--log1p and --numeric-transform both say how to transform "
-                             "numeric columns; give one of them")
-        log_cols = set(_split(args.log1p))
-        unknown = sorted(log_cols - set(numeric))
-        if unknown:
-            raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
-        transform = {c: ("log1p" if c in log_cols else "none") for c in numeric}
-    multi = _split(args.multi_valued) if args.multi_valued is not None else None
-    categorical = _split(args.categorical)
-    _check_column_flags(args.label, numeric, categorical, multi)
-    return csv_schema(args.label, numeric, categorical,
-                      delimiter=args.delimiter if args.delimiter is not None else ",",
-                      separator=args.multi_sep, multi_valued=multi,
-                      transform=transform, format=fmt)
-
-
-def _check_column_flags(label: str, numeric: list[str], categorical: list[str],
-                        multi: list[str] | None) -> None:
-    """A column named twice across --label / --numeric / --categorical, or a
-    --multi-valued one that is not --categorical: said with the flags (the schema's own
-    check names its fields)."""
-    lists = (("--label", [label] if label else []), ("--numeric", numeric),
-             ("--categorical", categorical))
-    for i, (flag, names) in enumerate(lists):
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            raise ValueError(f"{flag} names {', '.join(map(repr, repeated))} twice")
-        for other, others in lists[i + 1:]:
-            both = [n for n in names if n in others]
-            if both:
-                raise ValueError(f"{flag} and {other} both name {', '.join(map(repr, both))}:"
-                                 " a column is one of label, numeric or categorical")
-    stray = [n for n in multi or [] if n not in categorical]
-    if stray:
-        raise ValueError(f"--multi-valued names {', '.join(map(repr, stray))}, not among "
-                         "--categorical: only categorical columns hold several values")
-
-
-# Flags that describe the columns of a csv / parquet file (attribute, flag, default).
-_COLUMN_FLAGS = (("label", "--label", None), ("numeric", "--numeric", ""),
-                 ("categorical", "--categorical", ""), ("delimiter", "--delimiter", None),
-                 ("multi_sep", "--multi-sep", None), ("multi_valued", "--multi-valued", None),
-                 ("log1p", "--log1p", None))
-
-
-def _criteo_schema(args: argparse.Namespace) -> FeatureSchema:
-    """The Criteo schema; its columns are fixed, so a flag naming columns is an error
-    rather than ignored. ``--numeric-transform`` applies to its I1-I13."""
-    given = [flag for attr, flag, default in _COLUMN_FLAGS
-             if getattr(args, attr, default) != default]
-    if given:
-        raise ValueError(f"{', '.join(given)}: only for --format csv or parquet; the Criteo "
-                         "format's columns are fixed (label, I1-I13, C1-C26)")
-    schema = FeatureSchema.criteo()
-    transform = getattr(args, "numeric_transform", None)
-    if transform is None:
-        return schema
-    return replace(schema, fields=tuple(
-        replace(f, transform=transform) if f.kind == "numeric" else f for f in schema.fields))
+    """The schema the format flags make (``DataSpec.schema``)."""
+    return spec_from_args(args).schema()
 
 
 def add_numeric_stats_args(parser: argparse.ArgumentParser) -> None:
@@ -199,51 +121,19 @@ def _buckets_arg(text: str) -> int | str:
 def train_schema_from_args(args: argparse.Namespace,
                            base: FeatureSchema | None = None,
                            ctx: DistContext | None = None) -> FeatureSchema:
-    """The schema a new training run uses: ``base`` (default ``schema_from_args``) with
-    numeric statistics and bucket edges from the first ``--stats-rows`` rows of ``--train``.
-    Bad rows are left out of the statistics here; training reads them again and reports
-    or skips them as ``--on-bad-row`` says (on every rank alike under torchrun). With
-    ``ctx`` one of N ranks (collective), each rank reads its share of those rows."""
-    schema = base if base is not None else schema_from_args(args)
-    rows = getattr(args, "stats_rows", DEFAULT_STATS_ROWS)
-    if rows <= 0:
-        raise ValueError(f"--stats-rows must be positive, got {rows}")
-    buckets = getattr(args, "numeric_buckets", None)
-    if isinstance(buckets, int) and (buckets < 0 or buckets == 1):
-        raise ValueError(f"--numeric-buckets {buckets}: must be 0 (off) or at least 2")
-    standardize = not getattr(args, "no_standardize", False)
+    """The schema a new training run uses (``DataSpec.train_schema`` over ``--train``);
+    with ``ctx`` one of N ranks (collective), each rank reads its share of the rows."""
+    spec = spec_from_args(args)
     if ctx is not None and ctx.world > 1:
-        return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip",
-                                  standardize=standardize, buckets=buckets,
-                                  rank=ctx.rank, world=ctx.world,
-                                  gather=ctx.all_gather_object)
-    return with_numeric_stats(schema, args.train, max_rows=rows, on_bad_row="skip",
-                              standardize=standardize, buckets=buckets)
+        return spec.train_schema(args.train, base, rank=ctx.rank, world=ctx.world,
+                                 gather=ctx.all_gather_object)
+    return spec.train_schema(args.train, base)
 
 
 def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:
-    """The model's schema, read with another container format if ``--format`` says so and
-    another csv delimiter if ``--delimiter`` does. The schema fixes the columns and their
-    transforms: a flag naming them is an error rather than ignored."""
-    given = [flag for attr, flag, default in _COLUMN_FLAGS
-             if attr != "delimiter" and getattr(args, attr, default) != default]
-    if getattr(args, "numeric_transform", None) is not None:
-        given.append("--numeric-transform")
-    if given:
-        raise ValueError(f"{', '.join(given)}: the model's schema fixes its columns and "
-                         "their transforms; leave them out (--format and --delimiter say "
-                         "how the file is written)")
-    fmt = args.format or model_schema.format
-    delimiter = getattr(args, "delimiter", None)
-    check_delimiter_arg(delimiter, fmt)
-    if fmt == model_schema.format:
-        return model_schema if delimiter is None else replace(model_schema,
-                                                              delimiter=delimiter)
-    if fmt == "criteo":
-        raise ValueError("--format criteo only fits models trained on Criteo data")
-    return replace(model_schema, format=fmt,
-                   delimiter=(delimiter or ",") if fmt == "csv" else model_schema.delimiter,
-                   has_header=True, column_names=())
+    """The model's schema, read as ``--format`` / ``--delimiter`` say
+    (``DataSpec.for_model``)."""
+    return spec_from_args(args).for_model(model_schema)
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
@@ -373,55 +263,6 @@ def explicit_config_keys(args: argparse.Namespace) -> set[str]:
     if config_file:
         keys |= config_file_keys(config_file)
     return keys
-
-
-def check_no_repeats(paths: Sequence[str | Path], flag: str) -> None:
-    """A file named twice in one list (``a.csv ./a.csv``, or through a link) would have
-    every row trained twice, and checkpoints key a file's position by its path, so the
-    two readings would also share one position: refused naming the flag and the file."""
-    seen: dict[str, str | Path] = {}
-    for path in paths:
-        real = os.path.realpath(path)
-        if real in seen:
-            first = f" (as {seen[real]})" if str(seen[real]) != str(path) else ""
-            raise ValueError(f"{flag}: {path} is named twice{first}: its rows would be "
-                             "read twice; name it once")
-        seen[real] = path
-
-
-# The rows are joined with AutoFeature tables in DuckDB first, which stops at a bad row
-# before the reader could skip it: the setting would be ignored.
-SKIP_WITH_FEATURES = ("--on-bad-row skip (on_bad_row in --config) does not work with "
-                      "AutoFeature tables: their join reads every row first and stops at "
-                      "the first bad one; clean the files or train without --features")
-
-
-def run_features(given: Path | None, out: Path, ctx: DistContext, *,
-                 resuming: bool) -> FeatureConfig | None:
-    """A run's AutoFeature tables (``train`` and ``search``): ``out``'s own copy when
-    resuming, else the ``--features`` config ``given``, copied into ``out`` by rank 0
-    before any rank reads it, so the directory keeps what it was trained on."""
-    if resuming:
-        return model_features(out)
-    if not given:
-        return None
-    features = None
-    if ctx.is_main:
-        features = install_features(out, FeatureConfig.load(given))
-        print(f"features: {', '.join(features.selected) or 'none selected'}")
-    ctx.barrier()
-    return features if features is not None else model_features(out)
-
-
-def check_disjoint(train: Sequence[str | Path], valid: Sequence[str | Path]) -> None:
-    """A file in both --train and --valid: validation would score rows the model trained
-    on (picking the overfit pass as best), and a refit would train them twice."""
-    trained = {os.path.realpath(p): p for p in train}
-    for path in valid:
-        if (same := trained.get(os.path.realpath(path))) is not None:
-            named = f" (as {same})" if str(same) != str(path) else ""
-            raise ValueError(f"--valid: {path} is also a --train file{named}: validation "
-                             "must hold rows training does not see")
 
 
 def report_skipped(stats: ReadStats, what: str = "rows") -> None:

@@ -49,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
     args = build_parser(command).parse_args(argv)
-    from terarec.io import NOT_WRITABLE, NotWritableError
+    from terarec.io import NOT_WRITABLE, LockedError, NotWritableError
 
     try:
         _check_launch(args.command)
         return int(args.func(args) or 0)
-    except (UserError, ValueError, FileNotFoundError) as exc:
+    except (UserError, ValueError, FileNotFoundError, LockedError) as exc:
         print(f"terarec {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:

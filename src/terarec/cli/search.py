@@ -9,6 +9,12 @@ import json
 import sys
 from pathlib import Path
 
+from terarec.api.training import (
+    SKIP_WITH_FEATURES,
+    check_disjoint,
+    check_no_repeats,
+    run_features,
+)
 from terarec.autofeature.features import (
     FeatureConfig,
     feature_inputs,
@@ -17,14 +23,10 @@ from terarec.autofeature.features import (
     model_features,
 )
 from terarec.cli.common import (
-    SKIP_WITH_FEATURES,
     add_training_args,
-    check_disjoint,
-    check_no_repeats,
     config_from_args,
     explicit_config_keys,
     report_skipped,
-    run_features,
     schema_for_data,
     schema_from_args,
     selection_from_args,
