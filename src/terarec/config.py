@@ -124,9 +124,25 @@ Device = Annotated[str, AfterValidator(_check_device)]
 MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
 
 
+# A model of the user's own: ``package.module:ClassName``, a ``terarec.CTRModel``
+# subclass imported by that path wherever the model is built (ranks, resume, serving).
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def is_import_path(name: str) -> bool:
+    """Whether ``name`` names a user's model class (``module:Class``), not a built-in."""
+    return ":" in name
+
+
 def _check_model_name(name: str) -> str:
+    if is_import_path(name):
+        if not _IMPORT_PATH.match(name):
+            raise ValueError(f"model {name!r}: a model of your own is named "
+                             "'package.module:ClassName'")
+        return name
     if name.lower() not in MODEL_NAMES:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}, "
+                         "or a class of your own as 'package.module:ClassName'")
     return name
 
 
@@ -139,7 +155,9 @@ class ModelConfig:
 
     __pydantic_config__ = STRICT
 
-    name: ModelName = knob("deepfm", "--model", ", ".join(MODEL_NAMES), dest="model_name")
+    name: ModelName = knob("deepfm", "--model", ", ".join(MODEL_NAMES) + ", or a CTRModel "
+                           "subclass of your own as package.module:ClassName",
+                           dest="model_name")
     embedding_dim: Positive = knob(16, "--embedding-dim")
     bottom_mlp: tuple[Positive, ...] = (64, 16)
     top_mlp: tuple[Positive, ...] = (512, 256)
@@ -480,6 +498,8 @@ def unused_keys(config: TrainConfig, given: set[str]) -> dict[str, str]:
     chosen = {"model": config.model.name.lower(), "sparse_optimizer": config.sparse_optimizer.name}
     found = {}
     for (section, key), readers in _READ_ONLY_BY.items():
+        if section == "model" and is_import_path(config.model.name):
+            continue  # a model of the user's own may read any model key
         value = getattr(sections[section], key)
         if f"{section}.{key}" in given and chosen[section] not in readers \
                 and value != getattr(defaults[section], key):

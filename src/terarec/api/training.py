@@ -311,9 +311,7 @@ def selection_for(job: TrainJob, config: TrainConfig) -> SelectionTracker | None
 def refuse_unused_keys(job: TrainJob, config: TrainConfig) -> None:
     """A key the run's model or sparse optimizer does not read (checked on the config
     the run trains with: a resumed one is the checkpoint's) is refused, not ignored,
-    naming its flag or where it was set. A model of the user's own may read any key."""
-    if ":" in config.model.name:
-        return
+    naming its flag or where it was set."""
     unused = unused_keys(config, job.given)
     by_flag, elsewhere = [], []
     for key, why in unused.items():

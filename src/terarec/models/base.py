@@ -16,12 +16,29 @@ from terarec.types import FeatureSchema
 
 
 class CTRModel(nn.Module):
-    """Base class. Subclasses define ``row_dim_for`` (floats per key in the store; the
-    constructor sets ``row_dim`` from it) and implement ``forward(dense, emb) -> logits``.
+    """Base class of every model, the built-ins and the user's own.
 
-    ``dense``: float32 ``[B, schema.dense_dim]``; ``emb``: float32 ``[B, F, row_dim]`` for the
-    ``F = len(schema.sparse_names)`` categorical fields, in schema order; returns logits
-    ``[B]`` (pre-sigmoid).
+    The contract:
+
+    - ``__init__(schema, config)``: ``schema`` (``FeatureSchema``) names the fields;
+      ``config`` (``ModelConfig``) carries ``embedding_dim``, the MLP widths, ``dropout``
+      and ``batch_norm``, which a model may read or ignore. Call ``super().__init__``
+      first: it sets ``schema``, ``config``, ``num_fields``, ``dense_dim`` and ``row_dim``.
+    - ``row_dim_for(config)`` (classmethod): floats per key in the store, known before
+      the model is built so the store is sized first; the default is
+      ``config.embedding_dim``.
+    - ``forward(dense, emb) -> logits``: ``dense`` float32 ``[B, schema.dense_dim]``
+      (the standardised numeric columns); ``emb`` float32 ``[B, F, row_dim]``, one row
+      per categorical field in ``schema.sparse_names`` order, a multi-valued field's keys
+      pooled (sum or mean, as the schema says); returns ``[B]`` logits (pre-sigmoid).
+      The rows come from terarec's store (memory, tiered or sharded across ranks) and
+      their gradients go back to it: the model owns only its dense parameters.
+    - ``logit_offset()``: the one-element global bias that recalibration shifts after
+      each pass so the mean prediction equals the click rate; found as a one-element
+      ``self.bias`` parameter by default, None turns recalibration off for the model.
+
+    Keep ``forward`` traceable (tensor operations, no data-dependent Python control
+    flow) and the server runs it as an ONNX graph; otherwise it runs it in PyTorch.
     """
 
     row_dim: int
@@ -49,8 +66,10 @@ class CTRModel(nn.Module):
     @classmethod
     def row_dim_for(cls, config: ModelConfig) -> int:
         """Floats per key this model needs, known before it is built so the store can be
-        sized first. Subclasses override; ``config`` is validated on the way."""
-        raise NotImplementedError(f"{cls.__name__} does not define row_dim_for")
+        sized first: ``embedding_dim`` unless a subclass says otherwise; ``config`` is
+        validated on the way."""
+        cls.check_config(config)
+        return config.embedding_dim
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
