@@ -8,6 +8,7 @@ serving: what ``terarec predict``, ``eval`` and ``export`` do, as calls.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -40,16 +41,24 @@ class Model:
     validation set's best, else the newest; ``latest``; or ``pass-N``)."""
 
     def __init__(self, path: str | os.PathLike[str], checkpoint: str = "best") -> None:
-        from terarec.train.checkpoint import checkpoint_name, read_model_meta
-
         self.path = Path(path)
-        if not (self.path / "schema.json").is_file():
-            raise FileNotFoundError(f"{self.path} is not a model directory (no schema.json)")
         self.checkpoint = checkpoint
-        checkpoint_name(self.path, checkpoint)  # a name that is no checkpoint fails here
-        self.schema: FeatureSchema
-        self.config: TrainConfig
-        self.schema, self.config = read_model_meta(self.path)
+
+    @functools.cached_property
+    def schema(self) -> FeatureSchema:
+        """The feature schema the model was trained with (``schema.json``)."""
+        return self._meta[0]
+
+    @functools.cached_property
+    def config(self) -> TrainConfig:
+        """The ``TrainConfig`` the model was trained with (``train_config.json``)."""
+        return self._meta[1]
+
+    @functools.cached_property
+    def _meta(self) -> tuple[FeatureSchema, TrainConfig]:
+        from terarec.train.checkpoint import read_model_meta
+
+        return read_model_meta(self.path)
 
     def __repr__(self) -> str:
         return (f"Model({str(self.path)!r}, checkpoint={self.checkpoint!r}, "
@@ -191,8 +200,14 @@ class Model:
 
 def load(path: str | os.PathLike[str], checkpoint: str = "best") -> Model:
     """The model in directory ``path`` (written by ``terarec.fit`` or ``terarec
-    train``), at ``checkpoint``: ``best``, ``latest`` or ``pass-N``."""
-    return Model(path, checkpoint)
+    train``), at ``checkpoint``: ``best``, ``latest`` or ``pass-N``; a path that is no
+    model directory, or a checkpoint it does not hold, is an error here."""
+    from terarec.train.checkpoint import checkpoint_name
+
+    model = Model(path, checkpoint)
+    model.config  # noqa: B018  (reads schema.json and train_config.json, or says why not)
+    checkpoint_name(model.path, checkpoint)
+    return model
 
 
 def check_output_path(out: str | os.PathLike[str] | None) -> None:

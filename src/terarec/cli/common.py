@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import tempfile
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from terarec.autofeature.features import model_features
 from terarec.config import (
     COMPRESSION,
     INPUT_FORMAT,
@@ -32,8 +30,6 @@ from terarec.data.numeric import (
 from terarec.data.readers import ReadStats
 from terarec.data.spec import DataSpec, names
 from terarec.distributed.context import DistContext
-from terarec.io import ScratchDir, file_above
-from terarec.train.defaults import estimate_rows, max_epochs
 from terarec.train.selection import (
     DEFAULT_MAX_EPOCHS,
     DEFAULT_PATIENCE,
@@ -210,24 +206,13 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
 def selection_from_args(args: argparse.Namespace,
                         config: TrainConfig) -> SelectionTracker | None:
     """The run's selection tracker (None without --valid); with --valid, fixes the epoch
-    upper bound and the pass length --eval-every asks for."""
-    if not args.valid:
-        given = [flag for flag, value, default in (
-            ("--eval-every", args.eval_every, None), ("--patience", args.patience,
-                                                      DEFAULT_PATIENCE),
-            ("--select-by", args.select_by, "logloss")) if value != default]
-        if given:  # each was silently ignored without a validation set
-            raise ValueError(f"{', '.join(given)} needs --valid")
-        return None
-    if args.patience < 1:
-        raise ValueError(f"--patience {args.patience}: must be >= 1")
-    if args.eval_every is not None:
-        if args.eval_every < 1:
-            raise ValueError(f"--eval-every {args.eval_every}: must be >= 1")
-        config.pass_rows = min(config.pass_rows, args.eval_every * config.batch_size)
-    if "epochs" not in explicit_config_keys(args):  # neither --epochs nor the config file
-        config.epochs = max_epochs(estimate_rows(args.train), config.batch_size) + args.patience
-    return SelectionTracker(args.select_by, args.patience)
+    upper bound and the pass length --eval-every asks for (``training.selection_for``)."""
+    from terarec.api.training import TrainJob, selection_for
+
+    return selection_for(TrainJob(out=Path("."), train=args.train, valid=args.valid,
+                                  select_by=args.select_by, patience=args.patience,
+                                  eval_every=args.eval_every,
+                                  given=explicit_config_keys(args)), config)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -305,62 +290,21 @@ def model_data(args: argparse.Namespace, *, with_label: bool = True) -> Iterator
 @contextlib.contextmanager
 def model_files(args: argparse.Namespace) -> Iterator[tuple]:
     """(trainer restored from ``--model``, the schema to read ``--data`` with, the files
-    to read). A model trained with AutoFeature tables has them joined onto the raw rows
-    first, so new rows get exactly the features training computed. The command's
-    ``--out`` file is checked first: a folder there (or a file above it) failed only once
-    every row was scored."""
-    from terarec.autofeature.features import model_inputs
-    from terarec.train.checkpoint import checkpoint_name, restore_trainer
+    to read): ``Model.scoring_files``. The command's ``--out`` file is checked first: a
+    folder there (or a file above it) failed only once every row was scored."""
+    from terarec.api.model import Model, check_output_path
 
-    out = getattr(args, "out", None)
-    if out is not None and Path(out).is_dir():
-        raise ValueError(f"--out {out} is a folder, not a file")
-    if out is not None and (above := file_above(out)) is not None:
-        raise ValueError(f"--out {out}: {above} is a file, not a folder")
-    features = model_features(args.model)
-    if getattr(args, "on_bad_row", None) == "skip" and features and features.tables.tables:
-        raise ValueError(f"--on-bad-row skip: {args.model} was trained with AutoFeature "
-                         "tables, whose join reads every row first and stops at the "
-                         "first bad one; clean the files (the error names the row)")
-    with scoring_scratch(args.model) as scratch:
-        trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
-            args.model, getattr(args, "checkpoint", "best")))
-        with model_inputs(args.model, trainer.schema, args.data,
-                          lambda s: schema_for_data(s, args)) as (schema, data):
-            yield trainer, schema, data
+    check_output_path(getattr(args, "out", None))
+    model = Model(args.model, getattr(args, "checkpoint", "best"))
+    with model.scoring_files(args.data, spec_from_args(args),
+                             getattr(args, "on_bad_row", None) or "error") as scored:
+        yield scored
 
 
 def _with_rows(batches: Iterator[Any], paths: list[Path], stats: ReadStats) -> Iterator[Any]:
     """``batches``, then an error naming the files when they held no row to score: with
     every row skipped, predict wrote an empty file and exited 0."""
+    from terarec.api.model import check_rows_scored
+
     yield from batches
     check_rows_scored(paths, stats)
-
-
-def check_rows_scored(paths: Sequence[Path], stats: ReadStats) -> None:
-    """An error naming the files when they held no row to score."""
-    if not stats.rows:
-        files = ", ".join(str(p) for p in paths)
-        if stats.skipped:
-            raise ValueError(f"no rows to score in {files}: all {stats.skipped} rows read "
-                             f"were bad and skipped (--on-bad-row skip); first: "
-                             f"{stats.examples[0]}")
-        raise ValueError(f"no rows to score in {files}: the files hold no data rows")
-
-
-SCRATCH_DIR = ".scratch"  # inside a model directory: private folders of scoring runs
-
-
-@contextlib.contextmanager
-def scoring_scratch(model_dir: Path) -> Iterator[Path]:
-    """A private folder for a scoring run's tiered store, inside the model directory so
-    that a run killed with -9 leaves nothing elsewhere (the next run removes it); in the
-    temp folder when the model directory is read-only. Removed on exit."""
-    try:
-        if not (model_dir / "schema.json").is_file():  # not a model: leave it untouched
-            raise NotADirectoryError(model_dir)  # restore_trainer says what is wrong
-        scratch = ScratchDir(model_dir / SCRATCH_DIR, "store")
-    except OSError:
-        scratch = ScratchDir(tempfile.gettempdir(), "terarec-store")
-    with scratch as path:
-        yield path

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from terarec.cli.common import add_checkpoint_arg
 from terarec.cli.storage_args import (
     add_storage_args,
-    check_export_target,
     storage_options_from_args,
 )
-from terarec.export import export_model_dir
-from terarec.export.compressed import CODEBOOK_BITS, RowCodec
 from terarec.export.writer import DEFAULT_SHARD_ROWS
 
 
@@ -45,31 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if Path(args.out).is_file():
-        raise ValueError(f"--out {args.out} is a file, not an export folder")
-    check_export_target(args.out, storage_options_from_args(args), "--out")
-    # Checked here to name the flags (the exporter's errors name its own arguments).
-    if args.shard_rows < 1:
-        raise ValueError(f"--shard-rows {args.shard_rows}: must be >= 1")
-    if args.slice is not None:
-        if args.bits != 32 or args.codebook:
-            raise ValueError("--slice writes fp32 rows; leave out --bits / --codebook")
-        from terarec.retrieval.slices import export_slice
+    from terarec.api.model import Model
 
-        result = export_slice(args.model, args.out, args.slice, args.keys_from,
-                              storage_options=storage_options_from_args(args),
-                              shard_rows=args.shard_rows, checkpoint=args.checkpoint)
-        print(json.dumps({"uri": args.out, "slice": args.slice, **asdict(result)}))
-        return 0
-    if args.keys_from:
-        raise ValueError("--keys-from goes with --slice")
-    if args.codebook and args.bits not in CODEBOOK_BITS:
-        raise ValueError(f"--codebook takes --bits {', '.join(map(str, CODEBOOK_BITS))}, "
-                         f"got --bits {args.bits}")
-    codec = None if args.bits == 32 and not args.codebook else RowCodec(args.bits,
-                                                                        args.codebook)
-    result = export_model_dir(args.model, args.out, storage_options_from_args(args),
-                              shard_rows=args.shard_rows, codec=codec,
-                              checkpoint=args.checkpoint)
-    print(json.dumps({"uri": args.out, **asdict(result)}))
+    written = Model(args.model, args.checkpoint).export(
+        args.out, bits=args.bits, codebook=args.codebook, shard_rows=args.shard_rows,
+        slice=args.slice, keys_from=args.keys_from,
+        storage_options=storage_options_from_args(args))
+    print(json.dumps(written))
     return 0

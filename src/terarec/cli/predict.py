@@ -13,7 +13,8 @@ from typing import IO
 
 import numpy as np
 
-from terarec.cli.common import add_model_data_args, check_rows_scored, model_files, report_skipped
+from terarec.api.model import check_rows_scored
+from terarec.cli.common import add_model_data_args, model_files, report_skipped
 from terarec.cli.main import UserError
 from terarec.data.readers import ReadStats, iter_batches, text_columns
 from terarec.finite import check_model_scores
