@@ -173,7 +173,7 @@ class Model:
         if on_bad_row not in ("error", "skip"):
             raise ValueError(f"on_bad_row {on_bad_row!r}: one of error, skip")
         with _as_files(data, format) as (files, fmt), self.scoring_files(
-                files, DataSpec(format=fmt, delimiter=delimiter), on_bad_row) as scored:
+                files, DataSpec.of(format=fmt, delimiter=delimiter), on_bad_row) as scored:
             yield scored
 
     @contextlib.contextmanager

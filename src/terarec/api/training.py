@@ -273,10 +273,10 @@ def make_exporter(job: TrainJob, trainer: Trainer) -> IncrementalExporter | None
     every_passes = ex.delta_every
     if every_passes is None and ex.delta_minutes is None:
         every_passes = 1  # a delta at every pass boundary
-    options = dict(every_passes=every_passes, every_minutes=ex.delta_minutes,
-                   storage_options=ex.storage_options,
-                   features_dir=model_features_dir(job.out),
-                   full_every_hours=ex.full_every_hours, full_at=ex.full_at)
+    options: dict[str, Any] = dict(
+        every_passes=every_passes, every_minutes=ex.delta_minutes,
+        storage_options=ex.storage_options, features_dir=model_features_dir(job.out),
+        full_every_hours=ex.full_every_hours, full_at=ex.full_at)
     if ex.publish_to:
         from terarec.sparsetier.publish import PublishingExporter
 
