@@ -54,6 +54,7 @@ from terarec.io import (
     try_lock_file,
 )
 from terarec.train.checkpoint import list_checkpoints, read_model_meta
+from terarec.train.choose import Choice, choose_by_validation
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
     accumulator_choices,
@@ -70,7 +71,6 @@ from terarec.train.follow import (
 )
 from terarec.train.passes import iter_file_batches
 from terarec.train.run import TrainRun, train_model
-from terarec.train.search import Choice, choose_by_validation
 from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
