@@ -7,7 +7,7 @@ is a ``ValueError`` that names its field, before any data is read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ class SearchConfig:
     select_by: SelectBy = "logloss"
     patience: int | None = 2  # evaluations without improvement; None: never stop
     seed: int = 0
-    fixed: tuple[Mapping[str, Any], ...] = ()
+    fixed: Sequence[Mapping[str, Any]] = ()  # kept as a tuple of dicts
     checkpoint_every: int = 1  # passes between a live trial's commits
     resume: bool = False  # continue the search already in the output directory
     progress: bool = False  # a progress bar on stderr
