@@ -40,7 +40,7 @@ class SearchConfig:
     """
 
     base: TrainConfig = field(default_factory=TrainConfig)
-    space: Mapping[str, Mapping[str, Any]] | None = None
+    space: Mapping[str, Any] | None = None  # path -> spec, or a list of choices
     trials: int = 8
     parallel: int | None = None  # trials trained together in one pass loop; None: all
     sampler: SamplerName = "tpe"

@@ -85,6 +85,10 @@ def run_search(config: SearchConfig, schema: FeatureSchema,
     last pass all its trials committed (with none, its trials run again with their
     values). One search uses a directory at a time.
 
+    ``schema``: the features the trials train on, numeric statistics included (as
+    ``train`` computes them from the training rows). ``valid``: the validation rows,
+    read once and scored by every trial after each pass.
+
     ``ctx``: this rank's topology under torchrun (every rank calls this; each trial
     trains on all ranks, each keeping its key shard's rows); None trains in this
     process on ``config.base.device``. ``on_boundary`` sees the wave's trials after each
