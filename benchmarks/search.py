@@ -32,8 +32,10 @@ from terarec.config import TrainConfig, to_dict
 from terarec.data.numeric import with_numeric_stats
 from terarec.data.readers import csv_schema
 from terarec.data.synth import generate
+from terarec.train.cohort import apply_params
 from terarec.train.passes import iter_file_batches
-from terarec.train.search import apply_params, default_space, run_search, suggest
+from terarec.train.search import SearchConfig, run_search
+from terarec.train.search.space import default_space, suggest
 from terarec.types import FeatureSchema
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -60,9 +62,10 @@ def _search(schema, base, train, valid, out, params, pruner) -> tuple[float, obj
     schema = with_numeric_stats(schema, [train], on_bad_row="skip")
     batches = list(iter_file_batches([valid], schema, base.batch_size))
     with contextlib.redirect_stdout(io.StringIO()):
-        result = run_search(schema, base, [train], batches, out, trials=len(params),
-                            space=space, sampler="random", pruner=pruner, select_by="auc",
-                            fixed=[p or {k: _get(base, k) for k in keys} for p in params])
+        settings = SearchConfig(base=base, trials=len(params), space=space,
+                                sampler="random", pruner=pruner, select_by="auc",
+                                fixed=[p or {k: _get(base, k) for k in keys} for p in params])
+        result = run_search(settings, schema, [train], batches, out)
     return time.perf_counter() - start, result
 
 

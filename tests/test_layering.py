@@ -77,3 +77,14 @@ def test_the_check_sees_every_import_form(tmp_path, monkeypatch):
     ok = pkg / "ok.py"
     ok.write_text("import terarec.config\nfrom terarec.client import x\nfrom . import cli_x\n")
     assert not _imports_cli(ok)
+
+
+def test_plain_training_does_not_import_the_search():
+    """train/ without its search package (the pass loop, checkpoints, the choice by
+    validation) trains alone: the search builds on it, never the other way round."""
+    train = SRC / "train"
+    offenders = {path.relative_to(train).as_posix(): lines
+                 for path in sorted(train.rglob("*.py"))
+                 if path.relative_to(train).parts[0] != "search"
+                 and (lines := _imports_cli(path, "terarec.train.search"))}
+    assert not offenders, f"train modules importing terarec.train.search: {offenders}"

@@ -167,7 +167,7 @@ def test_search_refits_its_best_trial(files, tmp_path):
 
 def test_default_search_space_follows_the_run_learning_rates():
     from terarec.config import TrainConfig
-    from terarec.train.search import LR_SPAN, default_space
+    from terarec.train.search.space import LR_SPAN, default_space
 
     base = TrainConfig()
     base.sparse_optimizer.lr, base.dense_optimizer.lr = 0.0125, 0.00025

@@ -21,16 +21,11 @@ from terarec.data.synth import generate
 from terarec.embedding.shared import SharedRowsStore
 from terarec.models.registry import build_model
 from terarec.train.checkpoint import read_model_meta
+from terarec.train.cohort import apply_params
 from terarec.train.passes import iter_file_batches
-from terarec.train.search import (
-    apply_params,
-    check_space,
-    default_space,
-    first_rung,
-    grid_space,
-    load_space,
-    run_search,
-)
+from terarec.train.search import SearchConfig, run_search
+from terarec.train.search.samplers import first_rung
+from terarec.train.search.space import check_space, default_space, grid_space, load_space
 from terarec.types import FeatureSchema
 
 COMMON = ["--batch-size", "500", "--pass-rows", "2000", "--threads", "1", "--no-progress",
@@ -66,9 +61,10 @@ def searched(files, tmp_path_factory) -> Path:
     config.epochs = 2
     batches = list(iter_file_batches([valid], schema, 500))
     space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
-    result = run_search(schema, config, [train], batches, out, trials=2, pruner="none",
-                        sampler="random", fixed=TRIALS, space=space, patience=2)
-    from terarec.train.search import write_results, write_search_report
+    settings = SearchConfig(base=config, trials=2, pruner="none", sampler="random",
+                            fixed=TRIALS, space=space, patience=2)
+    result = run_search(settings, schema, [train], batches, out)
+    from terarec.train.search.results import write_results, write_search_report
 
     write_results(result, out)
     write_search_report(result, out)
@@ -167,10 +163,11 @@ def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
             seen.setdefault(t.number, []).append(
                 (t.state, len(store), getattr(store, "budget", None)))
 
-    result = run_search(schema, config, [train], batches, tmp_path / "s", trials=4,
-                        sampler="random", pruner="halving", patience=None,
-                        space={"sparse_optimizer.lr": {"type": "float", "low": 0.001,
-                                                       "high": 0.5, "log": True}},
+    settings = SearchConfig(base=config, trials=4, sampler="random", pruner="halving",
+                            patience=None,
+                            space={"sparse_optimizer.lr": {"type": "float", "low": 0.001,
+                                                           "high": 0.5, "log": True}})
+    result = run_search(settings, schema, [train], batches, tmp_path / "s",
                         on_boundary=boundary)
     pruned = [t for t in result.trials if t.state == "pruned"]
     assert pruned, "successive halving prunes some of 4 trials by the 3rd pass"
@@ -227,9 +224,10 @@ def test_a_diverged_trial_stops_and_the_others_train_on(files, tmp_path):
                 for weight in t.trainer.model.parameters():
                     weight.fill_(float("nan"))
 
-    def search(out: Path, **kw):
-        return run_search(schema, config, [train], batches, out, trials=2, pruner="none",
-                          sampler="random", fixed=fixed, space=space, patience=None, **kw)
+    def search(out: Path, on_boundary=None):
+        settings = SearchConfig(base=config, trials=2, pruner="none", sampler="random",
+                                fixed=fixed, space=space, patience=None)
+        return run_search(settings, schema, [train], batches, out, on_boundary=on_boundary)
 
     whole = {t.number: t for t in search(tmp_path / "whole").trials}
     result = search(tmp_path / "poisoned", on_boundary=poison)
@@ -409,9 +407,10 @@ def test_trials_share_one_key_index_and_pruned_views_are_dropped(files, tmp_path
                 assert not isinstance(t.run.trainer.store, SharedRowsStore)
                 assert len(t.run.trainer.store) == 0
 
-    result = run_search(schema, config, [train], batches, tmp_path / "s", trials=4,
-                        sampler="random", pruner="halving", patience=None,
-                        space=check_space({"model.embedding_dim": [4, 8, 16]}, config),
+    settings = SearchConfig(base=config, trials=4, sampler="random", pruner="halving",
+                            patience=None,
+                            space=check_space({"model.embedding_dim": [4, 8, 16]}, config))
+    result = run_search(settings, schema, [train], batches, tmp_path / "s",
                         on_boundary=boundary)
     assert any(t.state == "pruned" for t in result.trials)
     assert all(len(s) <= 1 for s in sides) and sides[0]
@@ -433,8 +432,9 @@ def test_k2_search_with_admission_and_eviction_equals_two_single_runs(files, tmp
     batches = list(iter_file_batches([valid], schema, 500))
     space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
     out = tmp_path / "search"
-    result = run_search(schema, config, [train], batches, out, trials=2, pruner="none",
-                        sampler="random", fixed=TRIALS, space=space, patience=2)
+    settings = SearchConfig(base=config, trials=2, pruner="none", sampler="random",
+                            fixed=TRIALS, space=space, patience=2)
+    result = run_search(settings, schema, [train], batches, out)
     assert all(t.state == "complete" for t in result.trials)
     for number, params in enumerate(TRIALS):
         single = _single(files, tmp_path / f"single{number}", params,
@@ -479,17 +479,16 @@ def test_the_first_rung_is_sized_to_a_hundred_steps():
 def test_no_trial_is_pruned_before_the_first_rung(files, tmp_path):
     schema, config, batches = _setup(files, epochs=3, admit_min_count=1)
     space = {"sparse_optimizer.lr": {"type": "float", "low": 0.001, "high": 0.5, "log": True}}
-    result = run_search(schema, config, [files[0]], batches, tmp_path / "s", trials=4,
-                        sampler="random", pruner="halving", patience=None, space=space,
-                        first_rung=3)
+    settings = SearchConfig(base=config, trials=4, sampler="random", pruner="halving",
+                            patience=None, space=space, first_rung=3)
+    result = run_search(settings, schema, [files[0]], batches, tmp_path / "s")
     pruned = [t for t in result.trials if t.state == "pruned"]
     assert pruned, "halving prunes some of 4 trials once they reach the rung"
     assert all(len(t.history) >= 3 for t in pruned)
     saved = json.loads((tmp_path / "s" / "search.json").read_text())
     assert saved["first_rung"] == 3
-    with pytest.raises(ValueError, match=r"first rung \(--prune-after\) 0"):
-        run_search(schema, config, [files[0]], batches, tmp_path / "bad", trials=2,
-                   space=space, first_rung=0)
+    with pytest.raises(ValueError, match=r"first_rung 0: must be an integer >= 1"):
+        SearchConfig(base=config, trials=2, space=space, first_rung=0)
 
 
 def _checkpoint_digests(out: Path) -> dict[str, tuple]:
@@ -510,32 +509,33 @@ def test_commits_written_in_the_background_equal_commits_written_in_place(
     (the random state recorded is the trial's own, taken when its pass ended)."""
     import threading
 
-    import terarec.train.search as search
+    import terarec.train.search.trials as trials
+    import terarec.train.search.waves as waves
 
     train, _ = files
     schema, config, batches = _setup(files, epochs=2, admit_min_count=1)
     space = check_space({"model.embedding_dim": [4, 8]}, config)
     fixed = [{"model.embedding_dim": 4}, {"model.embedding_dim": 8}]
     threads: set[str] = set()
-    save = search.save_checkpoint
+    save = trials.save_checkpoint
 
     def recording(*args, **kwargs):
         threads.add(threading.current_thread().name)
         return save(*args, **kwargs)
 
-    monkeypatch.setattr(search, "save_checkpoint", recording)
-    background = run_search(schema, config, [train], batches, tmp_path / "bg", trials=2,
-                            sampler="random", pruner="none", space=space, fixed=fixed)
+    monkeypatch.setattr(trials, "save_checkpoint", recording)
+    settings = SearchConfig(base=config, trials=2, sampler="random", pruner="none",
+                            space=space, fixed=fixed)
+    background = run_search(settings, schema, [train], batches, tmp_path / "bg")
     assert threads and all(name.startswith("terarec-commit") for name in threads)
 
-    class InPlace(search._Commits):
+    class InPlace(waves.Commits):
         def __init__(self, background: bool) -> None:
             super().__init__(background=False)
 
     threads.clear()
-    monkeypatch.setattr(search, "_Commits", InPlace)
-    in_place = run_search(schema, config, [train], batches, tmp_path / "ip", trials=2,
-                          sampler="random", pruner="none", space=space, fixed=fixed)
+    monkeypatch.setattr(waves, "Commits", InPlace)
+    in_place = run_search(settings, schema, [train], batches, tmp_path / "ip")
     assert threads == {threading.current_thread().name}
     assert background.best.number == in_place.best.number
     assert [t.history[-1]["valid_auc"] for t in background.trials] == \
@@ -550,14 +550,14 @@ def test_a_commit_that_fails_in_the_background_stops_the_search(files, tmp_path,
     committed: the next boundary waits for the commits first."""
     import errno
 
-    import terarec.train.search as search
+    import terarec.train.search.trials as trials
 
     train, _ = files
     schema, config, batches = _setup(files, epochs=2, admit_min_count=1)
     space = check_space({"model.embedding_dim": [4, 8]}, config)
     calls: list[int] = []
     boundaries: list[int] = []
-    save = search.save_checkpoint
+    save = trials.save_checkpoint
 
     def failing(model_dir, trainer, **kwargs):
         calls.append(trainer.pass_id)
@@ -565,11 +565,12 @@ def test_a_commit_that_fails_in_the_background_stops_the_search(files, tmp_path,
             raise OSError(errno.ENOSPC, "no space left on device")
         return save(model_dir, trainer, **kwargs)
 
-    monkeypatch.setattr(search, "save_checkpoint", failing)
+    monkeypatch.setattr(trials, "save_checkpoint", failing)
     with pytest.raises(OSError, match="no space left"):
-        run_search(schema, config, [train], batches, tmp_path / "s", trials=2,
-                   sampler="random", pruner="none", space=space,
-                   fixed=[{"model.embedding_dim": 4}, {"model.embedding_dim": 8}],
+        run_search(SearchConfig(base=config, trials=2, sampler="random", pruner="none",
+                                space=space, fixed=[{"model.embedding_dim": 4},
+                                                    {"model.embedding_dim": 8}]),
+                   schema, [train], batches, tmp_path / "s",
                    on_boundary=lambda trials: boundaries.append(len(calls)))
     assert len(calls) == 3  # the failing commit was the last one written
     assert boundaries == [2]  # the second round's boundary did not pass it

@@ -159,7 +159,8 @@ def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path,
     from terarec.config import TrainConfig
     from terarec.data.numeric import with_numeric_stats
     from terarec.train.passes import iter_file_batches
-    from terarec.train.search import check_space, run_search
+    from terarec.train.search import SearchConfig, run_search
+    from terarec.train.search.space import check_space
     from terarec.types import FeatureSchema
 
     schema = with_numeric_stats(FeatureSchema.criteo(), [files["train"]])
@@ -174,10 +175,12 @@ def test_a_stopped_wave_continues_with_its_passes_cut_as_before(files, tmp_path,
              {"epochs": 3, "batch_size": 250, "model.embedding_dim": 8}]
     space = check_space({k: sorted({t[k] for t in fixed}) for k in fixed[0]}, config)
 
-    def search(out: Path, **kw):
-        return run_search(schema, config, [files["train"]], valid, out, trials=2,
-                          pruner="none", sampler="random", fixed=fixed, space=space,
-                          patience=10, checkpoint_every=every, **kw)
+    def search(out: Path, resume: bool = False, on_boundary=None):
+        settings = SearchConfig(base=config, trials=2, pruner="none", sampler="random",
+                                fixed=fixed, space=space, patience=10,
+                                checkpoint_every=every, resume=resume)
+        return run_search(settings, schema, [files["train"]], valid, out,
+                          on_boundary=on_boundary)
 
     def curves(result) -> dict[int, list[tuple[int, float]]]:
         return {t.number: [(h["rows"], h["valid_logloss"]) for h in t.history]

@@ -20,7 +20,7 @@ from terarec.data.synth import generate
 from terarec.distributed.context import DistContext
 from terarec.train.checkpoint import restore_trainer
 from terarec.train.passes import in_file_order, shuffled, shuffled_steps
-from terarec.train.search import check_space
+from terarec.train.search.space import check_space
 from terarec.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))

@@ -490,8 +490,8 @@ def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
             selection: SelectionTracker, ctx: DistContext) -> Any:
     """Adagrad's start on small data, by validation (``accumulator_choices``): one run
     per start side by side in a scratch folder of the model directory, said on stderr."""
+    from terarec.train.choose import choose_by_validation
     from terarec.train.passes import iter_file_batches
-    from terarec.train.search import choose_by_validation
 
     batches = list(iter_file_batches(valid, schema, config.batch_size,
                                      on_bad_row=config.on_bad_row))

@@ -8,6 +8,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from terarec.api.training import (
     SKIP_WITH_FEATURES,
@@ -37,9 +38,12 @@ from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext
 from terarec.train.passes import iter_file_batches
 
+if TYPE_CHECKING:
+    from terarec.train.search.config import SearchConfig
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from terarec.train.search import PRUNERS, SAMPLERS
+    from terarec.train.search.samplers import PRUNERS, SAMPLERS
 
     p = sub.add_parser("search", help="hyper-parameter search, trials trained together",
                        description=__doc__)
@@ -130,43 +134,11 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     """The search on ``args.train`` / ``args.valid`` as the trials read them."""
     from terarec.embedding.shared import sharing_refusal
     from terarec.io import finite_json
-    from terarec.train.defaults import (
-        ACCUMULATOR_KEY,
-        accumulator_choices,
-        apply_sized_defaults,
-        estimate_rows,
-    )
-    from terarec.train.search import (
-        base_params,
-        default_space,
-        first_rung,
-        load_space,
-        run_search,
-        write_results,
-        write_search_report,
-    )
+    from terarec.train.search import run_search
+    from terarec.train.search.results import write_results, write_search_report
 
-    # The trials' base is what ``train`` would run: data-sized defaults, numeric statistics.
-    config, sized = apply_sized_defaults(config, args.train, explicit_config_keys(args))
-    if config.store.memory_budget is not None:
-        parse_bytes(config.store.memory_budget)
-    selection_from_args(args, config)  # epoch upper bound, --eval-every
-    fixed: list[dict] = []
-    if args.space:  # before reading data
-        space = load_space(args.space, config)
-    else:
-        # Where ``train`` would choose Adagrad's start by validation, so do the trials;
-        # the first trials are what ``train`` runs (with each start), so the search
-        # answers at least what ``train`` would on the validation rows.
-        space = default_space(config.model.name, config)
-        starts = accumulator_choices(sized)  # set only for adagrad
-        if starts is not None:
-            space[ACCUMULATOR_KEY] = {"type": "categorical", "choices": list(starts)}
-        own = base_params(space, config)
-        if own is not None:
-            fixed = [{**own, ACCUMULATOR_KEY: start} for start in starts] if starts \
-                else [own]
-            fixed = fixed[:args.trials]
+    search = search_config(args, config)  # before reading data
+    config = search.base
     schema = train_schema_from_args(args, features.schema if features else None)
     stats = ReadStats()
     valid = list(iter_file_batches(args.valid, schema, config.batch_size,
@@ -178,14 +150,7 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
     # on from its positions (the copies are made again in another temporary folder).
     inputs = keyed_copies(args.raw_train, args.train) \
         if features is not None and features.tables.tables else args.train
-    result = run_search(schema, config, inputs, valid, args.out, trials=args.trials,
-                        parallel=args.parallel, space=space, sampler=args.sampler,
-                        pruner=args.pruner, select_by=args.select_by,
-                        patience=args.patience, seed=config.seed,
-                        progress=not args.no_progress, resume=args.resume, ctx=ctx,
-                        checkpoint_every=args.checkpoint_every, fixed=fixed,
-                        first_rung=args.prune_after if args.prune_after is not None
-                        else first_rung(estimate_rows(args.train), config))
+    result = run_search(search, schema, inputs, valid, args.out, ctx=ctx)
     if result.best_dir is not None and features is not None and ctx.is_main:
         install_features(result.best_dir, features)  # eval / predict / serve join them
     ctx.barrier()
@@ -206,6 +171,49 @@ def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig 
             print(f"best model written to {result.best_dir}")
     ctx.close()
     return 0
+
+
+def search_config(args: argparse.Namespace, config: TrainConfig) -> SearchConfig:
+    """The search the flags ask for. The trials' base is what ``train`` would run on
+    ``args.train``: data-sized defaults (``args.train`` is read for its size)."""
+    from terarec.train.defaults import (
+        ACCUMULATOR_KEY,
+        accumulator_choices,
+        apply_sized_defaults,
+        estimate_rows,
+    )
+    from terarec.train.search.config import SearchConfig
+    from terarec.train.search.samplers import first_rung
+    from terarec.train.search.space import base_params, default_space, load_space
+
+    config, sized = apply_sized_defaults(config, args.train, explicit_config_keys(args))
+    if config.store.memory_budget is not None:
+        parse_bytes(config.store.memory_budget)
+    selection_from_args(args, config)  # epoch upper bound, --eval-every
+    fixed: list[dict] = []
+    if args.space:
+        space = load_space(args.space, config)
+    else:
+        # Where ``train`` would choose Adagrad's start by validation, so do the trials;
+        # the first trials are what ``train`` runs (with each start), so the search
+        # answers at least what ``train`` would on the validation rows.
+        space = default_space(config.model.name, config)
+        starts = accumulator_choices(sized)  # set only for adagrad
+        if starts is not None:
+            space[ACCUMULATOR_KEY] = {"type": "categorical", "choices": list(starts)}
+        own = base_params(space, config)
+        if own is not None:
+            fixed = [{**own, ACCUMULATOR_KEY: start} for start in starts] if starts \
+                else [own]
+            fixed = fixed[:args.trials]
+    rung = args.prune_after if args.prune_after is not None \
+        else first_rung(estimate_rows(args.train), config)
+    return SearchConfig(base=config, space=space, trials=args.trials,
+                        parallel=args.parallel, sampler=args.sampler, pruner=args.pruner,
+                        first_rung=rung, select_by=args.select_by, patience=args.patience,
+                        seed=config.seed, fixed=tuple(fixed),
+                        checkpoint_every=args.checkpoint_every, resume=args.resume,
+                        progress=not args.no_progress)
 
 
 def _refit(args: argparse.Namespace) -> bool:

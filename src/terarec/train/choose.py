@@ -1,0 +1,105 @@
+"""A default the data decides: one config key's value among a few, chosen by the best
+validation value each reaches, as scikit-learn's ``LogisticRegressionCV`` picks C.
+
+One run per value, trained side by side in one pass loop (``train.cohort``): the data is
+read, hashed and planned once per pass for all of them, and each run is exactly
+``train`` with that value (same initial weights, batches and random stream), so the
+chosen value's run reaches what ``train`` then reaches with it. ``train`` chooses
+Adagrad's start on small data this way.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from terarec.config import TrainConfig, parse_bytes
+from terarec.data.positions import InputFile
+from terarec.distributed.context import DistContext, resolve_device
+from terarec.embedding.working_set import plan_pass
+from terarec.train.cohort import KeySides, free_rows, member_config, split_budget
+from terarec.train.loop import TrialRun, run_passes
+from terarec.train.passes import group_passes
+from terarec.train.selection import SelectionTracker
+from terarec.train.trainer import Trainer
+from terarec.types import Batch, FeatureSchema
+
+
+@dataclass
+class Choice:
+    """What ``choose_by_validation`` measured: each value's best validation value."""
+
+    key: str
+    chosen: Any
+    values: dict[Any, float | None]
+
+    def summary(self) -> dict[str, Any]:
+        return {"key": self.key, "chosen": self.chosen,
+                "validation": [{"value": v, "best": b} for v, b in self.values.items()]}
+
+
+def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
+                         choices: Sequence[Any],
+                         train_paths: Sequence[str | Path | InputFile],
+                         valid_batches: list[Batch], scratch: str | Path, *,
+                         select_by: str = "logloss", patience: int | None = 2,
+                         ctx: DistContext | None = None) -> Choice:
+    """The value of ``key`` (a dotted config path) among ``choices`` whose run reaches
+    the best validation value. A tiered store's files go to ``scratch``, which is
+    removed after. Every rank calls this and trains its key shard of every run."""
+    if not valid_batches:
+        raise ValueError(f"choosing {key} by validation needs a validation set")
+    ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
+    scratch = Path(scratch)
+    if ctx.is_main:  # a run stopped while choosing left its stores: start them again
+        shutil.rmtree(scratch, ignore_errors=True)
+    ctx.barrier()
+    budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
+    keys = KeySides()
+    runs = []
+    for i, value in enumerate(choices):
+        config = member_config(base, {key: value}, scratch / f"choice-{i}", budget,
+                               len(choices))
+        trainer = Trainer(schema, config, ctx=ctx)
+        keys.attach(trainer)
+        runs.append(TrialRun(trainer, SelectionTracker(select_by, patience),
+                             stop_on_divergence=True))
+    valid = [plan_pass(group, counts=False)
+             for group in group_passes(valid_batches, base.pass_rows)]
+    freed: set[int] = set()
+
+    def free(stopped: bool = True) -> None:
+        """Give back the rows of the runs that train no more (``stopped=False``: all)."""
+        for i, run in enumerate(runs):
+            if (not run.live or not stopped) and i not in freed:
+                free_rows(run.trainer)
+                freed.add(i)
+
+    def boundary(live: list[TrialRun]) -> None:
+        free()
+        split_budget([r.trainer for r in runs if r.live], budget)
+
+    # No try/finally: a rank that fails exits rather than wait for its peers in a
+    # barrier; the next run removes what it left.
+    run_passes(runs, train_paths, valid, progress=False, on_boundary=boundary)
+    free(stopped=False)
+    ctx.barrier()
+    if ctx.is_main:
+        shutil.rmtree(scratch, ignore_errors=True)
+    values: dict[Any, float | None] = {}
+    best = SelectionTracker(select_by, patience=None)
+    chosen: Any = None
+    for value, run in zip(choices, runs, strict=True):
+        assert run.selection is not None
+        reached = run.selection.best_value
+        values[value] = reached
+        if reached is not None and best.is_better(reached):
+            best.update(reached, run.selection.best_pass or 0)
+            chosen = value
+    if best.best_value is None:
+        raise ValueError(f"choosing {key} by validation: no run reached a finite "
+                         "validation value")
+    return Choice(key, chosen, values)
