@@ -19,6 +19,8 @@ _EXPORTS = {
     "fit": "terarec.api.fit",
     "load": "terarec.api.model",
     "Model": "terarec.api.model",
+    "search": "terarec.api.search",
+    "SearchOutcome": "terarec.api.search",
     "CTRModel": "terarec.models.base",
     "TrainConfig": "terarec.config",
     "ModelConfig": "terarec.config",
@@ -31,11 +33,13 @@ _EXPORTS = {
 }
 
 __all__ = ["Batch", "CTRModel", "DataSpec", "ExportSchedule", "FeatureSchema", "FieldSpec",
-           "KeyedIds", "Model", "ModelConfig", "TrainConfig", "fit", "load"]
+           "KeyedIds", "Model", "ModelConfig", "SearchOutcome", "TrainConfig", "fit", "load",
+           "search"]
 
 if TYPE_CHECKING:
     from terarec.api.fit import fit
     from terarec.api.model import Model, load
+    from terarec.api.search import SearchOutcome, search
     from terarec.api.training import ExportSchedule
     from terarec.config import ModelConfig, TrainConfig
     from terarec.data.spec import DataSpec

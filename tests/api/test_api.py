@@ -222,3 +222,26 @@ def test_a_model_of_ones_own_trains_on_two_torchrun_ranks(data, tmp_path):
     finally:
         sys.path.remove(str(HERE))
     assert scores.shape == (800,) and np.isfinite(scores).all()
+
+
+def test_search_from_python_finds_what_the_command_line_finds(data, tmp_path):
+    train, valid = data
+    space = {"sparse_optimizer.lr": [0.01, 0.05], "model.embedding_dim": [4, 8]}
+    space_file = tmp_path / "space.json"
+    space_file.write_text(json.dumps(space))
+    outcome = terarec.search(train, valid, out=tmp_path / "api", trials=3, space=space,
+                             sampler="grid", model="fm", seed=1, progress=False, **SMALL)
+    assert cli_main(["search", "--train", str(train), "--valid", str(valid), "--out",
+                     str(tmp_path / "cli"), "--trials", "3", "--space", str(space_file),
+                     "--sampler", "grid", "--model", "fm", "--seed", "1",
+                     *SMALL_FLAGS]) == 0
+    cli = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert len(outcome.trials) == 3
+    assert outcome.best is not None and outcome.best.path == tmp_path / "api" / "best"
+    cli_best = next(t for t in cli["trials"] if t["trial"] == cli["best_trial"])
+    api_best = next(t for t in outcome.trials if t["trial"] == cli["best_trial"])
+    untimed = [k for k in cli_best if k != "seconds"]
+    assert [api_best[k] for k in untimed] == [cli_best[k] for k in untimed]
+    assert outcome.best_params == {k[len("params."):]: v for k, v in cli_best.items()
+                                   if k.startswith("params.")}
+    assert outcome.best.predict(valid).shape == (800,)

@@ -46,13 +46,31 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
     module (ranks, resumed runs and the server import it by name). Runs as one of N
     ranks when the script is launched by ``torchrun``.
     """
+    job = job_settings(train, valid, out=out, config=config, resume=resume, refit=refit,
+                       select_by=select_by, patience=patience, eval_every=eval_every,
+                       features=features, export=export, export_to=export_to,
+                       dense_comm=dense_comm, checkpoint_every=checkpoint_every,
+                       progress=progress, settings=settings)
+    run_training(job)
+    return Model(out)
+
+
+def job_settings(train: Paths, valid: Paths | None, *, out: str | os.PathLike[str],
+                 config: TrainConfig | None, resume: bool, refit: bool | None,
+                 select_by: str, patience: int | None, eval_every: int | None,
+                 features: str | os.PathLike[str] | None, export: ExportSchedule | None,
+                 export_to: str | None, dense_comm: DenseCommConfig | None,
+                 checkpoint_every: int, progress: bool,
+                 settings: dict[str, Any]) -> TrainJob:
+    """The ``TrainJob`` of ``fit``'s arguments (``search`` builds its trials' the same
+    way): ``settings`` split into the data description and config keys."""
     from terarec.train.selection import DEFAULT_PATIENCE
 
     data_keys = set(DataSpec.__dataclass_fields__)
     data = DataSpec.of(**{k: v for k, v in settings.items() if k in data_keys})
     given_settings = {k: v for k, v in settings.items() if k not in data_keys}
     train_config, given = _config(config, given_settings)
-    job = TrainJob(
+    return TrainJob(
         out=Path(out), config=train_config, train=_paths(train, "train"),
         valid=_paths(valid, "valid") if valid is not None else [], data=data, given=given,
         named={k: f"{k}=" for k in given}, config_origin="config", resume=resume,
@@ -60,8 +78,6 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
         features=Path(features) if features is not None else None, select_by=select_by,
         patience=DEFAULT_PATIENCE if patience is None else patience, eval_every=eval_every,
         export=_export(export, export_to), dense_comm=dense_comm or DenseCommConfig())
-    run_training(job)
-    return Model(out)
 
 
 def _paths(value: Paths, name: str) -> list[Path]:

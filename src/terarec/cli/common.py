@@ -30,6 +30,7 @@ from terarec.data.numeric import (
 from terarec.data.readers import ReadStats
 from terarec.data.spec import DataSpec, names
 from terarec.distributed.context import DistContext
+from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.train.selection import (
     DEFAULT_MAX_EPOCHS,
     DEFAULT_PATIENCE,
@@ -38,6 +39,9 @@ from terarec.train.selection import (
 )
 from terarec.types import FeatureSchema
 from terarec.validation import InvalidInput, strip_type
+
+if typing.TYPE_CHECKING:
+    from terarec.api.training import TrainJob
 
 
 def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -237,6 +241,37 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         lines = [f"{passed[p.path]}: {p.message}" if p.path in passed else p.message
                  for p in exc.problems]
         raise InvalidInput("; ".join(lines), exc.problems) from None
+
+
+def train_job_from_args(args: argparse.Namespace,
+                        dense_comm: DenseCommConfig | None = None) -> TrainJob:
+    """The ``TrainJob`` the flags describe (``train``'s, or what every trial of a
+    ``search`` is: a command without the follow and export flags has none)."""
+    from terarec.api.training import ExportSchedule, FollowSettings, TrainJob
+    from terarec.cli.storage_args import storage_options_from_args
+
+    follow = getattr(args, "follow", None)
+    named = {".".join(path): flag.name for path, flag, _, _ in flag_fields()
+             if getattr(args, flag.attr, None) is not None}
+    export_to = getattr(args, "export_to", None)
+    return TrainJob(
+        out=args.out, config=config_from_args(args), train=args.train,
+        follow=None if follow is None else FollowSettings(
+            follow, poll_seconds=args.poll_seconds, stop_after=args.stop_after,
+            stop_idle=args.stop_idle),
+        valid=args.valid, data=spec_from_args(args), given=explicit_config_keys(args),
+        named=named, config_origin=f"--config {args.config}", resume=args.resume,
+        refit=args.refit, checkpoint_every=args.checkpoint_every,
+        progress=not args.no_progress, features=args.features, select_by=args.select_by,
+        patience=args.patience, eval_every=args.eval_every,
+        export=ExportSchedule() if export_to is None and not hasattr(args, "delta_every")
+        else ExportSchedule(
+            to=export_to, delta_every=args.delta_every, delta_minutes=args.delta_minutes,
+            full_every_hours=args.full_every_hours, full_at=args.full_at,
+            publish_to=getattr(args, "publish_to", None),
+            publish_namespace=getattr(args, "publish_namespace", "terarec"),
+            storage_options=storage_options_from_args(args)),
+        dense_comm=dense_comm or DenseCommConfig())
 
 
 def explicit_config_keys(args: argparse.Namespace) -> set[str]:

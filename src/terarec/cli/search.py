@@ -5,41 +5,9 @@ is written as an ordinary model directory (OUT/best)."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from terarec.api.training import (
-    SKIP_WITH_FEATURES,
-    check_disjoint,
-    check_no_repeats,
-    run_features,
-)
-from terarec.autofeature.features import (
-    FeatureConfig,
-    feature_inputs,
-    install_features,
-    keyed_copies,
-    model_features,
-)
-from terarec.cli.common import (
-    add_training_args,
-    config_from_args,
-    explicit_config_keys,
-    report_skipped,
-    schema_for_data,
-    schema_from_args,
-    selection_from_args,
-    train_schema_from_args,
-)
-from terarec.config import TrainConfig, parse_bytes
-from terarec.data.readers import ReadStats
-from terarec.distributed.context import DistContext
-from terarec.train.passes import iter_file_batches
-
-if TYPE_CHECKING:
-    from terarec.train.search.config import SearchConfig
+from terarec.cli.common import add_training_args, report_skipped
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -89,161 +57,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from terarec.distributed.context import topology
-
-    check_no_repeats(args.train, "--train")
-    check_no_repeats(args.valid, "--valid")
-    check_disjoint(args.train or [], args.valid)
-    if args.trials < 1:  # run_search checks it too, naming its argument
-        raise ValueError(f"--trials {args.trials}: must be >= 1")
-    if args.parallel is not None and args.parallel < 1:
-        raise ValueError(f"--parallel {args.parallel}: must be >= 1 (leave it out for all)")
-    if args.checkpoint_every < 1:
-        raise ValueError(f"--checkpoint-every {args.checkpoint_every}: must be >= 1")
-    if args.prune_after is not None and args.prune_after < 1:
-        raise ValueError(f"--prune-after {args.prune_after}: must be >= 1")
-    config = config_from_args(args)
-    if args.features and config.on_bad_row == "skip":
-        raise ValueError(SKIP_WITH_FEATURES)
-    if not args.features:
-        schema_from_args(args)  # a bad column flag fails before any work
-    ctx = topology(config.device)
-    features = _features(args, ctx)
-    raw = schema_for_data(features.base_schema, args) if features else None
-    with feature_inputs(features, args.train, schema=raw) as train, \
-            feature_inputs(features, args.valid, schema=raw) as valid:
-        # the inputs as the trials read them (joined copies with AutoFeature tables)
-        read = argparse.Namespace(**{**vars(args), "train": train, "valid": valid,
-                                     "raw_train": args.train})
-        return _run(read, config, features, ctx)
-
-
-def _features(args: argparse.Namespace, ctx: DistContext) -> FeatureConfig | None:
-    """The search's AutoFeature tables, kept in ``--out`` (``features/``); a resumed
-    search takes its own copy and cannot gain tables it did not start with."""
-    own = model_features(args.out)
-    resuming = args.resume and (own is not None or (args.out / "search.json").exists())
-    if resuming and args.features and own is None:
-        raise ValueError(f"--resume: the search in {args.out} was started without "
-                         "--features; resume it without them, or search into another --out")
-    return run_features(args.features, args.out, ctx, resuming=resuming)
-
-
-def _run(args: argparse.Namespace, config: TrainConfig, features: FeatureConfig | None,
-         ctx: DistContext) -> int:
-    """The search on ``args.train`` / ``args.valid`` as the trials read them."""
-    from terarec.embedding.shared import sharing_refusal
+    from terarec.api.search import SearchJob, run_search_job
+    from terarec.cli.common import train_job_from_args
     from terarec.io import finite_json
-    from terarec.train.search import run_search
-    from terarec.train.search.results import write_results, write_search_report
 
-    search = search_config(args, config)  # before reading data
-    config = search.base
-    schema = train_schema_from_args(args, features.schema if features else None)
-    stats = ReadStats()
-    valid = list(iter_file_batches(args.valid, schema, config.batch_size,
-                                   on_bad_row=config.on_bad_row, stats=stats))
-    why = sharing_refusal(config.store, config.sparse_optimizer)
-    if why is not None and ctx.is_main:
-        print(f"search: each trial keeps its own key index ({why})", file=sys.stderr)
-    # Joined copies are named in checkpoints by the raw files, so a continued trial reads
-    # on from its positions (the copies are made again in another temporary folder).
-    inputs = keyed_copies(args.raw_train, args.train) \
-        if features is not None and features.tables.tables else args.train
-    result = run_search(search, schema, inputs, valid, args.out, ctx=ctx)
-    if result.best_dir is not None and features is not None and ctx.is_main:
-        install_features(result.best_dir, features)  # eval / predict / serve join them
-    ctx.barrier()
-    if result.best_dir is not None and _refit(args):
-        refit_best(result.best_dir, args, ctx)
-    if ctx.is_main:
-        write_results(result, args.out)
-        write_search_report(result, args.out)
-        report_skipped(stats)
+    train_job = train_job_from_args(args)
+    outcome = run_search_job(SearchJob(
+        run=train_job, trials=args.trials, parallel=args.parallel, sampler=args.sampler,
+        pruner=args.pruner, prune_after=args.prune_after, space=args.space))
+    if outcome.is_main:
+        report_skipped(outcome.stats)
+        result = outcome.result
+        assert result is not None
         best = result.best
         print(finite_json({"trials": len(result.trials),
                           "pruned": sum(t.state == "pruned" for t in result.trials),
                           "best_trial": best.number if best else None,
                           "best_value": best.selection.best_value if best else None,
                           "best_params": best.params if best else None,
-                          "seconds": round(result.seconds, 2), "world_size": ctx.world}))
+                          "seconds": round(result.seconds, 2),
+                          "world_size": outcome.world}))
         if result.best_dir is not None:
             print(f"best model written to {result.best_dir}")
-    ctx.close()
     return 0
-
-
-def search_config(args: argparse.Namespace, config: TrainConfig) -> SearchConfig:
-    """The search the flags ask for. The trials' base is what ``train`` would run on
-    ``args.train``: data-sized defaults (``args.train`` is read for its size)."""
-    from terarec.train.defaults import (
-        ACCUMULATOR_KEY,
-        accumulator_choices,
-        apply_sized_defaults,
-        estimate_rows,
-    )
-    from terarec.train.search.config import SearchConfig
-    from terarec.train.search.samplers import first_rung
-    from terarec.train.search.space import base_params, default_space, load_space
-
-    config, sized = apply_sized_defaults(config, args.train, explicit_config_keys(args))
-    if config.store.memory_budget is not None:
-        parse_bytes(config.store.memory_budget)
-    selection_from_args(args, config)  # epoch upper bound, --eval-every
-    fixed: list[dict] = []
-    if args.space:
-        space = load_space(args.space, config)
-    else:
-        # Where ``train`` would choose Adagrad's start by validation, so do the trials;
-        # the first trials are what ``train`` runs (with each start), so the search
-        # answers at least what ``train`` would on the validation rows.
-        space = default_space(config.model.name, config)
-        starts = accumulator_choices(sized)  # set only for adagrad
-        if starts is not None:
-            space[ACCUMULATOR_KEY] = {"type": "categorical", "choices": list(starts)}
-        own = base_params(space, config)
-        if own is not None:
-            fixed = [{**own, ACCUMULATOR_KEY: start} for start in starts] if starts \
-                else [own]
-            fixed = fixed[:args.trials]
-    rung = args.prune_after if args.prune_after is not None \
-        else first_rung(estimate_rows(args.train), config)
-    return SearchConfig(base=config, space=space, trials=args.trials,
-                        parallel=args.parallel, sampler=args.sampler, pruner=args.pruner,
-                        first_rung=rung, select_by=args.select_by, patience=args.patience,
-                        seed=config.seed, fixed=tuple(fixed),
-                        checkpoint_every=args.checkpoint_every, resume=args.resume,
-                        progress=not args.no_progress)
-
-
-def _refit(args: argparse.Namespace) -> bool:
-    from terarec.train.defaults import estimate_rows, refit_by_default
-
-    if args.refit is not None:
-        return bool(args.refit)
-    return refit_by_default(estimate_rows(args.train))
-
-
-def refit_best(best_dir: Path, args: argparse.Namespace, ctx) -> None:
-    """``train --refit`` for the best trial (``best_dir``): a fresh model of its
-    configuration on train + valid for its selected epoch count becomes ``BEST``;
-    metrics.json says so under ``refit``."""
-    from terarec.train.checkpoint import read_model_meta
-    from terarec.train.run import TrainRun, refit_model
-
-    metrics = json.loads((best_dir / "metrics.json").read_text())
-    history = json.loads((best_dir / "history.json").read_text())
-    schema, config = read_model_meta(best_dir)
-    run = TrainRun(train=list(args.train), valid=list(args.valid), out=best_dir,
-                   progress=not args.no_progress)
-    refit, model = refit_model(run, schema, config, history, metrics.get("best_pass"), ctx)
-    if model is not None:
-        model.store.close()
-    metrics["refit"] = refit
-    if refit.get("checkpoint"):
-        metrics.update(selected_checkpoint=metrics.get("checkpoint"),
-                       checkpoint=refit["checkpoint"])
-    if ctx.is_main:
-        from terarec.io import atomic_write_text, finite_json
-
-        atomic_write_text(best_dir / "metrics.json", finite_json(metrics, indent=2))

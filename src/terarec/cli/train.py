@@ -15,19 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from terarec.cli.common import (
     add_training_args,
-    config_from_args,
-    explicit_config_keys,
     report_skipped,
-    spec_from_args,
+    train_job_from_args,
 )
 from terarec.cli.main import UserError
-from terarec.cli.storage_args import add_storage_args, storage_options_from_args
-from terarec.config import flag_fields
+from terarec.cli.storage_args import add_storage_args
 from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
 from terarec.io import finite_json
 
 if TYPE_CHECKING:
-    from terarec.api.training import TrainJob
     from terarec.train.trainer import Trainer
 
 POLL_SECONDS = 1.0  # --follow: how often SOURCE is listed by default
@@ -134,37 +130,6 @@ def dense_comm_from_args(args: argparse.Namespace) -> DenseCommConfig:
     return DenseCommConfig(mode=args.dense_comm, **given)
 
 
-def job_from_args(args: argparse.Namespace) -> TrainJob:
-    """The ``TrainJob`` the flags describe; a flag that only applies with another one,
-    or out of its range, is refused naming it."""
-    from terarec.api.training import ExportSchedule, FollowSettings, TrainJob
-
-    if args.follow is None:
-        for flag in ("stop_after", "stop_idle", "poll_seconds"):
-            if getattr(args, flag) is not None:
-                raise UserError(f"--{flag.replace('_', '-')} needs --follow")
-    dense_comm = dense_comm_from_args(args)  # a stray or out-of-range DGC flag, first
-    named = {".".join(path): flag.name for path, flag, _, _ in flag_fields()
-             if getattr(args, flag.attr, None) is not None}
-    return TrainJob(
-        out=args.out, config=config_from_args(args), train=args.train,
-        follow=None if args.follow is None else FollowSettings(
-            args.follow, poll_seconds=args.poll_seconds, stop_after=args.stop_after,
-            stop_idle=args.stop_idle),
-        valid=args.valid, data=spec_from_args(args), given=explicit_config_keys(args),
-        named=named, config_origin=f"--config {args.config}", resume=args.resume,
-        refit=args.refit, checkpoint_every=args.checkpoint_every,
-        progress=not args.no_progress, features=args.features, select_by=args.select_by,
-        patience=args.patience, eval_every=args.eval_every,
-        export=ExportSchedule(
-            to=args.export_to, delta_every=args.delta_every, delta_minutes=args.delta_minutes,
-            full_every_hours=args.full_every_hours, full_at=args.full_at,
-            publish_to=getattr(args, "publish_to", None),
-            publish_namespace=getattr(args, "publish_namespace", "terarec"),
-            storage_options=storage_options_from_args(args)),
-        dense_comm=dense_comm)
-
-
 def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = None) -> int:
     """Train, alone or as one torchrun rank (the same code). ``on_commit``: called on
     every rank after each committed checkpoint."""
@@ -176,7 +141,11 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         if not launched_by_torchrun():  # one process has no dense gradients to exchange
             raise UserError(f"--dense-comm {args.dense_comm} needs several ranks: launch "
                             "with torchrun --nproc_per_node N -m terarec train ...")
-    outcome = run_training(job_from_args(args), on_commit)
+    if args.follow is None:
+        for flag in ("stop_after", "stop_idle", "poll_seconds"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag.replace('_', '-')} needs --follow")
+    outcome = run_training(train_job_from_args(args, dense_comm_from_args(args)), on_commit)
     if outcome.is_main:
         metrics = outcome.metrics
         report_skipped(outcome.stats)
