@@ -16,8 +16,9 @@ from terarec.data.synth import generate
 from terarec.embedding.disk import RESERVE_BYTES
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.quant import row_bytes
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore, snapshot_arrays
+from terarec.embedding.types import RowBlock
 from terarec.serving.engine import ServingEngine
 from terarec.train.checkpoint import load_checkpoint, restore_trainer
 

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from terarec.cli.main import main as cli_main
 from terarec.config import ModelConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
-from terarec.embedding.store import RowChunk
+from terarec.embedding.types import RowChunk
 from terarec.export import (
     ExportError,
     IncrementalExporter,

@@ -43,7 +43,7 @@ from terarec.distributed.sharding import shard_of
 from terarec.embedding.device import DeviceRowCache
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.store import RowBlock
+from terarec.embedding.types import RowBlock
 from terarec.embedding.working_set import _pooled, occurrence_grads, occurrence_labels
 from terarec.types import Batch, KeyedIds
 

@@ -40,7 +40,8 @@ from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
 from terarec.distributed.context import DistContext
-from terarec.embedding.store import CHUNK_ROWS, RowChunk
+from terarec.embedding.store import CHUNK_ROWS
+from terarec.embedding.types import RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     CLAIM,

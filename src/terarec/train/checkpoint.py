@@ -74,14 +74,9 @@ from terarec.distributed.sharding import shard_of
 from terarec.embedding.admission import SKETCH_ARRAY
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.store import (
-    CHUNK_ROWS,
-    STORE_TOTALS,
-    RowChunk,
-    arrays_file,
-    merge_sorted,
-)
+from terarec.embedding.store import CHUNK_ROWS, STORE_TOTALS, arrays_file, merge_sorted
 from terarec.embedding.tiered import iter_saved, saved_extras, snapshot_arrays
+from terarec.embedding.types import RowChunk
 from terarec.finite import check_trainer_finite
 from terarec.io import (
     NotWritableError,

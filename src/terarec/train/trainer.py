@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -74,6 +74,7 @@ from terarec.finite import check_model_scores
 from terarec.models import build_model
 from terarec.models.dssm import DSSM
 from terarec.train.dense_optimizer import dense_optimizer
+from terarec.train.loop import StreamOptions, TrialRun, run_passes
 from terarec.train.metrics import evaluate_scores, offset_shift
 from terarec.train.passes import (
     Inputs,
@@ -85,9 +86,6 @@ from terarec.train.passes import (
 )
 from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
-
-if TYPE_CHECKING:
-    from terarec.train.loop import StreamOptions
 
 # Rows of a pass ``Trainer.recalibrate`` fits the output bias on, at most: the click
 # rate of 65,536 rows is known to within about 0.01 logit.
@@ -596,8 +594,6 @@ class Trainer:
         positions: those passes are read, not trained. ``stream``: reading a stream of
         files (``train --follow``). This is the K = 1 case of ``train.loop.run_passes``.
         """
-        from terarec.train.loop import TrialRun, run_passes
-
         run = TrialRun(self, selection, on_pass_end)
         run_passes([run], train_paths, valid_batches,
                    progress=progress and self.ctx.is_main, stats=stats,
@@ -647,16 +643,6 @@ def rank_store_config(config: TrainConfig, ctx: DistContext) -> TrainConfig:
         store = replace(store, max_store_bytes=max(
             1, parse_bytes(store.max_store_bytes) // ctx.world))
     return config if store is config.store else replace(config, store=store)
-
-
-def _with_next(items: Iterator) -> Iterator[tuple]:
-    """Each pass with the one after it (None for the last): the read-ahead pass is what
-    the store prefetches while the current one trains."""
-    current = next(items, None)
-    while current is not None:
-        following = next(items, None)
-        yield current, following
-        current = following
 
 
 class _Prefetcher(threading.Thread):
