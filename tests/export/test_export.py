@@ -25,7 +25,7 @@ from terarec.export import (
 from terarec.export.compressed import RowCodec
 from terarec.export.format import CLAIM, DELETED_FILE, LATEST, MANIFEST
 from terarec.io import sha256_file
-from terarec.train.checkpoint import load_checkpoint, save_checkpoint
+from terarec.modeldir import load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 

@@ -469,7 +469,8 @@ def model_files(args: argparse.Namespace) -> Iterator[tuple]:
     ``--out`` file is checked first: a folder there (or a file above it) failed only once
     every row was scored."""
     from terarec.autofeature.features import model_inputs
-    from terarec.train.checkpoint import checkpoint_name, restore_trainer
+    from terarec.modeldir import checkpoint_name
+    from terarec.train.trainer import Trainer
 
     out = getattr(args, "out", None)
     if out is not None and Path(out).is_dir():
@@ -482,7 +483,7 @@ def model_files(args: argparse.Namespace) -> Iterator[tuple]:
                          "tables, whose join reads every row first and stops at the "
                          "first bad one; clean the files (the error names the row)")
     with scoring_scratch(args.model) as scratch:
-        trainer = restore_trainer(args.model, scratch_dir=scratch, name=checkpoint_name(
+        trainer = Trainer.from_checkpoint(args.model, scratch_dir=scratch, name=checkpoint_name(
             args.model, getattr(args, "checkpoint", "best")))
         with model_inputs(args.model, trainer.schema, args.data,
                           lambda s: schema_for_data(s, args)) as (schema, data):
@@ -517,7 +518,7 @@ def scoring_scratch(model_dir: Path) -> Iterator[Path]:
     temp folder when the model directory is read-only. Removed on exit."""
     try:
         if not (model_dir / "schema.json").is_file():  # not a model: leave it untouched
-            raise NotADirectoryError(model_dir)  # restore_trainer says what is wrong
+            raise NotADirectoryError(model_dir)  # Trainer.from_checkpoint says what is wrong
         scratch = ScratchDir(model_dir / SCRATCH_DIR, "store")
     except OSError:
         scratch = ScratchDir(tempfile.gettempdir(), "terarec-store")

@@ -218,7 +218,7 @@ def refit_best(best_dir: Path, args: argparse.Namespace, ctx) -> None:
     """``train --refit`` for the best trial (``best_dir``): a fresh model of its
     configuration on train + valid for its selected epoch count becomes ``BEST``;
     metrics.json says so under ``refit``."""
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
     from terarec.train.run import TrainRun, refit_model
 
     metrics = json.loads((best_dir / "metrics.json").read_text())

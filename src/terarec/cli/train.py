@@ -53,7 +53,7 @@ from terarec.io import (
     shared_lock,
     try_lock_file,
 )
-from terarec.train.checkpoint import list_checkpoints, read_model_meta
+from terarec.modeldir import list_checkpoints, read_model_meta
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
     accumulator_choices,

@@ -70,14 +70,13 @@ from terarec.io import (
     finite_json,
     remove_atomic_leftovers,
 )
-from terarec.train.checkpoint import (
+from terarec.modeldir import (
     LATEST_FILE,
     CheckpointError,
     best_checkpoint,
     clear_best,
     list_checkpoints,
     mark_best,
-    restore_trainer,
     save_checkpoint,
     verify_checkpoint,
     write_train_config,
@@ -934,7 +933,7 @@ def _continue_wave(left: _LeftWave, study, schema: FeatureSchema, base: TrainCon
     for number, params in left.trials:
         model_dir = trial_dir(out_dir, number)
         config = _trial_config(base, params, model_dir, budget, len(left.trials))
-        trainer = restore_trainer(model_dir, config, name=left.name, ctx=ctx,
+        trainer = Trainer.from_checkpoint(model_dir, config, name=left.name, ctx=ctx,
                                   prepare=keys.attach)  # torch's RNG: the trial's
         selection = SelectionTracker.from_history(trainer.history, select_by, patience)
         run = TrialRun(trainer, selection, _commit_pass(model_dir, number, overall),
