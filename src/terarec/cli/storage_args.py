@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-# What a model directory holds (train/checkpoint.py), and an export folder never does.
+# What a model directory holds (terarec.modeldir), and an export folder never does.
 MODEL_DIR_MARKERS = ("schema.json", "train_config.json", "checkpoints")
 
 
