@@ -32,6 +32,7 @@ from terarec.modeldir import (
     clear_best,
     list_checkpoints,
     mark_best,
+    pass_name,
     save_checkpoint,
 )
 from terarec.train.follow import (
@@ -166,7 +167,7 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if t.pass_id % every == 0 or record.get("best"):
             commit(t)
             if record.get("best") and ctx.is_main:
-                mark_best(run.out, f"pass-{t.pass_id:06d}")
+                mark_best(run.out, pass_name(t.pass_id))
         if versions is not None:
             with clock.phase("export"):
                 versions.on_pass_end(t, record)
@@ -201,7 +202,7 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         with clock.phase("export"):
             versions.finish(trainer)
     final = time.perf_counter()
-    latest = f"pass-{trainer.pass_id:06d}"
+    latest = pass_name(trainer.pass_id)
     evaluated = ctx.broadcast_object(best_checkpoint(run.out) or latest)
     # The best pass is scored from its checkpoint, in a store of its own (a tiered one in
     # a scratch folder: the live store's folder stays the training run's).
@@ -268,7 +269,7 @@ def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
     for record in trained:
         check_finite_loss(record["train_loss"], f"refit pass {record['pass_id']}")
     save_checkpoint(run.out, model)
-    name = f"pass-{model.pass_id:06d}"
+    name = pass_name(model.pass_id)
     if ctx.is_main:
         mark_best(run.out, name)
     return {"epochs": epochs, "rows": sum(h["rows"] for h in trained),

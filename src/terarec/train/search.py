@@ -71,12 +71,14 @@ from terarec.io import (
     remove_atomic_leftovers,
 )
 from terarec.modeldir import (
+    BEST_FILE,
     LATEST_FILE,
     CheckpointError,
     best_checkpoint,
     clear_best,
     list_checkpoints,
     mark_best,
+    pass_name,
     save_checkpoint,
     verify_checkpoint,
     write_train_config,
@@ -626,7 +628,7 @@ def _search(schema: FeatureSchema, base: TrainConfig,
             _write_best(best, out_dir, base)  # else out/best holds it (resumed)
         for t in done:  # only the best trial keeps its checkpoints (in out/best)
             shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
-            for pointer in ("BEST", "LATEST"):
+            for pointer in (BEST_FILE, LATEST_FILE):
                 (t.model_dir / pointer).unlink(missing_ok=True)
     ctx.barrier()
     return SearchResult(done, best, best_dir, study, time.perf_counter() - start)
@@ -742,7 +744,7 @@ def _resumed_trials(study, out_dir: Path, base: TrainConfig, select_by: str,
         done.append(t)
         overall.finished[t.number] = model_dir
         # the best so far holds a BEST checkpoint, or, once a search ended, is out/best
-        if (model_dir / "BEST").exists() or _best_dir_trial(out_dir) == t.number:
+        if (model_dir / BEST_FILE).exists() or _best_dir_trial(out_dir) == t.number:
             overall.consider(t.number, selection)
     left = _left_wave(study, running, out_dir, world, select_by, patience, overall) \
         if running else None
@@ -799,7 +801,7 @@ def _left_wave(study, running: list, out_dir: Path, world: int, select_by: str,
         selection = SelectionTracker.from_history(meta.get("history", []), select_by,
                                                   patience)
         clear_best(model_dir)
-        best = f"pass-{selection.best_pass or 0:06d}"
+        best = pass_name(selection.best_pass or 0)
         if selection.best_pass and (model_dir / "checkpoints" / best).is_dir():
             mark_best(model_dir, best)
             overall.consider(frozen.number, selection)
@@ -1014,7 +1016,7 @@ class _BestSoFar:
 
 def _drop_checkpoints(model_dir: Path) -> None:
     shutil.rmtree(model_dir / "checkpoints", ignore_errors=True)
-    for pointer in ("BEST", LATEST_FILE):
+    for pointer in (BEST_FILE, LATEST_FILE):
         (model_dir / pointer).unlink(missing_ok=True)
 
 
@@ -1035,7 +1037,7 @@ def _commit_pass(model_dir: Path, number: int, overall: _BestSoFar
         if trainer.pass_id % every and not leads:
             return
         last = trainer.pass_id // every * every
-        pinned = f"pass-{last:06d}" if last else None
+        pinned = pass_name(last) if last else None
         # What the trial's own state cannot tell later is taken now: torch's random
         # state (the next trial's pass replaces it) and the lead (the next trial's pass
         # compares against it). The rest waits, unchanged, until the trial's next pass.
@@ -1211,7 +1213,7 @@ def _write_trial_files(t: SearchTrial) -> None:
     atomic_write_text(t.model_dir / "history.json", finite_json(history, indent=2))
     row = t.row()
     metrics = {"auc": row["valid_auc"], "logloss": row["valid_logloss"],
-               "evaluated_on": "valid", "checkpoint": f"pass-{row['best_pass']:06d}"
+               "evaluated_on": "valid", "checkpoint": pass_name(row["best_pass"])
                if row["best_pass"] else None, "passes": row["passes"],
                "stop_reason": row["stop_reason"], "model": t.config.model.name,
                "trial": t.number, "params": t.params, "state": t.state,
