@@ -214,8 +214,8 @@ def _frozen_aucs(work: Path, files: list[Path]) -> list[float]:
     """The baseline: the same command line trained on the first file only, scored on each
     later file."""
     from terarec.cli.main import main as terarec_main
-    from terarec.train.checkpoint import restore_trainer
     from terarec.train.passes import iter_file_batches
+    from terarec.train.trainer import Trainer
 
     out = work / "frozen"
     with contextlib.redirect_stdout(io.StringIO()):  # one JSON line is this script's output
@@ -223,7 +223,7 @@ def _frozen_aucs(work: Path, files: list[Path]) -> list[float]:
                              *TRAIN_ARGS])
     if code != 0:
         raise RuntimeError("training the frozen baseline failed")
-    trainer = restore_trainer(out)
+    trainer = Trainer.from_checkpoint(out)
     return [trainer.evaluate(iter_file_batches([f], trainer.schema, 4096))["auc"]
             for f in files[1:]]
 

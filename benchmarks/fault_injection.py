@@ -62,12 +62,7 @@ from terarec.export import (
 from terarec.export.format import MANIFEST, sha256_bytes, shard_name
 from terarec.io import sha256_file
 from terarec.loopback import free_port
-from terarec.train.checkpoint import (
-    CheckpointError,
-    list_checkpoints,
-    load_checkpoint,
-    verify_checkpoint,
-)
+from terarec.modeldir import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TRAIN_ARGS = ["--pass-rows", "1500", "--batch-size", "500", "--threads", "1",
@@ -452,13 +447,13 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
 
 
 def _schema(model: Path):
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
 
     return read_model_meta(model)[0]
 
 
 def _model_config(model: Path):
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
 
     return read_model_meta(model)[1].model
 

@@ -61,8 +61,8 @@ from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.keyindex import RunIndex
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import RowBlock, RowChunk
 from terarec.embedding.tiered import TieredStore
+from terarec.embedding.types import RowBlock, RowChunk
 from terarec.kernels import splitmix64_array
 
 ROW_DIM = 16  # 64 B of fp32 values per row

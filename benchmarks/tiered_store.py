@@ -51,7 +51,7 @@ from terarec.config import (  # noqa: E402
     parse_bytes,
 )
 from terarec.export.writer import IncrementalExporter  # noqa: E402
-from terarec.train.checkpoint import save_checkpoint  # noqa: E402
+from terarec.modeldir import save_checkpoint  # noqa: E402
 from terarec.train.trainer import Trainer  # noqa: E402
 from terarec.types import Batch, KeyedIds  # noqa: E402
 

@@ -14,7 +14,7 @@ from terarec.data.readers import DataError, ReadStats, csv_schema, iter_batches
 from terarec.data.synth import generate
 from terarec.export.writer import ModelExporter
 from terarec.finite import NonFiniteError, check_finite, check_finite_loss, check_scores
-from terarec.train.checkpoint import list_checkpoints, restore_trainer, save_checkpoint
+from terarec.modeldir import list_checkpoints, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
@@ -155,7 +155,7 @@ def test_overflowing_finite_weights_stop_scoring(tmp_path: Path, data: Path, cap
     model = tmp_path / "model"
     assert main(["train", "--train", str(data), "--out", str(model), "--no-progress",
                  "--threads", "1", "--embedding-dim", "4"]) == 0
-    trainer = restore_trainer(model)
+    trainer = Trainer.from_checkpoint(model)
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.mul_(1e30)  # finite (float32 holds 3.4e38), overflowing once multiplied

@@ -20,6 +20,7 @@ GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 _M64 = 0xFFFFFFFFFFFFFFFF
 _U_MIX1, _U_MIX2 = np.uint64(MIX1), np.uint64(MIX2)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -42,6 +43,16 @@ def splitmix64_int(x: int) -> int:
     x = ((x ^ (x >> 30)) * MIX1) & _M64
     x = ((x ^ (x >> 27)) * MIX2) & _M64
     return x ^ (x >> 31)
+
+
+def shard_of(keys: np.ndarray, world: int) -> np.ndarray:
+    """The owning rank (int64) of each int64 key among ``world`` ranks: the high bits of a
+    salted splitmix64 (``distributed/sharding.py`` says why), so raw sequential ids spread
+    evenly. Training routes rows by it and checkpoint shards are cut by it."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    z = splitmix64_array(np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SHARD_SALT)
+    return ((z >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
 
 
 def grown(arr: np.ndarray, n: int, fill: int | float = 0, double: bool = True) -> np.ndarray:

@@ -23,7 +23,8 @@ from terarec.cli import autofeature as autofeature_cli
 from terarec.cli.main import main
 from terarec.data.readers import batch_from_records
 from terarec.data.synth_features import generate_planted
-from terarec.train.checkpoint import checkpoint_name, read_model_meta, restore_trainer
+from terarec.modeldir import checkpoint_name, read_model_meta
+from terarec.train.trainer import Trainer
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 SCHEMA_ARGS = ["--format", "csv", "--label", "label", "--numeric", "I1,I2",
@@ -82,7 +83,7 @@ def test_model_carries_its_tables_and_scores_raw_rows_like_records(model, data, 
     assert features is not None
     assert features.tables.directory == model / "features"
     assert features.selected == FeatureConfig.load(selected).selected
-    trainer = restore_trainer(model, name=checkpoint_name(model))  # the one predict uses
+    trainer = Trainer.from_checkpoint(model, name=checkpoint_name(model))  # the one predict uses
     # The model's schema is the feature schema plus the numeric statistics and bucket
     # edges training took.
     unscaled = tuple(dataclasses.replace(f, mean=None, std=None, buckets=None)

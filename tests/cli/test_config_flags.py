@@ -127,7 +127,7 @@ def test_resume_keeps_the_runs_settings_that_its_flags_do_not_change(tmp_path, c
     defaults for every other key not given: the batch size, pass size and learning rates
     the run was started with fell back to the fixed defaults (4096 rows, ...)."""
     from terarec.data.synth import generate
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
 
     data = tmp_path / "train.tsv"
     generate(data, 3000, model_seed=1, sample_seed=2)

@@ -12,7 +12,7 @@ from terarec.cli.inspect import _fmt, show_histogram, summarise
 from terarec.cli.main import main
 from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
-from terarec.train.checkpoint import load_checkpoint, save_checkpoint
+from terarec.modeldir import load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 

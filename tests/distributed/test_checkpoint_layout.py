@@ -18,14 +18,9 @@ from ranks import run_ranks
 
 from terarec.config import ModelConfig, StoreConfig, TrainConfig
 from terarec.distributed.context import DistContext
-from terarec.distributed.sharding import shard_of
 from terarec.io import sha256_file
-from terarec.train.checkpoint import (
-    list_checkpoints,
-    load_checkpoint,
-    restore_trainer,
-    save_checkpoint,
-)
+from terarec.kernels import shard_of
+from terarec.modeldir import list_checkpoints, load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
 
@@ -66,7 +61,7 @@ def _reshard(ctx: DistContext, src: str, dst: str, store_dir: str | None,
              admit: int = 1) -> dict:
     """On each rank: restore ``src`` (any layout) and commit it again to ``dst``."""
     config = _config(Path(store_dir) if store_dir else None, admit)
-    trainer = restore_trainer(src, config, ctx=ctx)
+    trainer = Trainer.from_checkpoint(src, config, ctx=ctx)
     arrays = trainer.store.to_arrays()
     save_checkpoint(dst, trainer)
     return {"keys": arrays["keys"], "values": arrays["values"], "store": type(
@@ -107,11 +102,11 @@ def test_one_process_to_two_ranks_and_back(tmp_path, tiered):
     assert two.meta["store"]["keys"] == len(want["keys"])  # summed over the ranks
 
     # back into one process (memory store), and into 3 ranks
-    _assert_same_rows(restore_trainer(tmp_path / "two").store.to_arrays(), want)
+    _assert_same_rows(Trainer.from_checkpoint(tmp_path / "two").store.to_arrays(), want)
     three = run_ranks(_reshard, 3, str(tmp_path / "two"), str(tmp_path / "three"), None)
     assert sum(len(p["keys"]) for p in three) == len(want["keys"])
     assert sum(int(p["counters"][0]) for p in three) == int(want["counters"][0])
-    _assert_same_rows(restore_trainer(tmp_path / "three").store.to_arrays(), want)
+    _assert_same_rows(Trainer.from_checkpoint(tmp_path / "three").store.to_arrays(), want)
 
 
 def _relayout(model: Path, rename: dict[str, str], drop: tuple[str, ...]) -> None:
@@ -146,14 +141,14 @@ def test_single_process_layouts_from_before_still_load(tmp_path):
               ("world_size",))
     ckpt = load_checkpoint(tmp_path / "memory")
     assert ckpt.shards == ["sparse.safetensors"]
-    _assert_same_rows(restore_trainer(tmp_path / "memory").store.to_arrays(), want)
+    _assert_same_rows(Trainer.from_checkpoint(tmp_path / "memory").store.to_arrays(), want)
 
     want = _trained(tmp_path / "tiered", tmp_path / "store")
     _relayout(tmp_path / "tiered", {}, ("world_size",))
     ckpt = load_checkpoint(tmp_path / "tiered")
     assert ckpt.shards == ["sparse"] and ckpt.tiered
     _assert_same_rows(ckpt.sparse, want)
-    restored = restore_trainer(tmp_path / "tiered", _config(tmp_path / "store-2"))
+    restored = Trainer.from_checkpoint(tmp_path / "tiered", _config(tmp_path / "store-2"))
     assert type(restored.store).__name__ == "TieredStore"  # adopted the slab folder
     _assert_same_rows(restored.store.to_arrays(), want)
 
@@ -167,7 +162,7 @@ def test_two_rank_layout_from_before_still_loads(tmp_path):
               ("sparse_format", "store"))
     ckpt = load_checkpoint(tmp_path / "two")
     assert ckpt.shards == [f"sparse-0000{r}-of-00002.safetensors" for r in range(2)]
-    _assert_same_rows(restore_trainer(tmp_path / "two").store.to_arrays(), want)
+    _assert_same_rows(Trainer.from_checkpoint(tmp_path / "two").store.to_arrays(), want)
 
 
 def _rows(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -182,7 +177,7 @@ def _assert_exact(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> No
 
 def _restore_once(src: Path, dst: Path, store_dir: Path | None) -> dict[str, np.ndarray]:
     """One process: restore ``src`` and commit it to ``dst``."""
-    trainer = restore_trainer(src, _config(store_dir, 2))
+    trainer = Trainer.from_checkpoint(src, _config(store_dir, 2))
     save_checkpoint(dst, trainer)
     return trainer.store.to_arrays()
 
@@ -204,7 +199,7 @@ def test_restores_across_world_sizes_stay_exact(tmp_path, tiered):
     for rank, part in enumerate(three):
         assert np.all(shard_of(part["keys"], 3) == rank)
     _assert_exact(load_checkpoint(tmp_path / "w3").sparse, want)
-    _assert_exact(restore_trainer(tmp_path / "w3").store.to_arrays(), want)
+    _assert_exact(Trainer.from_checkpoint(tmp_path / "w3").store.to_arrays(), want)
 
 
 def test_reshard_reads_a_chunk_at_a_time(tmp_path):
@@ -249,7 +244,7 @@ def test_reshard_reads_a_chunk_at_a_time(tmp_path):
 
 
 def _two_commits(ctx: DistContext, model: str) -> None:
-    trainer = restore_trainer(model, _config(), ctx=ctx)  # the 1-process checkpoint
+    trainer = Trainer.from_checkpoint(model, _config(), ctx=ctx)  # the 1-process checkpoint
     for seed in (10, 11):
         local = [b.slice(ctx.rank * 32, (ctx.rank + 1) * 32) for b in _batches(seed)]
         trainer.train_pass(local)
@@ -257,7 +252,7 @@ def _two_commits(ctx: DistContext, model: str) -> None:
 
 
 def _restored_pass(ctx: DistContext, model: str) -> int:
-    return restore_trainer(model, _config(), ctx=ctx).pass_id
+    return Trainer.from_checkpoint(model, _config(), ctx=ctx).pass_id
 
 
 def test_ranks_share_the_checksums_and_all_refuse_a_corrupted_shard(tmp_path):

@@ -15,7 +15,7 @@ from terarec.distributed.sharding import deal_batches
 from terarec.export import IncrementalExporter, latest_version, read_manifest
 from terarec.export.storage import Storage
 from terarec.serving.engine import ServingEngine
-from terarec.train.checkpoint import restore_trainer
+from terarec.train.trainer import Trainer
 
 SHARD_ROWS = 150
 
@@ -23,7 +23,7 @@ SHARD_ROWS = 150
 def _publish(ctx: DistContext, model: str, uri: str) -> list[dict]:
     """Each rank: restore its keys, export a full version, train a pass, export a delta;
     returns this rank's rows after each export."""
-    trainer = restore_trainer(model, _config(), ctx=ctx)
+    trainer = Trainer.from_checkpoint(model, _config(), ctx=ctx)
     exporter = IncrementalExporter(uri, trainer, every_passes=1, shard_rows=SHARD_ROWS)
     seen = []
     exporter.export(trainer)

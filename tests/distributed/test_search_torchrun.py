@@ -19,7 +19,7 @@ from test_torchrun import port_taken
 
 from terarec.data.synth import generate
 from terarec.loopback import free_port
-from terarec.train.checkpoint import best_checkpoint
+from terarec.modeldir import best_checkpoint
 
 pytestmark = pytest.mark.dist
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -12,8 +12,8 @@ from terarec.distributed.sharding import (
     deal_batches,
     iter_rank_passes,
     local_batch_size,
-    shard_of,
 )
+from terarec.kernels import shard_of
 from terarec.train.passes import group_passes, iter_file_batches
 from terarec.types import Batch, FeatureSchema
 

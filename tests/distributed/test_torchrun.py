@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from terarec.distributed.sharding import shard_of
+from terarec.kernels import shard_of
 from terarec.loopback import free_port
-from terarec.train.checkpoint import list_checkpoints, rank_arrays, restore_trainer
+from terarec.modeldir import list_checkpoints, rank_arrays
+from terarec.train.trainer import Trainer
 
 pytestmark = pytest.mark.dist
 
@@ -114,8 +115,8 @@ def csv_runs(tmp_path_factory):
 
 
 def test_two_ranks_train_the_same_model_as_one_process(csv_runs):
-    one = restore_trainer(csv_runs / "single")
-    two = restore_trainer(csv_runs / "dist")  # merges the two ranks' shards
+    one = Trainer.from_checkpoint(csv_runs / "single")
+    two = Trainer.from_checkpoint(csv_runs / "dist")  # merges the two ranks' shards
     a, b = one.store.to_arrays(), two.store.to_arrays()
     assert len(a["keys"]) > 150
     assert np.array_equal(a["keys"], b["keys"])  # same admissions: counts summed over ranks
@@ -147,7 +148,7 @@ def test_checkpoint_has_one_disjoint_shard_per_rank_and_splits_for_any_world(csv
     shards = [rank_arrays(path, meta, r, 2)["keys"] for r in range(2)]
     for rank, keys in enumerate(shards):
         assert len(keys) and np.all(shard_of(keys, 2) == rank)
-    merged = restore_trainer(csv_runs / "dist").store.to_arrays()
+    merged = Trainer.from_checkpoint(csv_runs / "dist").store.to_arrays()
     # Resuming on 3 ranks: every rank keeps exactly the keys it now owns.
     three = [rank_arrays(path, meta, r, 3) for r in range(3)]
     assert sum(len(t["keys"]) for t in three) == len(merged["keys"])
@@ -223,8 +224,8 @@ def synth_runs(tmp_path_factory):
 
 
 def test_ranks_with_tiered_stores_train_the_same_model_as_in_memory(synth_runs):
-    memory = restore_trainer(synth_runs / "none").store.to_arrays()
-    tiered = restore_trainer(synth_runs / "tiered").store.to_arrays()
+    memory = Trainer.from_checkpoint(synth_runs / "none").store.to_arrays()
+    tiered = Trainer.from_checkpoint(synth_runs / "tiered").store.to_arrays()
     np.testing.assert_array_equal(tiered["keys"], memory["keys"])
     np.testing.assert_allclose(tiered["values"], memory["values"], atol=1e-6)
     np.testing.assert_allclose(tiered["state"], memory["state"], atol=1e-6)
@@ -259,7 +260,7 @@ def test_killed_rank_resumes_from_last_commit_and_matches_uninterrupted_run(synt
                     script=HERE / "kill_and_resume.py", launcher=("--max-restarts", "1"),
                     env={"KILL_RANK": "1", "KILL_AFTER_PASS": "2"})
     assert "resuming" in done.stdout and "after pass 2" in done.stdout
-    resumed, reference = restore_trainer(out), restore_trainer(synth_runs / "dgc")
+    resumed, reference = Trainer.from_checkpoint(out), Trainer.from_checkpoint(synth_runs / "dgc")
     assert resumed.pass_id == reference.pass_id == 4
     a, b = reference.store.to_arrays(), resumed.store.to_arrays()
     assert np.array_equal(a["keys"], b["keys"])
@@ -276,7 +277,8 @@ def test_nccl_rank_on_gpu_trains_the_same_model_as_one_cpu_process(csv_runs, tmp
     common = ["--train", str(data), *CSV_ARGS]
     torchrun([*common, "--out", str(tmp_path / "gpu"), "--device", "cuda"],
              nproc=min(2, torch.cuda.device_count()))
-    cpu, gpu = restore_trainer(csv_runs / "single"), restore_trainer(tmp_path / "gpu")
+    cpu = Trainer.from_checkpoint(csv_runs / "single")
+    gpu = Trainer.from_checkpoint(tmp_path / "gpu")
     a, b = cpu.store.to_arrays(), gpu.store.to_arrays()
     assert np.array_equal(a["keys"], b["keys"])
     np.testing.assert_allclose(b["values"], a["values"], atol=1e-4)

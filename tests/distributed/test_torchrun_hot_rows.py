@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from test_torchrun import torchrun
 
-from terarec.distributed.sharding import shard_of
 from terarec.export.reader import VersionReader
 from terarec.export.storage import Storage
+from terarec.kernels import shard_of
+from terarec.modeldir import load_checkpoint
 from terarec.sparsetier.control import Control
 from terarec.sparsetier.layout import Layout
-from terarec.train.checkpoint import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from serving_helpers import make_data  # noqa: E402

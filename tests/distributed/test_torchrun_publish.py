@@ -20,7 +20,7 @@ from terarec.autofeature.features import FeatureConfig
 from terarec.data.synth_features import generate_planted
 from terarec.export import latest_version, read_manifest
 from terarec.export.storage import Storage
-from terarec.train.checkpoint import load_checkpoint
+from terarec.modeldir import load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from serving_helpers import ServerThread, split_context  # noqa: E402

@@ -14,7 +14,7 @@ from terarec.autofeature import Candidate, compute_tables
 from terarec.autofeature.features import FeatureConfig
 from terarec.data.synth import generate
 from terarec.data.synth_features import generate_planted
-from terarec.train.checkpoint import load_checkpoint
+from terarec.modeldir import load_checkpoint
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 ARGS = ["--threads", "1", "--no-progress", "--embedding-dim", "4", "--seed", "3",

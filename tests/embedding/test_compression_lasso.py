@@ -8,7 +8,8 @@ import torch
 
 from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.store import MemoryStore
+from terarec.embedding.types import RowBlock
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
 

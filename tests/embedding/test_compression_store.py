@@ -8,7 +8,8 @@ from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, Trai
 from terarec.embedding.compression import CodedRows, FrequencyClasses, class_precision
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.quant import row_bytes
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.store import MemoryStore
+from terarec.embedding.types import RowBlock
 from terarec.embedding.working_set import WorkingSet
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds

@@ -27,7 +27,7 @@ from terarec.embedding.quant import decode_rows, encode_rows, read_scale_bias
 from terarec.embedding.working_set import plan_pass
 from terarec.export import IncrementalExporter, Storage, latest_version, read_manifest
 from terarec.kernels import splitmix64_array
-from terarec.train.checkpoint import load_checkpoint, restore_trainer, save_checkpoint
+from terarec.modeldir import load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
 
@@ -263,7 +263,7 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_plain_run(tmp_path):
     _, rest = _train(config, passes[2:], trainer=first)
     assert losses + rest == plain_losses
     # ... and a resumed run (empty cache) continues it exactly.
-    resumed = restore_trainer(tmp_path / "model", config)
+    resumed = Trainer.from_checkpoint(tmp_path / "model", config)
     assert resumed.device_cache is not None and len(resumed.device_cache) == 0
     _, resumed_rest = _train(config, passes[2:], trainer=resumed)
     assert losses + resumed_rest == plain_losses

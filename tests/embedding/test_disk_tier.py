@@ -91,7 +91,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     import numpy as np
     from terarec.config import SparseOptimizerConfig, StoreConfig
     from terarec.embedding.optimizers import SparseOptimizer
-    from terarec.embedding.store import RowBlock
+    from terarec.embedding.types import RowBlock
     from terarec.embedding.tiered import TieredStore
 
     def status(field):

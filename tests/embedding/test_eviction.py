@@ -9,8 +9,9 @@ import pytest
 from terarec.config import SparseOptimizerConfig, StoreConfig, TrainConfig, from_dict
 from terarec.embedding.eviction import row_norms, store_bytes
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
+from terarec.embedding.types import RowBlock
 from terarec.validation import InvalidInput
 
 DIM = 4

@@ -15,8 +15,8 @@ from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding import keyindex
 from terarec.embedding.keyindex import RunIndex
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import RowBlock
 from terarec.embedding.tiered import TieredStore
+from terarec.embedding.types import RowBlock
 
 
 def test_batches_of_changes_match_a_dict_through_flushes_merges_and_removals(
@@ -182,7 +182,7 @@ def test_a_disk_index_store_stays_inside_its_budget_through_a_bulk_load_and_pass
     # small ranges here, so that the budget's own accounting is what is tested.
     import tracemalloc
 
-    from terarec.embedding.store import RowChunk
+    from terarec.embedding.types import RowChunk
 
     monkeypatch.setattr(keyindex, "MERGE_CHUNK", 8192)
     budget, dim, n, chunk = 16 << 20, 16, 400_000, 16_384

@@ -17,8 +17,8 @@ from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding import keyindex
 from terarec.embedding.keyindex import RunIndex
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import RowBlock, RowChunk
 from terarec.embedding.tiered import TieredStore
+from terarec.embedding.types import RowBlock, RowChunk
 
 
 def _fill(index: RunIndex, runs: int, per_run: int, seed: int = 0) -> dict[int, int]:

@@ -11,7 +11,8 @@ from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.shared import SharedKeys, SharedRowsStore, sharing_refusal
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.store import MemoryStore
+from terarec.embedding.types import RowBlock
 
 # Two models: different widths and sparse optimizers (adagrad: 1 state column; adam: 2d+1).
 MODELS = [(4, SparseOptimizerConfig(name="adagrad", initial_accumulator=0.1)),

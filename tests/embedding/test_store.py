@@ -3,7 +3,8 @@ import pytest
 
 from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock, init_rows
+from terarec.embedding.store import MemoryStore, init_rows
+from terarec.embedding.types import RowBlock
 
 
 def store(**cfg) -> MemoryStore:

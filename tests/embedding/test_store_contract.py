@@ -16,8 +16,9 @@ from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.shared import SharedKeys, SharedRowsStore
-from terarec.embedding.store import MemoryStore, RowBlock, RowChunk, merge_sorted
+from terarec.embedding.store import MemoryStore, merge_sorted
 from terarec.embedding.tiered import TieredStore, iter_saved
+from terarec.embedding.types import RowBlock, RowChunk
 
 ROW_DIM = 16
 PASSES = 4

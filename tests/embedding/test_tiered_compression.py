@@ -16,10 +16,12 @@ from terarec.data.synth import generate
 from terarec.embedding.disk import RESERVE_BYTES
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.quant import row_bytes
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore, snapshot_arrays
+from terarec.embedding.types import RowBlock
+from terarec.modeldir import load_checkpoint
 from terarec.serving.engine import ServingEngine
-from terarec.train.checkpoint import load_checkpoint, restore_trainer
+from terarec.train.trainer import Trainer
 
 ROW_DIM = 32
 
@@ -267,7 +269,7 @@ def test_cli_trains_checkpoints_and_exports_a_compressed_tiered_model(tmp_path, 
         ckpt = load_checkpoint(model)
         meta = ckpt.meta["store"]
         assert ckpt.tiered and 0 < meta["tiers"]["memory_keys"] < meta["keys"]
-        trainer = restore_trainer(model)
+        trainer = Trainer.from_checkpoint(model)
         assert trainer.store.layout.precisions == ("fp16", "fp16", "int8")
         batch = next(iter(iter_batches(tmp_path / "test.tsv", trainer.schema, 500)))
         offline = trainer.predict_batches([batch])

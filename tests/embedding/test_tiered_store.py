@@ -7,8 +7,9 @@ import pytest
 
 from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock
+from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import MemoryBudgetError, TieredStore
+from terarec.embedding.types import RowBlock
 
 ROW_DIM = 32
 

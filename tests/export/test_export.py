@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from terarec.cli.main import main as cli_main
 from terarec.config import ModelConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
-from terarec.embedding.store import RowChunk
+from terarec.embedding.types import RowChunk
 from terarec.export import (
     ExportError,
     IncrementalExporter,
@@ -25,7 +25,7 @@ from terarec.export import (
 from terarec.export.compressed import RowCodec
 from terarec.export.format import CLAIM, DELETED_FILE, LATEST, MANIFEST
 from terarec.io import sha256_file
-from terarec.train.checkpoint import load_checkpoint, save_checkpoint
+from terarec.modeldir import load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 

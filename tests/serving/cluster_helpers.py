@@ -13,8 +13,8 @@ from serving_helpers import SCHEMA, make_data, raw_records, small_config
 
 from terarec.data.readers import batch_from_records
 from terarec.export import IncrementalExporter
+from terarec.modeldir import save_checkpoint
 from terarec.serving.engine import ServingEngine
-from terarec.train.checkpoint import save_checkpoint
 from terarec.train.trainer import Trainer
 
 ROWS = 3000

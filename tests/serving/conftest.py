@@ -21,9 +21,9 @@ from serving_helpers import SCHEMA, ServerThread, make_data, raw_records, small_
 from terarec.cli.main import main as cli_main
 from terarec.data.readers import batch_from_records
 from terarec.export import IncrementalExporter
+from terarec.modeldir import save_checkpoint
 from terarec.serving.app import create_app
 from terarec.serving.engine import ServingEngine
-from terarec.train.checkpoint import save_checkpoint
 from terarec.train.trainer import Trainer
 
 ROWS = 3000

@@ -15,8 +15,8 @@ from terarec.data.readers import iter_batches
 from terarec.data.synth import generate
 from terarec.export import Storage, read_manifest
 from terarec.export.compressed import RowCodec, compress_rows, decompress_rows
+from terarec.modeldir import save_checkpoint
 from terarec.serving.engine import ServingEngine
-from terarec.train.checkpoint import save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 

@@ -12,8 +12,8 @@ from serving_helpers import SCHEMA, make_data, raw_records, small_config
 from terarec.cli.main import main as cli_main
 from terarec.data.readers import batch_from_records
 from terarec.export import IncrementalExporter, Storage, latest_version, read_manifest
+from terarec.modeldir import save_checkpoint
 from terarec.serving.engine import ServingEngine
-from terarec.train.checkpoint import save_checkpoint
 from terarec.train.trainer import Trainer
 
 pytest.importorskip("s3fs")

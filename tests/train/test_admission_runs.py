@@ -15,7 +15,7 @@ from terarec.data.synth import generate
 from terarec.embedding.eviction import store_bytes
 from terarec.export import IncrementalExporter, Storage, read_manifest
 from terarec.export.format import DELETED_FILE
-from terarec.train.checkpoint import restore_trainer, save_checkpoint
+from terarec.modeldir import save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
@@ -63,7 +63,7 @@ def test_resumed_run_matches_the_uninterrupted_one(data, tmp_path, tiered):
     whole.fit([data], progress=False, on_pass_end=on_pass_end)
     assert len(sizes) == 5 and max(sizes) == 900  # the capacity target binds, every pass
     cfg = _config(tmp_path / "resumed" if tiered else None, **POLICIES)
-    resumed = restore_trainer(mid, cfg)
+    resumed = Trainer.from_checkpoint(mid, cfg)
     assert resumed.pass_id == 2
     resumed.fit([data], progress=False, skip_passes=2)
     a, b = whole.store.to_arrays(), resumed.store.to_arrays()

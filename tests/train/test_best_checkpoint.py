@@ -11,7 +11,7 @@ import pytest
 
 from terarec.cli.main import main
 from terarec.data.synth import generate
-from terarec.train.checkpoint import list_checkpoints, load_checkpoint
+from terarec.modeldir import list_checkpoints, load_checkpoint
 from terarec.train.selection import SelectionTracker
 
 TRAIN = ["--batch-size", "500", "--pass-rows", "2000", "--embedding-dim", "4",

@@ -15,11 +15,11 @@ from safetensors.numpy import load_file, save_file
 from terarec.cli.inspect import show_histogram, summarise
 from terarec.config import ModelConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate
-from terarec.distributed.sharding import shard_of
 from terarec.embedding.store import STORE_TOTALS
 from terarec.export import Storage, export_model_dir, read_manifest
 from terarec.io import sha256_file
-from terarec.train.checkpoint import load_checkpoint, restore_trainer, save_checkpoint
+from terarec.kernels import shard_of
+from terarec.modeldir import load_checkpoint, save_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
@@ -99,7 +99,7 @@ def test_every_layout_restores_exports_and_inspects_the_same_table(data, tmp_pat
     np.testing.assert_array_equal(keys, want["keys"])
     np.testing.assert_array_equal(np.concatenate([c.values for c in chunks]), want["values"])
     # restore
-    got = restore_trainer(model).store.to_arrays()
+    got = Trainer.from_checkpoint(model).store.to_arrays()
     for name in ("keys", "values", "state", "show", "cand_keys", "counters"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     # export, streamed shard by shard

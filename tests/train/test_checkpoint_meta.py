@@ -5,7 +5,7 @@ import json
 import pytest
 
 from terarec.config import ModelConfig, TrainConfig
-from terarec.train.checkpoint import CheckpointError, save_checkpoint, verify_checkpoint
+from terarec.modeldir import CheckpointError, save_checkpoint, verify_checkpoint
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema, FieldSpec
 

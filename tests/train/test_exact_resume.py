@@ -24,7 +24,7 @@ from terarec.data.positions import Positions
 from terarec.data.readers import DataError, csv_schema, iter_tables
 from terarec.data.split import iter_tables_from, line_index
 from terarec.data.synth import generate
-from terarec.train.checkpoint import load_checkpoint
+from terarec.modeldir import load_checkpoint
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 COMMON = ["--threads", "1", "--no-progress", "--embedding-dim", "4", "--seed", "3"]
@@ -162,7 +162,7 @@ def test_positions_round_trip_and_refuse_a_changed_file(tmp_path):
 
 
 def test_bad_input_positions_in_meta_are_refused(files, tmp_path):
-    from terarec.train.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+    from terarec.modeldir import CheckpointError, list_checkpoints, verify_checkpoint
 
     out = tmp_path / "m"
     assert main(["train", "--train", str(files[0]), "--out", str(out), "--pass-rows",

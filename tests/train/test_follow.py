@@ -19,7 +19,7 @@ import pytest
 from terarec.cli.main import main
 from terarec.data.synth import generate
 from terarec.export.storage import Storage
-from terarec.train.checkpoint import load_checkpoint
+from terarec.modeldir import load_checkpoint
 from terarec.train.follow import FollowOptions, FollowSource, is_data_name
 
 SRC = Path(__file__).resolve().parents[2] / "src"

@@ -22,7 +22,7 @@ from terarec.cli.main import build_parser, main
 from terarec.data.positions import fingerprint
 from terarec.data.synth_features import generate_planted
 from terarec.export.storage import Storage
-from terarec.train.checkpoint import load_checkpoint, read_model_meta
+from terarec.modeldir import load_checkpoint, read_model_meta
 from terarec.train.follow import (
     PREPARED_DIR,
     FollowOptions,

@@ -11,7 +11,7 @@ import pytest
 
 from terarec.cli.main import main
 from terarec.data.synth import generate
-from terarec.train.checkpoint import load_checkpoint
+from terarec.modeldir import load_checkpoint
 from terarec.train.defaults import refit_by_default
 from terarec.train.selection import refit_epochs
 

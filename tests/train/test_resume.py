@@ -16,12 +16,8 @@ import pytest
 import torch
 
 from terarec.data.synth import generate
-from terarec.train.checkpoint import (
-    CheckpointError,
-    list_checkpoints,
-    load_checkpoint,
-    restore_trainer,
-)
+from terarec.modeldir import CheckpointError, list_checkpoints, load_checkpoint
+from terarec.train.trainer import Trainer
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TRAIN_ARGS = ["--pass-rows", "2000", "--batch-size", "500", "--threads", "1", "--no-progress",
@@ -139,7 +135,7 @@ def test_corrupted_checkpoint_is_refused_and_the_previous_loads(reference, tmp_p
     ckpt = load_checkpoint(model)
     assert ckpt.path == previous
     assert "index.safetensors: checksum mismatch" in caplog.text
-    trainer = restore_trainer(model)
+    trainer = Trainer.from_checkpoint(model)
     assert trainer.pass_id == int(previous.name.split("-")[1])
     assert len(trainer.store) == len(ckpt.sparse["keys"])
 
@@ -159,15 +155,15 @@ def test_half_written_checkpoint_is_refused(reference, tmp_path):
 
 def test_tiered_checkpoint_loads_into_a_memory_store(reference):
     """Resuming without --memory-budget reads the slab snapshot into RAM."""
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
 
     _, config = read_model_meta(reference)
     config.store.memory_budget = None
     config.store.disk_path = None
-    trainer = restore_trainer(reference, config)
+    trainer = Trainer.from_checkpoint(reference, config)
     assert type(trainer.store).__name__ == "MemoryStore"
     got = trainer.store.to_arrays()
-    tiered = restore_trainer(reference)  # the same checkpoint through the slab files
+    tiered = Trainer.from_checkpoint(reference)  # the same checkpoint through the slab files
     assert type(tiered.store).__name__ == "TieredStore"
     assert len(tiered.store) == len(got["keys"])
     values, found = tiered.store.lookup(got["keys"])

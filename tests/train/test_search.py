@@ -19,8 +19,8 @@ from terarec.config import ModelConfig, TrainConfig
 from terarec.data.numeric import with_numeric_stats
 from terarec.data.synth import generate
 from terarec.embedding.shared import SharedRowsStore
+from terarec.modeldir import read_model_meta
 from terarec.models.registry import build_model
-from terarec.train.checkpoint import read_model_meta
 from terarec.train.cohort import apply_params
 from terarec.train.passes import iter_file_batches
 from terarec.train.search import SearchConfig, run_search

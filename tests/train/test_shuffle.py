@@ -18,7 +18,6 @@ from terarec.data.positions import IDLE, FileMark, PassInput, Positions
 from terarec.data.readers import csv_schema
 from terarec.data.synth import generate
 from terarec.distributed.context import DistContext
-from terarec.train.checkpoint import restore_trainer
 from terarec.train.passes import in_file_order, shuffled, shuffled_steps
 from terarec.train.search.space import check_space
 from terarec.train.trainer import Trainer
@@ -57,7 +56,7 @@ def _history(out: Path) -> list[tuple[int, int, float]]:
 
 
 def _weights(out: Path) -> tuple[dict[str, np.ndarray], dict[str, torch.Tensor]]:
-    trainer = restore_trainer(out)
+    trainer = Trainer.from_checkpoint(out)
     return trainer.store.to_arrays(), trainer.model.state_dict()
 
 

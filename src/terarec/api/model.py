@@ -56,7 +56,7 @@ class Model:
 
     @functools.cached_property
     def _meta(self) -> tuple[FeatureSchema, TrainConfig]:
-        from terarec.train.checkpoint import read_model_meta
+        from terarec.modeldir import read_model_meta
 
         return read_model_meta(self.path)
 
@@ -183,7 +183,8 @@ class Model:
         to read). A model trained with AutoFeature tables has them joined onto the raw
         rows first, so new rows get exactly the features training computed."""
         from terarec.autofeature.features import model_features, model_inputs
-        from terarec.train.checkpoint import checkpoint_name, restore_trainer
+        from terarec.modeldir import checkpoint_name
+        from terarec.train.trainer import Trainer
 
         features = model_features(self.path)
         if on_bad_row == "skip" and features and features.tables.tables:
@@ -191,8 +192,8 @@ class Model:
                              "tables, whose join reads every row first and stops at the "
                              "first bad one; clean the files (the error names the row)")
         with scoring_scratch(self.path) as scratch:
-            trainer = restore_trainer(self.path, scratch_dir=scratch, name=checkpoint_name(
-                self.path, self.checkpoint))
+            trainer = Trainer.from_checkpoint(self.path, scratch_dir=scratch,
+                                              name=checkpoint_name(self.path, self.checkpoint))
             with model_inputs(self.path, trainer.schema, list(files),
                               spec.for_model) as (schema, read):
                 yield trainer, schema, list(read)
@@ -202,7 +203,7 @@ def load(path: str | os.PathLike[str], checkpoint: str = "best") -> Model:
     """The model in directory ``path`` (written by ``terarec.fit`` or ``terarec
     train``), at ``checkpoint``: ``best``, ``latest`` or ``pass-N``; a path that is no
     model directory, or a checkpoint it does not hold, is an error here."""
-    from terarec.train.checkpoint import checkpoint_name
+    from terarec.modeldir import checkpoint_name
 
     model = Model(path, checkpoint)
     model.config  # noqa: B018  (reads schema.json and train_config.json, or says why not)

@@ -219,7 +219,7 @@ def refit_best(best_dir: Path, run: TrainJob, ctx: DistContext) -> None:
     configuration on train + valid for its selected epoch count becomes ``BEST``;
     metrics.json says so under ``refit``."""
     from terarec.io import atomic_write_text, finite_json
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
     from terarec.train.run import TrainRun, refit_model
 
     metrics = json.loads((best_dir / "metrics.json").read_text())

@@ -370,7 +370,7 @@ def _follow_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
     """Follow: the files of the source as they land; a fresh model takes its numeric
     statistics from the first file to land. With AutoFeature tables each file is joined
     with them as it lands (``follow.Prepare``), into a copy under the follow cache."""
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
     from terarec.train.follow import CACHE_DIR, FollowOptions, Prepare, first_landed
     from terarec.train.run import TrainRun, train_model
 
@@ -429,7 +429,7 @@ def write_report(out: Path, metrics: dict, sized: dict, title: str) -> None:
 def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
                 on_commit: Callable[[Trainer], None] | None) -> TrainOutcome:
     from terarec.autofeature.features import feature_inputs, keyed_copies
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
     from terarec.train.run import TrainRun, train_model
 
     if job.follow is not None:
@@ -512,7 +512,7 @@ def _check_resumed_columns(job: TrainJob) -> None:
     describing another one (a column added, another delimiter) were silently ignored.
     The same settings as the first run, the usual restart, describe the same columns;
     none at all takes the model's."""
-    from terarec.train.checkpoint import read_model_meta
+    from terarec.modeldir import read_model_meta
 
     if not job.data.describes_columns():
         return
@@ -544,7 +544,7 @@ def _refit(job: TrainJob, train: list[Path]) -> bool:
 def _resuming(job: TrainJob) -> bool:
     """Whether this run continues the checkpoints in the model directory (``resume``, or
     a worker group torchrun restarted)."""
-    from terarec.train.checkpoint import list_checkpoints
+    from terarec.modeldir import list_checkpoints
 
     return (job.resume or restart_count() > 0) and bool(list_checkpoints(job.out))
 

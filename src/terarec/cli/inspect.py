@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from terarec.train.checkpoint import load_checkpoint, sum_store_summaries
+from terarec.modeldir import load_checkpoint, sum_store_summaries
 
 # Per-pass figures of the run's history shown by inspect (docs/admission.md).
 PER_PASS = ("pass_id", "new_keys", "rejected_keys", "evicted_keys", "store_keys")

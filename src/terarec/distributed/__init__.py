@@ -9,7 +9,8 @@ See ``docs/distributed.md``.
 
 from terarec.distributed.context import DistContext, init_distributed, launched_by_torchrun
 from terarec.distributed.dense_comm import DenseCommConfig
-from terarec.distributed.sharding import iter_rank_passes, shard_of
+from terarec.distributed.sharding import iter_rank_passes
+from terarec.kernels import shard_of
 
 __all__ = ["DistContext", "DenseCommConfig", "init_distributed", "iter_rank_passes",
            "launched_by_torchrun", "shard_of"]

@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 from terarec.distributed.context import DistContext
-from terarec.distributed.sharding import shard_of
 from terarec.embedding.device import DeviceRowCache
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.store import RowBlock
+from terarec.embedding.types import RowBlock
 from terarec.embedding.working_set import _pooled, occurrence_grads, occurrence_labels
+from terarec.kernels import shard_of
 from terarec.types import Batch, KeyedIds
 
 

@@ -1,12 +1,13 @@
 """Which rank owns a key, and which rows of the input each rank reads.
 
-Keys: rank ``r`` owns the keys with ``shard_of(key, world) == r``. The shard hash is a
-salted splitmix64 whose *high* 32 bits are taken mod the world size. Why not ``key %
-world``: hashed keys are fine, but raw ids (user ids, item ids) are often sequential or
-share a stride, which would load one rank more than another. Why a different salt and the
-high bits: the store's ``KeyIndex`` picks buckets from the *low* bits of the unsalted
-splitmix64 of the key; a shard hash built from those bits would leave every rank's index
-with only every ``world``-th bucket in use and long probe chains.
+Keys: rank ``r`` owns the keys with ``shard_of(key, world) == r`` (``terarec.kernels``;
+checkpoint shards are cut by the same hash). The shard hash is a salted splitmix64 whose
+*high* 32 bits are taken mod the world size. Why not ``key % world``: hashed keys are
+fine, but raw ids (user ids, item ids) are often sequential or share a stride, which
+would load one rank more than another. Why a different salt and the high bits: the
+store's ``KeyIndex`` picks buckets from the *low* bits of the unsalted splitmix64 of the
+key; a shard hash built from those bits would leave every rank's index with only every
+``world``-th bucket in use and long probe chains.
 
 Rows: the input is cut in *local* batches of ``batch_size / world`` rows and dealt out
 round-robin inside each file, so that the union of one step's local batches is exactly
@@ -26,7 +27,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,18 +41,7 @@ from terarec.data.positions import (
 from terarec.data.readers import DataError, OnBadRow, ReadStats, no_data_rows, table_to_batch
 from terarec.data.split import empty_table, iter_rank_tables
 from terarec.distributed.context import DistContext
-from terarec.kernels import splitmix64_array
 from terarec.types import Batch, FeatureSchema
-
-_SHARD_SALT = np.uint64(0x5BD1E9955BD1E995)
-
-
-def shard_of(keys: np.ndarray, world: int) -> np.ndarray:
-    """The owning rank (int64) of each int64 key."""
-    if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}")
-    z = splitmix64_array(np.asarray(keys, dtype=np.int64).view(np.uint64) ^ _SHARD_SALT)
-    return ((z >> np.uint64(32)) % np.uint64(world)).astype(np.int64)
 
 
 def redeal(ctx: DistContext, batches: list[Batch], batch_size: int) -> list[Batch]:

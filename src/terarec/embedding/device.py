@@ -50,7 +50,8 @@ from terarec.embedding.compression import class_precision
 from terarec.embedding.index import KeyIndex, unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.quant import INT_ROW_LIMIT, decode_rows, encode_rows
-from terarec.embedding.store import RowBlock, init_rows
+from terarec.embedding.store import init_rows
+from terarec.embedding.types import RowBlock
 from terarec.types import Batch
 
 CACHED_PRECISIONS = ("fp32", "fp16", "int8")

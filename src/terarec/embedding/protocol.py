@@ -33,8 +33,7 @@ import numpy as np
 
 from terarec.config import StoreConfig
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import RowBlock, RowChunk, StoreStats
-from terarec.embedding.tiered import TierStats
+from terarec.embedding.types import RowBlock, RowChunk, StoreStats, TierStats
 
 
 @runtime_checkable

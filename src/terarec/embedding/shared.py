@@ -36,7 +36,8 @@ from terarec.config import SparseOptimizerConfig, StoreConfig
 from terarec.embedding.compression import CodedRows, make_row_values
 from terarec.embedding.index import KeyIndex
 from terarec.embedding.optimizers import SparseOptimizer
-from terarec.embedding.store import MemoryStore, RowBlock, grow_rows, init_rows
+from terarec.embedding.store import MemoryStore, grow_rows, init_rows
+from terarec.embedding.types import RowBlock
 
 
 def sharing_refusal(store: StoreConfig, optimizer: SparseOptimizerConfig) -> str | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +38,7 @@ from terarec.embedding.eviction import (
 )
 from terarec.embedding.index import KeyIndex, iter_sorted_keys
 from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.types import RowBlock, RowChunk, StoreStats
 from terarec.io import sha256_file
 from terarec.kernels import GOLDEN_GAMMA, grown, splitmix64
 
@@ -72,41 +72,6 @@ def _init_rows(keys, dim, std, seed):
 
 def init_rows(keys: np.ndarray, dim: int, std: float, seed: int) -> np.ndarray:
     return _init_rows(np.ascontiguousarray(keys, np.int64), dim, float(std), int(seed))
-
-
-@dataclass
-class RowBlock:
-    """Rows of some keys, in the order of those keys."""
-
-    values: np.ndarray
-    state: np.ndarray
-    # Stored width of each row when rows have variable length: columns past it are zero
-    # and must stay zero in training. None: every row is full width.
-    widths: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-
-@dataclass
-class RowChunk:
-    """Consecutive rows of a store in key order (``iter_sorted``): what a checkpoint or an
-    export takes, values decoded to fp32."""
-
-    keys: np.ndarray       # int64 [n], increasing
-    values: np.ndarray     # float32 [n, row_dim]
-    state: np.ndarray      # float32 [n, S]
-    show: np.ndarray       # float32 [n]
-    click: np.ndarray      # float32 [n]
-    last_seen: np.ndarray  # int32 [n]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def columns(self) -> dict[str, np.ndarray]:
-        """The ``to_arrays`` row columns of this chunk."""
-        return {"keys": self.keys, "values": self.values, "state": self.state,
-                "show": self.show, "click": self.click, "last_seen": self.last_seen}
 
 
 def arrays_file(src: Path) -> Path | None:
@@ -221,19 +186,6 @@ def write_arrays_file(path: Path, rows: int, row_dim: int, state_dim: int,
         for name, _, _ in tensors[len(shapes):]:
             fh.seek(start + header[name]["data_offsets"][0])
             fh.write(np.ascontiguousarray(extras[name]).tobytes())
-
-
-@dataclass
-class StoreStats:
-    keys: int
-    candidates: int
-    admitted: int
-    evicted: int
-    bytes: int
-    value_bytes: int = 0  # encoded values incl. row scale/bias; no optimizer state
-    pruned: int = 0  # keys dropped because group lasso zeroed their row (part of evicted)
-    rejected: int = 0  # absent keys a pass asked for and admission turned away
-    admission_bytes: int = 0  # RAM of the admission state (candidate table or sketch)
 
 
 class EvictionLog:

@@ -39,7 +39,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,14 +70,12 @@ from terarec.embedding.store import (
     CHUNK_ROWS,
     EvictionLog,
     MemoryStore,
-    RowBlock,
-    RowChunk,
-    StoreStats,
     arrays_file,
     init_rows,
     iter_arrays_file,
     store_extras,
 )
+from terarec.embedding.types import RowBlock, RowChunk, StoreStats, TierStats
 from terarec.io import sha256_file
 from terarec.kernels import grown
 
@@ -90,29 +87,6 @@ _INDEX_BYTES_PER_ROW = 96
 
 class MemoryBudgetError(ValueError):
     """The store's fixed RAM (key indexes) no longer fits the configured budget."""
-
-
-@dataclass
-class TierStats:
-    """Where the rows are and what moving them cost, for logs and ``terarec inspect``."""
-
-    memory_keys: int
-    memory_capacity: int
-    memory_bytes: int
-    disk_keys: int
-    disk_allocated_bytes: int
-    index_bytes: int
-    spilled: int
-    loaded: int
-    prefetched: int
-    hits: int
-    misses: int
-    disk_rows_read: int
-    disk_rows_written: int
-    disk_read_s: float
-    disk_write_s: float
-    prefetch_s: float
-    pull_disk_s: float
 
 
 class TieredStore(EvictionLog):

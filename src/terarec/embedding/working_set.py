@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.store import RowBlock
+from terarec.embedding.types import RowBlock
 from terarec.types import Batch, KeyedIds
 
 if TYPE_CHECKING:

@@ -40,7 +40,8 @@ from safetensors.torch import save as save_torch_bytes
 
 from terarec.config import ModelConfig, to_dict
 from terarec.distributed.context import DistContext
-from terarec.embedding.store import CHUNK_ROWS, RowChunk
+from terarec.embedding.store import CHUNK_ROWS
+from terarec.embedding.types import RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     CLAIM,
@@ -67,6 +68,7 @@ from terarec.export.reader import newest_readable, version_manifest
 from terarec.export.storage import Storage, StorageError
 from terarec.finite import check_finite
 from terarec.kernels import grown
+from terarec.modeldir import checkpoint_name, load_checkpoint, read_model_meta
 from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
@@ -454,8 +456,6 @@ def export_model_dir(model_dir: str | Path, uri: str | Path,
     """Write a checkpoint of a model directory as a full version (rows encoded with
     ``codec`` when given): ``checkpoint`` is best (the validation set's best, else the
     newest good one), latest, or pass-N."""
-    from terarec.train.checkpoint import checkpoint_name, load_checkpoint, read_model_meta
-
     schema, config = read_model_meta(Path(model_dir))
     ckpt = load_checkpoint(model_dir, checkpoint_name(model_dir, checkpoint))
     exporter = ModelExporter(uri, storage_options, shard_rows, codec)

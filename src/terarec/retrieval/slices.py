@@ -36,6 +36,8 @@ from terarec.data.readers import text_columns
 from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.format import Manifest
 from terarec.export.writer import ExportedVersion, ModelExporter, as_json, check_same_part
+from terarec.modeldir import checkpoint_name, load_checkpoint, read_model_meta
+from terarec.models import row_dim_for
 from terarec.models.dssm import DSSM
 from terarec.types import FeatureSchema
 
@@ -170,9 +172,6 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
     """Export slice ``name`` of a model directory's checkpoint to ``uri``: a full version,
     or, when ``uri``'s newest version is the same slice of the same model, a delta on it
     (rows that changed, keys that left)."""
-    from terarec.models import row_dim_for
-    from terarec.train.checkpoint import checkpoint_name, load_checkpoint, read_model_meta
-
     schema, config = read_model_meta(Path(model_dir))
     spec = slice_spec(schema, config.model, name)
     if not keys_from:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -167,6 +167,16 @@ class StreamOptions:
     should_stop: Callable[[], bool] | None = None
 
 
+def with_next(items: Iterator) -> Iterator[tuple]:
+    """Each pass with the one after it (None for the last): the read-ahead pass is what
+    the store prefetches while the current one trains."""
+    current = next(items, None)
+    while current is not None:
+        following = next(items, None)
+        yield current, following
+        current = following
+
+
 def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                valid_batches: list[Batch] | list[PassPlan] | list[ShardedPassPlan] | None = None,
                *,
@@ -181,8 +191,6 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
     checkpoint from before positions were recorded)."""
     if not runs:
         raise ValueError("run_passes needs at least one trial")
-    from terarec.train.trainer import _with_next
-
     reader = runs[0].trainer
     stream = stream or StreamOptions()
     start = Positions.from_dict(reader.inputs) if reader.inputs else None
@@ -208,7 +216,7 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
             passes = prefetch(reader.iter_passes(
                 train_paths, stats if epoch == first_epoch else None, seen, skip, positions,
                 per_file=stream.per_file))
-            pairs = _with_next(passes) if lookahead else ((p, None) for p in passes)
+            pairs = with_next(passes) if lookahead else ((p, None) for p in passes)
             for item, upcoming in pairs:
                 if isinstance(item, Idle):
                     if stream.on_idle is not None:

@@ -27,12 +27,12 @@ from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.export.writer import IncrementalExporter
 from terarec.finite import check_finite_loss
 from terarec.io import atomic_write_text, finite_json
-from terarec.train.checkpoint import (
+from terarec.modeldir import (
     best_checkpoint,
     clear_best,
     list_checkpoints,
     mark_best,
-    restore_trainer,
+    pass_name,
     save_checkpoint,
 )
 from terarec.train.follow import (
@@ -130,7 +130,7 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
     # collective for peers; torchrun then stops them.
     resume = run.resume or restart_count() > 0
     if resume and list_checkpoints(run.out):
-        trainer = restore_trainer(run.out, config, ctx=ctx, dense_comm=dense_comm)
+        trainer = Trainer.from_checkpoint(run.out, config, ctx=ctx, dense_comm=dense_comm)
         if ctx.is_main:
             where = f"rank 0/{ctx.world}: " if ctx.world > 1 else ""
             print(f"{where}resuming {run.out} after pass {trainer.pass_id}")
@@ -167,7 +167,7 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if t.pass_id % every == 0 or record.get("best"):
             commit(t)
             if record.get("best") and ctx.is_main:
-                mark_best(run.out, f"pass-{t.pass_id:06d}")
+                mark_best(run.out, pass_name(t.pass_id))
         if versions is not None:
             with clock.phase("export"):
                 versions.on_pass_end(t, record)
@@ -202,11 +202,11 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         with clock.phase("export"):
             versions.finish(trainer)
     final = time.perf_counter()
-    latest = f"pass-{trainer.pass_id:06d}"
+    latest = pass_name(trainer.pass_id)
     evaluated = ctx.broadcast_object(best_checkpoint(run.out) or latest)
     # The best pass is scored from its checkpoint, in a store of its own (a tiered one in
     # a scratch folder: the live store's folder stays the training run's).
-    scorer = trainer if evaluated == latest or not valid else restore_trainer(
+    scorer = trainer if evaluated == latest or not valid else Trainer.from_checkpoint(
         run.out, name=evaluated, ctx=ctx, dense_comm=dense_comm)
     metrics = _run_metrics(scorer, trainer, valid, run, history, seconds, stats)
     clock.add("final_score", time.perf_counter() - final)
@@ -269,7 +269,7 @@ def refit_model(run: TrainRun, schema: FeatureSchema, config: TrainConfig,
     for record in trained:
         check_finite_loss(record["train_loss"], f"refit pass {record['pass_id']}")
     save_checkpoint(run.out, model)
-    name = f"pass-{model.pass_id:06d}"
+    name = pass_name(model.pass_id)
     if ctx.is_main:
         mark_best(run.out, name)
     return {"epochs": epochs, "rows": sum(h["rows"] for h in trained),

@@ -38,10 +38,10 @@ import inspect
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -71,9 +71,11 @@ from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
 from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
 from terarec.finite import check_model_scores
+from terarec.modeldir import choose_checkpoint, comm_file, read_model_meta
 from terarec.models import build_model
 from terarec.models.dssm import DSSM
 from terarec.train.dense_optimizer import dense_optimizer
+from terarec.train.loop import StreamOptions, TrialRun, run_passes
 from terarec.train.metrics import evaluate_scores, offset_shift
 from terarec.train.passes import (
     Inputs,
@@ -85,9 +87,6 @@ from terarec.train.passes import (
 )
 from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
-
-if TYPE_CHECKING:
-    from terarec.train.loop import StreamOptions
 
 # Rows of a pass ``Trainer.recalibrate`` fits the output bias on, at most: the click
 # rate of 65,536 rows is known to within about 0.01 logit.
@@ -181,6 +180,47 @@ class Trainer:
                                                gradient_as_bucket_view=True,
                                                **_NO_FORWARD_BUFFER_SYNC)
             self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, self.ctx.world)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, config: TrainConfig | None = None, *,
+                        name: str | None = None, scratch_dir: str | Path | None = None,
+                        ctx: DistContext | None = None,
+                        dense_comm: DenseCommConfig | None = None,
+                        prepare: Callable[[Trainer], None] | None = None) -> Trainer:
+        """A trainer holding checkpoint ``name`` of ``model_dir``, else its newest good
+        one (written by any number of ranks); collective, holding this rank's keys, when
+        ``ctx`` is one of N. Without ``config`` (scoring a saved model) a tiered store
+        lives in ``scratch_dir``, a folder private to this process (else a temp folder),
+        never in the training run's live one. ``prepare`` sees the new trainer before its
+        rows are loaded (a search gives it a view of a shared key index there)."""
+        model_dir = Path(model_dir)
+        schema, saved_config = read_model_meta(model_dir)
+        if config is None:
+            saved_config.store.disk_path = None if scratch_dir is None else str(scratch_dir)
+        config = config or saved_config
+        ctx = ctx or DistContext.single(resolve_device(config.device))
+        ckpt = choose_checkpoint(model_dir, name, ctx)
+        if dense_comm is None and ctx.world > 1 and "dense_comm" in ckpt.meta:
+            dense_comm = DenseCommConfig(**ckpt.meta["dense_comm"])
+        trainer = cls(schema, config, ctx=ctx, dense_comm=dense_comm)
+        if prepare is not None:
+            prepare(trainer)
+        trainer.model.load_state_dict(ckpt.dense)
+        trainer.dense_optimizer.load_state_dict(ckpt.dense_optimizer)
+        same_world = ckpt.world_size == ctx.world
+        if same_world:  # this rank's own shard, whatever store saved it
+            shard = ckpt.shards[ctx.rank]
+            trainer.store.load(ckpt.path / shard, ckpt.shard_digests(shard))
+        else:  # streamed: one chunk of each shard in RAM besides what the store keeps
+            trainer.store.load_rows(*ckpt.rank_rows(ctx.rank, ctx.world))
+        comm = ckpt.path / comm_file(ctx.rank, ctx.world)
+        if same_world and trainer.dense_comm is not None and comm.exists():
+            trainer.dense_comm.load_state_dict(torch.load(comm, weights_only=True))
+        trainer.pass_id = int(ckpt.meta["pass_id"])
+        trainer.history = list(ckpt.meta.get("history", []))
+        trainer.inputs = ckpt.meta.get("inputs")
+        torch.set_rng_state(torch.tensor(ckpt.meta["rng"]["torch"], dtype=torch.uint8))
+        return trainer
 
     def begin_pass(self) -> None:
         """Count the next pass's new keys from now. The pass loop calls it for every
@@ -503,7 +543,7 @@ class Trainer:
             rows = group.batches if isinstance(group, PassPlan) else group
             yield self.predict_batches(group), _labels(rows)
 
-    def scoring_passes(self, paths: list[str | Path], stats: ReadStats | None = None
+    def scoring_passes(self, paths: Sequence[str | Path], stats: ReadStats | None = None
                        ) -> list[Batch] | list[ShardedPassPlan]:
         """A validation set, read once to be scored after every pass (``evaluate``).
         Alone: its batches. On N ranks (collective): this rank's share only, parsed by
@@ -596,8 +636,6 @@ class Trainer:
         positions: those passes are read, not trained. ``stream``: reading a stream of
         files (``train --follow``). This is the K = 1 case of ``train.loop.run_passes``.
         """
-        from terarec.train.loop import TrialRun, run_passes
-
         run = TrialRun(self, selection, on_pass_end)
         run_passes([run], train_paths, valid_batches,
                    progress=progress and self.ctx.is_main, stats=stats,
@@ -647,16 +685,6 @@ def rank_store_config(config: TrainConfig, ctx: DistContext) -> TrainConfig:
         store = replace(store, max_store_bytes=max(
             1, parse_bytes(store.max_store_bytes) // ctx.world))
     return config if store is config.store else replace(config, store=store)
-
-
-def _with_next(items: Iterator) -> Iterator[tuple]:
-    """Each pass with the one after it (None for the last): the read-ahead pass is what
-    the store prefetches while the current one trains."""
-    current = next(items, None)
-    while current is not None:
-        following = next(items, None)
-        yield current, following
-        current = following
 
 
 class _Prefetcher(threading.Thread):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from terarec.config import TrainConfig
 from terarec.io import atomic_write_text, finite_json
-from terarec.train.checkpoint import LATEST_FILE, best_checkpoint, write_train_config
+from terarec.modeldir import LATEST_FILE, best_checkpoint, write_train_config
 from terarec.train.search.trials import SearchResult, SearchTrial
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from terarec.config import TrainConfig
 from terarec.io import atomic_write_text
-from terarec.train.checkpoint import (
+from terarec.modeldir import (
     LATEST_FILE,
     CheckpointError,
     clear_best,

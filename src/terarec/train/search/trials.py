@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from terarec.config import TrainConfig
-from terarec.train.checkpoint import LATEST_FILE, mark_best, save_checkpoint
+from terarec.modeldir import LATEST_FILE, mark_best, save_checkpoint
 from terarec.train.loop import TrialRun, diverged
 from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer

@@ -30,7 +30,6 @@ from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
-from terarec.train.checkpoint import restore_trainer
 from terarec.train.cohort import (
     KeySides,
     apply_params,
@@ -241,7 +240,7 @@ class _Search:
             model_dir = trial_dir(self.out_dir, number)
             trial_config = member_config(config.base, params, model_dir, self.budget,
                                          len(left.trials))
-            trainer = restore_trainer(model_dir, trial_config, name=left.name, ctx=ctx,
+            trainer = Trainer.from_checkpoint(model_dir, trial_config, name=left.name, ctx=ctx,
                                       prepare=keys.attach)  # torch's RNG: the trial's
             selection = SelectionTracker.from_history(trainer.history, config.select_by,
                                                       config.patience)
