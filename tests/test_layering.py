@@ -209,3 +209,24 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     (pkg / "b.py").write_text("import terarec.demo.c\n")
     assert import_cycle("terarec.demo") == ["terarec.demo.a", "terarec.demo.b",
                                             "terarec.demo.c", "terarec.demo.a"]
+
+
+def test_only_the_command_line_imports_the_public_api():
+    """api/ (fit, load, search and the recipes they run) sits above every stage and below
+    cli/: no stage calls back up into it."""
+    offenders = {path.relative_to(SRC).as_posix(): lines
+                 for path in sorted(SRC.rglob("*.py"))
+                 if path.relative_to(SRC).parts[0] not in ("api", "cli")
+                 and path.relative_to(SRC).as_posix() != "__init__.py"
+                 and (lines := _imports_cli(path, "terarec.api"))}
+    assert not offenders, f"modules importing terarec.api: {offenders}"
+
+
+def test_the_command_line_runs_no_training_recipe_of_its_own():
+    """train and search are recipes of api/; their commands only parse flags, so they
+    import neither the pass loop's driver nor the search's waves."""
+    recipes = ("terarec.train.run", "terarec.train.search.waves", "terarec.train.choose")
+    offenders = {f"{path.name}: {target}": lines
+                 for path in sorted((SRC / "cli").glob("*.py"))
+                 for target in recipes if (lines := _imports_cli(path, target))}
+    assert not offenders, f"cli modules running recipes themselves: {offenders}"
