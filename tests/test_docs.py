@@ -50,9 +50,9 @@ def _env() -> dict[str, str]:
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("docs")
     (root / "data").mkdir()
-    generate(root / "data" / "train.tsv", 4000, model_seed=0, sample_seed=1,
+    generate(root / "data" / "train.tsv", 3000, model_seed=0, sample_seed=1,
              vocab_scale=0.01)
-    generate(root / "data" / "valid.tsv", 1000, model_seed=0, sample_seed=2,
+    generate(root / "data" / "valid.tsv", 800, model_seed=0, sample_seed=2,
              vocab_scale=0.01)
     return root
 
