@@ -1,7 +1,8 @@
-"""Open Inference Protocol (KServe v2) checks: an ``/infer`` request's input tensors
-against the served model (one tensor per feature, shape ``[N]`` or ``[N, 1]``, values of
-the tensor's datatype), as columns, from JSON ``data`` or from binary tensor data
-(``serving/binary.py``); and the model metadata answer."""
+"""Open Inference Protocol (KServe v2) requests and answers: an ``/infer`` request's input
+tensors checked against the served model (one tensor per feature, shape ``[N]`` or
+``[N, 1]``, values of the tensor's datatype) and read as columns, from JSON ``data`` or
+from binary tensor data (``serving/binary.py``); the scores answer and the model
+metadata."""
 
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ def model_metadata(version: ServedVersion, model_name: str) -> dict[str, Any]:
     return {"name": model_name, "versions": [str(version.version)], "platform": "terarec",
             "inputs": inputs,
             "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [-1]}]}
+
+
+def score_answer(model_name: str, version: ServedVersion, scores: list[float],
+                 request_id: str | None) -> dict[str, Any]:
+    """The answer of a scored v2 request: one FP32 output, one score per row."""
+    out: dict[str, Any] = {
+        "model_name": model_name, "model_version": str(version.version),
+        "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(scores)],
+                     "data": scores}]}
+    if request_id is not None:
+        out["id"] = request_id
+    return out
 
 
 def json_columns(body: InferRequest, version: ServedVersion, max_rows: int

@@ -182,13 +182,7 @@ class ScoringRoutes:
                 raw, binary_header, version, self.max_candidates)
         batch = columns_request_batch(version, columns, rows)
         out = await scores(self.batcher, version, batch, "row")
-        answer: dict[str, Any] = {
-            "model_name": self.model_name, "model_version": str(version.version),
-            "outputs": [{"name": kserve.OUTPUT_NAME, "datatype": "FP32",
-                         "shape": [len(out)], "data": out}]}
-        if request_id is not None:
-            answer["id"] = request_id
-        return answer
+        return kserve.score_answer(self.model_name, version, out, request_id)
 
 
 def add_v2_routes(app: FastAPI, engine: ServingEngine, scoring: ScoringRoutes) -> None:
