@@ -6,8 +6,6 @@ import ast
 import sys
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "terarec"
 # Modules still importing terarec.cli while they are being dissolved; empty this set, never
 # grow it.
@@ -182,15 +180,6 @@ def test_the_training_modules_import_each_other_one_way():
     assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
 
 
-def test_the_serving_modules_import_each_other_one_way():
-    # serving/app.py builds its /openapi.json with serving/openapi.py, which imports the
-    # app's request models back at call time: while that cycle stands this check reports
-    # it as a skip; once it is gone the check asserts, as it does for train/.
-    cycle = import_cycle("terarec.serving")
-    if cycle is not None:
-        pytest.skip(f"import cycle: {' -> '.join(cycle)}")
-
-
 def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
     pkg = tmp_path / "terarec" / "demo"
     pkg.mkdir(parents=True)
@@ -230,3 +219,95 @@ def test_the_command_line_runs_no_training_recipe_of_its_own():
                  for path in sorted((SRC / "cli").glob("*.py"))
                  for target in recipes if (lines := _imports_cli(path, target))}
     assert not offenders, f"cli modules running recipes themselves: {offenders}"
+
+
+SERVING = "terarec.serving"
+
+
+def _module_name(path: Path, src: Path) -> str:
+    parts = path.relative_to(src).with_suffix("").parts
+    return ".".join(("terarec", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+
+
+def _serving_imports(path: Path, src: Path, modules: set[str]
+                     ) -> tuple[set[str], list[str]]:
+    """The serving modules ``path`` imports (at any depth: a call-time import is an
+    edge too) and the private names it takes from them, as ``module.name``, imported or
+    read as an attribute of an imported module."""
+    tree = ast.parse(path.read_text(), str(path))
+    me = _module_name(path, src)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    edges: set[str] = set()
+    private: list[str] = []
+    bound: dict[str, str] = {}  # local name -> the serving module it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    edges.add(alias.name)
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                if target in modules:  # from terarec.serving import binary
+                    edges.add(target)
+                    bound[alias.asname or alias.name] = target
+                    if alias.name.startswith("_"):
+                        private.append(target)
+                elif base in modules:
+                    edges.add(base)
+                    if alias.name.startswith("_") and base != me:
+                        private.append(target)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in bound and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            private.append(f"{bound[node.value.id]}.{node.attr}")
+    edges.discard(me)
+    return edges, private
+
+
+def _serving_graph(src: Path) -> tuple[dict[str, set[str]], dict[str, list[str]]]:
+    paths = sorted((src / "serving").rglob("*.py"))
+    modules = {_module_name(p, src) for p in paths}
+    graph, private = {}, {}
+    for path in paths:
+        edges, names = _serving_imports(path, src, modules)
+        graph[_module_name(path, src)] = edges - {SERVING}  # the package's empty __init__
+        if names:
+            private[_module_name(path, src)] = names
+    return graph, private
+
+
+def test_serving_modules_share_only_public_names():
+    """A serving module uses another's public names only: what one module keeps
+    private can change without breaking its neighbours."""
+    _, private = _serving_graph(SRC)
+    assert not private, f"private names imported across serving modules: {private}"
+
+
+def test_serving_has_no_import_cycle():
+    """serving/ modules import each other in one direction (a call-time import too),
+    so each can be read, tested and split on its own."""
+    cycle = import_cycle("terarec.serving")
+    assert cycle is None, "import cycle in terarec/serving: " + " -> ".join(cycle or [])
+
+
+def test_the_serving_check_sees_private_names(tmp_path):
+    pkg = tmp_path / "terarec" / "serving"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from terarec.serving.b import _hidden\n_mine = 1\n")
+    (pkg / "b.py").write_text("def f():\n    from . import c\n    return c._x\n_hidden = 1\n")
+    (pkg / "c.py").write_text("import terarec.serving.a as a\nfrom .a import _mine\n")
+    graph, private = _serving_graph(tmp_path / "terarec")
+    assert private == {"terarec.serving.a": ["terarec.serving.b._hidden"],
+                       "terarec.serving.b": ["terarec.serving.c._x"],
+                       "terarec.serving.c": ["terarec.serving.a._mine"]}
+    (pkg / "c.py").write_text("x = 1\n")
+    assert "terarec.serving.c" not in _serving_graph(tmp_path / "terarec")[1]

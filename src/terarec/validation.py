@@ -1,4 +1,4 @@
-"""Validating JSON documents (configs, schemas, manifests, request bodies) against types.
+"""Validating JSON documents (configs, schemas, manifests, checkpoint metadata) against types.
 
 The types are plain dataclasses (or TypedDicts) with ``STRICT`` as their pydantic config:
 JSON rules (an array fills a tuple, ``"4096"`` is not an integer), unknown keys refused,

@@ -177,7 +177,8 @@ RETRIEVAL_INFER_CASES = [
     # named "context" and Python's spelling of the value
     ({"datatype": "STRING"}, "input 'user': unknown datatype 'STRING'"),
     ({"datatype": "BOOL"}, "input 'user': data[0] is string \"5\", not a BOOL value"),
-    ({"data": [{"a": 1}]}, "input 'user': data[0] is object {\"a\":1}, not a BYTES value"),
+    ({"data": [{"a": 1}]}, "inputs[0].data[0] must be a boolean or an integer or a number or "
+                           "a string or an array or null, got object"),
     ({"data": [["5", "6"]], "shape": [1, 1]}, "input 'user': data[0] is array"),
     ({"parameters": {"top_k": None}}, "parameters.top_k: expected an integer from 1 to 100, "
                                       "got null"),

@@ -425,16 +425,18 @@ class _RecordingTransport(asyncio.Transport):
 
 
 def _answer_writes(app, request: bytes) -> tuple[list[bytes], bool]:
-    """The transport writes uvicorn's httptools protocol makes to answer ``request``."""
+    """The transport writes the server's protocol (uvicorn's httptools protocol, as
+    ``terarec serve`` runs it) makes to answer ``request``."""
     import uvicorn
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.server import ServerState
 
+    from terarec.serving.protocol import OneWriteHttp
+
     async def run() -> tuple[list[bytes], bool]:
-        config = uvicorn.Config(app, http="httptools", lifespan="off", access_log=False,
+        config = uvicorn.Config(app, http=OneWriteHttp, lifespan="off", access_log=False,
                                 log_level="warning")
         config.load()
-        protocol = HttpToolsProtocol(config, ServerState(), app_state={})
+        protocol = OneWriteHttp(config, ServerState(), app_state={})
         transport = _RecordingTransport()
         protocol.connection_made(transport)
         protocol.data_received(request)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import TypeAdapter
+import msgspec
 
 from terarec.types import FieldSpec
 
@@ -48,18 +48,14 @@ def _body_schemas(features: tuple[FieldSpec, ...] | None, max_top_k: int | None 
                   ) -> dict[str, Any]:
     """components/schemas: the request types' JSON Schema, feature objects narrowed to
     ``features`` (names and value types) when a version is served."""
-    from terarec.serving.app import InferRequest, PredictRequest
+    from terarec.serving.schemas import InferRequest, PredictRequest
 
     types: list[type] = [PredictRequest, InferRequest]
     if max_top_k is not None:
         from terarec.serving.retrieve import RetrieveRequest
 
         types.append(RetrieveRequest)
-    out: dict[str, Any] = {}
-    for tp in types:
-        schema = TypeAdapter(tp).json_schema(ref_template="#/components/schemas/{model}")
-        out.update(schema.pop("$defs", {}))
-        out[tp.__name__] = schema
+    _, out = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     if max_top_k is not None:
         from terarec.serving.retrieve import DEFAULT_TOP_K
 

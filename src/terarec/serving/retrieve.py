@@ -16,49 +16,39 @@ read and validated as ``/predict``'s are: errors name the JSON path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import faiss
+import msgspec
 import numpy as np
-import orjson
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from terarec.finite import NonFiniteError, check_scores
 from terarec.models.dssm import DSSM
 from terarec.retrieval.index import IndexWatcher, ItemIndex
-from terarec.serving.app import (
-    KSERVE_DATATYPES,
-    BadRequest,
-    _check_data,
-    _check_features,
-    _parse,
-    _read_body,
-    _request_batch,
-    _scores,
-    require_route,
-)
+from terarec.serving import routes
+from terarec.serving.asgi import read_body
 from terarec.serving.batching import DynamicBatcher
 from terarec.serving.engine import ServedVersion, ServingEngine
-from terarec.validation import STRICT
+from terarec.serving.errors import BadRequest
+from terarec.serving.kserve import check_data, check_datatype
+from terarec.serving.routes import check_features, request_batch, require_route
+from terarec.serving.schemas import Features, InferRequest, decode, encode
 
 DEFAULT_TOP_K = 100
 RETRIEVAL_OUTPUTS = ("items", "scores")
 
 
-@dataclass
-class RetrieveRequest:
+class RetrieveRequest(msgspec.Struct, forbid_unknown_fields=True):
     """``/retrieve`` body."""
 
-    __pydantic_config__ = STRICT
-
-    context: Annotated[dict[str, Any], Field(description="the user's feature values")]
+    context: Annotated[Features, msgspec.Meta(description="the user's feature values")]
     # None: DEFAULT_TOP_K, or the server's limit where that is lower
-    top_k: Annotated[int | None, Field(ge=1, description="how many items to return")] = None
+    top_k: Annotated[int, msgspec.Meta(ge=1, description="how many items to return")] \
+        | None = None
     rank: bool = False
 
 
@@ -76,12 +66,12 @@ def user_vector(engine: ServingEngine, version: ServedVersion,
     """``[1, K]`` user vector of one request's user features; errors name them as
     ``where`` (the /retrieve body's ``context``, a v2 request's ``inputs``)."""
     model = _user_tower(version)
-    context = dict(_check_features(context, where, version))
+    context = dict(check_features(context, where, version))
     item_side = [k for k in context if k in model.item_fields]
     if item_side:
         raise BadRequest(f"{where}.{item_side[0]}: an item-side feature; /retrieve takes "
                          f"the user's features {list(model.user_fields)}")
-    batch = _request_batch(version, context, [{}], where)
+    batch = request_batch(version, context, [{}], where)
     emb = engine.pooled(batch, version)
     vector = model.user_embedding(batch.dense, emb.index_select(1, model.user_index))
     out = vector.numpy()
@@ -110,14 +100,14 @@ async def _search(engine: ServingEngine, index: ItemIndex, version: ServedVersio
 
 
 async def infer_top_k(engine: ServingEngine, index: ItemIndex | IndexWatcher | None,
-                      version: ServedVersion, body: Any, model_name: str,
+                      version: ServedVersion, body: InferRequest, model_name: str,
                       max_top_k: int) -> dict[str, Any]:
     """A v2 inference request with ``parameters.top_k``: one user's features as inputs
     of shape [1] (or [1, 1]); outputs ``items`` (BYTES) and ``scores`` (FP32)."""
     top_k = body.parameters["top_k"]
     if type(top_k) is not int or not 1 <= top_k <= max_top_k:
         raise BadRequest(f"parameters.top_k: expected an integer from 1 to {max_top_k}, "
-                         f"got {orjson.dumps(top_k).decode()[:60]}")
+                         f"got {encode(top_k).decode()[:60]}")
     if index is None:
         raise BadRequest("parameters.top_k: this server has no item index (serve --index)",
                          404)
@@ -134,12 +124,11 @@ async def infer_top_k(engine: ServingEngine, index: ItemIndex | IndexWatcher | N
             raise BadRequest(f"inputs[{i}]: retrieval takes one user: shape [1] and one "
                              f"value, got shape {tensor.shape} and {len(tensor.data)} values")
         where = f"input {tensor.name!r}"
-        if tensor.datatype not in KSERVE_DATATYPES:
-            raise BadRequest(f"{where}: unknown datatype {tensor.datatype!r}")
+        check_datatype(where, tensor.datatype)
         value = tensor.data[0]
         if tensor.shape == [1, 1] and isinstance(value, list) and len(value) == 1:
             value = value[0]
-        _check_data(where, tensor.datatype, [value])  # as the scoring path checks it
+        check_data(where, tensor.datatype, [value])  # as the scoring path checks it
         context[tensor.name] = value
     index = watcher_of(index).for_version(version.name)
     found, scores = await _search(engine, index, version, context, top_k, "inputs")
@@ -176,8 +165,8 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine,
     async def retrieve(request: Request) -> Response:
         version = engine.served()
         index = watcher.for_version(version.name)  # one generation for the whole request
-        raw = await _read_body(request.scope, request.receive, max_body_bytes)
-        body = _parse(RetrieveRequest, raw)
+        raw = await read_body(request.scope, request.receive, max_body_bytes)
+        body = decode(RetrieveRequest, raw)
         top_k = min(DEFAULT_TOP_K, max_top_k) if body.top_k is None else body.top_k
         if top_k > max_top_k:
             raise BadRequest(f"top_k: {top_k} exceeds the limit of {max_top_k}", 413)
@@ -189,8 +178,8 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine,
                 raise BadRequest("rank: ranking needs the whole model; this server serves "
                                  f"slice {version.manifest.data['slice']['name']!r}", 422)
             records = index.records(found)
-            batch = _request_batch(version, body.context, records, "candidates")
-            ranked = np.asarray(await _scores(batcher, version, batch, "candidates"))
+            batch = request_batch(version, body.context, records, "candidates")
+            ranked = np.asarray(await routes.scores(batcher, version, batch, "candidates"))
             order = np.argsort(-ranked, kind="stable")
             found, scores = found[order], scores[order]
             out["rank_scores"] = ranked[order].tolist()
@@ -200,4 +189,4 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine,
             raise BadRequest(f"scores: {exc}") from None
         out["items"] = index.ids[found].tolist()
         out["scores"] = scores.tolist()
-        return Response(orjson.dumps(out), media_type="application/json")
+        return Response(encode(out), media_type="application/json")

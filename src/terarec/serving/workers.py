@@ -26,12 +26,15 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from terarec.serving.protocol import OneWriteHttp
+
 log = logging.getLogger(__name__)
 SWAP_NOTICE = "SERVED"
-# uvicorn settings of every server process: uvloop and the httptools parser; no access
-# log, no X-Forwarded-* rewriting (a middleware layer on every request; the server
-# does not log client addresses) and no Server header.
-UVICORN_OPTIONS: dict[str, Any] = {"loop": "uvloop", "http": "httptools",
+# uvicorn settings of every server process: uvloop and the httptools parser, each answer
+# in one socket write (serving/protocol.py); no access log, no X-Forwarded-* rewriting
+# (a middleware layer on every request; the server does not log client addresses) and
+# no Server header.
+UVICORN_OPTIONS: dict[str, Any] = {"loop": "uvloop", "http": OneWriteHttp,
                                    "access_log": False, "proxy_headers": False,
                                    "server_header": False}
 # A worker that dies sooner than this after starting is not restarted (it would only
