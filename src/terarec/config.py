@@ -344,7 +344,10 @@ class TrainConfig:
 
     batch_size: Positive = knob(4096, "--batch-size")
     pass_rows: Positive = knob(200_000, "--pass-rows", "rows per pass (store write-back unit)")
-    epochs: Positive = knob(1, "--epochs")
+    epochs: Positive = knob(
+        1, "--epochs", "epochs at most: without --valid the run trains them all (sized "
+        "below 131,072 rows); with --valid an upper bound under --patience, by default "
+        "10 + patience, more on small data (metrics.json: epochs_trained, epochs_limit)")
     # train.passes.shuffled_steps: cyclic order (the same batches in the same order every
     # epoch) when off; docs/models.md "Shuffled step order" for what it changes.
     shuffle: bool = knob(True, "--shuffle", "train each pass's batches in a new order "

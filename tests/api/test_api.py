@@ -245,3 +245,31 @@ def test_search_from_python_finds_what_the_command_line_finds(data, tmp_path):
     assert outcome.best_params == {k[len("params."):]: v for k, v in cli_best.items()
                                    if k.startswith("params.")}
     assert outcome.best.predict(valid).shape == (800,)
+
+
+def test_scores_on_rows_the_model_trained_on_are_called_in_sample(data, tmp_path, capsys):
+    """Below 100,000 rows the model is refit on train + valid: scoring valid again is
+    in-sample, said in one line by eval and by Model.evaluate; unseen rows are not."""
+    train, valid = data
+    lr_model = terarec.fit(train, valid, out=tmp_path / "m", model="lr", batch_size=250,
+                           threads=1, epochs=3, progress=False)
+    assert lr_model.metrics["refit"]["checkpoint"]
+    with pytest.warns(UserWarning, match="in-sample"):
+        assert lr_model.evaluate(valid)["in_sample"] == [str(valid)]
+    copy = tmp_path / "renamed.tsv"  # the same rows under another name
+    copy.write_bytes(train.read_bytes())
+    assert lr_model.trained_on([copy]) == [str(copy)]
+    fresh = tmp_path / "test.tsv"
+    generate(fresh, 500, model_seed=0, sample_seed=9, vocab_scale=0.01)
+    assert lr_model.evaluate(fresh)["in_sample"] == []
+    assert cli_main(["eval", "--model", str(lr_model.path), "--data", str(valid), "--out",
+                     str(tmp_path / "e.json")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("in-sample") == 1 and str(valid) in err
+
+
+def test_metrics_say_how_many_epochs_ran_against_the_bound(lr_model):
+    metrics = lr_model.metrics
+    assert metrics["epochs_limit"] == lr_model.config.epochs
+    assert 1 <= metrics["epochs_trained"] <= metrics["epochs_limit"]
+    assert metrics["epochs_trained"] == max(h["epoch"] for h in lr_model.history) + 1

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -76,6 +77,15 @@ class Model:
         """``history.json``: one record per evaluated pass."""
         return _read_json(self.path / "history.json", [])
 
+    def trained_on(self, files: Sequence[str | os.PathLike[str]]) -> list[str]:
+        """Those of ``files`` whose rows this model trained on (the same content as an
+        input recorded in ``inputs.json``, under any path): their scores are in-sample."""
+        from terarec.data.positions import fingerprint
+
+        seen = {(f["size"], f["sha256"]) for f in _read_json(
+            self.path / "inputs.json", {}).get("files", []) if f.get("trained")}
+        return [str(p) for p in files if Path(p).is_file() and fingerprint(Path(p)) in seen]
+
     # -- scoring -----------------------------------------------------------------------
     def predict(self, data: Data, *, format: str | None = None, delimiter: str | None = None,
                 on_bad_row: OnBadRow = "error") -> np.ndarray:
@@ -109,8 +119,14 @@ class Model:
                  delimiter: str | None = None, on_bad_row: OnBadRow = "error"
                  ) -> dict[str, Any]:
         """AUC, logloss and rows on labelled ``data`` (``skipped_rows`` too); the AUC is
-        None where it is undefined (every label the same class)."""
+        None where it is undefined (every label the same class). ``in_sample`` names the
+        files the model trained on (a refit trains on the validation files too), whose
+        scores say little about new rows; a warning says so."""
         from terarec.train.passes import iter_file_batches
+
+        in_sample = self.trained_on(_paths_of(data))
+        if in_sample:
+            warnings.warn(in_sample_warning(self.path, in_sample), stacklevel=2)
 
         with self._scoring(data, format, delimiter, on_bad_row) as (trainer, schema, files):
             stats = ReadStats()
@@ -119,6 +135,7 @@ class Model:
             metrics: dict[str, Any] = {**trainer.evaluate(batches)}
             check_rows_scored(files, stats)
         metrics["skipped_rows"] = stats.skipped
+        metrics["in_sample"] = in_sample
         auc = metrics.get("auc")
         if auc is not None and not math.isfinite(auc):
             metrics["auc"] = None
@@ -209,6 +226,21 @@ def load(path: str | os.PathLike[str], checkpoint: str = "best") -> Model:
     model.config  # noqa: B018  (reads schema.json and train_config.json, or says why not)
     checkpoint_name(model.path, checkpoint)
     return model
+
+
+def in_sample_warning(model_dir: Path, files: Sequence[str]) -> str:
+    """The one line said when scored rows are rows the model trained on."""
+    return (f"{', '.join(files)}: {model_dir} was trained on these rows (a refit trains "
+            "on the validation files too): the scores are in-sample, not a measure of "
+            "new data")
+
+
+def _paths_of(data: Data) -> list[Path]:
+    if isinstance(data, str | os.PathLike):
+        return [Path(data)]
+    if isinstance(data, Sequence) and all(isinstance(p, str | os.PathLike) for p in data):
+        return [Path(p) for p in data]
+    return []
 
 
 def check_output_path(out: str | os.PathLike[str] | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
 import sys
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # importing them costs the exporter's and trainer's stacks
     from terarec.train.trainer import Trainer
 
 POLL_SECONDS = 1.0  # follow: how often the source is listed by default
+INPUTS_FILE = "inputs.json"  # in the model directory: the files it was trained on
 LOCK_FILE = ".lock"  # in the model directory: held by the one run training it
 CHOOSING_DIR = "choosing"  # in the model directory while a default is chosen by validation
 RANKS_LOCK_FILE = ".lock-ranks"  # in the model directory: shared by every rank of that run
@@ -416,10 +418,29 @@ def _follow_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
     return TrainOutcome(metrics, stats, {}, ctx.is_main, ctx.world)
 
 
+def record_inputs(out: Path, train: list[Path], valid: list[Path], *,
+                  valid_trained: bool) -> None:
+    """``inputs.json``: each input file's fingerprint and whether the model in ``out``
+    trained on its rows (the validation files too after a refit), so scoring them later
+    is known to be in-sample. A resumed run adds its files to the earlier ones."""
+    from terarec.data.positions import fingerprint
+    from terarec.io import atomic_write_text, finite_json
+
+    path = out / INPUTS_FILE
+    try:
+        files = {f["path"]: f for f in json.loads(path.read_text())["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        files = {}
+    for role, paths, trained in (("valid", valid, valid_trained), ("train", train, True)):
+        for p in paths:
+            size, digest = fingerprint(p)
+            files[os.path.abspath(p)] = {"path": os.path.abspath(p), "role": role,
+                                         "size": size, "sha256": digest, "trained": trained}
+    atomic_write_text(path, finite_json({"files": list(files.values())}, indent=2))
+
+
 def write_report(out: Path, metrics: dict, sized: dict, title: str) -> None:
     """The HTML report with plots, in ``out/report``."""
-    import json
-
     from terarec.report import write_report as write  # matplotlib: only when plotting
 
     history = json.loads((out / "history.json").read_text())
@@ -478,6 +499,8 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
             exporter=lambda trainer: make_exporter(job, trainer), on_commit=on_commit,
             selection=selection)
     if ctx.is_main:
+        refit = bool((metrics.get("refit") or {}).get("checkpoint"))
+        record_inputs(Path(job.out), job.train, job.valid, valid_trained=refit)
         write_report(Path(job.out), metrics, sized, f"terarec train: {config.model.name} "
                      f"on {', '.join(Path(p).name for p in job.train)}")
     world = ctx.world

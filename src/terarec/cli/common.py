@@ -163,7 +163,8 @@ def add_config_flags(group: argparse._ArgumentGroup, name: str) -> None:
             kwargs["type"] = _int_list if item is int else _float_list
         else:
             kwargs["type"] = base if base in (int, float) else str
-        shown = "" if default in (None, (), False) else f" (default: {default})"
+        shown = "" if default in (None, (), False) or "default" in flag.help \
+            else f" (default: {default})"  # a help that explains its default says it
         group.add_argument(flag.name, help=(flag.help + shown).strip() or None, **kwargs)
 
 

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from terarec.cli.common import add_model_data_args, model_data, report_skipped
 from terarec.io import atomic_write_text
@@ -20,9 +21,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from terarec.api.model import Model, in_sample_warning
+
     with model_data(args) as (trainer, batches, stats):
-        metrics: dict[str, float | None] = {**trainer.evaluate(batches)}
+        metrics: dict[str, Any] = {**trainer.evaluate(batches)}
     metrics["skipped_rows"] = stats.skipped
+    in_sample = Model(args.model).trained_on(args.data)
+    metrics["in_sample"] = in_sample
+    if in_sample:
+        print(f"warning: {in_sample_warning(args.model, in_sample)}", file=sys.stderr)
     auc = metrics["auc"]
     if auc is not None and not math.isfinite(auc):  # NaN is not JSON: the file was unreadable
         metrics["auc"] = None

@@ -320,7 +320,10 @@ def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,
         dense_bytes_per_step=(sum(h["dense_bytes_per_step"] for h in steps) / len(steps)
                               if steps else 0.0),
         sparse_bytes_per_step=(sum(h["sparse_bytes_per_step"] for h in steps) / len(steps)
-                               if steps else 0.0))
+                               if steps else 0.0),
+        # ``epochs`` is an upper bound (patience may stop first): both are said
+        epochs_trained=max((int(h.get("epoch", 0)) + 1 for h in history), default=0),
+        epochs_limit=config.epochs)
     return metrics
 
 
