@@ -1,60 +1,28 @@
-"""Training defaults sized to the data: batch size, learning rates and epochs from a quick
-estimate of the number of training rows.
+"""Training defaults sized to the data: batch size, learning rates, epochs, admission,
+the embedding width and Adagrad's starting accumulator, from a quick estimate of the
+number of training rows.
 
 The fixed defaults (batch 4096, one epoch) suit endless streams; on 10^4 rows they make
 two optimizer steps. So when the row count is known, the settings a user did not give
 follow it::
 
-    batch_size     rows / 32, as a power of two in [256, 4096]  (>= 32 steps an epoch)
-    learning rates scaled by sqrt(batch_size / 4096)            (the adaptive-optimizer
-                                                                 rule for batch size)
-    epochs         2 below 100,000 rows, else 1
+    batch_size          rows / 32, a power of two in [256, 4096]  (>= 32 steps an epoch)
+    learning rates      scaled by sqrt(batch_size / 4096)          (the adaptive-optimizer
+                                                                    rule for batch size)
+    epochs              2 below 100,000 rows, else 1
+    admit_min_count     2 below 100,000 rows, else 1
+    initial_accumulator 0 below 100,000 rows, else 0.001; with a validation set, small
+                        data tries both and keeps the better
+    SMALL_DATA_SHAPE    per model below 100,000 rows: embedding width, dense-rate factor
+    DENSE_RATE_FACTOR   per model at every size: the dense-rate factor
 
-    admit_min_count 2 below 100,000 rows, else 1               (a key seen once gets no
-                                                                 row of its own)
-    initial_accumulator 0 below 100,000 rows, else 0.001        (sparse Adagrad; with a
-                                                                 validation set, small data
-                                                                 tries 0 and 0.001 and
-                                                                 keeps the better)
-
-    Wide&Deep and DLRM below 100,000 rows: embedding_dim 8 instead of 16 and half the
-    dense learning rate (``SMALL_DATA_SHAPE``; DLRM's bottom MLP ends at the width):
-    keys seen a few times each fit fewer factors, and the deep part, which overfits
-    the first, learns more slowly
-
-    DeepFM at every size: an eighth of the dense learning rate (``DENSE_RATE_FACTOR``).
-    Its deep part starts at zero (an untrained DeepFM is an FM); learning slowly, it
-    adds to the FM what the rows support instead of memorising them within a few passes
-
-At 131,072 rows and above every other value is the fixed default.
-
-With a validation set the epoch count is only an upper bound (patience stops training);
-``max_epochs`` sizes that bound so that it allows at least ``MIN_SELECTED_STEPS``
-optimizer steps: on small data a linear model still improving after ten short epochs
-was cut off by the bound, not by its validation loss.
-A run that gives any of the first four (flag or config file) gets the fixed defaults for
-the rest: they are tuned together. Admission is separate: it is sized unless
-``store.admit_min_count`` itself is given; so is the embedding width, unless
-``model.embedding_dim`` is given (a checkpoint fixes the width: a resumed run keeps its
-own, ``config.resumed_config``). On few rows a key seen once has one label to
-fit, so its own row learns noise; unadmitted keys share the store's zero row.
-Row-wise Adagrad's first step moves a row by the full rate whatever its gradient; the
-accumulator it starts from (0.001, in squared-gradient units of the batch-mean loss)
-makes a row's first steps proportional to its gradient instead. At batch 4096 that stops
-keys seen once or twice in a batch from jumping as far as frequent ones: on synthetic
-data with a planted model it raised DeepFM from 0.7179 to 0.7430 AUC on 300,000 rows and
-from 0.7407 to 0.7528 in ``quickstart`` (1,000,000 rows; ceiling 0.775), LR on 300,000
-rows from 0.7316 to 0.7432. On the small samples (batch 256) the same start gained on
-Criteo and cost Avazu 0.008 AUC (DeepFM and LR alike), so with the sized small-data
-schedule the start is 0, unless ``sparse_optimizer.initial_accumulator`` is given. A
-given batch size or rate gets the fixed start with the fixed rates: with batch 1024 and
-rate 0.05 on 10,000 rows, always-present bucket keys made FM diverge from a start of 0
-(AUC 0.44 against 0.70).
-With a validation set on small data the run is refit (``refit_by_default``): once
-validation has picked the best epoch count, a fresh model trains that many epochs on
-the training and validation rows together, and that is the model the run writes.
-Measured on the Criteo and Avazu samples (docs/models.md); without a validation set more
-epochs overfit those 8,000 rows.
+At 131,072 rows and above every other value is the fixed default. With a validation set
+the epoch count is an upper bound under patience; ``max_epochs`` leaves room for at
+least ``MIN_SELECTED_STEPS`` optimizer steps. A run that gives any of ``SIZED_KEYS``
+keeps the fixed defaults for the rest (they are tuned together); admission and the
+width are sized unless given themselves. Below 100,000 rows a run with a validation set
+is refit on train + valid (``refit_by_default``). Why each value, and what it was
+measured against: docs/models.md, "Data-sized defaults".
 """
 
 from __future__ import annotations
