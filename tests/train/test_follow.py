@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -282,3 +283,52 @@ def test_a_first_file_with_no_rows_gives_way_to_the_next_for_the_statistics(
                  "--stop-idle", "0.5", *ARGS]) == 2
     assert (f"--follow {only_empty}: no file with data rows landed within --stop-idle "
             "0.5 s") in capsys.readouterr().err
+
+
+def _rows_of(path: Path, first: int, last: int) -> str:
+    """Data lines ``first`` .. ``last - 1`` of a synth file (no header)."""
+    return "".join(path.read_text().splitlines(keepends=True)[first:last])
+
+
+def test_a_file_that_grows_after_it_was_trained_stops_the_run_loudly(hourly, tmp_path,
+                                                                    capsys):
+    """A file written in place was marked done at the length it had when read, and the
+    rows appended later were never trained, silently (by the live run or by --resume)."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    grown = folder / "2026-12-01T01-00.tsv"
+    grown.write_text(_rows_of(hourly[1], 0, 500))
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-after", "2",
+                 *ARGS]) == 0
+    capsys.readouterr()
+    with grown.open("a") as fh:
+        fh.write(_rows_of(hourly[1], 500, 1000))
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--resume",
+                 "--stop-idle", "1", *ARGS]) == 2
+    err = capsys.readouterr().err
+    assert f"{grown.name} changed after it was taken for training" in err
+    assert "written in place" in err
+    meta = load_checkpoint(out).meta
+    assert sum(h["rows"] for h in meta["history"]) == ROWS + 500
+
+
+def test_a_file_growing_under_a_live_run_stops_it_loudly(hourly, tmp_path, capsys):
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    grown = folder / "2026-12-01T01-00.tsv"
+    grown.write_text(_rows_of(hourly[1], 0, 500))
+
+    def append_once_trained() -> None:
+        _wait_for(lambda: (out / "history.json").exists() and len(_history(out)) >= 2,
+                  timeout=120)
+        with grown.open("a") as fh:
+            fh.write(_rows_of(hourly[1], 500, 1000))
+
+    writer = threading.Thread(target=append_once_trained, daemon=True)
+    writer.start()
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-idle", "20",
+                 *ARGS]) == 2
+    writer.join()
+    assert f"{grown.name} changed after it was taken for training" in capsys.readouterr().err
