@@ -148,6 +148,8 @@ class VersionReader:
             path.unlink(missing_ok=True)
             raise ExportError(f"{self.storage.uri}/{source}: checksum mismatch, the file is "
                               "corrupted or was replaced")
+        with contextlib.suppress(OSError):
+            path.chmod(0o444)  # a mapped copy: nothing should write it in place
         return path
 
     def tensors(self, manifest: Manifest, rel: str, need: Sequence[str]

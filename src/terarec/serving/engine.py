@@ -34,7 +34,14 @@ from terarec.models.base import CTRModel
 from terarec.serving.dense import Forward, OnnxForwards, torch_forward
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
-from terarec.serving.rows import FallbackRows, RowCache, RowSource, ShardedRows, VersionRows
+from terarec.serving.rows import (
+    DamagedRowsError,
+    FallbackRows,
+    RowCache,
+    RowSource,
+    ShardedRows,
+    VersionRows,
+)
 from terarec.types import Batch, FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -125,6 +132,12 @@ class NoVersionError(RuntimeError):
     """Nothing has been loaded yet: the export is empty or every version was refused."""
 
 
+class DamagedVersionError(NoVersionError):
+    """The served version's local files were damaged underneath the server (a shard
+    copy truncated in place): it is reloaded from the export at the next refresh, and
+    requests are answered 503 until then rather than the process dying of SIGBUS."""
+
+
 class ServingEngine:
     """Serves the newest good version under ``uri`` and follows new ones.
 
@@ -172,6 +185,8 @@ class ServingEngine:
         self._poller: threading.Thread | None = None
         # Run after each poll's refresh (the item index follows the served version).
         self.poll_hooks: list[Callable[[], object]] = []
+        # A served version whose local copies were found damaged: reloaded next refresh.
+        self._damaged: ServedVersion | None = None
 
     # -- loading ------------------------------------------------------------------------
     def load_full(self, manifest: Manifest) -> ServedVersion:
@@ -346,19 +361,25 @@ class ServingEngine:
                 return False
             name = target.name
             current = self.current
+            damaged = current is not None and current is self._damaged
             if self._is_refused(name, target.created) or (
-                    current is not None and name == current.name
+                    current is not None and name == current.name and not damaged
                     and target.created == current.manifest.created):
                 return False
-            continues = self._continues(target)
-            recreated = current is not None and not continues and not self._same_export(target)
+            continues = not damaged and self._continues(target)
+            recreated = current is not None and not continues and (
+                damaged or not self._same_export(target))
             if current is not None and not recreated and target.version <= current.version:
                 return False
             state = self._build(target, continues)
             if state is None or (current is not None and not recreated
                                  and state.version <= current.version):
                 return False  # nothing newer than the served version could be built
-            if recreated:
+            if damaged:
+                assert current is not None
+                log.warning("reloaded from %s: version %s (the local copy of %s was "
+                            "damaged)", self.storage.uri, state.name, current.name)
+            elif recreated:
                 assert current is not None
                 log.warning("%s was recreated (served version %s is gone or was "
                             "re-exported); switching to its version %s", self.storage.uri,
@@ -415,6 +436,7 @@ class ServingEngine:
             else:
                 self.cache.refresh(touched, fresh_rows)
             self.current = state
+            self._damaged = None
         if not same_base:
             self.reader.prune_downloads(state.manifest.chain)
         if self.swap_notice is not None:
@@ -514,7 +536,22 @@ class ServingEngine:
 
     def pooled(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
         """``[B, F, row_dim]``: the batch's keys looked up once each (unique keys of the
-        whole batch) and pooled per field with the training lookup code.
+        whole batch) and pooled per field with the training lookup code
+        (``_pooled_rows``). A version whose mapped files were damaged underneath raises
+        ``DamagedVersionError`` and is reloaded from the export at the next refresh."""
+        try:
+            return self._pooled_rows(batch, version)
+        except DamagedRowsError as exc:
+            if self._damaged is not version:
+                self._damaged = version
+                self.metrics.refused.inc()
+                log.error("version %s: its local files were damaged (%s); reloading it "
+                          "from %s", version.name, exc, self.storage.uri)
+            raise DamagedVersionError(f"version {version.name} is being reloaded: its "
+                                      f"local files were damaged ({exc})") from None
+
+    def _pooled_rows(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
+        """``pooled``'s rows.
 
         With one key per (field, sample), the usual request, pooling is the row itself
         (sum or mean of one), so the rows are gathered straight into ``[B, F, row_dim]``
