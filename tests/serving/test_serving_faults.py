@@ -126,6 +126,28 @@ def test_files_that_never_arrive_are_refused_after_the_timeout(export, live_run,
     assert engine.refresh() and engine.current.version == 5
 
 
+def test_files_arriving_after_the_timeout_are_still_loaded(export, live_run, batch):
+    """A delta whose files came after --incomplete-seconds was refused for good, and so
+    was every later delta on it: the server stayed on the old version until the next
+    full one. Now it is retried at every poll and loaded, with the deltas after it."""
+    engine = _engine(export, incomplete_timeout_s=0.3)
+    _write_delta(export, live_run.trainer)
+    late = export / "v000004" / shard_name(0)
+    held = late.read_bytes()
+    late.unlink()
+    assert not engine.refresh()
+    time.sleep(0.4)
+    assert not engine.refresh()
+    assert "still incomplete" in engine.refused["v000004"]
+    _write_delta(export, live_run.trainer, shift=-0.25)
+    assert not engine.refresh() and engine.current.version == 3
+    assert "v000005" not in engine.refused
+    late.write_bytes(held)
+    assert engine.refresh()
+    assert engine.current.version == 5 and engine.refused == {}
+    assert engine.current.manifest.deltas == ["v000002", "v000003", "v000004", "v000005"]
+
+
 @pytest.mark.parametrize("served_again", [False, True])
 def test_a_recreated_export_is_followed(export, live_run, batch, caplog, served_again):
     engine = _engine(export)

@@ -179,6 +179,9 @@ class ServingEngine:
         self._refused_created: dict[str, float | None] = {}
         # Incomplete versions being retried: (name, created) -> first seen (monotonic).
         self._pending: dict[tuple[str, float | None], float] = {}
+        # Versions still incomplete after ``incomplete_timeout_s``: listed in ``refused``
+        # (logged and counted once) but still retried, and loaded once their files are.
+        self._late: set[tuple[str, float | None]] = set()
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
@@ -247,6 +250,7 @@ class ServingEngine:
     def _refuse(self, name: str, reason: str, created: float | None = None) -> None:
         if self._is_refused(name, created):
             return
+        self._late.discard((name, created))
         log.error("refusing version %s: %s", name, reason)
         self.refused[name] = reason
         self._refused_created[name] = created
@@ -254,22 +258,41 @@ class ServingEngine:
         self.metrics.refused.inc()
 
     def _is_refused(self, name: str, created: float | None) -> bool:
-        return name in self.refused and self._refused_created.get(name) == created
+        return (name in self.refused and self._refused_created.get(name) == created
+                and (name, created) not in self._late)
 
     def _incomplete(self, name: str, created: float | None,
                     exc: IncompleteVersionError) -> bool:
         """Note that version ``name`` is incomplete; True once it has been so for
-        ``incomplete_timeout_s`` (and is then refused)."""
+        ``incomplete_timeout_s``. It is then listed as refused, but still retried at every
+        refresh: files that arrive late (a slow copy) are loaded when they do, and the
+        deltas after it with them, rather than the server staying on an old version until
+        the next full one."""
         now = time.monotonic()
         first = self._pending.setdefault((name, created), now)
         if now - first >= self.incomplete_timeout_s:
-            self._refuse(name, f"files still incomplete after {now - first:.0f} s ({exc})",
-                         created)
+            if (name, created) not in self._late:
+                reason = f"files still incomplete after {now - first:.0f} s ({exc})"
+                log.error("refusing version %s for now: %s; retrying it at every poll",
+                          name, reason)
+                self._late.add((name, created))
+                self.refused[name] = reason
+                self._refused_created[name] = created
+                self.metrics.refused.inc()
             return True
         if first == now:
             log.warning("version %s is incomplete (%s); retrying for up to %.0f s", name,
                         exc, self.incomplete_timeout_s)
         return False
+
+    def _complete(self, name: str, created: float | None) -> None:
+        """Version ``name`` loaded: no longer pending, nor refused if it was late."""
+        self._pending.pop((name, created), None)
+        if (name, created) in self._late:
+            self._late.discard((name, created))
+            self.refused.pop(name, None)
+            self._refused_created.pop(name, None)
+            log.warning("version %s is complete after all; loaded", name)
 
     def _continues(self, target: Manifest) -> bool:
         """Whether ``target`` extends the served chain: same names, and the served head
@@ -308,6 +331,7 @@ class ServingEngine:
                 if self._is_refused(base.name, base_created):
                     raise ExportError(f"version {base.name} was refused")
                 state = self.load_full(base)
+                self._complete(base.name, base_created)
             except IncompleteVersionError as exc:
                 self._incomplete(target.base, base_created, exc)
                 if target.base != target.name and self._is_refused(target.base, base_created):
@@ -331,10 +355,9 @@ class ServingEngine:
                                  target.created)
                     break
                 state = self.apply_delta(state, manifest)
+                self._complete(name, created)
             except IncompleteVersionError as exc:
-                if self._incomplete(name, created, exc) and name != target.name:
-                    self._refuse(target.name, f"it builds on refused version {name}",
-                                 target.created)
+                self._incomplete(name, created, exc)  # retried at the next refresh
                 break
             except (ValueError, KeyError, TypeError) as exc:
                 self._refuse(name, _reason(exc), created)
