@@ -186,6 +186,10 @@ class VersionReader:
         except RuntimeError as exc:
             raise ExportError(f"{manifest.name}: dense weights do not fit the model "
                               f"({str(exc).splitlines()[0]})") from None
+        for key, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ExportError(f"{manifest.name}: dense weight {key!r} holds non-finite "
+                                  "values")
         if model.row_dim != manifest.row_dim:
             raise ExportError(f"{manifest.name}: rows have {manifest.row_dim} floats, the "
                               f"model needs {model.row_dim}")
@@ -215,6 +219,7 @@ class VersionReader:
         if len(keys) and (int(keys[0]) != shard["first_key"]
                           or int(keys[-1]) != shard["last_key"]):
             raise ExportError(f"{manifest.name}/{rel}: key range differs from the manifest")
+        check_rows(f"{manifest.name}/{rel}", keys, values)
         return keys, values
 
     def shards(self, manifest: Manifest) -> list[Rows]:
@@ -272,6 +277,30 @@ class VersionReader:
             if (folder.is_dir() and folder.name not in names
                     and parse_version_name(folder.name) is not None):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+CHECK_ROWS = 1 << 18  # rows checked at a time: bounded temporaries on any shard size
+
+
+def check_rows(where: str, keys: np.ndarray, values: Any) -> None:
+    """Refuse a shard a checksum cannot fault: keys not strictly increasing (lookups
+    binary-search them, so such a shard serves wrong rows) or a value that is not finite
+    (every score touching it would be NaN). Read once, a slice at a time, when a version
+    is loaded; encoded rows are checked decoded."""
+    n = len(keys)
+    for lo in range(0, n, CHECK_ROWS):
+        hi = min(lo + CHECK_ROWS, n)
+        k = np.asarray(keys[lo:min(hi + 1, n)])
+        rising = k[1:] > k[:-1]
+        if not bool(rising.all()):
+            at = lo + int(np.argmin(rising)) + 1
+            raise ExportError(f"{where}: keys are not sorted and unique (row {at}, key "
+                              f"{int(keys[at])} after {int(keys[at - 1])})")
+        finite = np.isfinite(np.asarray(values[lo:hi], np.float32)).all(axis=1)
+        if not bool(finite.all()):
+            at = lo + int(np.argmin(finite))
+            raise ExportError(f"{where}: the row of key {int(keys[at])} (row {at}) holds a "
+                              "non-finite value")
 
 
 def _load_slice_state(model: CTRModel, state: dict[str, Any], manifest: Manifest) -> None:
