@@ -321,3 +321,26 @@ def test_a_damaged_cache_copy_costs_the_version_not_the_process(export, live_run
         output = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0, output
     assert "its local files were damaged" in output
+
+
+@pytest.mark.parametrize("link", ["file", "folder"])
+def test_a_symbolic_link_in_a_version_is_refused(export, live_run, tmp_path, link):
+    """A link inside a version folder passed the path check: its target (anything the
+    server may read, e.g. /etc/passwd) was copied into the server's cache. A link is
+    refused even when its target holds the very bytes the manifest lists."""
+    engine = _engine(export)
+    _write_delta(export, live_run.trainer)
+    folder = export / "v000004"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if link == "file":
+        shard = folder / shard_name(0)
+        shutil.move(shard, outside / "shard.safetensors")
+        shard.symlink_to(outside / "shard.safetensors")
+    else:
+        shutil.move(folder / "sparse", outside / "sparse")
+        (folder / "sparse").symlink_to(outside / "sparse")
+    assert not engine.refresh()
+    assert engine.current.version == 3
+    assert "is a symbolic link" in engine.refused["v000004"]
+    assert not (engine.cache_dir / "v000004" / "sparse").exists()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,7 @@ class VersionReader:
         source = f"{manifest.name}/{rel}"
         path = self.cache_dir / manifest.name / rel
         size, digest = int(info["bytes"]), info["sha256"]
+        self._check_local(manifest.name, rel)
         if path.exists() and path.stat().st_size == size and sha256_file(path) == digest:
             return path  # copied for an earlier version of the same content
         try:
@@ -151,6 +153,30 @@ class VersionReader:
         with contextlib.suppress(OSError):
             path.chmod(0o444)  # a mapped copy: nothing should write it in place
         return path
+
+    def _check_local(self, name: str, rel: str) -> None:
+        """Refuse a local version file that is, or lies under, a symbolic link, resolves
+        outside its version folder, or is not a regular file: a manifest's paths are
+        checked as text (``check_member_path``), but a link planted in the folder would
+        still have the server copy (and log) whatever it points at."""
+        version = self.storage.local_path(name)
+        if version is None:
+            return
+        where = f"{self.storage.uri}/{name}/{rel}"
+        current = version
+        for part in ["", *rel.split("/")]:
+            current = current / part if part else current
+            if current.is_symlink():
+                raise ExportError(f"{where}: {current} is a symbolic link; a version's "
+                                  "files must be regular files inside its folder")
+        local = version / rel
+        try:
+            inside = local.resolve().is_relative_to(version.resolve())
+            regular = stat.S_ISREG(local.stat().st_mode)
+        except OSError:
+            return  # missing: the copy below says so (an incomplete version)
+        if not inside or not regular:
+            raise ExportError(f"{where}: not a regular file inside the version folder")
 
     def tensors(self, manifest: Manifest, rel: str, need: Sequence[str]
                 ) -> dict[str, np.ndarray]:
