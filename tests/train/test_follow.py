@@ -332,3 +332,16 @@ def test_a_file_growing_under_a_live_run_stops_it_loudly(hourly, tmp_path, capsy
                  *ARGS]) == 2
     writer.join()
     assert f"{grown.name} changed after it was taken for training" in capsys.readouterr().err
+
+
+def test_a_last_file_with_no_rows_counts_towards_stop_after(hourly, tmp_path, capsys):
+    """A zero-byte file landing after the others was never recorded (no pass carried
+    its position), so --stop-after counting it was never reached."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    (folder / "2026-12-01T01-00.tsv").write_bytes(b"")
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-after", "2",
+                 "--stop-idle", "20", *ARGS]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["stop_reason"] == "stop_after" and summary["files_trained"] == 2
