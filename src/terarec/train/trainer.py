@@ -73,6 +73,7 @@ from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pa
 from terarec.finite import check_model_scores
 from terarec.models import build_model
 from terarec.models.dssm import DSSM
+from terarec.models.registry import check_model_fits
 from terarec.train.dense_optimizer import dense_optimizer
 from terarec.train.metrics import evaluate_scores, offset_shift
 from terarec.train.passes import (
@@ -151,6 +152,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         self.device = self.ctx.device
+        check_model_fits(schema, config.model, config.batch_size, self.device)
         self.model = build_model(schema, config.model).to(self.device)
         if config.loss == "sampled_softmax" and not isinstance(self.model, DSSM):
             raise ValueError("loss 'sampled_softmax' needs model 'dssm' (two towers); got "
