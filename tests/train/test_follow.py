@@ -345,3 +345,37 @@ def test_a_last_file_with_no_rows_counts_towards_stop_after(hourly, tmp_path, ca
                  "--stop-idle", "20", *ARGS]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[0])
     assert summary["stop_reason"] == "stop_after" and summary["files_trained"] == 2
+
+
+def test_a_file_trained_across_a_restart_is_reported_whole(hourly, tmp_path, capsys):
+    """After SIGTERM mid-file and --resume, the history record finishing the file gave
+    only the resumed part's rows and log loss, and metrics.json said skipped_rows 0
+    although the checkpoint recorded the bad rows skipped before the restart."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    lines = hourly[0].read_text().splitlines(keepends=True)
+    bad = ["not\ta\tgood\trow\n"] * 3
+    (folder / "a.tsv").write_text("".join(lines[:10] + bad + lines[10:]))
+    args = ["train", "--follow", str(folder), "--out", str(out), "--resume", *ARGS,
+            "--pass-rows", "100", "--on-bad-row", "skip"]
+
+    def stop_after_a_pass() -> None:
+        _wait_for(lambda: (out / "history.json").exists() and len(_history(out)) >= 1,
+                  timeout=120)
+        os.kill(os.getpid(), signal.SIGTERM)  # finish the pass, checkpoint, exit 0
+
+    stopper = threading.Thread(target=stop_after_a_pass, daemon=True)
+    stopper.start()
+    assert main(args) == 0
+    stopper.join()
+    first = _history(out)
+    assert first and not any("file_done" in h for h in first)
+    assert main([*args, "--stop-after", "1"]) == 0
+    history = _history(out)
+    done = history[-1]
+    assert done["file_rows"] == ROWS == sum(h["progressive_rows"] for h in history)
+    assert done["file_auc_rows"] == ROWS - sum(h["progressive_rows"] for h in first)
+    expected = sum(h["progressive_logloss"] * h["progressive_rows"]
+                   for h in history) / ROWS
+    assert done["file_logloss"] == pytest.approx(expected, rel=1e-6)
+    assert json.loads((out / "metrics.json").read_text())["skipped_rows"] == 3
