@@ -134,8 +134,9 @@ class NoVersionError(RuntimeError):
 
 class DamagedVersionError(NoVersionError):
     """The served version's local files were damaged underneath the server (a shard
-    copy truncated in place): it is reloaded from the export at the next refresh, and
-    requests are answered 503 until then rather than the process dying of SIGBUS."""
+    copy truncated in place) and it could not be reloaded from the export at once:
+    requests are answered 503 until a refresh does, rather than the process dying of
+    SIGBUS."""
 
 
 class ServingEngine:
@@ -560,16 +561,22 @@ class ServingEngine:
     def pooled(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
         """``[B, F, row_dim]``: the batch's keys looked up once each (unique keys of the
         whole batch) and pooled per field with the training lookup code
-        (``_pooled_rows``). A version whose mapped files were damaged underneath raises
-        ``DamagedVersionError`` and is reloaded from the export at the next refresh."""
+        (``_pooled_rows``). A version whose mapped files were damaged underneath is
+        reloaded from the export there and then, and the rows read from the reloaded
+        copy; ``DamagedVersionError`` when that fails (retried at every refresh)."""
         try:
             return self._pooled_rows(batch, version)
         except DamagedRowsError as exc:
-            if self._damaged is not version:
+            if self._damaged is not version and self.current is version:
                 self._damaged = version
                 self.metrics.refused.inc()
                 log.error("version %s: its local files were damaged (%s); reloading it "
                           "from %s", version.name, exc, self.storage.uri)
+                self.refresh()  # copied and verified again, now
+            again = self.current
+            if again is not None and again is not version and again.name == version.name \
+                    and again.manifest.created == version.manifest.created:
+                return self._pooled_rows(batch, again)  # the same rows, reloaded
             raise DamagedVersionError(f"version {version.name} is being reloaded: its "
                                       f"local files were damaged ({exc})") from None
 
