@@ -10,8 +10,10 @@ When a file counts as landed (docs/continuous.md):
 * a folder under SOURCE (a partition of several files) is landed once it holds a
   ``_SUCCESS`` marker; its files are then trained in name order.
 
-Names ending in ``.json`` (metadata such as ``terarec synth``'s ground truth) are never
-data. A landed file with no data rows (zero bytes, a header only, a Parquet file of no
+A file taken for training that a later listing shows with another size was written in
+place, not renamed: the run stops naming it (``GrownFileError``) rather than lose the rows
+it gained. Names ending in ``.json`` (metadata such as ``terarec synth``'s ground truth)
+are never data. A landed file with no data rows (zero bytes, a header only, a Parquet file of no
 rows: an empty partition's part file) is trained as zero rows and recorded as done.
 Files of an object store are copied into ``OUT/follow-cache`` to be read and the copy
 removed once every rank has read it; checkpoints name them by their URI.
