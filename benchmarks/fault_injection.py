@@ -21,8 +21,14 @@ export  ``terarec export`` killed with -9 at random moments, then two exports to
 serve   a ``terarec serve`` (cache off, so lookups read the shards) under a steady
         client while: the served shards are truncated in place, a delta with a flipped
         byte, a delta whose files arrive after its manifest, a delta whose manifest
-        points outside its version, hostile bodies (5000-digit integer, bytes, NaN), the
+        points outside its version, a delta whose files arrive after
+        ``--incomplete-seconds`` (served once they do, with the deltas after it), the
+        server's own shard copies truncated under a request with unseen keys, full
+        versions of NaN rows or unsorted keys and a delta whose shard is a symbolic
+        link (never served), hostile bodies (5000-digit integer, bytes, NaN), the
         export deleted and re-exported, and kill -9 plus restart.
+follow  ``train --follow`` with a file written in place that grows after it was read:
+        every row trained or the run stopped naming the file (else ``rows_lost``).
 
 ``poisoned_artifacts``: committed checkpoints or versions whose files fail their
 checksums, plus answers scored by a version that should have been refused or that differ
@@ -341,10 +347,10 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
             dense=ckpt.dense, keys=keys[::2], values=values[::2] + shift,
             deleted=keys[1::40], pass_id=pass_id).name
 
-    port = free_port()
+    port, cache = free_port(), work / "serve-cache"
     serve_cmd = ["serve", str(export), "--port", str(port), "--threads", "1",
-                 "--cache-rows", "0", "--poll-seconds", "0.2", "--incomplete-seconds", "20",
-                 "--log-level", "warning"]
+                 "--cache-rows", "0", "--poll-seconds", "0.2", "--incomplete-seconds", "2",
+                 "--cache-dir", str(cache), "--log-level", "warning"]
     proc = _terarec(*serve_cmd)
     body = _requests(data, 32)
     newest = read_manifest(Storage(export), latest_version(Storage(export)) or "").version
@@ -383,6 +389,28 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
         totals["faults"] += 1
         if not wait_for(port, int(late[1:])):
             totals["stuck_versions"] += 1
+        # 3b. a delta whose files arrive after --incomplete-seconds (was: refused for good,
+        # with every delta after it)
+        late = delta(0.3)
+        shard = export / late / shard_name(0)
+        held = shard.read_bytes()
+        shard.unlink()
+        time.sleep(4.0)
+        shard.write_bytes(held)
+        totals["faults"] += 1
+        if not wait_for(port, int(late[1:])):
+            totals["stuck_versions"] += 1
+        after = delta(0.35)
+        if not wait_for(port, int(after[1:])):
+            totals["stuck_versions"] += 1
+        # 3c. the server's own copy of a served shard truncated (was: SIGBUS), then a
+        # request whose keys no delta holds, so it reads that shard
+        for copy in sorted((cache / full_name / "sparse").glob("shard-*")):
+            copy.chmod(0o644)
+            os.truncate(copy, 4096)
+            totals["faults"] += 1
+        status, _ = post(port, _unseen(body))
+        totals["server_5xx"] += status >= 500
         # 4. a delta whose manifest reaches outside its version
         escape = delta(0.75)
         outside = work / "outside" / "dense.safetensors"
@@ -404,6 +432,22 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
             totals["faults"] += 1
             totals["server_5xx"] += status >= 500
         time.sleep(1.0)
+        # 5b. versions consistent with their manifests but unservable: all rows NaN, keys
+        # out of order, and a delta whose shard is a symbolic link out of its folder
+        served = served_version(port)
+        linked = delta(0.6)
+        target = work / "outside" / "shard.safetensors"
+        shutil.move(export / linked / shard_name(0), target)
+        (export / linked / shard_name(0)).symlink_to(target)
+        must_not_serve.add(int(linked[1:]))
+        totals["faults"] += 1
+        time.sleep(1.0)
+        for edit in (_nan_rows, _unsorted_keys):
+            must_not_serve.add(_full_copy(export, full_name, edit))
+            totals["faults"] += 1
+            time.sleep(1.0)
+        if served_version(port) != served:
+            totals["poisoned_artifacts"] += 1
         # 6. the export deleted and written again from scratch
         shutil.rmtree(export)
         time.sleep(0.6)
@@ -446,6 +490,73 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
     totals["requests"] += len(client.answers)
 
 
+def _unseen(body: bytes) -> bytes:
+    """``body`` with every categorical value replaced by one no version holds."""
+    request = json.loads(body)
+    for n, row in enumerate(request["candidates"]):
+        row.update({k: f"unseen-{n}-{k}" for k in list(row) if k.startswith("C")})
+    return json.dumps(request).encode()
+
+
+def _nan_rows(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return keys, np.full_like(values, np.nan)
+
+
+def _unsorted_keys(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keys = keys.copy()
+    keys[1], keys[2] = keys[2], keys[1]  # first and last key as the manifest says
+    return keys, values
+
+
+def _full_copy(export: Path, source: str, edit) -> int:
+    """A new full version: full version ``source`` with its first shard passed through
+    ``edit``, under a manifest whose sizes and checksums match; its number."""
+    from terarec.export.format import LATEST, memmap_tensors, rows_bytes
+
+    storage = Storage(export)
+    number = max(int(n[1:]) for n in list_versions(storage)) + 1
+    name = f"v{number:06d}"
+    folder = export / name
+    shutil.copytree(export / source, folder)
+    shard = folder / shard_name(0)
+    tensors = memmap_tensors(shard)
+    data = rows_bytes(*edit(np.array(tensors["keys"]), np.array(tensors["values"])))
+    del tensors
+    shard.write_bytes(data)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest.update(name=name, version=number, base=name, deltas=[], created=time.time())
+    manifest.pop("parent", None)
+    manifest["files"][shard_name(0)] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    (export / LATEST).write_text(name)
+    return number
+
+
+def follow_rounds(work: Path, data: Path, totals: dict) -> None:
+    """A file written in place under ``train --follow`` (read while it grows): the run
+    must train every row or stop naming the file, never lose rows in silence."""
+    folder, out = work / "follow-logs", work / "follow-model"
+    folder.mkdir()
+    lines = data.read_text().splitlines(keepends=True)
+    (folder / "01.tsv").write_text("".join(lines[:1000]))
+    proc = _terarec("train", "--follow", str(folder), "--out", str(out), "--resume",
+                    "--stop-idle", "15", "--poll-seconds", "0.2", *TRAIN_ARGS)
+    deadline = time.monotonic() + 120
+    while not (out / "history.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    grown = folder / "02.tsv"
+    grown.write_text("".join(lines[1000:1500]))
+    time.sleep(4.0)
+    with grown.open("a") as fh:
+        fh.write("".join(lines[1500:2000]))
+    totals["faults"] += 1
+    text = proc.communicate(timeout=300)[0].decode()
+    trained = _history_rows(out) if list_checkpoints(out) else 0
+    refused = proc.returncode != 0 and "changed after it was taken for training" in text
+    if trained != 2000 and not refused:
+        totals["rows_lost"] += 2000 - trained
+
+
 def _schema(model: Path):
     from terarec.modeldir import read_model_meta
 
@@ -464,7 +575,7 @@ def main() -> None:
     p.add_argument("--train-kills", type=int, default=3, help="kill -9s per train round")
     p.add_argument("--export-kills", type=int, default=3)
     p.add_argument("--search-kills", type=int, default=4)
-    p.add_argument("--stages", default="train,search,export,serve",
+    p.add_argument("--stages", default="train,search,export,serve,follow",
                    help="comma-separated stages to run (export and serve need train)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -492,7 +603,8 @@ def main() -> None:
                   "export": lambda: export_rounds(work, work / "model-memory", rng,
                                                   args.export_kills, totals),
                   "serve": lambda: serve_rounds(work, work / "model-memory",
-                                                work / "export-memory", data, totals)}
+                                                work / "export-memory", data, totals),
+                  "follow": lambda: follow_rounds(work, data, totals)}
         chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
         unknown = sorted(set(chosen) - set(stages))
         if unknown:

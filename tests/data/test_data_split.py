@@ -13,7 +13,8 @@ import pytest
 
 from terarec.data import split
 from terarec.data.readers import DataError, ReadStats, csv_schema, iter_tables, parquet_schema
-from terarec.data.split import iter_rank_tables, line_index
+from terarec.data.split import iter_rank_tables, iter_tables_from, line_index
+from terarec.data.synth import generate
 from terarec.types import FeatureSchema
 
 CSV = csv_schema("label", ["x"], ["a", "tags"], multi_valued=["tags"], separator="|")
@@ -245,3 +246,19 @@ def test_files_with_no_rows_read_as_zero_rows_where_allowed(tmp_path):
     items = [InputFile(str(p), p, empty_ok=True) for p in (zero, one_row, header_only)]
     passes = list(iter_input_passes(items, csv, 4, 100, Positions()))
     assert sum(len(b.labels) for b in passes[0][0]) == 1
+
+
+def test_bad_rows_after_a_resumed_start_are_counted(tmp_path):
+    """Resumed after bad rows were skipped, a file is read from its start and the rows
+    before ``start`` dropped: the bad rows met after ``start`` were dropped from the
+    count too, so metrics and checkpoint marks missed them."""
+    path = tmp_path / "f.tsv"
+    generate(path, 100, model_seed=1, sample_seed=1)
+    lines = path.read_text().splitlines(keepends=True)
+    bad = "not\ta\tgood\trow\n"
+    path.write_text("".join(lines[:5] + [bad] + lines[5:60] + [bad, bad] + lines[60:]))
+    stats = ReadStats()
+    tables = list(iter_tables_from(path, FeatureSchema.criteo(), 16, 20, seek=False,
+                                   on_bad_row="skip", stats=stats, skipped_before=1))
+    assert sum(t.num_rows for t in tables) == 80
+    assert stats.skipped == 2 and len(stats.examples) == 2

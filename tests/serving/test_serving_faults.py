@@ -126,6 +126,28 @@ def test_files_that_never_arrive_are_refused_after_the_timeout(export, live_run,
     assert engine.refresh() and engine.current.version == 5
 
 
+def test_files_arriving_after_the_timeout_are_still_loaded(export, live_run, batch):
+    """A delta whose files came after --incomplete-seconds was refused for good, and so
+    was every later delta on it: the server stayed on the old version until the next
+    full one. Now it is retried at every poll and loaded, with the deltas after it."""
+    engine = _engine(export, incomplete_timeout_s=0.3)
+    _write_delta(export, live_run.trainer)
+    late = export / "v000004" / shard_name(0)
+    held = late.read_bytes()
+    late.unlink()
+    assert not engine.refresh()
+    time.sleep(0.4)
+    assert not engine.refresh()
+    assert "still incomplete" in engine.refused["v000004"]
+    _write_delta(export, live_run.trainer, shift=-0.25)
+    assert not engine.refresh() and engine.current.version == 3
+    assert "v000005" not in engine.refused
+    late.write_bytes(held)
+    assert engine.refresh()
+    assert engine.current.version == 5 and engine.refused == {}
+    assert engine.current.manifest.deltas == ["v000002", "v000003", "v000004", "v000005"]
+
+
 @pytest.mark.parametrize("served_again", [False, True])
 def test_a_recreated_export_is_followed(export, live_run, batch, caplog, served_again):
     engine = _engine(export)
@@ -265,3 +287,55 @@ def test_a_running_server_survives_its_files_being_truncated_and_removed(export,
         output = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0, output
     assert "was recreated" in output
+
+
+def test_a_damaged_cache_copy_costs_the_version_not_the_process(export, live_run,
+                                                                 tmp_path):
+    """A shard copy in the server's own cache truncated in place killed the server with
+    SIGBUS (exit 135) on the next request with unseen keys. Now the version is reloaded
+    from the export (copied and verified again) and the request answered from it."""
+    port, cache = free_port(), tmp_path / "cache"
+    proc = _start_server(export, port, "--cache-dir", str(cache))
+    try:
+        status, body = _post(port, {"candidates": live_run.records[:1]})
+        assert status == 200 and body["version"] == 3
+        copy = cache / "v000001" / shard_name(0)
+        assert not os.access(copy, os.W_OK) or os.geteuid() == 0  # kept read-only
+        copy.chmod(0o644)
+        os.truncate(copy, 4096)
+        unseen = [{**r, **{f"C{i}": f"unseen-{n}-{i}" for i in range(1, 27)}}
+                  for n, r in enumerate(live_run.records[:20])]  # read from the shards
+        status, body = _post(port, {"candidates": unseen})
+        assert status == 200 and body["version"] == 3, body
+        status, body = _post(port, {"candidates": live_run.records})
+        assert status == 200, body
+        np.testing.assert_allclose(body["scores"], live_run.cli_scores[3], atol=TOL)
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 0, output
+    assert "its local files were damaged" in output
+
+
+@pytest.mark.parametrize("link", ["file", "folder"])
+def test_a_symbolic_link_in_a_version_is_refused(export, live_run, tmp_path, link):
+    """A link inside a version folder passed the path check: its target (anything the
+    server may read, e.g. /etc/passwd) was copied into the server's cache. A link is
+    refused even when its target holds the very bytes the manifest lists."""
+    engine = _engine(export)
+    _write_delta(export, live_run.trainer)
+    folder = export / "v000004"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if link == "file":
+        shard = folder / shard_name(0)
+        shutil.move(shard, outside / "shard.safetensors")
+        shard.symlink_to(outside / "shard.safetensors")
+    else:
+        shutil.move(folder / "sparse", outside / "sparse")
+        (folder / "sparse").symlink_to(outside / "sparse")
+    assert not engine.refresh()
+    assert engine.current.version == 3
+    assert "is a symbolic link" in engine.refused["v000004"]
+    assert not (engine.cache_dir / "v000004" / "sparse").exists()

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from terarec.export.format import memmap_tensors, rows_bytes
-from terarec.serving.rows import RowCache, ShardedRows, VersionRows
+from terarec.serving.rows import RowCache, ShardedRows, VersionRows, _mappings
 
 DIM = 3
 
@@ -53,7 +53,8 @@ def test_shards_read_through_memory_maps(tmp_path):
     path = tmp_path / "shard.safetensors"
     path.write_bytes(rows_bytes(keys, _rows(keys)))
     t = memmap_tensors(path)
-    assert isinstance(t["values"], np.memmap)
+    assert not t["values"].flags.owndata and not t["values"].flags.writeable
+    assert len(_mappings(t["keys"], t["values"])) == 1  # one map of the whole file
     rows = ShardedRows([(t["keys"], t["values"])], DIM)
     got, found = rows.lookup(np.array([42, 4, -5], np.int64))
     np.testing.assert_array_equal(found, [True, False, True])

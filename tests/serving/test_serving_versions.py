@@ -153,3 +153,50 @@ def test_corrupted_full_version_serves_nothing_rather_than_garbage(export, live_
     assert not engine.refresh()
     assert engine.current is None
     assert "checksum mismatch" in engine.refused["v000001"]
+
+
+def _full_copy(export, name: str, edit) -> None:
+    """Version ``name``: version 1 again with its first shard's (keys, values) passed
+    through ``edit``, under a manifest consistent with the edited files (sizes and
+    checksums match), named by LATEST."""
+    from terarec.export.format import memmap_tensors, rows_bytes, sha256_bytes
+
+    folder = export / name
+    shutil.copytree(export / "v000001", folder)
+    shard = folder / shard_name(0)
+    tensors = memmap_tensors(shard)
+    keys, values = edit(np.array(tensors["keys"]), np.array(tensors["values"]))
+    del tensors
+    data = rows_bytes(keys, values)
+    shard.write_bytes(data)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest.update(name=name, version=int(name[1:]), base=name, created=1e10)
+    manifest["files"][shard_name(0)] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    (export / LATEST).write_text(name)
+
+
+def _nan_rows(keys, values):
+    return keys, np.full_like(values, np.nan)
+
+
+def _unsorted_keys(keys, values):
+    keys = keys.copy()
+    keys[1], keys[2] = keys[2], keys[1]  # first and last key as the manifest says
+    return keys, values
+
+
+@pytest.mark.parametrize("edit,reason", [(_nan_rows, "holds a non-finite value"),
+                                         (_unsorted_keys, "keys are not sorted")])
+def test_a_poisoned_full_version_is_refused(export, live_run, batch, caplog, edit, reason):
+    """A full version whose rows were all NaN (or whose keys were not sorted) under a
+    consistent manifest was swapped in: every request then failed (or scored wrong
+    rows) and the last good version was abandoned."""
+    engine = _served(export, live_run, batch)
+    _full_copy(export, "v000004", edit)
+    with caplog.at_level(logging.ERROR, logger="terarec.serving.engine"):
+        assert not engine.refresh()
+    assert engine.current.version == 3
+    assert reason in engine.refused["v000004"]
+    assert any("refusing version v000004" in r.getMessage() for r in caplog.records)
+    np.testing.assert_allclose(engine.score_batch(batch), live_run.cli_scores[3], atol=TOL)

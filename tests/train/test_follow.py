@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -282,3 +283,99 @@ def test_a_first_file_with_no_rows_gives_way_to_the_next_for_the_statistics(
                  "--stop-idle", "0.5", *ARGS]) == 2
     assert (f"--follow {only_empty}: no file with data rows landed within --stop-idle "
             "0.5 s") in capsys.readouterr().err
+
+
+def _rows_of(path: Path, first: int, last: int) -> str:
+    """Data lines ``first`` .. ``last - 1`` of a synth file (no header)."""
+    return "".join(path.read_text().splitlines(keepends=True)[first:last])
+
+
+def test_a_file_that_grows_after_it_was_trained_stops_the_run_loudly(hourly, tmp_path,
+                                                                    capsys):
+    """A file written in place was marked done at the length it had when read, and the
+    rows appended later were never trained, silently (by the live run or by --resume)."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    grown = folder / "2026-12-01T01-00.tsv"
+    grown.write_text(_rows_of(hourly[1], 0, 500))
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-after", "2",
+                 *ARGS]) == 0
+    capsys.readouterr()
+    with grown.open("a") as fh:
+        fh.write(_rows_of(hourly[1], 500, 1000))
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--resume",
+                 "--stop-idle", "1", *ARGS]) == 2
+    err = capsys.readouterr().err
+    assert f"{grown.name} changed after it was taken for training" in err
+    assert "written in place" in err
+    meta = load_checkpoint(out).meta
+    assert sum(h["rows"] for h in meta["history"]) == ROWS + 500
+
+
+def test_a_file_growing_under_a_live_run_stops_it_loudly(hourly, tmp_path, capsys):
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    grown = folder / "2026-12-01T01-00.tsv"
+    grown.write_text(_rows_of(hourly[1], 0, 500))
+
+    def append_once_trained() -> None:
+        _wait_for(lambda: (out / "history.json").exists() and len(_history(out)) >= 2,
+                  timeout=120)
+        with grown.open("a") as fh:
+            fh.write(_rows_of(hourly[1], 500, 1000))
+
+    writer = threading.Thread(target=append_once_trained, daemon=True)
+    writer.start()
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-idle", "20",
+                 *ARGS]) == 2
+    writer.join()
+    assert f"{grown.name} changed after it was taken for training" in capsys.readouterr().err
+
+
+def test_a_last_file_with_no_rows_counts_towards_stop_after(hourly, tmp_path, capsys):
+    """A zero-byte file landing after the others was never recorded (no pass carried
+    its position), so --stop-after counting it was never reached."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    _land(hourly[0], folder)
+    (folder / "2026-12-01T01-00.tsv").write_bytes(b"")
+    assert main(["train", "--follow", str(folder), "--out", str(out), "--stop-after", "2",
+                 "--stop-idle", "20", *ARGS]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["stop_reason"] == "stop_after" and summary["files_trained"] == 2
+
+
+def test_a_file_trained_across_a_restart_is_reported_whole(hourly, tmp_path, capsys):
+    """After SIGTERM mid-file and --resume, the history record finishing the file gave
+    only the resumed part's rows and log loss, and metrics.json said skipped_rows 0
+    although the checkpoint recorded the bad rows skipped before the restart."""
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    lines = hourly[0].read_text().splitlines(keepends=True)
+    bad = ["not\ta\tgood\trow\n"] * 3
+    (folder / "a.tsv").write_text("".join(lines[:10] + bad + lines[10:]))
+    args = ["train", "--follow", str(folder), "--out", str(out), "--resume", *ARGS,
+            "--pass-rows", "100", "--on-bad-row", "skip"]
+
+    def stop_after_a_pass() -> None:
+        _wait_for(lambda: (out / "history.json").exists() and len(_history(out)) >= 1,
+                  timeout=120)
+        os.kill(os.getpid(), signal.SIGTERM)  # finish the pass, checkpoint, exit 0
+
+    stopper = threading.Thread(target=stop_after_a_pass, daemon=True)
+    stopper.start()
+    assert main(args) == 0
+    stopper.join()
+    first = _history(out)
+    assert first and not any("file_done" in h for h in first)
+    assert main([*args, "--stop-after", "1"]) == 0
+    history = _history(out)
+    done = history[-1]
+    assert done["file_rows"] == ROWS == sum(h["progressive_rows"] for h in history)
+    assert done["file_auc_rows"] == ROWS - sum(h["progressive_rows"] for h in first)
+    expected = sum(h["progressive_logloss"] * h["progressive_rows"]
+                   for h in history) / ROWS
+    assert done["file_logloss"] == pytest.approx(expected, rel=1e-6)
+    assert json.loads((out / "metrics.json").read_text())["skipped_rows"] == 3

@@ -47,7 +47,12 @@ class InputFile:
 
 class Idle:
     """Marks a moment with no new input (``train --follow`` waiting for files): the pass
-    loop gets a chance to export on the clock and to stop."""
+    loop gets a chance to export on the clock and to stop. ``positions``: the inputs'
+    positions when files with no rows were finished since the last pass (no pass
+    carries them, yet they are trained, as zero rows, and count as done)."""
+
+    def __init__(self, positions: Positions | None = None) -> None:
+        self.positions = positions
 
     def __repr__(self) -> str:
         return "IDLE"
@@ -222,6 +227,7 @@ def iter_position_passes(items: Iterable[Any], pass_rows: int, positions: Positi
     pos = positions.copy()
     stream = _position_steps(items, pos, steps)
     done = False
+    carried = pos.to_dict()  # the positions the last pass yielded carried
     while not done:
         current: list[Batch] = []
         info = PassInput(pos)
@@ -253,9 +259,15 @@ def iter_position_passes(items: Iterable[Any], pass_rows: int, positions: Positi
         if agree is not None and (current or error is not None or not idle):
             agree(error)  # the same calls on every rank
         if current:
+            carried = pos.to_dict()
             yield current, PassInput(pos.copy(), info.files, info.finished)
         if idle:
-            yield IDLE
+            now = pos.to_dict()
+            if now != carried:  # files of no rows finished since: their marks go out too
+                carried = now
+                yield Idle(pos.copy())
+            else:
+                yield IDLE
 
 
 def _position_steps(items: Iterable[Any], pos: Positions, steps: FileSteps

@@ -285,12 +285,15 @@ def drop_rows(tables: Iterator[pa.Table], rows: int, size: int) -> Iterator[pa.T
 
 def iter_tables_from(path: str | Path, schema: FeatureSchema, batch_size: int,
                      start: int = 0, *, seek: bool = True, on_bad_row: OnBadRow = "error",
-                     stats: ReadStats | None = None) -> Iterator[pa.Table]:
+                     stats: ReadStats | None = None,
+                     skipped_before: int = 0) -> Iterator[pa.Table]:
     """``iter_tables`` from data row ``start`` on, cut into ``batch_size`` rows from
     there (a resumed single process). ``seek``: ``start`` counts lines too (no bad row
     was skipped before it), so a text file is read from the byte offset of that line and
     a Parquet file from its row group; otherwise, and for compressed or unsplittable
-    text, the rows before ``start`` are read and dropped."""
+    text, the rows before ``start`` are read and dropped, and of the bad rows met, those
+    after the first ``skipped_before`` (counted when the rows before ``start`` were
+    trained) go into ``stats``."""
     if start == 0:
         yield from iter_tables(path, schema, batch_size, on_bad_row=on_bad_row, stats=stats)
         return
@@ -314,11 +317,23 @@ def iter_tables_from(path: str | Path, schema: FeatureSchema, batch_size: int,
                                     on_bad_row, stats, lines_before=header_lines + start)
                 yield from _rebatch(blocks, batch_size, stats)
             return
-    scratch = ReadStats()  # the dropped rows were counted when they were trained
+    scratch = ReadStats(max_examples=skipped_before + stats.max_examples)
+    counted = skipped_before  # the dropped rows' were counted when they were trained
     for table in drop_rows(iter_tables(path, schema, batch_size, on_bad_row=on_bad_row,
                                        stats=scratch), start, batch_size):
         stats.rows += table.num_rows
+        _count_skipped(stats, scratch, counted)
+        counted = max(counted, scratch.skipped)
         yield table
+    _count_skipped(stats, scratch, counted)
+
+
+def _count_skipped(stats: ReadStats, scratch: ReadStats, counted: int) -> None:
+    """Add to ``stats`` the bad rows ``scratch`` met beyond the first ``counted``."""
+    for message in scratch.examples[counted:scratch.skipped]:
+        if len(stats.examples) < stats.max_examples:
+            stats.examples.append(message)
+    stats.skipped += max(0, scratch.skipped - counted)
 
 
 def _rebatch(blocks: Iterator[pa.RecordBatch], batch_size: int,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -295,10 +296,14 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
 
 
 def memmap_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as a read-only memory map (no bytes read yet)."""
+    """Every tensor of a safetensors file as a read-only view of one memory map of the
+    whole file (no bytes read yet). The map is each array's ``base``: its ``size()``
+    against its length tells a reader the file was truncated underneath
+    (``serving/rows.py``)."""
     header, start = safetensors_header(path)
     size = path.stat().st_size
-    out = {}
+    out: dict[str, np.ndarray] = {}
+    whole: mmap.mmap | None = None
     for name, info in header.items():
         dtype = _DTYPES.get(info.get("dtype"))
         if dtype is None:
@@ -309,6 +314,10 @@ def memmap_tensors(path: Path) -> dict[str, np.ndarray]:
             raise ExportError(f"{path}: tensor {name!r} does not fit the file")
         if hi == lo:
             out[name] = np.empty(shape, dtype)
-        else:
-            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=start + lo, shape=shape)
+            continue
+        if whole is None:
+            with open(path, "rb") as fh:
+                whole = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+        out[name] = np.frombuffer(whole, dtype=dtype, count=int(np.prod(shape)),
+                                  offset=start + lo).reshape(shape)
     return out

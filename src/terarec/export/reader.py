@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,7 @@ class VersionReader:
         source = f"{manifest.name}/{rel}"
         path = self.cache_dir / manifest.name / rel
         size, digest = int(info["bytes"]), info["sha256"]
+        self._check_local(manifest.name, rel)
         if path.exists() and path.stat().st_size == size and sha256_file(path) == digest:
             return path  # copied for an earlier version of the same content
         try:
@@ -148,7 +150,33 @@ class VersionReader:
             path.unlink(missing_ok=True)
             raise ExportError(f"{self.storage.uri}/{source}: checksum mismatch, the file is "
                               "corrupted or was replaced")
+        with contextlib.suppress(OSError):
+            path.chmod(0o444)  # a mapped copy: nothing should write it in place
         return path
+
+    def _check_local(self, name: str, rel: str) -> None:
+        """Refuse a local version file that is, or lies under, a symbolic link, resolves
+        outside its version folder, or is not a regular file: a manifest's paths are
+        checked as text (``check_member_path``), but a link planted in the folder would
+        still have the server copy (and log) whatever it points at."""
+        version = self.storage.local_path(name)
+        if version is None:
+            return
+        where = f"{self.storage.uri}/{name}/{rel}"
+        current = version
+        for part in ["", *rel.split("/")]:
+            current = current / part if part else current
+            if current.is_symlink():
+                raise ExportError(f"{where}: {current} is a symbolic link; a version's "
+                                  "files must be regular files inside its folder")
+        local = version / rel
+        try:
+            inside = local.resolve().is_relative_to(version.resolve())
+            regular = stat.S_ISREG(local.stat().st_mode)
+        except OSError:
+            return  # missing: the copy below says so (an incomplete version)
+        if not inside or not regular:
+            raise ExportError(f"{where}: not a regular file inside the version folder")
 
     def tensors(self, manifest: Manifest, rel: str, need: Sequence[str]
                 ) -> dict[str, np.ndarray]:
@@ -184,6 +212,10 @@ class VersionReader:
         except RuntimeError as exc:
             raise ExportError(f"{manifest.name}: dense weights do not fit the model "
                               f"({str(exc).splitlines()[0]})") from None
+        for key, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ExportError(f"{manifest.name}: dense weight {key!r} holds non-finite "
+                                  "values")
         if model.row_dim != manifest.row_dim:
             raise ExportError(f"{manifest.name}: rows have {manifest.row_dim} floats, the "
                               f"model needs {model.row_dim}")
@@ -213,6 +245,7 @@ class VersionReader:
         if len(keys) and (int(keys[0]) != shard["first_key"]
                           or int(keys[-1]) != shard["last_key"]):
             raise ExportError(f"{manifest.name}/{rel}: key range differs from the manifest")
+        check_rows(f"{manifest.name}/{rel}", keys, values)
         return keys, values
 
     def shards(self, manifest: Manifest) -> list[Rows]:
@@ -270,6 +303,30 @@ class VersionReader:
             if (folder.is_dir() and folder.name not in names
                     and parse_version_name(folder.name) is not None):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+CHECK_ROWS = 1 << 18  # rows checked at a time: bounded temporaries on any shard size
+
+
+def check_rows(where: str, keys: np.ndarray, values: Any) -> None:
+    """Refuse a shard a checksum cannot fault: keys not strictly increasing (lookups
+    binary-search them, so such a shard serves wrong rows) or a value that is not finite
+    (every score touching it would be NaN). Read once, a slice at a time, when a version
+    is loaded; encoded rows are checked decoded."""
+    n = len(keys)
+    for lo in range(0, n, CHECK_ROWS):
+        hi = min(lo + CHECK_ROWS, n)
+        k = np.asarray(keys[lo:min(hi + 1, n)])
+        rising = k[1:] > k[:-1]
+        if not bool(rising.all()):
+            at = lo + int(np.argmin(rising)) + 1
+            raise ExportError(f"{where}: keys are not sorted and unique (row {at}, key "
+                              f"{int(keys[at])} after {int(keys[at - 1])})")
+        finite = np.isfinite(np.asarray(values[lo:hi], np.float32)).all(axis=1)
+        if not bool(finite.all()):
+            at = lo + int(np.argmin(finite))
+            raise ExportError(f"{where}: the row of key {int(keys[at])} (row {at}) holds a "
+                              "non-finite value")
 
 
 def _load_slice_state(model: CTRModel, state: dict[str, Any], manifest: Manifest) -> None:

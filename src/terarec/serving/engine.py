@@ -34,7 +34,14 @@ from terarec.models.base import CTRModel
 from terarec.serving.dense import Forward, OnnxForwards, torch_forward
 from terarec.serving.features import request_batch
 from terarec.serving.metrics import ServingMetrics
-from terarec.serving.rows import FallbackRows, RowCache, RowSource, ShardedRows, VersionRows
+from terarec.serving.rows import (
+    DamagedRowsError,
+    FallbackRows,
+    RowCache,
+    RowSource,
+    ShardedRows,
+    VersionRows,
+)
 from terarec.types import Batch, FeatureSchema
 
 log = logging.getLogger(__name__)
@@ -125,6 +132,13 @@ class NoVersionError(RuntimeError):
     """Nothing has been loaded yet: the export is empty or every version was refused."""
 
 
+class DamagedVersionError(NoVersionError):
+    """The served version's local files were damaged underneath the server (a shard
+    copy truncated in place) and it could not be reloaded from the export at once:
+    requests are answered 503 until a refresh does, rather than the process dying of
+    SIGBUS."""
+
+
 class ServingEngine:
     """Serves the newest good version under ``uri`` and follows new ones.
 
@@ -166,12 +180,17 @@ class ServingEngine:
         self._refused_created: dict[str, float | None] = {}
         # Incomplete versions being retried: (name, created) -> first seen (monotonic).
         self._pending: dict[tuple[str, float | None], float] = {}
+        # Versions still incomplete after ``incomplete_timeout_s``: listed in ``refused``
+        # (logged and counted once) but still retried, and loaded once their files are.
+        self._late: set[tuple[str, float | None]] = set()
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         # Run after each poll's refresh (the item index follows the served version).
         self.poll_hooks: list[Callable[[], object]] = []
+        # A served version whose local copies were found damaged: reloaded next refresh.
+        self._damaged: ServedVersion | None = None
 
     # -- loading ------------------------------------------------------------------------
     def load_full(self, manifest: Manifest) -> ServedVersion:
@@ -232,6 +251,7 @@ class ServingEngine:
     def _refuse(self, name: str, reason: str, created: float | None = None) -> None:
         if self._is_refused(name, created):
             return
+        self._late.discard((name, created))
         log.error("refusing version %s: %s", name, reason)
         self.refused[name] = reason
         self._refused_created[name] = created
@@ -239,22 +259,41 @@ class ServingEngine:
         self.metrics.refused.inc()
 
     def _is_refused(self, name: str, created: float | None) -> bool:
-        return name in self.refused and self._refused_created.get(name) == created
+        return (name in self.refused and self._refused_created.get(name) == created
+                and (name, created) not in self._late)
 
     def _incomplete(self, name: str, created: float | None,
                     exc: IncompleteVersionError) -> bool:
         """Note that version ``name`` is incomplete; True once it has been so for
-        ``incomplete_timeout_s`` (and is then refused)."""
+        ``incomplete_timeout_s``. It is then listed as refused, but still retried at every
+        refresh: files that arrive late (a slow copy) are loaded when they do, and the
+        deltas after it with them, rather than the server staying on an old version until
+        the next full one."""
         now = time.monotonic()
         first = self._pending.setdefault((name, created), now)
         if now - first >= self.incomplete_timeout_s:
-            self._refuse(name, f"files still incomplete after {now - first:.0f} s ({exc})",
-                         created)
+            if (name, created) not in self._late:
+                reason = f"files still incomplete after {now - first:.0f} s ({exc})"
+                log.error("refusing version %s for now: %s; retrying it at every poll",
+                          name, reason)
+                self._late.add((name, created))
+                self.refused[name] = reason
+                self._refused_created[name] = created
+                self.metrics.refused.inc()
             return True
         if first == now:
             log.warning("version %s is incomplete (%s); retrying for up to %.0f s", name,
                         exc, self.incomplete_timeout_s)
         return False
+
+    def _complete(self, name: str, created: float | None) -> None:
+        """Version ``name`` loaded: no longer pending, nor refused if it was late."""
+        self._pending.pop((name, created), None)
+        if (name, created) in self._late:
+            self._late.discard((name, created))
+            self.refused.pop(name, None)
+            self._refused_created.pop(name, None)
+            log.warning("version %s is complete after all; loaded", name)
 
     def _continues(self, target: Manifest) -> bool:
         """Whether ``target`` extends the served chain: same names, and the served head
@@ -293,6 +332,7 @@ class ServingEngine:
                 if self._is_refused(base.name, base_created):
                     raise ExportError(f"version {base.name} was refused")
                 state = self.load_full(base)
+                self._complete(base.name, base_created)
             except IncompleteVersionError as exc:
                 self._incomplete(target.base, base_created, exc)
                 if target.base != target.name and self._is_refused(target.base, base_created):
@@ -316,10 +356,9 @@ class ServingEngine:
                                  target.created)
                     break
                 state = self.apply_delta(state, manifest)
+                self._complete(name, created)
             except IncompleteVersionError as exc:
-                if self._incomplete(name, created, exc) and name != target.name:
-                    self._refuse(target.name, f"it builds on refused version {name}",
-                                 target.created)
+                self._incomplete(name, created, exc)  # retried at the next refresh
                 break
             except (ValueError, KeyError, TypeError) as exc:
                 self._refuse(name, _reason(exc), created)
@@ -346,19 +385,25 @@ class ServingEngine:
                 return False
             name = target.name
             current = self.current
+            damaged = current is not None and current is self._damaged
             if self._is_refused(name, target.created) or (
-                    current is not None and name == current.name
+                    current is not None and name == current.name and not damaged
                     and target.created == current.manifest.created):
                 return False
-            continues = self._continues(target)
-            recreated = current is not None and not continues and not self._same_export(target)
+            continues = not damaged and self._continues(target)
+            recreated = current is not None and not continues and (
+                damaged or not self._same_export(target))
             if current is not None and not recreated and target.version <= current.version:
                 return False
             state = self._build(target, continues)
             if state is None or (current is not None and not recreated
                                  and state.version <= current.version):
                 return False  # nothing newer than the served version could be built
-            if recreated:
+            if damaged:
+                assert current is not None
+                log.warning("reloaded from %s: version %s (the local copy of %s was "
+                            "damaged)", self.storage.uri, state.name, current.name)
+            elif recreated:
                 assert current is not None
                 log.warning("%s was recreated (served version %s is gone or was "
                             "re-exported); switching to its version %s", self.storage.uri,
@@ -415,6 +460,7 @@ class ServingEngine:
             else:
                 self.cache.refresh(touched, fresh_rows)
             self.current = state
+            self._damaged = None
         if not same_base:
             self.reader.prune_downloads(state.manifest.chain)
         if self.swap_notice is not None:
@@ -514,7 +560,28 @@ class ServingEngine:
 
     def pooled(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
         """``[B, F, row_dim]``: the batch's keys looked up once each (unique keys of the
-        whole batch) and pooled per field with the training lookup code.
+        whole batch) and pooled per field with the training lookup code
+        (``_pooled_rows``). A version whose mapped files were damaged underneath is
+        reloaded from the export there and then, and the rows read from the reloaded
+        copy; ``DamagedVersionError`` when that fails (retried at every refresh)."""
+        try:
+            return self._pooled_rows(batch, version)
+        except DamagedRowsError as exc:
+            if self._damaged is not version and self.current is version:
+                self._damaged = version
+                self.metrics.refused.inc()
+                log.error("version %s: its local files were damaged (%s); reloading it "
+                          "from %s", version.name, exc, self.storage.uri)
+                self.refresh()  # copied and verified again, now
+            again = self.current
+            if again is not None and again is not version and again.name == version.name \
+                    and again.manifest.created == version.manifest.created:
+                return self._pooled_rows(batch, again)  # the same rows, reloaded
+            raise DamagedVersionError(f"version {version.name} is being reloaded: its "
+                                      f"local files were damaged ({exc})") from None
+
+    def _pooled_rows(self, batch: Batch, version: ServedVersion) -> torch.Tensor:
+        """``pooled``'s rows.
 
         With one key per (field, sample), the usual request, pooling is the row itself
         (sum or mean of one), so the rows are gathered straight into ``[B, F, row_dim]``

@@ -22,7 +22,8 @@ remote store) is one more ``RowSource``, chained behind a version's own rows wit
 
 from __future__ import annotations
 
-from typing import Protocol
+import mmap
+from typing import Any, Protocol
 
 import numba
 import numpy as np
@@ -62,14 +63,50 @@ class FallbackRows:
         return rows, found
 
 
+class DamagedRowsError(RuntimeError):
+    """A memory-mapped shard file shrank under the server (truncated in place): reading
+    its missing pages would kill the process with SIGBUS, so the lookup stops first."""
+
+
+def _mappings(*arrays: Any) -> list[mmap.mmap]:
+    """The memory maps behind ``arrays`` (numpy views of ``mmap`` objects; encoded rows'
+    ``codes``), found through each array's ``base`` chain."""
+    found: list[mmap.mmap] = []
+    for array in arrays:
+        base = array.encoded.codes if hasattr(array, "encoded") else array
+        while base is not None:
+            if isinstance(base, mmap.mmap):
+                if not any(m is base for m in found):
+                    found.append(base)
+                break
+            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return found
+
+
+def _check_mapped(maps: list[mmap.mmap]) -> None:
+    """Raise ``DamagedRowsError`` when a mapped file is now shorter than its map (one
+    ``fstat`` per map: what the map's ``size()`` asks the kernel)."""
+    for m in maps:
+        try:
+            size = m.size()
+        except (OSError, ValueError) as exc:
+            raise DamagedRowsError(f"a mapped shard file cannot be checked ({exc})") from None
+        if size < len(m):
+            raise DamagedRowsError(f"a mapped shard file shrank from {len(m)} to {size} "
+                                   "bytes under the server")
+
+
 class ShardedRows:
     """Rows of a full version: shards with disjoint, increasing key ranges, each a sorted
-    ``keys`` array and its ``values`` (usually memory maps of the shard files)."""
+    ``keys`` array and its ``values`` (usually memory maps of the shard files). Before a
+    mapped shard is read, its file is checked to still be as long as its map: a file
+    truncated underneath raises ``DamagedRowsError`` instead of a fatal SIGBUS."""
 
     def __init__(self, shards: list[tuple[np.ndarray, np.ndarray]], row_dim: int) -> None:
         self.row_dim = row_dim
         self.shard_keys = [k for k, _ in shards]
         self.shard_values = [v for _, v in shards]
+        self.shard_maps = [_mappings(k, v) for k, v in shards]
         self.firsts = np.array([k[0] for k in self.shard_keys], np.int64)
         if len(self.firsts) > 1 and not bool(np.all(self.firsts[1:] > self.firsts[:-1])):
             raise ValueError("shards must hold increasing key ranges")
@@ -85,6 +122,7 @@ class ShardedRows:
             return out, found
         shard = np.searchsorted(self.firsts, keys, side="right") - 1
         for s in np.unique(shard[shard >= 0]):
+            _check_mapped(self.shard_maps[s])
             sel = np.flatnonzero(shard == s)
             skeys = self.shard_keys[s]
             pos = np.minimum(np.searchsorted(skeys, keys[sel]), len(skeys) - 1)

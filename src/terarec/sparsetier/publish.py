@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from redis.exceptions import RedisClusterException, RedisError
 
 from terarec.export.format import Manifest, parse_version_name
 from terarec.export.reader import VersionReader, newest_readable
@@ -32,7 +33,7 @@ from terarec.export.writer import ExportedVersion, IncrementalExporter
 from terarec.io import ScratchDir
 from terarec.sparsetier.control import Control
 from terarec.sparsetier.layout import Layout, RowFormat
-from terarec.sparsetier.tier import SparseTier
+from terarec.sparsetier.tier import SparseTier, TierError
 from terarec.sparsetier.wire import row_keys
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,16 @@ class Publisher:
 
     def __init__(self, url: str, ns: str = "terarec", tier: SparseTier | None = None) -> None:
         self.layout = Layout(ns)
+        self.url = url
         self.tier = tier or SparseTier(url, hedge=False, timeout_s=30.0)
         self._own_tier = tier is None
-        self.control = Control(url, self.layout)
+        try:
+            self.control = Control(url, self.layout)
+        except (RedisError, RedisClusterException) as exc:
+            if self._own_tier:
+                self.tier.close()
+            raise TierError(f"{url}: cannot reach the cluster ({type(exc).__name__}: "
+                            f"{exc})") from None
 
     def close(self) -> None:
         self.control.close()
@@ -91,7 +99,23 @@ class Publisher:
     def publish(self, version_uri: str | Path, *, part: Part = "all",
                 storage_options: dict[str, Any] | None = None,
                 gc_grace_s: float = 30.0) -> PublishResult:
-        """Publish ``part`` of a version (``EXPORT/vNNNNNN``, or an export: its newest)."""
+        """Publish ``part`` of a version (``EXPORT/vNNNNNN``, or an export: its newest).
+        A cluster that fails a request (a slot range down, a node gone) is a
+        ``PublishError`` saying so: nothing is announced before every part is written,
+        so publishing again once the cluster is whole completes the version."""
+        try:
+            return self._publish(version_uri, part=part, storage_options=storage_options,
+                                 gc_grace_s=gc_grace_s)
+        except (RedisError, RedisClusterException) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else "no reason given"
+            raise PublishError(f"{self.url}: the cluster failed a request "
+                               f"({type(exc).__name__}: {reason}); the version is not "
+                               "announced: publish again once every slot is served "
+                               "(redis-cli --cluster check)") from None
+
+    def _publish(self, version_uri: str | Path, *, part: Part,
+                 storage_options: dict[str, Any] | None,
+                 gc_grace_s: float) -> PublishResult:
         if part not in ("hot", "cold", "all"):
             raise ValueError(f"part must be hot, cold or all, got {part!r}")
         export, name = split_version_uri(str(version_uri))

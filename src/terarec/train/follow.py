@@ -10,8 +10,10 @@ When a file counts as landed (docs/continuous.md):
 * a folder under SOURCE (a partition of several files) is landed once it holds a
   ``_SUCCESS`` marker; its files are then trained in name order.
 
-Names ending in ``.json`` (metadata such as ``terarec synth``'s ground truth) are never
-data. A landed file with no data rows (zero bytes, a header only, a Parquet file of no
+A file taken for training that a later listing shows with another size was written in
+place, not renamed: the run stops naming it (``GrownFileError``) rather than lose the rows
+it gained. Names ending in ``.json`` (metadata such as ``terarec synth``'s ground truth)
+are never data. A landed file with no data rows (zero bytes, a header only, a Parquet file of no
 rows: an empty partition's part file) is trained as zero rows and recorded as done.
 Files of an object store are copied into ``OUT/follow-cache`` to be read and the copy
 removed once every rank has read it; checkpoints name them by their URI.
@@ -47,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from terarec.data.positions import IDLE, Idle, InputFile, Positions, fingerprint, input_key
-from terarec.data.readers import no_data_rows
+from terarec.data.readers import DataError, no_data_rows
 from terarec.distributed.context import DistContext
 from terarec.export.storage import Storage
 from terarec.io import atomic_write_bytes, atomic_write_text
@@ -104,19 +106,24 @@ class FollowSource:
 
     def landed(self) -> list[str]:
         """Landed files, relative to SOURCE, in name order (partition folders expanded)."""
-        out: list[str] = []
-        for name, is_dir in self._entries(""):
+        return list(self.landed_sizes())
+
+    def landed_sizes(self) -> dict[str, int | None]:
+        """Landed files (as ``landed``) and their sizes in bytes as listed."""
+        out: dict[str, int | None] = {}
+        for name, is_dir, size in self._entries(""):
             if not is_data_name(name):
                 continue
             if not is_dir:
-                out.append(name)
+                out[name] = size
                 continue
             inner = self._entries(name)
-            if any(n == SUCCESS for n, _ in inner):
-                out.extend(f"{name}/{n}" for n, d in inner if not d and is_data_name(n))
+            if any(n == SUCCESS for n, _, _ in inner):
+                out.update((f"{name}/{n}", s) for n, d, s in inner
+                           if not d and is_data_name(n))
         return out
 
-    def _entries(self, rel: str) -> list[tuple[str, bool]]:
+    def _entries(self, rel: str) -> list[tuple[str, bool, int | None]]:
         fs = self.storage.fs
         try:
             entries = fs.ls(self.storage.path(rel), detail=True, refresh=True) \
@@ -124,7 +131,8 @@ class FollowSource:
         except FileNotFoundError:
             return []
         return sorted((posixpath.basename(str(e["name"]).rstrip("/")),
-                       e.get("type") == "directory") for e in entries)
+                       e.get("type") == "directory",
+                       None if e.get("size") is None else int(e["size"])) for e in entries)
 
     def key(self, rel: str) -> str:
         """How checkpoints name the file: its absolute path, or its URI."""
@@ -139,12 +147,15 @@ class FollowSource:
         of the cache, every copy but the prepared one removed before returning)."""
         local = self.storage.local_path(rel)
         if local is not None:
-            item = InputFile(input_key(local), local, empty_ok=True)
+            # Fingerprinted now: the size checkpoints record is the one ``follow_inputs``
+            # compares later listings with.
+            item = InputFile(input_key(local), local, empty_ok=True,
+                             fingerprint=fingerprint(local))
         else:
             dest = (into or self.cache) / rel
             if not dest.exists():
                 self.storage.download(rel, dest)
-            item = InputFile(self.key(rel), dest, empty_ok=True)
+            item = InputFile(self.key(rel), dest, empty_ok=True, fingerprint=fingerprint(dest))
         if self.prepare is None:
             return item
         return self._prepared(item, (into or self.cache) / PREPARED_DIR / rel)
@@ -153,7 +164,8 @@ class FollowSource:
         """``item`` read from its prepared copy at ``copy`` (made again even if there is
         one: a run that failed may have left it from other tables)."""
         assert self.prepare is not None
-        landed = fingerprint(item.path)  # taken first: the file the copy was made from
+        # taken first: the file the copy was made from
+        landed = item.fingerprint or fingerprint(item.path)
         if no_data_rows(item.path, self.prepare.schema):
             atomic_write_bytes(copy, b"")  # zero bytes: read as zero rows in any format
         else:
@@ -223,18 +235,48 @@ def _broadcast(ctx: DistContext, obj: Any) -> Any:
     return box[0]
 
 
+class GrownFileError(DataError):
+    """A landed file changed size after it was taken for training: it was written in
+    place, not renamed into place, and rows of it would be lost or trained twice."""
+
+
+def grown_files(source: FollowSource, listed: dict[str, int | None],
+                taken: dict[str, int]) -> str | None:
+    """Why the run must stop when a file taken for training (``taken``: key -> size
+    recorded) is listed with another size; None when none is."""
+    for rel, size in listed.items():
+        key = source.key(rel)
+        if size is None or key not in taken or taken[key] == size:
+            continue
+        return (f"--follow {source.storage.uri}: {rel} changed after it was taken for "
+                f"training ({taken[key]} -> {size} bytes): it is being written in place, "
+                "so the rows it gained would never be trained. Land files by writing "
+                "them under a temporary name (.NAME.tmp) and renaming them into place; "
+                f"to go on, move {rel} aside, land the rows it gained as a new file, "
+                "and run again with --resume")
+    return None
+
+
 def follow_inputs(source: FollowSource, ctx: DistContext, start: Positions,
                   poll_s: float, stop: threading.Event) -> Iterator[InputFile | Idle]:
     """The landed files not yet trained (``start``: the checkpoint's positions), as they
     land, and IDLE after every listing that found nothing new; ends once ``stop`` is set.
-    Runs in the read-ahead thread: on N ranks rank 0 lists and every rank follows."""
+    Runs in the read-ahead thread: on N ranks rank 0 lists and every rank follows.
+
+    A file taken for training (in ``start`` or since) that is later listed with another
+    size was written in place: ``GrownFileError`` on every rank, never silent loss."""
+    taken: dict[str, int] = {k: m.size for k, m in start.files.items()}
     sent: set[str] = {k for k, m in start.files.items() if m.done}
     read: list[InputFile] = []  # yielded before the last listing: read by every rank now
     while True:
-        found: list[InputFile] | None = None
+        found: list[InputFile] | str | None = None
         if ctx.is_main:
-            found = [] if stop.is_set() else [
-                source.fetch(rel) for rel in source.landed() if source.key(rel) not in sent]
+            if stop.is_set():
+                found = []
+            else:
+                listed = source.landed_sizes()
+                found = grown_files(source, listed, taken) or [
+                    source.fetch(rel) for rel in listed if source.key(rel) not in sent]
         found = _broadcast(ctx, None if stop.is_set() and ctx.is_main else found)
         if ctx.is_main:  # the copies every rank has read by now
             for item in read:
@@ -243,8 +285,12 @@ def follow_inputs(source: FollowSource, ctx: DistContext, start: Positions,
         read = []
         if found is None:
             return
+        if isinstance(found, str):
+            raise GrownFileError(found)
         for item in found:
             sent.add(item.key)
+            if item.fingerprint is not None:
+                taken[item.key] = item.fingerprint[0]
             read.append(item)
             yield item
         if not found:

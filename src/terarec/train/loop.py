@@ -219,6 +219,9 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
             pairs = with_next(passes) if lookahead else ((p, None) for p in passes)
             for item, upcoming in pairs:
                 if isinstance(item, Idle):
+                    if item.positions is not None:  # files of no rows, trained as such
+                        for run in runs:
+                            run.trainer.inputs = item.positions.to_dict()
                     if stream.on_idle is not None:
                         stream.on_idle([r for r in runs if r.live])
                     if stream.should_stop is not None and stream.should_stop():

@@ -84,7 +84,8 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
             return
         skipped_at_start = read.skipped
         for table in iter_tables_from(item.path, schema, batch_size, start,
-                                      seek=skipped == 0, on_bad_row=on_bad_row, stats=read):
+                                      seek=skipped == 0, on_bad_row=on_bad_row, stats=read,
+                                      skipped_before=skipped):
             yield (table_to_batch(table, schema), table.num_rows,
                    skipped + read.skipped - skipped_at_start)
 

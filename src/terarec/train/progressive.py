@@ -33,6 +33,7 @@ class ProgressiveScorer:
         self._file: str | None = None
         self._labels: list[np.ndarray] = []
         self._probs: list[np.ndarray] = []
+        self._earlier: tuple[int, float | None] = (0, None)
 
     def score(self, trainer: Any, plan: Any, info: PassInput) -> dict[str, Any]:
         """Score ``plan`` with ``trainer``'s current model (collective on N ranks: every
@@ -54,19 +55,48 @@ class ProgressiveScorer:
         key = info.files[0]
         if key != self._file:
             self._reset(key)
+            self._earlier = _earlier_part(trainer.history, Path(key).name)
         self._labels.append(labels)
         self._probs.append(probs)
         if key in info.finished:
             all_labels, all_probs = np.concatenate(self._labels), np.concatenate(self._probs)
             m = evaluate_scores(all_labels, all_probs) if len(all_labels) else {}
-            record.update(file_done=Path(key).name, file_rows=int(len(all_labels)),
+            n, loss = len(all_labels), finite_or_none(m.get("logloss", math.nan))
+            record.update(file_done=Path(key).name, file_rows=n,
                           file_auc=finite_or_none(m.get("auc", math.nan)),
-                          file_logloss=finite_or_none(m.get("logloss", math.nan)))
+                          file_logloss=loss)
+            earlier_rows, earlier_loss = self._earlier
+            if earlier_rows:  # trained before a restart: rows and log loss add up
+                total = n + earlier_rows
+                record.update(
+                    file_rows=total, file_auc_rows=n,
+                    file_logloss=None if loss is None or earlier_loss is None
+                    else (loss * n + earlier_loss) / total)
             self._reset(None)
         return record
 
     def _reset(self, key: str | None) -> None:
         self._file, self._labels, self._probs = key, [], []
+        self._earlier = (0, None)
+
+
+def _earlier_part(history: list[dict], name: str) -> tuple[int, float | None]:
+    """(rows, summed log loss; None when a pass has none) of the passes at the end of
+    ``history`` that read file ``name`` alone without finishing it: its part trained
+    before the run was restarted (empty in a run never restarted, whose last record
+    finished the file before)."""
+    rows, loss = 0, 0.0
+    known = True
+    for record in reversed(history):
+        if record.get("files") != [name] or "file_done" in record:
+            break
+        n = int(record.get("progressive_rows", 0))
+        rows += n
+        if n and record.get("progressive_logloss") is None:
+            known = False
+        elif n:
+            loss += float(record["progressive_logloss"]) * n
+    return rows, loss if known else None
 
 
 def progressive_summary(history: list[dict]) -> dict[str, float | int | None]:

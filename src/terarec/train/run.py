@@ -176,6 +176,9 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
 
     following = _Following(run, trainer, versions) if run.follow is not None else None
     trained_before = len(trainer.history)
+    # Bad rows skipped before a resume: the checkpoint's marks hold them, this run's read
+    # counts only the rows after them.
+    skipped_before = sum(m.skipped for m in Positions.from_dict(trainer.inputs).files.values())
     start = time.perf_counter()
     try:
         history = trainer.fit(following.inputs if following else run.train, valid,
@@ -194,7 +197,8 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             raise ValueError(f"--follow {following.source}: stopped "
                              f"({following.stop.reason}) before any file was trained")
         raise ValueError(_no_rows("training", run.train, stats))
-    stats.skipped += valid_stats.skipped  # the run's count: training and validation rows
+    # the run's count: training and validation rows
+    stats.skipped += valid_stats.skipped + skipped_before
     stats.examples = (valid_stats.examples + stats.examples)[:stats.max_examples]
     if not history or trainer.pass_id % every:
         commit(trainer)

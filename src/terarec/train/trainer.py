@@ -74,6 +74,7 @@ from terarec.finite import check_model_scores
 from terarec.modeldir import choose_checkpoint, comm_file, read_model_meta
 from terarec.models import build_model
 from terarec.models.dssm import DSSM
+from terarec.models.registry import check_model_fits
 from terarec.train.dense_optimizer import dense_optimizer
 from terarec.train.loop import StreamOptions, TrialRun, run_passes
 from terarec.train.metrics import evaluate_scores, offset_shift
@@ -150,6 +151,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         self.device = self.ctx.device
+        check_model_fits(schema, config.model, config.batch_size, self.device)
         self.model = build_model(schema, config.model).to(self.device)
         if config.loss == "sampled_softmax" and not isinstance(self.model, DSSM):
             raise ValueError("loss 'sampled_softmax' needs model 'dssm' (two towers); got "
