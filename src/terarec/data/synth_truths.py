@@ -4,7 +4,7 @@ synthetic data are not chosen for FM-like data alone.
 Each truth is a sum of terms, every one with a set spread in the logit over the drawn rows:
 
 - ``linear``: first-order field weights and the numeric term, nothing else; one-hot
-  logistic regression can reach its ceiling.
+  logistic regression nears its ceiling as the rows cover the values.
 - ``deep``: a random two-layer tanh MLP over the concatenated field embeddings and the
   standardised counts, and nothing else.
 - ``cross``: a weaker first-order and numeric part plus crosses of 3 and 4 fields: a
