@@ -2,7 +2,9 @@
 
 The train and validation files share one ground-truth model (``--seed``) and differ in
 the rows drawn, so a model trained on one can be scored on the other against the best
-AUC any model could reach.
+AUC any model could reach. ``--truth`` picks the shape of that model: the default low-rank
+FM, a random MLP of the field embeddings, high-order crosses, a nearly linear one, or a
+mix (docs/models.md).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from terarec.data.synth import SynthInfo, generate, generate_hourly
+from terarec.data.synth import TRUTHS, SynthInfo, generate, generate_hourly
 from terarec.io import file_above
 
 
@@ -38,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--valid-out", type=Path, help="validation file (TSV)")
     p.add_argument("--seed", type=int, default=0,
                    help="ground-truth model seed; rows use sample seeds 2*seed and 2*seed+1")
+    p.add_argument("--truth", choices=TRUTHS,
+                   help="the planted truth's shape: fm (low-rank pairs, the default), deep "
+                   "(a random MLP), cross (3- and 4-field crosses), linear, mixed")
     p.add_argument("--exponent", type=float,
                    help="Zipf exponent of categorical values (default 1.1)")
     p.add_argument("--vocab-scale", type=float,
@@ -58,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 _DEFAULTS: dict[str, tuple[object, tuple[str, ...], str]] = {
     "drift": (0.0, ("hourly",), "with --hourly"),
     "start": ("2026-12-01T00:00", ("hourly",), "with --hourly"),
+    "truth": ("fm", ("click", "hourly"), "to click logs, not with --retrieval"),
     "exponent": (1.1, ("click", "hourly"), "to click logs, not with --retrieval"),
     "vocab_scale": (1.0, ("click", "hourly"), "to click logs, not with --retrieval"),
     "users": (100_000, ("retrieval",), "with --retrieval"),
@@ -107,7 +113,8 @@ def _run(args: argparse.Namespace) -> int:
         return _retrieval(args)
     if args.hourly is not None:
         return _hourly(args)
-    common = dict(model_seed=args.seed, exponent=args.exponent, vocab_scale=args.vocab_scale)
+    common = dict(model_seed=args.seed, exponent=args.exponent, vocab_scale=args.vocab_scale,
+                  truth=args.truth)
     jobs = [("train", args.out, args.rows, 2 * args.seed)]
     if args.valid_rows:
         jobs.append(("valid", args.valid_out, args.valid_rows, 2 * args.seed + 1))
@@ -135,7 +142,7 @@ def _hourly(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     infos = generate_hourly(args.out, args.hourly, args.rows, drift=args.drift,
                             model_seed=args.seed, exponent=args.exponent,
-                            vocab_scale=args.vocab_scale, start=args.start)
+                            vocab_scale=args.vocab_scale, start=args.start, truth=args.truth)
     seconds = (time.perf_counter() - start) / len(infos)
     for info in infos:
         _print(f"hour {info.hour}", info, seconds)
@@ -143,7 +150,7 @@ def _hourly(args: argparse.Namespace) -> int:
 
 
 def _print(name: str, info: SynthInfo, seconds: float) -> None:
-    print(f"{name}: {info.rows:,} rows -> {info.path} ({seconds:.1f} s)\n"
+    print(f"{name}: {info.rows:,} rows -> {info.path} ({seconds:.1f} s, truth {info.truth})\n"
           f"  CTR {100 * info.ctr:.2f} %, best reachable AUC {info.ceiling_auc:.4f} "
           f"(log loss {info.ceiling_logloss:.4f})")
 

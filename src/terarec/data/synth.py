@@ -16,6 +16,10 @@ hash, no RNG state) times per-field scales fixed by the settings (``exponent``,
 decays with a value's rank, which keeps most of the signal on values frequent enough to
 be learned from ~10^5-10^6 rows; the truth's own AUC is the ceiling a model can reach.
 
+That is the default truth, ``fm``; ``truth=`` picks one of another shape (``deep``,
+``cross``, ``linear``, ``mixed``: ``synth_truths``), so that what is tuned on synthetic
+data is not tuned for FM-like data alone.
+
 Rows are generated in fixed blocks of ``BLOCK_ROWS``, each with its own RNG stream, so
 the output does not depend on how it is chunked to disk, and ``generate_arrays`` returns
 exactly the rows ``generate`` writes.
@@ -27,6 +31,7 @@ import json
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Protocol
 
 import numba
 import numpy as np
@@ -67,6 +72,26 @@ _CALIBRATION_ROWS = 100_000
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 
+# The planted truths (``synth_truths``); ``fm`` is the low-rank FM truth below.
+TRUTHS = ("fm", "deep", "cross", "linear", "mixed")
+
+
+def check_truth(name: str) -> str:
+    if name not in TRUTHS:
+        raise ValueError(f"truth must be one of {', '.join(TRUTHS)}; got {name!r}")
+    return name
+
+
+class ClickModel(Protocol):
+    """What rows are labelled by: a truth's vocabulary, bias and probabilities."""
+
+    vocab: tuple[int, ...]
+    bias: float
+
+    def logits(self, dense: np.ndarray, categorical: np.ndarray) -> np.ndarray: ...
+
+    def probabilities(self, dense: np.ndarray, categorical: np.ndarray) -> np.ndarray: ...
+
 
 @dataclass
 class SynthInfo:
@@ -83,6 +108,7 @@ class SynthInfo:
     vocab_scale: float = 1.0
     hour: int | None = None  # ``generate_hourly``: the file's hour and the drift angle
     drift_angle: float | None = None
+    truth: str = "fm"  # the planted truth's shape (``TRUTHS``)
 
 
 @dataclass
@@ -234,11 +260,12 @@ class DriftingTruth:
     truth, and ``bias_h`` keeps the click rate at the target."""
 
     def __init__(self, model_seed: int, hour: int, drift: float, exponent: float = 1.1,
-                 vocab_scale: float = 1.0) -> None:
+                 vocab_scale: float = 1.0, truth: str = "fm") -> None:
         if not 0.0 <= drift <= 1.0:
             raise ValueError(f"drift must be in [0, 1], got {drift}")
-        self.a = ground_truth(model_seed, exponent, vocab_scale)
-        self.b = ground_truth(model_seed + 7919, exponent, vocab_scale)
+        self.name = truth
+        self.a = ground_truth(model_seed, exponent, vocab_scale, truth)
+        self.b = ground_truth(model_seed + 7919, exponent, vocab_scale, truth)
         self.vocab = self.a.vocab
         self.angle = hour * float(np.arccos(1.0 - drift))
         self.bias = 0.0
@@ -265,20 +292,22 @@ def hourly_name(hour: int, start: str = "2026-12-01T00:00") -> str:
 
 def generate_hourly(folder: str | Path, hours: int, rows: int, *, drift: float,
                     model_seed: int = 0, exponent: float = 1.1, vocab_scale: float = 1.0,
-                    start: str = "2026-12-01T00:00", first_hour: int = 0) -> list[SynthInfo]:
+                    start: str = "2026-12-01T00:00", first_hour: int = 0,
+                    truth: str = "fm") -> list[SynthInfo]:
     """``hours`` files of ``rows`` rows each, named by their hour (``hourly_name``), whose
-    ground truth drifts by ``drift`` per hour (``DriftingTruth``); each with its
-    ``.truth.json`` (hour, drift angle, ceiling AUC under that hour's truth)."""
+    ground truth (of shape ``truth``) drifts by ``drift`` per hour (``DriftingTruth``);
+    each with its ``.truth.json`` (hour, drift angle, ceiling AUC under that hour's truth)."""
+    check_truth(truth)
     if hours <= 0:
         raise ValueError(f"hours must be positive, got {hours}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     infos = []
     for hour in range(first_hour, first_hour + hours):
-        truth = DriftingTruth(model_seed, hour, drift, exponent, vocab_scale)
+        drifting = DriftingTruth(model_seed, hour, drift, exponent, vocab_scale, truth)
         info = generate(folder / hourly_name(hour, start), rows, model_seed=model_seed,
                         sample_seed=model_seed * 100_003 + hour, exponent=exponent,
-                        vocab_scale=vocab_scale, truth=truth, hour=hour)
+                        vocab_scale=vocab_scale, truth=drifting, hour=hour)
         infos.append(info)
     return infos
 
@@ -295,15 +324,21 @@ def _bias_for_ctr(logits: np.ndarray, ctr: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def ground_truth(model_seed: int = 0, exponent: float = 1.1,
-                 vocab_scale: float = 1.0) -> GroundTruth:
-    """The (cached) ground truth for these settings; building one takes about a second."""
-    return _cached_truth(int(model_seed), float(exponent), float(vocab_scale))
+def ground_truth(model_seed: int = 0, exponent: float = 1.1, vocab_scale: float = 1.0,
+                 truth: str = "fm") -> ClickModel:
+    """The (cached) ground truth for these settings; building one takes a few seconds."""
+    return _cached_truth(int(model_seed), float(exponent), float(vocab_scale),
+                         check_truth(truth))
 
 
 @lru_cache(maxsize=8)
-def _cached_truth(model_seed: int, exponent: float, vocab_scale: float) -> GroundTruth:
-    return GroundTruth(model_seed, exponent, vocab_scale)
+def _cached_truth(model_seed: int, exponent: float, vocab_scale: float,
+                  truth: str) -> ClickModel:
+    if truth == "fm":
+        return GroundTruth(model_seed, exponent, vocab_scale)
+    from terarec.data.synth_truths import ShapedTruth
+
+    return ShapedTruth(truth, model_seed, exponent, vocab_scale)
 
 
 # -- sampling ------------------------------------------------------------------------------
@@ -331,7 +366,7 @@ def _blocks(rows: int, sample_seed: int, start_block: int = 0):
         block += 1
 
 
-def _draw_block(n: int, rng: np.random.Generator, truth: GroundTruth | DriftingTruth,
+def _draw_block(n: int, rng: np.random.Generator, truth: ClickModel,
                 exponent: float) -> SynthArrays:
     dense, cats = _draw_features(n, rng, truth.vocab, exponent)
     probs = truth.probabilities(dense, cats)
@@ -340,14 +375,15 @@ def _draw_block(n: int, rng: np.random.Generator, truth: GroundTruth | DriftingT
 
 
 def generate_arrays(rows: int, *, model_seed: int = 0, sample_seed: int = 0,
-                    exponent: float = 1.1, vocab_scale: float = 1.0) -> SynthArrays:
+                    exponent: float = 1.1, vocab_scale: float = 1.0,
+                    truth: str = "fm") -> SynthArrays:
     """The rows ``generate`` would write with the same arguments, in memory."""
-    truth = ground_truth(model_seed, exponent, vocab_scale)
+    model = ground_truth(model_seed, exponent, vocab_scale, truth)
     out = SynthArrays(np.empty((rows, NUM_DENSE)), np.empty((rows, NUM_CATEGORICAL), np.int64),
                       np.empty(rows, np.float32), np.empty(rows))
     start = 0
     for n, rng in _blocks(rows, sample_seed):
-        part = _draw_block(n, rng, truth, exponent)
+        part = _draw_block(n, rng, model, exponent)
         for name in ("dense", "categorical", "labels", "probs"):
             getattr(out, name)[start:start + n] = getattr(part, name)
         start += n
@@ -427,22 +463,24 @@ class _AUCHistogram:
 
 def generate(path: str | Path, rows: int, *, model_seed: int = 0, sample_seed: int = 0,
              exponent: float = 1.1, vocab_scale: float = 1.0,
-             chunk_rows: int = 4 * BLOCK_ROWS, truth: DriftingTruth | None = None,
+             chunk_rows: int = 4 * BLOCK_ROWS, truth: str | DriftingTruth = "fm",
              hour: int | None = None) -> SynthInfo:
     """Write ``rows`` Criteo-format rows to ``path`` (atomically), plus ``<path>.truth.json``.
 
     Memory stays at one chunk; ``chunk_rows`` is rounded up to whole blocks and does not
-    change the output. ``truth``: a drifting ground truth instead of ``model_seed``'s
-    (``generate_hourly``).
+    change the output. ``truth``: the planted truth's shape (``TRUTHS``), or a drifting
+    ground truth instead of ``model_seed``'s (``generate_hourly``).
     """
+    if isinstance(truth, str):
+        check_truth(truth)
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
     if exponent <= 0 or vocab_scale <= 0:
         raise ValueError(f"exponent and vocab_scale must be positive, got "
                          f"{exponent} / {vocab_scale}")
     path = Path(path)
-    model: GroundTruth | DriftingTruth = truth or ground_truth(model_seed, exponent,
-                                                               vocab_scale)
+    model = (ground_truth(model_seed, exponent, vocab_scale, truth) if isinstance(truth, str)
+             else truth)
     blocks_per_chunk = max(1, -(-chunk_rows // BLOCK_ROWS))
     score = _AUCHistogram()
     clicks = 0.0
@@ -462,7 +500,8 @@ def generate(path: str | Path, rows: int, *, model_seed: int = 0, sample_seed: i
     info = SynthInfo(rows=rows, ctr=clicks / rows, ceiling_auc=score.auc(),
                      ceiling_logloss=float(score.logloss()), path=str(path), model_seed=model_seed,
                      sample_seed=sample_seed, exponent=exponent, vocab_scale=vocab_scale,
-                     hour=hour, drift_angle=truth.angle if truth else None)
+                     hour=hour, drift_angle=None if isinstance(truth, str) else truth.angle,
+                     truth=truth if isinstance(truth, str) else truth.name)
     atomic_write_text(truth_path(path), json.dumps(asdict(info), indent=2))
     return info
 
