@@ -5,7 +5,8 @@ load.
     python benchmarks/cli_startup.py [--runs 7]
 
 Prints one JSON line: the median wall time of each command over ``--runs`` fresh
-interpreters (after one unmeasured run of each, so that all read warm files).
+interpreters (after one unmeasured run of each, so that all read warm files), and the
+machine's load average at the start and the end.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="timed runs per command")
     args = parser.parse_args()
+    load = [os.getloadavg()[0]]
     for argv in COMMANDS.values():
         wall_time(argv)
     # Interleaved, so that a busy moment of the machine spreads over all three.
@@ -45,8 +47,10 @@ def main() -> None:
     for _ in range(args.runs):
         for name, argv in COMMANDS.items():
             times[name].append(wall_time(argv))
+    load.append(os.getloadavg()[0])
     print(json.dumps({"benchmark": "cli_startup", "runs": args.runs,
                       **{name: round(statistics.median(t), 3) for name, t in times.items()},
+                      "load_avg": [round(x, 1) for x in load],
                       "python": sys.version.split()[0]}))
 
 
