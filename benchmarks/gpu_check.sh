@@ -32,7 +32,7 @@ mods = {"numpy": "numpy", "numba": "numba", "pyarrow": "pyarrow", "sklearn": "sc
         "tqdm": "tqdm", "matplotlib": "matplotlib", "safetensors": "safetensors",
         "fsspec": "fsspec", "duckdb": "duckdb", "fastapi": "fastapi", "uvicorn": "uvicorn",
         "prometheus_client": "prometheus-client", "pydantic": "pydantic", "optuna": "optuna",
-        "yaml": "pyyaml", "msgspec": "msgspec", "orjson": "orjson", "redis": "redis",
+        "msgspec": "msgspec", "orjson": "orjson", "redis": "redis",
         "pytest": "pytest", "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis"}
 out = []
 for mod, pkg in mods.items():

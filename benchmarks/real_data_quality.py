@@ -10,7 +10,7 @@ best-pass selection see only those), terarec trains on the rest, and AUC / loglo
 the same run, is scikit-learn's logistic regression on one-hot categoricals plus
 signed-log1p, standardised numerics (with missing flags), fitted on all training rows (the
 same rows terarec trains and selects on) with its C picked by 3-fold cross-validation on
-them.
+them (scikit-learn: the ``test`` extra, ``pip install -e ".[test]"``).
 
 On these sizes default ``train`` refits: once validation has picked the epoch count, a
 fresh model trains that long on the fit and validation rows together (``--refit``, on

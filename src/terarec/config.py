@@ -389,10 +389,7 @@ def to_dict(config: Any) -> dict[str, Any]:
 def load_train_config(path: str | Path) -> TrainConfig:
     """The TrainConfig in JSON file ``path``; errors start with the file name."""
     raw = _config_bytes(path)
-    if Path(path).suffix.lower() in (".yaml", ".yml") and not _is_json(raw):
-        # YAML failed as "invalid JSON (expected value at line 1 column 1)"
-        raise InvalidInput(f"{path}: a config file is JSON, not YAML: write the same keys "
-                           'as a JSON object, e.g. {"batch_size": 2048}')
+    refuse_yaml(path, raw, "a config file", '{"batch_size": 2048}')
     repeated = repeated_key(raw)
     if repeated is not None:  # JSON parsers keep the last: the first would be ignored
         raise InvalidInput(f"{path}: {repeated}: key given twice in one object; keep one")
@@ -425,12 +422,17 @@ def _config_bytes(path: str | Path) -> bytes:
     return raw.removeprefix(codecs.BOM_UTF8)
 
 
-def _is_json(raw: bytes) -> bool:
+def refuse_yaml(path: str | Path, raw: bytes | str, what: str, example: str) -> None:
+    """Refuse a ``.yaml`` / ``.yml`` file that is not JSON (the config file and the
+    search space are JSON, one parser and no YAML dependency), naming the file: parsed as
+    JSON it failed as "expected value at line 1 column 1"."""
+    if Path(path).suffix.lower() not in (".yaml", ".yml"):
+        return
     try:
         json.loads(raw)
     except ValueError:
-        return False
-    return True
+        raise InvalidInput(f"{path}: {what} is JSON, not YAML: write the same keys as a "
+                           f"JSON object, e.g. {example}") from None
 
 
 class _Pairs(list[tuple[str, Any]]):

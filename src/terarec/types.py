@@ -10,13 +10,15 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
-import torch
 from pydantic import Field
 
 from terarec.validation import STRICT, InvalidInput, validate
+
+if TYPE_CHECKING:  # imported where used: the schema and the command line's flags need neither
+    import numpy as np
+    import torch
 
 FieldKind = Literal["numeric", "categorical"]
 Pooling = Literal["sum", "mean"]
@@ -42,6 +44,8 @@ class KeyedIds:
 
     def __init__(self, fields: tuple[str, ...] | list[str], values: torch.Tensor,
                  offsets: torch.Tensor) -> None:
+        import torch
+
         self.fields = tuple(fields)
         if values.dtype != torch.int64 or offsets.dtype != torch.int64:
             raise TypeError(
@@ -60,6 +64,8 @@ class KeyedIds:
     @classmethod
     def from_lengths(cls, fields: tuple[str, ...] | list[str], values: torch.Tensor,
                      lengths: torch.Tensor) -> KeyedIds:
+        import torch
+
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
         torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])
         return cls(fields, values, offsets)
@@ -67,6 +73,8 @@ class KeyedIds:
     @classmethod
     def from_dense(cls, fields: tuple[str, ...] | list[str], ids: torch.Tensor) -> KeyedIds:
         """One key per (sample, field); ``ids`` is ``[B, F]`` int64."""
+        import torch
+
         batch, num_fields = ids.shape
         values = ids.t().contiguous().view(-1)
         offsets = torch.arange(batch * num_fields + 1, dtype=torch.int64, device=ids.device)
@@ -89,6 +97,9 @@ class KeyedIds:
     @cached_property
     def one_per_slot(self) -> bool:
         """True when every (field, sample) holds exactly one key: the fast path."""
+        import numpy as np
+        import torch
+
         if self.values.numel() != self.offsets.numel() - 1:
             return False
         if self.offsets.device.type == "cpu":  # numpy: no intra-op thread pool for a check
@@ -122,6 +133,8 @@ class KeyedIds:
 
     def select_fields(self, names: list[str] | tuple[str, ...]) -> KeyedIds:
         """A KeyedIds holding only ``names`` (in that order)."""
+        import torch
+
         b = self.batch_size
         parts_v, parts_l = [], []
         for name in names:
@@ -133,6 +146,8 @@ class KeyedIds:
 
     def slice(self, start: int, stop: int) -> KeyedIds:
         """Samples ``start:stop`` of every field."""
+        import torch
+
         b = self.batch_size
         stop = min(stop, b)
         parts_v, parts_l = [], []
@@ -160,6 +175,8 @@ class KeyedIds:
     @staticmethod
     def concat(parts: list[KeyedIds]) -> KeyedIds:
         """Concatenate along the batch dimension (same fields in the same order)."""
+        import torch
+
         if not parts:
             raise ValueError("nothing to concatenate")
         fields_ = parts[0].fields
@@ -185,6 +202,8 @@ class KeyedIds:
 @lru_cache(maxsize=1024)
 def _slot_offsets(slots: int) -> torch.Tensor:
     """``arange(slots + 1)``: the offsets of one key per slot, built once per size."""
+    import torch
+
     return torch.arange(slots + 1, dtype=torch.int64)
 
 @dataclass
@@ -217,6 +236,8 @@ class Batch:
 
     @staticmethod
     def concat(parts: list[Batch]) -> Batch:
+        import torch
+
         return Batch(torch.cat([p.dense for p in parts]),
                      KeyedIds.concat([p.sparse for p in parts]),
                      torch.cat([p.labels for p in parts]))
@@ -368,6 +389,9 @@ class FeatureSchema:
 
 def as_int64_tensor(array: np.ndarray) -> torch.Tensor:
     """Zero-copy int64 numpy -> torch, refusing anything that is not int64 already."""
+    import numpy as np
+    import torch
+
     if array.dtype != np.int64:
         raise TypeError(f"expected int64 keys, got {array.dtype}")
     return torch.from_numpy(np.ascontiguousarray(array))

@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow.csv as pa_csv
 import pytest
 
+import terarec.autofeature
 from terarec.autofeature.features import FeatureConfig, model_features
 from terarec.autofeature.lookup import FeatureLookup
-from terarec.cli import autofeature as autofeature_cli
 from terarec.cli.main import main
 from terarec.data.readers import batch_from_records
 from terarec.data.synth_features import generate_planted
@@ -266,13 +266,14 @@ def test_train_with_features_refuses_on_bad_row_skip(selected, model, data, tmp_
 def test_memory_limit_and_temp_dir_reach_duckdb(data, tmp_path, monkeypatch):
     seen = {}
 
-    class Recording(autofeature_cli.AutoFeatureEngine):
+    class Recording(terarec.autofeature.AutoFeatureEngine):
         def duckdb_config(self):
             config = super().duckdb_config()
             seen.update(config)
             return config
 
-    monkeypatch.setattr(autofeature_cli, "AutoFeatureEngine", Recording)
+    # the command imports the engine when it runs
+    monkeypatch.setattr(terarec.autofeature, "AutoFeatureEngine", Recording)
     assert main(["autofeature", "--train", str(data.train), "--valid", str(data.valid),
                  *SCHEMA_ARGS, "--candidates", "count(C3)", "--memory-limit", "123MB",
                  "--temp-dir", str(tmp_path / "spill"), "--sample-rows", "2000",

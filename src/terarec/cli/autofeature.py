@@ -18,39 +18,21 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-import duckdb
-
-from terarec.api.training import check_disjoint
-from terarec.autofeature import (
-    ALL_AGGREGATES,
-    ALL_KINDS,
-    AutoFeatureEngine,
-    Candidate,
-    compute_tables,
-    enumerate_candidates,
-    validate_candidates,
-)
-from terarec.autofeature.features import FeatureConfig
-from terarec.autofeature.selection import (
-    SelectionConfig,
-    SelectionResult,
-    parquet_view,
-    sample_rows,
-    select_features,
-)
-from terarec.autofeature.source import expand_paths, first_bad_row
-from terarec.cli.common import add_format_args, schema_from_args
-from terarec.data.readers import no_data_rows
-from terarec.io import atomic_write_text
-from terarec.types import FeatureSchema
+if TYPE_CHECKING:  # the rest is imported where used: --help needs no DuckDB or torch
+    from terarec.autofeature.selection import SelectionResult
+    from terarec.types import FeatureSchema
 
 T = TypeVar("T")
 GAIN_FIELDS = ("name", "kind", "auc", "gain", "selected", "round", "gain_when_chosen")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from terarec.autofeature.candidates import ALL_AGGREGATES, ALL_KINDS
+    from terarec.autofeature.selection import SelectionConfig
+    from terarec.cli.common import add_format_args
+
     p = sub.add_parser("autofeature", help="generate and select SQL aggregate features",
                        description=__doc__)
     p.add_argument("--train", nargs="+", required=True, help="training file(s) or globs")
@@ -144,6 +126,9 @@ def check_rows(paths: Sequence[str], schema: FeatureSchema) -> None:
     label of 2, ``nan`` and ``1e40`` as values (a NaN in a numeric column then reached
     the sample as a missing value, and the others failed naming a temporary sample
     file). Files with no rows are left to the training range's own check."""
+    from terarec.autofeature.source import first_bad_row
+    from terarec.data.readers import no_data_rows
+
     for path in paths:
         if not no_data_rows(Path(path), schema) \
                 and (bad := first_bad_row([path], schema)) is not None:
@@ -151,6 +136,28 @@ def check_rows(paths: Sequence[str], schema: FeatureSchema) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from terarec.api.training import check_disjoint
+    from terarec.autofeature import (
+        ALL_AGGREGATES,
+        ALL_KINDS,
+        AutoFeatureEngine,
+        Candidate,
+        compute_tables,
+        enumerate_candidates,
+        validate_candidates,
+    )
+    from terarec.autofeature.features import FeatureConfig
+    from terarec.autofeature.selection import (
+        SelectionConfig,
+        parquet_view,
+        sample_rows,
+        select_features,
+    )
+    from terarec.autofeature.source import expand_paths
+    from terarec.cli.common import schema_from_args
+
     start = time.perf_counter()
     check_args(args)
     train, valid = expand_paths(args.train), expand_paths(args.valid, "--valid")
@@ -219,6 +226,8 @@ def gains_table(result: SelectionResult) -> str:
 
 def write_gains(out: Path, result: SelectionResult, summary: dict) -> list[Path]:
     """``<stem>.gains.csv``, ``.json`` and ``.png`` beside the feature config."""
+    from terarec.io import atomic_write_text
+
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=GAIN_FIELDS, lineterminator="\n")
     writer.writeheader()

@@ -7,15 +7,16 @@ import argparse
 import json
 from pathlib import Path
 
-from terarec.cli.common import add_checkpoint_arg
 from terarec.cli.storage_args import (
     add_storage_args,
     storage_options_from_args,
 )
-from terarec.export.writer import DEFAULT_SHARD_ROWS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from terarec.cli.common import add_checkpoint_arg
+    from terarec.export.writer import DEFAULT_SHARD_ROWS
+
     p = sub.add_parser("export", help="export a trained model for serving",
                        description=__doc__)
     p.add_argument("--model", required=True, type=Path, help="model directory")

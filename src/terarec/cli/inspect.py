@@ -11,10 +11,10 @@ import argparse
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from terarec.modeldir import load_checkpoint, sum_store_summaries
+if TYPE_CHECKING:  # imported where used: --help needs neither numpy nor the checkpoints
+    import numpy as np
 
 # Per-pass figures of the run's history shown by inspect (docs/admission.md).
 PER_PASS = ("pass_id", "new_keys", "rejected_keys", "evicted_keys", "store_keys")
@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def show_histogram(show: np.ndarray | Iterable[np.ndarray]) -> dict[str, int]:
     """Keys per show-count bucket: "0", "1", "2-3", "4-7", ... (powers of two), of one
     array of show counts or summed over several (chunks of a table)."""
+    import numpy as np
+
     parts = [show] if isinstance(show, np.ndarray) else show
     by_exp: dict[int, int] = {}  # -1: never shown
     for part in parts:
@@ -51,6 +53,8 @@ def show_histogram(show: np.ndarray | Iterable[np.ndarray]) -> dict[str, int]:
 
 
 def summarise(model_dir: Path) -> dict:
+    from terarec.modeldir import load_checkpoint, sum_store_summaries
+
     # Said "no committed checkpoint" of a path that does not exist or is a file.
     if not model_dir.is_dir():
         what = "a file" if model_dir.exists() else "no such folder"

@@ -1,8 +1,20 @@
 """``terarec`` command line: one module per subcommand, each registering itself here.
 
-Each module in ``terarec.cli`` listed in ``SUBCOMMANDS`` defines
-``add_parser(subparsers) -> None``, which adds its parser and sets ``func=run`` where
-``run(args) -> int`` returns the exit code.
+``SUBCOMMANDS`` names each module in ``terarec.cli`` with its one-line summary. A run
+imports only the module of the subcommand it names; ``terarec --help`` (and a missing
+or unknown subcommand) imports none, listing the summaries from ``SUBCOMMANDS``.
+
+The contract of a subcommand module ``terarec.cli.NAME``:
+
+- it defines ``add_parser(subparsers) -> None``, which adds the parser ``NAME`` (with
+  ``help=SUBCOMMANDS[NAME]``) and sets ``func=run``; ``run(args) -> int`` returns the
+  exit code;
+- importing it and calling ``add_parser`` need only light modules (the standard
+  library, ``terarec.config`` and other modules that import no torch, numpy-backed
+  stacks, numba, duckdb, pyarrow, optuna, fastapi or matplotlib), so that
+  ``terarec NAME --help`` and every flag error answer at once; ``run`` imports the
+  heavy modules it needs inside the function. ``tests/cli/test_cli_startup.py`` checks
+  the modules imported.
 """
 
 from __future__ import annotations
@@ -15,12 +27,20 @@ import os
 import sys
 from typing import NoReturn
 
-SUBCOMMANDS = [
-    "quickstart", "synth", "train", "eval", "predict",
-    "search", "export", "index", "publish", "serve",
-    "autofeature",
-    "inspect",
-]
+SUBCOMMANDS: dict[str, str] = {
+    "quickstart": "synthesise data, train, evaluate, report",
+    "synth": "write synthetic Criteo-format click logs",
+    "train": "train a model",
+    "eval": "evaluate a model on labelled data",
+    "predict": "score rows with a model",
+    "search": "hyper-parameter search, trials trained together",
+    "export": "export a trained model for serving",
+    "index": "build an item-vector index for /retrieve",
+    "publish": "publish an exported version to a Redis Cluster",
+    "serve": "serve an exported model over HTTP",
+    "autofeature": "generate and select SQL aggregate features",
+    "inspect": "summarise a model directory's store",
+}
 
 
 # Subcommands that run as torchrun ranks (one code path for 1..N); the others run whole
@@ -33,15 +53,19 @@ class UserError(Exception):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command line; with ``only`` (a subcommand's name), just that subcommand:
-    importing every subcommand's modules (serving, search, ...) cost each run, and each
-    torchrun rank, most of a second."""
+    """The command line with ``only`` (a subcommand's name) in full; the others, or all
+    when ``only`` names none, as their one-line summaries. Importing every subcommand's
+    modules (torch, serving, search, ...) cost each run, each torchrun rank and each
+    ``--help`` seconds."""
     parser = argparse.ArgumentParser(
         prog="terarec", description="Train and serve CTR models whose sparse embedding "
         "tables outgrow one machine.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in [only] if only in SUBCOMMANDS else SUBCOMMANDS:
-        importlib.import_module(f"terarec.cli.{name}").add_parser(sub)
+    for name, summary in SUBCOMMANDS.items():
+        if name == only:
+            importlib.import_module(f"terarec.cli.{name}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=summary, add_help=False)
     return parser
 
 
@@ -49,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else None
     args = build_parser(command).parse_args(argv)
+    if not hasattr(args, "func"):  # only a subcommand given in full sets it
+        args = build_parser(args.command).parse_args(argv)
     from terarec.io import NOT_WRITABLE, LockedError, NotWritableError
 
     try:

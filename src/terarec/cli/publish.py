@@ -13,11 +13,7 @@ import json
 import logging
 import math
 
-from terarec.cli.storage_args import (
-    add_storage_args,
-    local_options_error,
-    storage_options_from_args,
-)
+from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +43,7 @@ def check_publish_args(args: argparse.Namespace) -> None:
     from terarec.cli.main import UserError
     from terarec.export.format import MANIFEST, latest_version
     from terarec.export.storage import Storage, StorageError
+    from terarec.export.target import local_options_error
     from terarec.sparsetier.publish import split_version_uri
     from terarec.sparsetier.tier import parse_url
 

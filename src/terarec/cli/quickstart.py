@@ -14,10 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from terarec.config import TrainConfig, from_dict
-from terarec.data.synth import generate
 from terarec.io import file_above
-from terarec.models.registry import model_class
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> None:
     """The flags, checked before anything is synthesised (a million rows take a while):
     an error names the flag."""
+    from terarec.config import TrainConfig, from_dict
+    from terarec.models.registry import model_class
+
     for flag, value in (("--rows", args.rows), ("--valid-rows", args.valid_rows)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -54,6 +54,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from terarec.cli.main import main
+    from terarec.data.synth import generate
 
     _check(args)
     work: Path = args.workdir

@@ -14,11 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from terarec.cli.storage_args import (
-    add_storage_args,
-    local_options_error,
-    storage_options_from_args,
-)
+from terarec.cli.storage_args import add_storage_args, storage_options_from_args
 
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -153,6 +149,7 @@ def check_serve_source(uri: str, storage_options: dict | None) -> None:
     root: the server would poll it for versions that never appear."""
     from terarec.cli.main import UserError
     from terarec.export.storage import Storage
+    from terarec.export.target import local_options_error
 
     try:
         storage = Storage(uri, storage_options)

@@ -6,11 +6,6 @@ import argparse
 import json
 from typing import Any
 
-from terarec.export.target import check_export_target, local_options_error
-
-__all__ = ["add_storage_args", "check_export_target", "local_options_error",
-           "storage_options_from_args"]
-
 
 def add_storage_args(parser: argparse._ActionsContainer) -> None:
     """Add ``--storage-options`` to a parser or an argument group."""

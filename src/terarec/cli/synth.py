@@ -13,9 +13,13 @@ import argparse
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from terarec.data.synth import TRUTHS, SynthInfo, generate, generate_hourly
+from terarec.data.truths import TRUTHS
 from terarec.io import file_above
+
+if TYPE_CHECKING:  # imported where used: --help needs no numba or pyarrow
+    from terarec.data.synth import SynthInfo
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -98,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from terarec.data.synth import generate
+
     if args.rows <= 0:
         raise ValueError(f"--rows must be positive, got {args.rows}")
     if args.valid_rows is not None and args.valid_rows < 1:
@@ -126,6 +132,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _hourly(args: argparse.Namespace) -> int:
+    from terarec.data.synth import generate_hourly
+
     if args.hourly <= 0:
         raise ValueError(f"--hourly must be positive, got {args.hourly}")
     if not 0.0 <= args.drift <= 1.0:

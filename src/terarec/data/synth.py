@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 
+from terarec.data.truths import TRUTHS
 from terarec.io import atomic_open, atomic_write_text
 from terarec.kernels import GOLDEN_GAMMA, splitmix64_array, splitmix64_int
 
@@ -72,8 +73,6 @@ _CALIBRATION_ROWS = 100_000
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 
-# The planted truths (``synth_truths``); ``fm`` is the low-rank FM truth below.
-TRUTHS = ("fm", "deep", "cross", "linear", "mixed")
 
 
 def check_truth(name: str) -> str:

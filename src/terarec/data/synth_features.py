@@ -98,7 +98,10 @@ def generate_planted(train_path: str | Path, valid_path: str | Path, train_rows:
                        _auc(labels[train_rows:], probs[train_rows:]))
 
 
-def _auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    from sklearn.metrics import roc_auc_score
+def _auc(labels: np.ndarray, probs: np.ndarray) -> float:
+    """The planted probabilities' AUC, as ``synth.generate`` measures its ceiling."""
+    from terarec.data.synth import _AUCHistogram
 
-    return float(roc_auc_score(labels, scores))
+    histogram = _AUCHistogram()
+    histogram.add(probs, labels)
+    return histogram.auc()

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from terarec.config import TrainConfig, read_only_by, repeated_key, to_dict
+from terarec.config import TrainConfig, read_only_by, refuse_yaml, repeated_key, to_dict
 from terarec.train.cohort import apply_params
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def default_space(model: str, base: TrainConfig | None = None) -> Space:
 
 
 def load_space(path: str | Path, base: TrainConfig) -> Space:
-    """A search space from a JSON or YAML file: ``{"dotted.config.path": spec}`` where a
+    """A search space from a JSON file: ``{"dotted.config.path": spec}`` where a
     spec is ``{type: float|int, low, high[, log, step]}`` or ``{type: categorical,
     choices: [...]}`` (``[a, b, c]`` alone means categorical)."""
     path = Path(path)
@@ -75,57 +75,15 @@ def load_space(path: str | Path, base: TrainConfig) -> Space:
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else "not a text file"
         raise ValueError(f"{path}: cannot read search space: {why}") from None
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml  # type: ignore[import-untyped]
-
-        try:
-            data = yaml.load(text, Loader=_yaml_loader())
-        except _RepeatedKey as exc:
-            raise ValueError(f"{path}: {exc}") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            at = f"line {mark.line + 1}: " if mark is not None else ""
-            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ValueError(f"{path}: not valid YAML ({at}{what})") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") \
-                from None
-        repeated = repeated_key(text)
-        if repeated is not None:  # json keeps the last one: the first would be ignored
-            raise ValueError(f"{path}: {repeated}: key given twice in one object; keep one")
+    refuse_yaml(path, text, "a search space", '{"model.embedding_dim": [8, 16]}')
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    repeated = repeated_key(text)
+    if repeated is not None:  # json keeps the last one: the first would be ignored
+        raise ValueError(f"{path}: {repeated}: key given twice in one object; keep one")
     return check_space(data, base, str(path))
-
-
-class _RepeatedKey(ValueError):
-    pass
-
-
-def _unique_mapping(loader: Any, node: Any, deep: bool = False) -> dict:
-    """A YAML mapping whose keys are all different: PyYAML keeps the last of a repeated
-    key, so the first was silently ignored."""
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise _RepeatedKey(f"line {key_node.start_mark.line + 1}: {key}: key given "
-                               "twice in one mapping; keep one")
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-def _yaml_loader() -> type:
-    """PyYAML's safe loader, refusing a key given twice in one mapping."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        pass
-
-    UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                                    _unique_mapping)
-    return UniqueKeyLoader
 
 
 # How the shared pass loop reads the data: one setting for every trial of a search.
