@@ -119,9 +119,8 @@ def worker(args: argparse.Namespace) -> None:
     """One process of a training-loop measurement (plain, or one torchrun rank)."""
     import torch
 
-    from terarec.config import ModelConfig, TrainConfig
+    from terarec.config import DenseCommConfig, ModelConfig, TrainConfig
     from terarec.distributed.context import init_distributed, launched_by_torchrun
-    from terarec.distributed.dense_comm import DenseCommConfig
     from terarec.distributed.sharding import iter_rank_passes
     from terarec.embedding.working_set import plan_pass
     from terarec.train.passes import group_passes, iter_file_batches, prefetch

@@ -19,7 +19,7 @@ HEAVY = ("torch", "numba", "duckdb", "pyarrow", "optuna", "fastapi", "matplotlib
          "sklearn", "uvicorn")
 # Subcommands whose parser still needs heavy modules (cli.common, the training flags):
 # empty this set, never grow it.
-PENDING = {"train", "eval", "predict", "search", "export", "autofeature"}
+PENDING = {"autofeature"}
 
 _PROBE = """
 import contextlib, io, json, sys

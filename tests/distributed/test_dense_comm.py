@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from terarec.distributed.dense_comm import CommMeter, DenseCommConfig, DGCState, dgc_sparsify
+from terarec.config import DenseCommConfig
+from terarec.distributed.dense_comm import CommMeter, DGCState, dgc_sparsify
 
 
 def _state(n: int = 8, **kw) -> DGCState:

@@ -18,9 +18,8 @@ from typing import Any
 
 from terarec.api.model import Model
 from terarec.api.training import ExportSchedule, TrainJob, run_training
-from terarec.config import TrainConfig, from_dict, to_dict
+from terarec.config import DenseCommConfig, TrainConfig, from_dict, to_dict
 from terarec.data.spec import DataSpec
-from terarec.distributed.dense_comm import DenseCommConfig
 
 Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 

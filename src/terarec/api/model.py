@@ -149,8 +149,8 @@ class Model:
         URL) for ``terarec serve``: rows as fp32, fp16 or 8/4/2/1-bit codes, or only a
         ``slice`` (``user_tower`` / ``item_tower``, ``wide`` / ``deep``, or a field list)
         carrying the keys of ``keys_from`` files. Returns what was written."""
+        from terarec.export.format import DEFAULT_SHARD_ROWS
         from terarec.export.target import check_export_target
-        from terarec.export.writer import DEFAULT_SHARD_ROWS
 
         rows = DEFAULT_SHARD_ROWS if shard_rows is None else shard_rows
         if Path(uri).is_file():

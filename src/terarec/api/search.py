@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 @dataclass
 class SearchJob:
     """A search: ``run`` is what each trial is (``run.out``: the search directory);
-    ``space`` a JSON/YAML file or a mapping ``{dotted.config.path: spec}`` (None: the
+    ``space`` a JSON file or a mapping ``{dotted.config.path: spec}`` (None: the
     model's default space); ``prune_after`` the pass pruning starts at (None: enough
     passes for 100 optimizer steps)."""
 
@@ -251,8 +251,8 @@ def search(train: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     """Search ``trials`` configurations of one ``fit`` run together (one pass loop, one
     shared key index), suggested by optuna's ``sampler`` and pruned at pass boundaries
     by ``pruner``; the best trial is written to ``out/best`` and returned as a ``Model``
-    (refit on train + valid below 100,000 rows, as ``fit`` does). ``space``: a JSON /
-    YAML file or a mapping ``{"dotted.config.path": {"type": "float", "low": ...,
+    (refit on train + valid below 100,000 rows, as ``fit`` does). ``space``: a JSON
+    file or a mapping ``{"dotted.config.path": {"type": "float", "low": ...,
     "high": ..., "log": true} | [choices]}``; None searches the model's default space.
     Other settings are ``fit``'s."""
     from terarec.api.fit import job_settings

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from terarec.config import TrainConfig, resumed_config, unused_keys
+from terarec.config import DenseCommConfig, TrainConfig, resumed_config, unused_keys
 from terarec.data.positions import InputFile
 from terarec.data.readers import ReadStats
 from terarec.data.spec import DataSpec
@@ -31,7 +31,6 @@ from terarec.distributed.context import (
     restart_count,
     topology,
 )
-from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.io import (
     LockedError,
     exclusive_lock,

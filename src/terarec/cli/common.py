@@ -15,6 +15,7 @@ from terarec.config import (
     INPUT_FORMAT,
     REGULARISATION,
     TRAINING,
+    DenseCommConfig,
     TrainConfig,
     config_file_keys,
     flag_fields,
@@ -27,10 +28,7 @@ from terarec.data.numeric import (
     MAX_BUCKETS,
     ROWS_PER_BUCKET,
 )
-from terarec.data.readers import ReadStats
 from terarec.data.spec import DataSpec, names
-from terarec.distributed.context import DistContext
-from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.train.selection import (
     DEFAULT_MAX_EPOCHS,
     DEFAULT_PATIENCE,
@@ -42,6 +40,8 @@ from terarec.validation import InvalidInput, strip_type
 
 if typing.TYPE_CHECKING:
     from terarec.api.training import TrainJob
+    from terarec.data.readers import ReadStats
+    from terarec.distributed.context import DistContext
 
 
 def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -316,6 +316,8 @@ def model_data(args: argparse.Namespace, *, with_label: bool = True) -> Iterator
     from terarec.train.passes import iter_file_batches
 
     with model_files(args) as (trainer, schema, data):
+        from terarec.data.readers import ReadStats
+
         stats = ReadStats()
         batches = iter_file_batches(data, schema, trainer.config.batch_size,
                                     on_bad_row=args.on_bad_row or "error", stats=stats,

@@ -15,7 +15,7 @@ from terarec.cli.storage_args import (
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from terarec.cli.common import add_checkpoint_arg
-    from terarec.export.writer import DEFAULT_SHARD_ROWS
+    from terarec.export.format import DEFAULT_SHARD_ROWS
 
     p = sub.add_parser("export", help="export a trained model for serving",
                        description=__doc__)

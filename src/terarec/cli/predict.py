@@ -9,17 +9,16 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
-from terarec.api.model import check_rows_scored
 from terarec.cli.common import add_model_data_args, model_files, report_skipped
 from terarec.cli.main import UserError
-from terarec.data.readers import ReadStats, iter_batches, text_columns
-from terarec.finite import check_model_scores
-from terarec.io import atomic_open
 from terarec.types import FeatureSchema
+
+if TYPE_CHECKING:
+    from terarec.data.readers import ReadStats
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
             if os.path.realpath(path) == os.path.realpath(args.out):
                 raise UserError(f"--out {args.out} is the input file {path}: its scores "
                                 "would replace it; write them to another file")
+    from terarec.api.model import check_rows_scored
+    from terarec.data.readers import ReadStats, iter_batches
+
     skip = args.on_bad_row == "skip"
     total = ReadStats()
     with model_files(args) as (trainer, schema, data), _output(args.out) as fh:
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _output(out: Path | None) -> Iterator[IO[str]]:
+    from terarec.io import atomic_open
+
     if out is None:
         yield sys.stdout
         return
@@ -69,6 +73,8 @@ def _output(out: Path | None) -> Iterator[IO[str]]:
 
 def _checked(scored: Iterable[tuple[np.ndarray, np.ndarray]], where: str
              ) -> Iterator[np.ndarray]:
+    from terarec.finite import check_model_scores
+
     for probs, _ in scored:
         check_model_scores(probs, where)
         yield probs
@@ -77,6 +83,8 @@ def _checked(scored: Iterable[tuple[np.ndarray, np.ndarray]], where: str
 def _first_data_row(path: Path, schema: FeatureSchema) -> int:
     """The number ``ReadStats.skipped_at`` gives a file's first data row: its line (after
     a header line, if any) in a text file, row 1 in a Parquet file."""
+    from terarec.data.readers import text_columns
+
     if schema.format == "parquet":
         return 1
     return 1 + text_columns(path, schema, with_label=False)[1]

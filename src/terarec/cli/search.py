@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the pass at which the pruner first compares trials (default: "
                    "enough passes for 100 optimizer steps; 1 pass on large data)")
     p.add_argument("--space", type=Path,
-                   help="search space, JSON or YAML: {config.path: {type, low, high, log} "
+                   help="search space, a JSON file: {config.path: {type, low, high, log} "
                    "or [choices]} (default: a space for --model, see docs/search.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue the search in --out after a stop or a crash: finished "

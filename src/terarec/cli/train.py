@@ -20,7 +20,7 @@ from terarec.cli.common import (
 )
 from terarec.cli.main import UserError
 from terarec.cli.storage_args import add_storage_args
-from terarec.distributed.dense_comm import DENSE_COMMS, DenseCommConfig
+from terarec.config import DENSE_COMMS, DenseCommConfig
 from terarec.io import finite_json
 
 if TYPE_CHECKING:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from terarec.data.numeric import DEFAULT_STATS_ROWS, with_numeric_stats
-from terarec.data.readers import check_delimiter, csv_schema
 from terarec.types import FeatureSchema, NumericTransform
 
 Format = Literal["criteo", "csv", "parquet"]
@@ -99,6 +98,8 @@ class DataSpec:
             transform = {c: ("log1p" if c in self.log1p else "none") for c in self.numeric}
         _check_columns(self.label, list(self.numeric), list(self.categorical),
                        self.multi_valued)
+        from terarec.data.readers import csv_schema  # pyarrow: not for --help
+
         return csv_schema(self.label, self.numeric, self.categorical,
                           delimiter=self.delimiter if self.delimiter is not None else ",",
                           separator=self.multi_sep,
@@ -183,6 +184,8 @@ def check_delimiter_for(delimiter: str | None, fmt: str) -> None:
         return
     if fmt != "csv":
         raise ValueError(f"--delimiter: only for csv data; this data is {fmt}")
+    from terarec.data.readers import check_delimiter
+
     problem = check_delimiter(delimiter)
     if problem:
         raise ValueError(f"--delimiter {delimiter!r}: {problem}")

@@ -7,8 +7,8 @@ Launch the ordinary command under torchrun (gloo on CPU, NCCL on GPU)::
 See ``docs/distributed.md``.
 """
 
+from terarec.config import DenseCommConfig
 from terarec.distributed.context import DistContext, init_distributed, launched_by_torchrun
-from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.distributed.sharding import iter_rank_passes
 from terarec.kernels import shard_of
 

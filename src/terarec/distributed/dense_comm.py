@@ -18,45 +18,17 @@ exchanged. At ``ratio=0.001`` a rank sends 8 * numel / 1000 bytes instead of 4 *
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations at runtime.
 import math
-from dataclasses import asdict, dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-DenseCommMode = Literal["none", "fp16", "dgc"]
-DENSE_COMMS: tuple[str, ...] = ("none", "fp16", "dgc")
+from terarec.config import DenseCommConfig
+
 _WARMUP_START_DENSITY = 0.25
 # torch 2.13 renamed all_gather_into_tensor (same semantics); older releases lack the new name.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass
-class DenseCommConfig:
-    """``mode`` and the DGC knobs (ignored by the other modes)."""
-
-    mode: DenseCommMode = "none"
-    dgc_ratio: float = 0.001
-    # The paper's 0.9 assumes plain SGD, whose momentum the correction replaces; Adam (the
-    # default dense optimizer) keeps its own first moment on top, and the two compound:
-    # at batch 4096, 0.9 lost 0.004 validation AUC against all-reduce, 0.5 lost 0.001.
-    dgc_momentum: float = 0.5
-    dgc_warmup_steps: int = 100
-
-    def __post_init__(self) -> None:
-        if self.mode not in DENSE_COMMS:
-            raise ValueError(f"unknown dense communication {self.mode!r}; known: {DENSE_COMMS}")
-        if not 0.0 < self.dgc_ratio <= 1.0:
-            raise ValueError(f"DGC ratio must be in (0, 1], got {self.dgc_ratio}")
-        if not 0.0 <= self.dgc_momentum < 1.0:
-            raise ValueError(f"DGC momentum must be in [0, 1), got {self.dgc_momentum}")
-        if self.dgc_warmup_steps < 0:
-            raise ValueError(f"DGC warm-up steps must be >= 0, got {self.dgc_warmup_steps}")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class CommMeter:

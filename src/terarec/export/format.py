@@ -43,6 +43,7 @@ from terarec.validation import STRICT, InvalidInput, validate_json
 FORMAT = "terarec-export"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+DEFAULT_SHARD_ROWS = 1 << 20  # sparse rows per shard file of a version
 LATEST = "LATEST"
 CLAIM = ".claim"  # created exclusively by the writer that takes a version number
 DENSE_FILE = "dense.safetensors"

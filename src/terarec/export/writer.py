@@ -45,6 +45,7 @@ from terarec.embedding.types import RowChunk
 from terarec.export.compressed import RowCodec, compress_rows, shard_bytes
 from terarec.export.format import (
     CLAIM,
+    DEFAULT_SHARD_ROWS,
     DELETED_FILE,
     DENSE_FILE,
     FORMAT,
@@ -73,7 +74,6 @@ from terarec.models import row_dim_for
 from terarec.types import FeatureSchema
 
 log = logging.getLogger(__name__)
-DEFAULT_SHARD_ROWS = 1 << 20
 FEATURES_DIR = "features"  # a version's copy of the model's AutoFeature tables
 
 

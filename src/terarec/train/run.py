@@ -19,11 +19,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from terarec.config import TrainConfig, parse_bytes
+from terarec.config import DenseCommConfig, TrainConfig, parse_bytes
 from terarec.data.positions import InputFile, Positions
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext, restart_count
-from terarec.distributed.dense_comm import DenseCommConfig
 from terarec.export.writer import IncrementalExporter
 from terarec.finite import check_finite_loss
 from terarec.io import atomic_write_text, finite_json

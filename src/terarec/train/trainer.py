@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from terarec.config import TrainConfig, parse_bytes
+from terarec.config import DenseCommConfig, TrainConfig, parse_bytes
 from terarec.data.positions import Idle, PassInput, Positions
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext, resolve_device
-from terarec.distributed.dense_comm import DenseComm, DenseCommConfig
+from terarec.distributed.dense_comm import DenseComm
 from terarec.distributed.lookup import (
     ShardedPassPlan,
     ShardedWorkingSet,

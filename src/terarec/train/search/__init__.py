@@ -17,8 +17,25 @@ The package, by job:
 - ``results``: the files a search writes (best model, results table, report).
 """
 
-from terarec.train.search.config import SearchConfig
-from terarec.train.search.trials import SearchResult, SearchTrial
-from terarec.train.search.waves import run_search
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use: the command line's parser reads ``samplers``' names without
+# loading the pass loop.
+_EXPORTS = {"SearchConfig": "config", "SearchResult": "trials", "SearchTrial": "trials",
+            "run_search": "waves"}
 __all__ = ["SearchConfig", "SearchResult", "SearchTrial", "run_search"]
+
+if TYPE_CHECKING:
+    from terarec.train.search.config import SearchConfig
+    from terarec.train.search.trials import SearchResult, SearchTrial
+    from terarec.train.search.waves import run_search
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'terarec.train.search' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"terarec.train.search.{module}"), name)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from terarec.config import TrainConfig, read_only_by, refuse_yaml, repeated_key, to_dict
-from terarec.train.cohort import apply_params
 
 if TYPE_CHECKING:
     from optuna.trial import Trial
@@ -160,6 +159,8 @@ def check_space(data: Any, base: TrainConfig, where: str = "space"
                 # a value between the bounds: a float range on an integer field fails here
                 values.append(("a value inside the range", spec["low"] + 0.501 * (
                     spec["high"] - spec["low"])))
+        from terarec.train.cohort import apply_params  # the trainer: not for --help
+
         for label, value in values:
             try:
                 apply_params(base, {str(name): value})
