@@ -273,3 +273,35 @@ def test_metrics_say_how_many_epochs_ran_against_the_bound(lr_model):
     assert metrics["epochs_limit"] == lr_model.config.epochs
     assert 1 <= metrics["epochs_trained"] <= metrics["epochs_limit"]
     assert metrics["epochs_trained"] == max(h["epoch"] for h in lr_model.history) + 1
+
+
+def test_a_parquet_file_is_read_as_parquet_by_its_extension(lr_model, data, tmp_path):
+    """A model trained on TSV scores a Parquet copy of its rows named .parquet without a
+    --format flag (it was read as text: "not text (byte 0x00 ...)")."""
+    import pyarrow.parquet as pq
+
+    _, valid = data
+    table = pacsv.read_csv(valid, read_options=pacsv.ReadOptions(column_names=NAMES),
+                           parse_options=pacsv.ParseOptions(delimiter="\t"),
+                           convert_options=pacsv.ConvertOptions(
+                               column_types={n: "string" for n in NAMES[14:]}))
+    pq.write_table(table, tmp_path / "valid.parquet")
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", "--model", str(lr_model.path), "--data",
+                     str(tmp_path / "valid.parquet"), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["auc"] == pytest.approx(
+        lr_model.evaluate(valid)["auc"], abs=1e-6)
+
+
+def test_search_results_are_sorted_best_first_then_by_value(data, tmp_path):
+    train, valid = data
+    outcome = terarec.search(train, valid, out=tmp_path / "s", trials=4, model="lr",
+                             space={"sparse_optimizer.lr": [0.001, 0.01, 0.05, 0.2]},
+                             sampler="grid", progress=False, epochs=2, **SMALL)
+    rows = json.loads((tmp_path / "s" / "results.json").read_text())["trials"]
+    assert rows[0]["trial"] == outcome.result.best.number
+    values = [r["value"] for r in rows if r["value"] is not None]
+    assert values == sorted(values)  # logloss: lower first
+    csv_trials = [line.split(",")[0] for line in
+                  (tmp_path / "s" / "results.csv").read_text().splitlines()[1:]]
+    assert csv_trials == [str(r["trial"]) for r in rows]

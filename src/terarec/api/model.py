@@ -8,6 +8,7 @@ serving: what ``terarec predict``, ``eval`` and ``export`` do, as calls.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -197,12 +198,16 @@ class Model:
     def scoring_files(self, files: Sequence[Path], spec: DataSpec, on_bad_row: str
                       ) -> Iterator[tuple[Trainer, FeatureSchema, list[Path]]]:
         """(trainer holding the checkpoint, the schema to read ``files`` with, the files
-        to read). A model trained with AutoFeature tables has them joined onto the raw
+        to read). Files named ``.parquet`` are read as Parquet unless ``spec`` says
+        otherwise. A model trained with AutoFeature tables has them joined onto the raw
         rows first, so new rows get exactly the features training computed."""
         from terarec.autofeature.features import model_features, model_inputs
         from terarec.modeldir import checkpoint_name
         from terarec.train.trainer import Trainer
 
+        if spec.format is None and files and all(
+                Path(f).suffix.lower() == ".parquet" for f in files):
+            spec = dataclasses.replace(spec, format="parquet")  # the extension says so
         features = model_features(self.path)
         if on_bad_row == "skip" and features and features.tables.tables:
             raise ValueError(f"--on-bad-row skip: {self.path} was trained with AutoFeature "

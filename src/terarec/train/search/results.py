@@ -76,7 +76,11 @@ def write_results(result: SearchResult, out_dir: str | Path) -> tuple[Path, Path
     out_dir = Path(out_dir)
     rows = result.rows()
     best = result.best.number if result.best else None
-    rows.sort(key=lambda r: (r["trial"] != best, r["state"] != "complete"))
+    sign = -1.0 if result.best is not None and result.best.selection.maximize else 1.0
+    # best first, then every scored trial by its value, then the unscored ones
+    rows.sort(key=lambda r: (r["trial"] != best, r["value"] is None,
+                             sign * r["value"] if r["value"] is not None else 0.0,
+                             r["trial"]))
     payload = {"best_trial": best, "best_dir": str(result.best_dir) if result.best_dir
                else None, "seconds": result.seconds, "trials": rows}
     json_path = out_dir / "results.json"
