@@ -43,7 +43,7 @@ from terarec.config import ModelConfig, TrainConfig
 from terarec.data.synth import generate
 from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.writer import ModelExporter
-from terarec.loopback import free_port
+from terarec.loopback import free_port, wait_ready
 from terarec.sparsetier.local import LocalCluster
 from terarec.sparsetier.publish import Publisher
 from terarec.train.trainer import Trainer
@@ -93,19 +93,8 @@ def start_server(export: Path, *flags: str) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-m", "terarec", "serve", str(export),
                              "--port", str(port), "--threads", "1", "--log-level", "warning",
                              "--poll-seconds", "2", *flags])
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/v2/health/ready")
-            if conn.getresponse().status == 200:
-                return proc, port
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {flags} exited with {proc.returncode}")
-        time.sleep(0.2)
-    raise RuntimeError("a server did not become ready")
+    wait_ready(port, proc=proc)
+    return proc, port
 
 
 def drive(ports: list[int], bodies: list[bytes], per_port: int, offset: int = 0

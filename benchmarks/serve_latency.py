@@ -56,7 +56,7 @@ from terarec.data.readers import batch_from_records
 from terarec.data.synth import generate
 from terarec.export import IncrementalExporter
 from terarec.io import atomic_write_bytes
-from terarec.loopback import free_port
+from terarec.loopback import free_port, wait_ready
 from terarec.serving.engine import ServingEngine
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
@@ -265,18 +265,6 @@ def cpu_seconds(pid: int) -> float:
     return sum(times.get(p, 0.0) for p in family)
 
 
-def wait_ready(port: int, timeout_s: float = 120) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/v2/health/ready")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the server did not become ready")
 
 
 def scrape(port: int) -> dict[str, float]:

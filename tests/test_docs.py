@@ -7,12 +7,10 @@ at a real `terarec serve` started here on a model trained from the same data."""
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 
 import terarec
 from terarec.data.synth import generate
-from terarec.loopback import free_port
+from terarec.loopback import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -69,17 +67,7 @@ def server(workdir) -> Iterator[int]:
          str(port), "--threads", "1"], env=_env(), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/v2/health/ready")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server not ready"
-            time.sleep(0.3)
+        wait_ready(port, proc=proc)
         yield port
     finally:
         proc.terminate()

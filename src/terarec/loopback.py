@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import secrets
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 _LOWEST = 10_000
@@ -53,3 +55,24 @@ def free_ports(n: int, offsets: tuple[int, ...] = (0,)) -> list[int]:
 def free_port() -> int:
     """One free loopback port below the ephemeral range."""
     return free_ports(1)[0]
+
+
+def wait_ready(port: int, *, proc: subprocess.Popen | None = None,
+               timeout_s: float = 120.0) -> None:
+    """Wait until a server on loopback ``port`` answers ``/v2/health/ready`` with 200;
+    a RuntimeError when ``proc`` (the server's process) exits first or time runs out."""
+    import http.client
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/v2/health/ready")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server on port {port} exited with {proc.returncode}")
+        time.sleep(0.2)
+    raise RuntimeError(f"the server on port {port} did not become ready in {timeout_s:g} s")

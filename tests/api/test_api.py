@@ -115,22 +115,28 @@ def test_load_names_what_is_wrong(tmp_path, lr_model):
         terarec.load(lr_model.path, "pass-99")
 
 
-def test_export_writes_a_version_a_server_scores_as_predict(lr_model, data, tmp_path):
+def _served(export: Path, data: Path, rows: int) -> np.ndarray:
+    """The scores a server engine on ``export`` gives the first ``rows`` rows of ``data``
+    (a Criteo file), sent as raw feature values."""
     from terarec.serving.engine import ServingEngine
 
+    records = [dict(zip(NAMES[1:], (v or None for v in line.split("\t")[1:]), strict=True))
+               for line in data.read_text().splitlines()[:rows]]
+    engine = ServingEngine(str(export), cache_dir=export.parent / f"cache-{export.name}")
+    try:
+        assert engine.refresh()
+        return np.asarray(engine.score_records(records)[0])
+    finally:
+        engine.close()
+
+
+def test_export_writes_a_version_a_server_scores_as_predict(lr_model, data, tmp_path):
     _, valid = data
     written = lr_model.export(str(tmp_path / "exp"), bits=16)
     assert written["uri"] == str(tmp_path / "exp")
     assert (tmp_path / "exp" / "LATEST").read_text().strip() == "v000001"
-    records = [dict(zip(NAMES[1:], (v or None for v in line.split("\t")[1:]), strict=True))
-               for line in valid.read_text().splitlines()[:200]]
-    engine = ServingEngine(str(tmp_path / "exp"), cache_dir=tmp_path / "cache")
-    try:
-        assert engine.refresh()
-        served, _ = engine.score_records(records)
-    finally:
-        engine.close()
-    np.testing.assert_allclose(served, lr_model.predict(valid)[:200], atol=2e-3)
+    np.testing.assert_allclose(_served(tmp_path / "exp", valid, 200),
+                               lr_model.predict(valid)[:200], atol=2e-3)
 
 
 def test_fit_refuses_unknown_settings_and_bad_values(data, tmp_path):
@@ -163,8 +169,6 @@ def _env() -> dict[str, str]:
 
 def test_a_model_class_of_ones_own_trains_resumes_exports_and_serves(data, tmp_path,
                                                                      monkeypatch):
-    from terarec.serving.engine import ServingEngine
-
     monkeypatch.syspath_prepend(str(HERE))
     from fieldattention import FieldAttention
 
@@ -183,15 +187,8 @@ def test_a_model_class_of_ones_own_trains_resumes_exports_and_serves(data, tmp_p
                      "--model", CUSTOM, "--epochs", "2", "--resume", *SMALL_FLAGS]) == 0
     assert terarec.load(tmp_path / "c").metrics["passes"] == 2 * first
     model.export(str(tmp_path / "exp"))
-    records = [dict(zip(NAMES[1:], (v or None for v in line.split("\t")[1:]), strict=True))
-               for line in valid.read_text().splitlines()[:100]]
-    engine = ServingEngine(str(tmp_path / "exp"), cache_dir=tmp_path / "cache")
-    try:
-        assert engine.refresh()
-        served, _ = engine.score_records(records)
-    finally:
-        engine.close()
-    np.testing.assert_allclose(served, model.predict(valid)[:100], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(_served(tmp_path / "exp", valid, 100),
+                               model.predict(valid)[:100], rtol=1e-4, atol=1e-5)
 
 
 def test_a_model_path_that_does_not_import_is_one_line(data, tmp_path, capsys):

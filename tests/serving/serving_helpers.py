@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +111,19 @@ def split_context(records: list[dict], context_fields: tuple[str, ...]
     context = {k: records[0][k] for k in context_fields if k in records[0]}
     candidates = [{k: v for k, v in r.items() if k not in context_fields} for r in records]
     return context, candidates, [{**context, **c} for c in candidates]
+
+
+@contextlib.contextmanager
+def app_client(export: str | Path, max_candidates: int) -> Iterator[Any]:
+    """An in-process test client of the app serving ``export``: a server error comes
+    back as a 500 answer, as a client would see it, not as an exception."""
+    from fastapi.testclient import TestClient
+
+    from terarec.serving.app import create_app
+    from terarec.serving.engine import ServingEngine
+
+    engine = ServingEngine(export)
+    engine.refresh()
+    with TestClient(create_app(engine, max_candidates=max_candidates),
+                    raise_server_exceptions=False) as client:
+        yield client

@@ -243,6 +243,12 @@ def _start_server(export, port: int, *extra: str) -> subprocess.Popen:
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def _interrupted(proc: subprocess.Popen) -> str:
+    """What a server printed once it was stopped by SIGINT, as Ctrl-C stops it."""
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=30)[0].decode()
+
+
 def _post(port: int, body: dict, timeout_s: float = 60) -> tuple[int, dict]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -283,8 +289,7 @@ def test_a_running_server_survives_its_files_being_truncated_and_removed(export,
         assert status == 200 and body["version"] == 1
         assert proc.poll() is None
     finally:
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=30)[0].decode()
+        output = _interrupted(proc)
     assert proc.returncode == 0, output
     assert "was recreated" in output
 
@@ -312,8 +317,7 @@ def test_a_damaged_cache_copy_costs_the_version_not_the_process(export, live_run
         np.testing.assert_allclose(body["scores"], live_run.cli_scores[3], atol=TOL)
         assert proc.poll() is None
     finally:
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=30)[0].decode()
+        output = _interrupted(proc)
     assert proc.returncode == 0, output
     assert "its local files were damaged" in output
 

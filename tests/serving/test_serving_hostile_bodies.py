@@ -7,13 +7,9 @@ import json
 import math
 
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_helpers import SCHEMA
-
-from terarec.serving.app import create_app
-from terarec.serving.engine import ServingEngine
+from serving_helpers import SCHEMA, app_client
 
 FEATURES = [f.name for f in SCHEMA.fields]
 SETTINGS = settings(max_examples=150, deadline=None,
@@ -34,10 +30,7 @@ predict_bodies = (st.fixed_dictionaries({"candidates": st.lists(feature_dicts, m
 
 @pytest.fixture(scope="module")
 def client(live_run):
-    engine = ServingEngine(live_run.export)
-    engine.refresh()
-    with TestClient(create_app(engine, max_candidates=4),
-                    raise_server_exceptions=False) as c:
+    with app_client(live_run.export, max_candidates=4) as c:
         yield c
 
 

@@ -7,13 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving_helpers import SCHEMA
-
-from terarec.serving.app import create_app
-from terarec.serving.engine import ServingEngine
+from serving_helpers import SCHEMA, app_client
 
 NUMERIC = [f.name for f in SCHEMA.fields if f.kind == "numeric"]
 CATEGORICAL = [f.name for f in SCHEMA.fields if f.kind != "numeric"]
@@ -25,10 +21,7 @@ PREDICT, INFER = "/predict", "/v2/models/terarec/infer"
 
 @pytest.fixture(scope="module")
 def client(live_run):
-    engine = ServingEngine(live_run.export)
-    engine.refresh()
-    with TestClient(create_app(engine, max_candidates=8),
-                    raise_server_exceptions=False) as c:
+    with app_client(live_run.export, max_candidates=8) as c:
         yield c
 
 

@@ -109,7 +109,7 @@ class Model:
                     check_model_scores(probs, str(self.path))
                     scores.append(probs)
                 got = np.concatenate(scores) if scores else np.zeros(0, np.float64)
-                out.append(_with_gaps(got, stats, _first_data_row(path, schema)))
+                out.append(_with_gaps(got, stats, first_data_row(path, schema)))
                 total.rows += stats.rows
                 total.skipped += stats.skipped
                 total.examples += stats.examples[:total.max_examples - len(total.examples)]
@@ -285,7 +285,7 @@ def scoring_scratch(model_dir: Path) -> Iterator[Path]:
         yield path
 
 
-def _first_data_row(path: Path, schema: FeatureSchema) -> int:
+def first_data_row(path: Path, schema: FeatureSchema) -> int:
     """The number ``ReadStats.skipped_at`` gives a file's first data row: its line (after
     a header line, if any) in a text file, row 1 in a Parquet file."""
     from terarec.data.readers import text_columns

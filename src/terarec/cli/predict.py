@@ -15,7 +15,6 @@ import numpy as np
 
 from terarec.cli.common import add_model_data_args, model_files, report_skipped
 from terarec.cli.main import UserError
-from terarec.types import FeatureSchema
 
 if TYPE_CHECKING:
     from terarec.data.readers import ReadStats
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
             if os.path.realpath(path) == os.path.realpath(args.out):
                 raise UserError(f"--out {args.out} is the input file {path}: its scores "
                                 "would replace it; write them to another file")
-    from terarec.api.model import check_rows_scored
+    from terarec.api.model import check_rows_scored, first_data_row
     from terarec.data.readers import ReadStats, iter_batches
 
     skip = args.on_bad_row == "skip"
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                                    with_label=False)
             scores = _checked(trainer.predict_stream(batches), str(args.model))
             if skip:
-                _write_in_place(fh, scores, stats, _first_data_row(path, schema))
+                _write_in_place(fh, scores, stats, first_data_row(path, schema))
             else:
                 for probs in scores:
                     np.savetxt(fh, probs, fmt="%.8f")
@@ -78,16 +77,6 @@ def _checked(scored: Iterable[tuple[np.ndarray, np.ndarray]], where: str
     for probs, _ in scored:
         check_model_scores(probs, where)
         yield probs
-
-
-def _first_data_row(path: Path, schema: FeatureSchema) -> int:
-    """The number ``ReadStats.skipped_at`` gives a file's first data row: its line (after
-    a header line, if any) in a text file, row 1 in a Parquet file."""
-    from terarec.data.readers import text_columns
-
-    if schema.format == "parquet":
-        return 1
-    return 1 + text_columns(path, schema, with_label=False)[1]
 
 
 def _write_in_place(fh: IO[str], scores: Iterable[np.ndarray], stats: ReadStats,
