@@ -83,7 +83,7 @@ def train(data: Dataset, config: TrainConfig, schema: FeatureSchema) -> Trainer:
     trainer = Trainer(schema, config)
     for _ in range(config.epochs):
         for group in group_passes(data.train, config.pass_rows):
-            trainer.train_pass(group)
+            trainer.train_pass(trainer.plan(group))
     return trainer
 
 

@@ -122,7 +122,6 @@ def worker(args: argparse.Namespace) -> None:
     from terarec.config import DenseCommConfig, ModelConfig, TrainConfig
     from terarec.distributed.context import init_distributed, launched_by_torchrun
     from terarec.distributed.sharding import iter_rank_passes
-    from terarec.embedding.working_set import plan_pass
     from terarec.train.passes import group_passes, iter_file_batches, prefetch
     from terarec.train.trainer import Trainer
     from terarec.types import FeatureSchema
@@ -147,11 +146,10 @@ def worker(args: argparse.Namespace) -> None:
         trainer = Trainer(schema, config)
         passes = list(group_passes(iter_file_batches([train_file], schema, args.batch_size),
                                    args.pass_rows))
-    # Pass planning runs in the read-ahead thread, as in ``fit``: ``plan_pass`` for one
-    # process, ``Trainer.plan`` (requests and their key exchange) for a rank.
-    plan = trainer.plan if trainer.ctx.world > 1 else plan_pass
+    # Pass planning runs in the read-ahead thread, as in ``fit`` (on N ranks: requests
+    # and their key exchange, in the planning group).
     history, start = [], 0.0
-    for number, planned in enumerate(prefetch(map(plan, passes))):
+    for number, planned in enumerate(prefetch(trainer.plan(p, ahead=True) for p in passes)):
         history.append(trainer.train_pass(planned).as_dict())
         if number == 0:  # the first pass warms up (DDP buckets, compiled kernels)
             start = time.perf_counter()

@@ -34,7 +34,6 @@ from train_throughput import benchmark_schema, pass_groups, synthetic_inputs  # 
 
 from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig  # noqa: E402
 from terarec.embedding.device import codec_bytes  # noqa: E402
-from terarec.embedding.working_set import plan_pass  # noqa: E402
 from terarec.train.passes import prefetch  # noqa: E402
 from terarec.train.trainer import Trainer  # noqa: E402
 
@@ -53,7 +52,7 @@ def terarec_run(dense, ids, labels, *, device: str, budget: int, batch_size: int
     assert cache is not None
     groups = pass_groups(dense, ids, labels, benchmark_schema().sparse_names,
                          batch_size=batch_size, pass_batches=pass_batches, passes=passes)
-    plans = list(prefetch(plan_pass(g) for g in groups))
+    plans = list(prefetch(trainer.plan(g) for g in groups))
     trainer.train_pass(plans[0], upcoming=plans[1])  # warm-up: compilation, allocator
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)

@@ -119,9 +119,12 @@ def run_arm(args: argparse.Namespace) -> dict:
               for i in range(0, len(batches), args.pass_batches)]
     start_rss = _status("VmRSS")
     rows = busy = wait = 0.0
-    for i, group in enumerate(passes):
-        upcoming = passes[i + 1] if i + 1 < len(passes) else None
-        r = trainer.train_pass(group, upcoming=upcoming)
+    planned = trainer.plan(passes[0]) if passes else None
+    for i in range(len(passes)):
+        assert planned is not None
+        upcoming = trainer.plan(passes[i + 1]) if i + 1 < len(passes) else None
+        r = trainer.train_pass(planned, upcoming=upcoming)
+        planned = upcoming
         if i:  # the first pass compiles kernels and grows allocators
             rows += r.rows
             busy += r.staging_s + r.train_s + r.write_back_s

@@ -29,7 +29,6 @@ import _baselines as baselines  # noqa: E402
 
 from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig  # noqa: E402
 from terarec.data.synth import generate_arrays  # noqa: E402
-from terarec.embedding.working_set import plan_pass  # noqa: E402
 from terarec.kernels import splitmix64_array  # noqa: E402
 from terarec.train.passes import prefetch  # noqa: E402
 from terarec.train.trainer import Trainer  # noqa: E402
@@ -83,10 +82,10 @@ def terarec_run(dense, ids, labels, *, batch_size: int, pass_batches: int,
     trainer = Trainer(schema, config)
     groups = pass_groups(dense, ids, labels, schema.sparse_names, batch_size=batch_size,
                          pass_batches=pass_batches, passes=passes)
-    trainer.train_pass(groups[0])  # warm-up: compilation, allocator
+    trainer.train_pass(trainer.plan(groups[0]))  # warm-up: compilation, allocator
     rows = staging = 0.0
     start = time.perf_counter()
-    for plan in prefetch(plan_pass(g) for g in groups[1:]):
+    for plan in prefetch(trainer.plan(g) for g in groups[1:]):
         r = trainer.train_pass(plan)
         rows += r.rows
         staging += r.staging_s + r.write_back_s

@@ -311,3 +311,67 @@ def test_the_serving_check_sees_private_names(tmp_path):
                        "terarec.serving.c": ["terarec.serving.a._mine"]}
     (pkg / "c.py").write_text("x = 1\n")
     assert "terarec.serving.c" not in _serving_graph(tmp_path / "terarec")[1]
+
+
+_PLAN_TYPES = {"PassPlan", "ShardedPassPlan", "RankPassPlan"}
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, ast.Name | ast.Attribute)}
+
+
+def _union_members(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _union_members(node.left) + _union_members(node.right)
+    return [node]
+
+
+def _pass_type_forks(root: Path) -> list[str]:
+    """Where train/ tells plans apart: an ``isinstance`` naming a plan type, or an
+    annotation that is a union of a plan type with anything but None."""
+    found = []
+    for path in sorted((root / "train").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        where = f"{path.relative_to(root)}:"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id == "isinstance" and len(node.args) == 2 \
+                    and _names(node.args[1]) & _PLAN_TYPES:
+                found.append(f"{where}{node.lineno} isinstance")
+            annotations = []
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                annotations = [a.annotation for a in args if a.annotation is not None]
+                if node.returns is not None:
+                    annotations.append(node.returns)
+            elif isinstance(node, ast.AnnAssign):
+                annotations = [node.annotation]
+            for annotation in annotations:
+                for inner in ast.walk(annotation):
+                    members = _union_members(inner)
+                    if len(members) < 2 or not any(_names(m) & _PLAN_TYPES for m in members):
+                        continue
+                    if any(not (isinstance(m, ast.Constant) and m.value is None)
+                           and not _names(m) & _PLAN_TYPES for m in members) \
+                            or sum(bool(_names(m) & _PLAN_TYPES) for m in members) > 1:
+                        found.append(f"{where}{inner.lineno} union")
+                        break
+    return found
+
+
+def test_training_takes_one_pass_type():
+    """train/ takes one ``Pass`` at any world size: no union of batch lists and plan
+    types in a signature, no ``isinstance`` telling a local plan from a rank's."""
+    assert not _pass_type_forks(SRC), _pass_type_forks(SRC)
+
+
+def test_the_pass_type_check_sees_forks(tmp_path):
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / "a.py").write_text(
+        "def f(p: list[Batch] | PassPlan, q: Pass | None = None) -> None:\n"
+        "    if isinstance(p, (lookup.ShardedPassPlan, list)):\n        pass\n"
+        "x: RankPassPlan | ShardedPassPlan\ny: PassPlan | None = None\n")
+    assert sorted(_pass_type_forks(tmp_path)) == [
+        "train/a.py:1 union", "train/a.py:2 isinstance", "train/a.py:4 union"]

@@ -45,8 +45,9 @@ PASSES = 4
 
 def _train_rank(ctx: DistContext, store: dict) -> tuple[dict, list[dict]]:
     trainer = Trainer(SCHEMA, _config(store), ctx=ctx)
-    results = [trainer.train_pass(deal_batches(_local_batches(seed), ctx.rank, ctx.world))
-               .as_dict() for seed in range(PASSES)]
+    results = [trainer.train_pass(trainer.plan(
+        deal_batches(_local_batches(seed), ctx.rank, ctx.world))).as_dict()
+        for seed in range(PASSES)]
     return trainer.store.to_arrays(), results
 
 
@@ -55,8 +56,8 @@ def _train_single(store: dict) -> tuple[dict, list]:
     results = []
     for seed in range(PASSES):
         local = _local_batches(seed)
-        results.append(trainer.train_pass([Batch.concat(local[i:i + 2])
-                                           for i in range(0, len(local), 2)]).as_dict())
+        results.append(trainer.train_pass(trainer.plan(
+            [Batch.concat(local[i:i + 2]) for i in range(0, len(local), 2)])).as_dict())
     return trainer.store.to_arrays(), results
 
 

@@ -35,7 +35,7 @@ def _rank(ctx: DistContext) -> dict:
     trainer = Trainer(SCHEMA, config, ctx=ctx)
     rng = np.random.default_rng(ctx.rank)
     tail = _batch(rng, 10) if ctx.rank == 0 else _batch(rng, 0)
-    result = trainer.train_pass([_batch(rng, 32), _batch(rng, 32), tail])
+    result = trainer.train_pass(trainer.plan([_batch(rng, 32), _batch(rng, 32), tail]))
     stats = {k: v.clone() for k, v in trainer.model.state_dict().items()
              if "running" in k or "tracked" in k}
     return {"loss": result.train_loss, "rows": result.rows, "stats": stats}

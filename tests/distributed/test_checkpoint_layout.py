@@ -52,7 +52,7 @@ def _trained(model: Path, store_dir: Path | None = None, admit: int = 1
              ) -> dict[str, np.ndarray]:
     trainer = Trainer(SCHEMA, _config(store_dir, admit))
     for seed in range(3):
-        trainer.train_pass(_batches(seed))
+        trainer.train_pass(trainer.plan(_batches(seed)))
     save_checkpoint(model, trainer)
     return trainer.store.to_arrays()
 
@@ -247,7 +247,7 @@ def _two_commits(ctx: DistContext, model: str) -> None:
     trainer = Trainer.from_checkpoint(model, _config(), ctx=ctx)  # the 1-process checkpoint
     for seed in (10, 11):
         local = [b.slice(ctx.rank * 32, (ctx.rank + 1) * 32) for b in _batches(seed)]
-        trainer.train_pass(local)
+        trainer.train_pass(trainer.plan(local))
         save_checkpoint(model, trainer)
 
 

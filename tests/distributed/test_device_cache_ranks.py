@@ -12,7 +12,6 @@ from ranks import run_ranks
 from terarec.config import ModelConfig, SparseOptimizerConfig, StoreConfig, TrainConfig
 from terarec.data.synth import generate_arrays
 from terarec.distributed.context import DistContext
-from terarec.distributed.lookup import exchange_plan, plan_rank_pass
 from terarec.kernels import splitmix64_array
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
@@ -52,7 +51,7 @@ def _rank(ctx: DistContext, budget: int | None, optimizer: str, store: dict) -> 
     local = BATCH // ctx.world
     shares = [[b.slice(ctx.rank * local, (ctx.rank + 1) * local) for b in p]
               for p in _passes(5)]
-    plans = [exchange_plan(ctx, plan_rank_pass(share, ctx.world)) for share in shares]
+    plans = [trainer.plan(share) for share in shares]
     losses = []
     for i, plan in enumerate(plans):  # the next pass's plan known: its misses read ahead
         upcoming = plans[i + 1] if i + 1 < len(plans) else None

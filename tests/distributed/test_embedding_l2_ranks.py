@@ -52,7 +52,7 @@ def _one_process(l2: float, knob: str) -> dict[str, np.ndarray]:
     torch.manual_seed(0)
     trainer = Trainer(SCHEMA, _config(l2, knob))
     for batches in _passes():
-        trainer.train_pass(batches)
+        trainer.train_pass(trainer.plan(batches))
     return trainer.store.to_arrays()
 
 
@@ -61,8 +61,8 @@ def _rank(ctx: DistContext, l2: float, knob: str) -> dict[str, np.ndarray]:
     trainer = Trainer(SCHEMA, _config(l2, knob), ctx=ctx)
     local = BATCH // ctx.world
     for batches in _passes():  # rank r trains rows [r * local, (r + 1) * local) of a step
-        trainer.train_pass([b.slice(ctx.rank * local, (ctx.rank + 1) * local)
-                            for b in batches])
+        trainer.train_pass(trainer.plan([b.slice(ctx.rank * local, (ctx.rank + 1) * local)
+                                         for b in batches]))
     arrays = trainer.store.to_arrays()
     return {"keys": arrays["keys"], "values": arrays["values"], "state": arrays["state"]}
 

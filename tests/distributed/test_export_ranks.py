@@ -28,7 +28,7 @@ def _publish(ctx: DistContext, model: str, uri: str) -> list[dict]:
     seen = []
     exporter.export(trainer)
     seen.append(trainer.store.to_arrays())
-    trainer.train_pass(deal_batches(_batches(11), ctx.rank, ctx.world))
+    trainer.train_pass(trainer.plan(deal_batches(_batches(11), ctx.rank, ctx.world)))
     exporter.on_pass_end(trainer)
     seen.append(trainer.store.to_arrays())
     return [{"keys": a["keys"], "values": a["values"]} for a in seen]

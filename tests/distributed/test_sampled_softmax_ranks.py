@@ -65,7 +65,8 @@ def _result(trainer: Trainer, losses: list[float]) -> dict:
 def _one_process(admit_min_count: int) -> dict:
     torch.manual_seed(0)
     trainer = Trainer(SCHEMA, _config(admit_min_count))
-    losses = [trainer.train_pass(batches).train_loss for batches in _passes()]
+    losses = [trainer.train_pass(trainer.plan(batches)).train_loss
+              for batches in _passes()]
     return _result(trainer, losses)
 
 
@@ -73,8 +74,9 @@ def _rank(ctx: DistContext, admit_min_count: int) -> dict:
     torch.manual_seed(0)
     trainer = Trainer(SCHEMA, _config(admit_min_count), ctx=ctx)
     local = BATCH // ctx.world
-    losses = [trainer.train_pass([b.slice(ctx.rank * local, (ctx.rank + 1) * local)
-                                  for b in batches]).train_loss
+    losses = [trainer.train_pass(trainer.plan([b.slice(ctx.rank * local,
+                                                       (ctx.rank + 1) * local)
+                                               for b in batches])).train_loss
               for batches in _passes()]  # rank r trains rows [r * local, (r + 1) * local)
     return _result(trainer, losses)
 

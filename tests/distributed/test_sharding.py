@@ -13,6 +13,7 @@ from terarec.distributed.sharding import (
     iter_rank_passes,
     local_batch_size,
 )
+from terarec.embedding.working_set import plan_pass
 from terarec.kernels import shard_of
 from terarec.train.passes import group_passes, iter_file_batches
 from terarec.types import Batch, FeatureSchema
@@ -116,7 +117,7 @@ def test_rank_plan_remaps_every_step_to_its_owner_grouped_table(csv_file, world)
     owner; the remapped ids read the original keys back; the requests name, per owner,
     positions among the keys sent to that owner; shows and clicks count the pass."""
     batches = next(iter_rank_passes([csv_file], _schema(), 120, 10_000, 1, world))
-    plan = plan_rank_pass(batches, world)
+    plan = plan_rank_pass(plan_pass(batches), world)
     key_starts = np.concatenate([[0], np.cumsum(plan.key_counts)])
     assert (shard_of(plan.keys, world) == np.repeat(np.arange(world), plan.key_counts)).all()
     sent = [iter(np.split(plan.request_ids, np.cumsum(plan.request_splits.sum(axis=0))[:-1])[o]

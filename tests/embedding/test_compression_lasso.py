@@ -101,7 +101,8 @@ def test_training_with_group_lasso_prunes_rare_rows_and_keeps_the_rest_nonzero()
             ids = torch.from_numpy(np.stack([hot, rare], axis=1))
             labels = torch.from_numpy((hot % 2).astype(np.float32))
             batch = Batch(torch.zeros(256, 0), KeyedIds.from_dense(("a", "b"), ids), labels)
-            trainer.train_pass([batch.slice(i, i + 64) for i in range(0, 256, 64)])
+            trainer.train_pass(trainer.plan([batch.slice(i, i + 64)
+                                             for i in range(0, 256, 64)]))
         return trainer.store
 
     plain, lasso = passes(0.0), passes(0.02)

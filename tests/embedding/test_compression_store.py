@@ -211,7 +211,7 @@ def test_promotion_leaves_predictions_unchanged_at_that_moment():
     rng = np.random.default_rng(0)
     for _ in range(4):  # keys 0..3 collect 2 shows per pass; 4.. are new each pass
         ids = np.stack([rng.integers(0, 4, 8), rng.integers(100, 10**6, 8)], axis=1)
-        trainer.train_pass([batch(ids, rng.integers(0, 2, 8).astype(float))])
+        trainer.train_pass(trainer.plan([batch(ids, rng.integers(0, 2, 8).astype(float))]))
     probe = [batch([[k, k] for k in range(4)], [0, 0, 0, 1])]  # known keys only
     before = trainer.predict_batches(probe)
     widths_before = trainer.store.values.widths_of(trainer.store.index.lookup(np.arange(4)))

@@ -71,7 +71,7 @@ def _config(budget: str | int | None, optimizer: str = "adagrad", dim: int = DIM
 def _train(config: TrainConfig, passes: list[list[Batch]], trainer: Trainer | None = None
            ) -> tuple[Trainer, list[float]]:
     trainer = trainer or Trainer(_schema(), config)
-    plans = [plan_pass(p) for p in passes]
+    plans = [trainer.plan(p) for p in passes]
     losses = []
     for i, plan in enumerate(plans):
         upcoming = plans[i + 1] if i + 1 < len(plans) else None
@@ -280,7 +280,7 @@ def test_a_replaced_store_gets_the_cached_rows_first():
     keys, slots = cache.index.items()
     rows = cache._read(slots).numpy()
     trainer.store = Trainer(_schema(), _config(None)).store
-    trainer.train_pass(passes[1])
+    trainer.train_pass(trainer.plan(passes[1]))
     np.testing.assert_array_equal(old.lookup(keys)[0], rows)
 
 

@@ -140,7 +140,7 @@ def test_the_tiered_store_trains_the_rows_the_memory_store_trains(tmp_path) -> N
         torch.manual_seed(0)
         trainer = Trainer(schema, replace(base, store=store))
         for batches in passes:
-            trainer.train_pass(batches)
+            trainer.train_pass(trainer.plan(batches))
         out[name] = trainer.store.to_arrays()
         if name == "tiered":
             tiers = trainer.store.tier_stats()

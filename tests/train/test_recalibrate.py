@@ -61,8 +61,9 @@ def test_after_a_pass_the_mean_prediction_is_the_click_rate(model: str) -> None:
                              recalibrate=recalibrate,
                              model=ModelConfig(name=model).with_embedding_dim(4))
         trainer = Trainer(SCHEMA, config)
-        trainer.train_pass(batches)
-        shift = trainer.recalibrate(batches)
+        planned = trainer.plan(batches)
+        trainer.train_pass(planned)
+        shift = trainer.recalibrate(planned)
         assert (shift is not None) == recalibrate
         trainers[recalibrate] = (trainer, shift)
     fitted, shift = trainers[True]
@@ -87,7 +88,8 @@ def test_the_fit_takes_evenly_spread_steps_up_to_the_row_cap(monkeypatch) -> Non
     torch.manual_seed(0)
     trainer = Trainer(SCHEMA, TrainConfig(batch_size=64, pass_rows=640, threads=1,
                                           model=ModelConfig(name="fm", embedding_dim=4)))
-    trainer.train_pass(batches)
+    planned = trainer.plan(batches)
+    trainer.train_pass(planned)
     seen: list[int] = []
     predict = trainer.predict_batches
 
@@ -97,7 +99,7 @@ def test_the_fit_takes_evenly_spread_steps_up_to_the_row_cap(monkeypatch) -> Non
 
     monkeypatch.setattr(trainer, "predict_batches", spy)
     monkeypatch.setattr("terarec.train.trainer.RECALIBRATE_ROWS", 3 * 64)
-    trainer.recalibrate(batches)
+    trainer.recalibrate(planned)
     assert seen == [id(batches[i]) for i in (0, 4, 9)]  # first, middle, last
     assert RECALIBRATE_ROWS == 65_536
 

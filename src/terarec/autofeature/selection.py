@@ -149,8 +149,9 @@ def _fit_auc(schema: FeatureSchema, train: Batch, valid: Batch, config: Selectio
     trainer = Trainer(schema, train_config)
     batches = [train.slice(i, i + config.batch_size)
                for i in range(0, len(train), config.batch_size)]
+    planned = trainer.plan(batches)
     for _ in range(config.epochs):
-        trainer.train_pass(batches)
+        trainer.train_pass(planned)
     probs = trainer.predict_batches([valid])
     return float(evaluate_scores(valid.labels.numpy(), probs)["auc"])
 

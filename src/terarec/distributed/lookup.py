@@ -25,8 +25,9 @@ then first occurrence; its batch is remapped to ids into that table::
 A rank with an empty batch (or no keys for some owner) still joins every exchange with
 zero-length splits, which gloo and NCCL both accept.
 
-The requester's side of staging (``plan_rank_pass``) is local work, so a rank's
-``Trainer`` makes it in the read-ahead thread, as one process makes its ``PassPlan``.
+The requester's side of staging (``plan_rank_pass``, from the pass's local ``PassPlan``)
+is local work, so a rank's ``Trainer`` makes it in the read-ahead thread, as one process
+plans its pass there (``train.passes.plan_for``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,12 @@ from terarec.distributed.context import DistContext
 from terarec.embedding.device import DeviceRowCache
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
-from terarec.embedding.types import RowBlock
-from terarec.embedding.working_set import _pooled, occurrence_grads, occurrence_labels
+from terarec.embedding.working_set import (
+    PassPlan,
+    StagedRows,
+    _pooled,
+    occurrence_grads,
+)
 from terarec.kernels import shard_of
 from terarec.types import Batch, KeyedIds
 
@@ -209,11 +214,11 @@ class RankPassPlan:
     occurrences: int
 
 
-def plan_rank_pass(batches: list[Batch], world: int, counts: bool = True) -> RankPassPlan:
-    """Plan this rank's share of a pass for ``ShardedWorkingSet.stage``."""
-    values = [b.sparse.values.numpy() for b in batches]
-    all_keys = np.concatenate(values) if values else np.empty(0, np.int64)
-    uniq, inverse = unique_inverse(all_keys)
+def plan_rank_pass(plan: PassPlan, world: int) -> RankPassPlan:
+    """Plan this rank's share of a pass for ``ShardedWorkingSet.stage``, from its local
+    plan (unique keys, occurrences, and shows and clicks when ``plan`` has them)."""
+    batches = plan.batches
+    uniq, inverse = plan.keys, plan.inverse
     owner = shard_of(uniq, world)
     # A stable sort of small integers is a radix sort: O(n).
     order = np.argsort(owner.astype(np.int16 if world < 2**15 else np.int64), kind="stable")
@@ -221,7 +226,7 @@ def plan_rank_pass(batches: list[Batch], world: int, counts: bool = True) -> Ran
     key_starts = _starts(key_counts)
     send_pos = np.empty(len(uniq), np.int64)
     send_pos[order] = np.arange(len(uniq))
-    step_starts = _starts(np.array([len(v) for v in values], np.int64))
+    step_starts = _starts(np.array([b.sparse.values.numel() for b in batches], np.int64))
     splits, ids, requests = _step_requests(send_pos[inverse], step_starts,
                                            owner[order], world)
     if key_counts.max(initial=0) >= 2**31:
@@ -232,15 +237,11 @@ def plan_rank_pass(batches: list[Batch], world: int, counts: bool = True) -> Ran
     remapped = [Batch(b.dense, b.sparse.with_values(torch.from_numpy(ids[a:z])), b.labels)
                 for b, a, z in zip(batches, step_starts[:-1], step_starts[1:], strict=True)]
     show_click = None
-    if counts:
-        show = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
-        occ = (np.concatenate([occurrence_labels(b) for b in batches])
-               if batches else np.empty(0, np.float32))
-        click = np.bincount(inverse, weights=occ, minlength=len(uniq)).astype(np.float32)
-        show_click = np.stack([show, click], axis=1)[order]
+    if plan.show is not None and plan.click is not None:
+        show_click = np.stack([plan.show, plan.click], axis=1)[order]
     return RankPassPlan(world=world, batches=batches, remapped=remapped, keys=uniq[order],
                         key_counts=key_counts, counts=show_click, request_splits=splits,
-                        request_ids=request_ids, occurrences=len(all_keys))
+                        request_ids=request_ids, occurrences=len(inverse))
 
 
 @dataclass
@@ -322,7 +323,7 @@ class ShardedStats:
     staging_bytes: int  # bytes this rank sent to other ranks while staging
 
 
-class ShardedWorkingSet:
+class ShardedWorkingSet(StagedRows):
     """One pass's rows, split by owner; ``batches`` are this rank's, remapped per step."""
 
     def __init__(self, ctx: DistContext, keys: np.ndarray, weights: torch.Tensor,
@@ -359,20 +360,15 @@ class ShardedWorkingSet:
 
     # -- pass start ---------------------------------------------------------------------
     @classmethod
-    def stage(cls, ctx: DistContext, store: EmbeddingStore,
-              batches: list[Batch] | RankPassPlan | ShardedPassPlan, pass_id: int,
-              train: bool = True, cache: DeviceRowCache | None = None) -> ShardedWorkingSet:
-        """Collective: every rank calls it with its own batches (one per global step), or
-        with their plan made ahead (``plan_rank_pass``, then ``exchange_plan``). With a
+    def stage(cls, ctx: DistContext, store: EmbeddingStore, plan: ShardedPassPlan,
+              pass_id: int, train: bool = True,
+              cache: DeviceRowCache | None = None) -> ShardedWorkingSet:
+        """Collective: every rank calls it with the plan of its own batches (one per global
+        step), made ahead (``plan_rank_pass``, then ``exchange_plan``). With a
         device ``cache`` (``--device-budget``), the owner's rows it holds come from it, as
         in one process (``WorkingSet.stage``), and trained rows go back to it."""
         if cache is not None:
             cache.bind(store)
-        plan = batches
-        if not isinstance(plan, (RankPassPlan, ShardedPassPlan)):
-            plan = plan_rank_pass(plan, ctx.world, counts=train)
-        if isinstance(plan, RankPassPlan):
-            plan = exchange_plan(ctx, plan)
         if train and plan.owned_show is None:
             raise ValueError(f"pass {pass_id}: a training pass needs a plan with counts")
         serve_by_source = plan.serve_by_source
@@ -440,6 +436,11 @@ class ShardedWorkingSet:
         table = exchange(self.ctx, served, self._serve_splits[step], self._request_splits[step])
         return table.to(self.weights.device)
 
+    def step_table(self, step: int) -> torch.Tensor:
+        """Collective: the rows step ``step``'s remapped batch indexes (``fetch``); scoring
+        pools them as one process pools ``WorkingSet.step_table``."""
+        return self.fetch(step)
+
     def lookup(self, step: int, sparse: KeyedIds, mean_fields: torch.Tensor | None,
                anchor: torch.Tensor) -> torch.Tensor:
         """Collective: step ``step``'s pooled embeddings ``[batch, fields, row_dim]``. Its
@@ -484,16 +485,3 @@ class ShardedWorkingSet:
         # the embedding_l2 term is in ``received`` already (added by each requester)
         self.optimizer.step(self.weights, self.state, step_rows, received, self._scratch,
                             occurrence_l2=False, lazy=self.lazy_l2, step_index=step)
-
-    # -- pass end -----------------------------------------------------------------------
-    def write_back(self, store: EmbeddingStore) -> None:
-        if self.state is None or self.optimizer is None:
-            raise RuntimeError("only a training working set is written back")
-        self.optimizer.catch_up(self.weights, self.state, self.lazy_l2, len(self.batches))
-        if self.cache is not None:
-            assert self.pass_show is not None
-            self.cache.write_back(store, self.keys, self.weights, self.state, self.pass_show,
-                                  self.pass_id)
-            return
-        store.push(self.keys, RowBlock(self.weights[1:].cpu().numpy(),
-                                       self.state[1:].cpu().numpy()))

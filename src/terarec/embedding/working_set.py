@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from terarec.embedding.index import unique_inverse
-from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.optimizers import LazyL2, SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.types import RowBlock
 from terarec.types import Batch, KeyedIds
@@ -96,7 +96,36 @@ class StagingStats:
     admitted_keys: int
 
 
-class WorkingSet:
+class StagedRows:
+    """What every working set holds at a pass end (one process's, or one rank's owned
+    rows on N ranks), so that both write their trained rows back the same way."""
+
+    keys: np.ndarray
+    weights: torch.Tensor
+    state: torch.Tensor | None
+    optimizer: SparseOptimizer | None
+    lazy_l2: LazyL2 | None
+    batches: list[Batch]
+    cache: DeviceRowCache | None
+    pass_id: int
+    pass_show: np.ndarray | None
+
+    def write_back(self, store: EmbeddingStore) -> None:
+        """Push trained rows and their optimizer state back to the store (or to the
+        device row cache they came from)."""
+        if self.optimizer is None or self.state is None:
+            raise RuntimeError("only a training working set is written back")
+        self.optimizer.catch_up(self.weights, self.state, self.lazy_l2, len(self.batches))
+        if self.cache is not None:
+            assert self.pass_show is not None
+            self.cache.write_back(store, self.keys, self.weights, self.state, self.pass_show,
+                                  self.pass_id)
+            return
+        store.push(self.keys, RowBlock(self.weights[1:].cpu().numpy(),
+                                       self.state[1:].cpu().numpy()))
+
+
+class WorkingSet(StagedRows):
     """The rows one pass trains (or scores) on, resident on ``device``."""
 
     def __init__(self, keys: np.ndarray, weights: torch.Tensor, state: torch.Tensor | None,
@@ -186,19 +215,10 @@ class WorkingSet:
             ws.cache, ws.pass_id, ws.pass_show = cache, pass_id, plan.show[admitted]
         return ws
 
-    def write_back(self, store: EmbeddingStore) -> None:
-        """Push trained rows and their optimizer state back to the store."""
-        if not self.trainable or self.state is None:
-            raise RuntimeError("only a training working set is written back")
-        assert self.optimizer is not None
-        self.optimizer.catch_up(self.weights, self.state, self.lazy_l2, len(self.batches))
-        if self.cache is not None:
-            assert self.pass_show is not None
-            self.cache.write_back(store, self.keys, self.weights, self.state, self.pass_show,
-                                  self.pass_id)
-            return
-        store.push(self.keys, RowBlock(self.weights[1:].cpu().numpy(),
-                                       self.state[1:].cpu().numpy()))
+    def step_table(self, step: int) -> torch.Tensor:
+        """The rows any step's remapped batch indexes: the whole pass's (on N ranks, a
+        step's rows come from their owners: ``ShardedWorkingSet.step_table``)."""
+        return self.weights
 
     def lookup(self, sparse: KeyedIds, mean_fields: torch.Tensor | None = None,
                anchor: torch.Tensor | None = None) -> torch.Tensor:

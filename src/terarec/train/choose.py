@@ -19,10 +19,9 @@ from typing import Any
 from terarec.config import TrainConfig, parse_bytes
 from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext, resolve_device
-from terarec.embedding.working_set import plan_pass
 from terarec.train.cohort import KeySides, free_rows, member_config, split_budget
 from terarec.train.loop import TrialRun, run_passes
-from terarec.train.passes import group_passes
+from terarec.train.passes import iter_scoring_passes
 from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema
@@ -67,8 +66,8 @@ def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
         keys.attach(trainer)
         runs.append(TrialRun(trainer, SelectionTracker(select_by, patience),
                              stop_on_divergence=True))
-    valid = [plan_pass(group, counts=False)
-             for group in group_passes(valid_batches, base.pass_rows)]
+    # planned once for every run and evaluation (on N ranks: each rank's share)
+    valid = list(iter_scoring_passes(ctx, valid_batches, base.pass_rows))
     freed: set[int] = set()
 
     def free(stopped: bool = True) -> None:

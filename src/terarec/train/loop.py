@@ -11,7 +11,7 @@
         on_boundary(live trials)                 a search reports to optuna and prunes
 
 ``Trainer.fit`` is this loop with K = 1; ``terarec search`` (``train.search``) runs it
-with K trials. What the trials share is everything up to the ``PassPlan``: reading,
+with K trials. What the trials share is everything up to the ``Pass``: reading,
 parsing, hashing, cutting into batches and passes, the unique keys of the pass, each
 occurrence's position among them and per-key shows/clicks. A trial whose batch size
 differs from the first trial's gets the pass re-batched and re-planned (once per distinct
@@ -37,11 +37,9 @@ from tqdm.auto import tqdm
 
 from terarec.data.positions import Idle, PassInput, Positions
 from terarec.distributed.context import DistContext
-from terarec.distributed.lookup import ShardedPassPlan
 from terarec.distributed.sharding import redeal
-from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.finite import NonFiniteError
-from terarec.train.passes import Inputs, in_file_order, pass_batches, prefetch, shuffled
+from terarec.train.passes import Inputs, Pass, in_file_order, plan_for, prefetch, shuffled
 from terarec.train.progressive import ProgressiveScorer
 from terarec.train.selection import (
     STOP_DIVERGED,
@@ -129,26 +127,26 @@ class _PlanCache:
     back in file order before it is re-cut, and the new batches are shuffled as a run
     with that batch size shuffles them, so a trial still trains what its run would."""
 
-    def __init__(self, plan: list[Batch] | PassPlan | ShardedPassPlan, batch_size: int,
-                 ctx: DistContext, info: PassInput, seed: int | None = None) -> None:
+    def __init__(self, plan: Pass, batch_size: int, ctx: DistContext, info: PassInput,
+                 seed: int | None = None) -> None:
         self.plan, self.batch_size, self.ctx = plan, batch_size, ctx
         self.info, self.seed = info, seed
-        self._by_size: dict[int, list[Batch] | PassPlan] = {}
+        self._by_size: dict[int, Pass] = {}
 
-    def for_batch_size(self, batch_size: int) -> list[Batch] | PassPlan | ShardedPassPlan:
+    def for_batch_size(self, batch_size: int) -> Pass:
         if batch_size == self.batch_size:
             return self.plan
         if batch_size not in self._by_size:
-            plan, batches = self.plan, pass_batches(self.plan)
+            batches = self.plan.batches
             if self.seed is not None:
                 batches = in_file_order(batches, self.seed, self.info)
-            if isinstance(plan, ShardedPassPlan):
+            if self.ctx.world > 1:  # the whole pass, cut anew and dealt again (collective)
                 cut = redeal(self.ctx, batches, batch_size)
             else:
                 cut = rebatch(batches, batch_size)
             if self.seed is not None:
                 cut = shuffled(cut, self.seed, self.info)
-            self._by_size[batch_size] = plan_pass(cut) if isinstance(plan, PassPlan) else cut
+            self._by_size[batch_size] = plan_for(self.ctx, cut)
         return self._by_size[batch_size]
 
 
@@ -178,7 +176,7 @@ def with_next(items: Iterator) -> Iterator[tuple]:
 
 
 def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
-               valid_batches: list[Batch] | list[PassPlan] | list[ShardedPassPlan] | None = None,
+               valid_batches: Sequence[Pass] | None = None,
                *,
                progress: bool = True,
                stats=None, skip_passes: int = 0,
@@ -231,6 +229,7 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                 seen += 1
                 if seen <= skip:
                     continue
+                assert plan is not None  # planned from ``skip`` on
                 if bar is None:
                     bar = tqdm(unit=" rows", unit_scale=True, disable=not progress,
                                dynamic_ncols=True,
@@ -261,7 +260,7 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
 
 
 def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
-               valid: list[Batch] | list[PassPlan] | list[ShardedPassPlan] | None,
+               valid: Sequence[Pass] | None,
                epoch: int, bar: tqdm, info: PassInput, progressive: bool = False) -> None:
     """One pass of one trial: score it first (``progressive``), train (in its own RNG
     stream), evaluate, select, hook."""
@@ -273,7 +272,7 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     result = trainer.train_pass(plan, bar, upcoming)
     shift = trainer.recalibrate(plan)
     run.rng = RngState.capture(trainer.device)
-    run.steps += _steps(plan)
+    run.steps += plan.steps
     trainer.inputs = info.positions.to_dict()
     record = {"epoch": epoch, "steps": run.steps, **result.as_dict(),
               "files": [Path(f).name for f in info.files], **scored}
@@ -282,7 +281,7 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     if valid:
         start = time.perf_counter()
         try:
-            metrics = trainer.evaluate(valid)
+            metrics = trainer.evaluate_passes(valid)
         except NonFiniteError:  # its scores are not finite (the same on every rank)
             if not run.stop_on_divergence:
                 raise
@@ -306,12 +305,3 @@ def diverged(record: dict) -> bool:
     """A pass whose training loss or validation loss is not finite: every later weight
     is poisoned (the same verdict on every rank: their figures are gathered)."""
     return not all(math.isfinite(record.get(k, 0.0)) for k in ("train_loss", "valid_logloss"))
-
-
-def _steps(plan) -> int:
-    """Optimizer steps in a pass: its batches (a sharded plan: its global steps)."""
-    if isinstance(plan, PassPlan):
-        return len(plan.batches)
-    if isinstance(plan, list):
-        return len(plan)
-    return len(plan.global_sizes)

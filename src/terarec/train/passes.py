@@ -7,6 +7,9 @@ hashing the next pass (pyarrow and numba release the GIL) overlaps training this
 Each training pass comes with a ``PassInput``: the row position in every input file after
 it (``data.positions``), which the pass's checkpoint records, so that a resumed run reads
 on from exactly there whatever its files, pass size or batch size.
+
+A pass reaches the trainer as one ``Pass`` alone and on N ranks (``plan_for``: the
+topology adds the key exchange with the owners), so nothing above asks how it is held.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import queue
 import sys
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from terarec.data.positions import (
     FileMark,
@@ -37,8 +42,17 @@ from terarec.data.readers import (
     table_to_batch,
 )
 from terarec.data.split import iter_tables_from
-from terarec.distributed.lookup import ShardedPassPlan
-from terarec.embedding.working_set import PassPlan
+from terarec.distributed.context import DistContext
+from terarec.distributed.lookup import (
+    ShardedPassPlan,
+    ShardedWorkingSet,
+    exchange_plan,
+    plan_rank_pass,
+)
+from terarec.distributed.sharding import deal_batches
+from terarec.embedding.device import DeviceRowCache
+from terarec.embedding.protocol import EmbeddingStore
+from terarec.embedding.working_set import PassPlan, WorkingSet, plan_pass
 from terarec.types import Batch, FeatureSchema
 
 Inputs = Iterable[str | Path | InputFile | Idle]  # files, or IDLE while none is new
@@ -92,12 +106,68 @@ def iter_input_passes(items: Inputs, schema: FeatureSchema, batch_size: int,
     return iter_position_passes(items, pass_rows, positions, steps, per_file=per_file)
 
 
-def pass_batches(plan: list[Batch] | PassPlan | ShardedPassPlan) -> list[Batch]:
-    """This process's batches of a pass (global keys, one per step), however it is held:
-    as batches, a pass plan, or a rank's exchanged plan."""
-    if isinstance(plan, ShardedPassPlan):
-        return plan.rank.batches
-    return plan.batches if isinstance(plan, PassPlan) else plan
+@dataclass
+class Pass:
+    """One pass as the trainer takes it, alone or as one of N ranks: this process's
+    batches (global keys, one per step) planned once, and what the topology adds.
+
+    ``plan``      the pass's unique keys, each occurrence's position among them and
+                  (training) each key's shows and clicks: local work, done ahead
+    ``exchange``  N ranks: ``plan``'s requests exchanged with the keys' owners, and the
+                  keys this rank serves (``distributed.lookup``); None alone, where
+                  there is nothing to exchange
+
+    ``plan_for`` fills both as the topology needs, so nothing above it asks which."""
+
+    plan: PassPlan
+    exchange: ShardedPassPlan | None = None
+
+    @property
+    def batches(self) -> list[Batch]:
+        return self.plan.batches
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps: one per batch, since on N ranks each has one per global step."""
+        return len(self.plan.batches)
+
+    @property
+    def staged_keys(self) -> np.ndarray:
+        """The keys whose rows this process stages: the pass's own alone, those this rank
+        owns and any rank asked for on N ranks (what a disk tier reads ahead)."""
+        return self.plan.keys if self.exchange is None else self.exchange.owned
+
+
+def plan_for(ctx: DistContext, batches: list[Batch], counts: bool = True,
+             group: dist.ProcessGroup | None = None) -> Pass:
+    """Plan this process's ``batches`` (``counts``: with shows and clicks, for training);
+    on N ranks also exchange their requests with the owners, collectively in ``group``
+    (default: the row exchange group; the read-ahead thread uses its own)."""
+    local = plan_pass(batches, counts=counts)
+    if ctx.world == 1:
+        return Pass(local)
+    return Pass(local, exchange_plan(ctx, plan_rank_pass(local, ctx.world), group=group))
+
+
+def stage_pass(ctx: DistContext, store: EmbeddingStore, p: Pass, pass_id: int,
+               train: bool = True, cache: DeviceRowCache | None = None
+               ) -> WorkingSet | ShardedWorkingSet:
+    """Stage ``p``'s rows: alone, into one table on ``ctx.device``; on N ranks (collective)
+    the owner's rows every rank asked for. Both write back alike (``StagedRows``) and
+    give their steps' rows by ``step_table``."""
+    if p.exchange is None:
+        return WorkingSet.stage(store, p.plan, pass_id, ctx.device, train=train, cache=cache)
+    return ShardedWorkingSet.stage(ctx, store, p.exchange, pass_id, train=train, cache=cache)
+
+
+def iter_scoring_passes(ctx: DistContext, batches: Iterable[Batch], pass_rows: int
+                        ) -> Iterator[Pass]:
+    """``batches`` (the same on every rank) as passes to score, planned without counts;
+    on N ranks (collective) each rank plans its round-robin share of every pass."""
+    for group in group_passes(batches, pass_rows):
+        if ctx.world > 1:
+            group = deal_batches(group, ctx.rank, ctx.world)
+        yield plan_for(ctx, group, counts=False)
 
 
 def step_order(seed: int, info: PassInput, steps: int) -> np.ndarray:

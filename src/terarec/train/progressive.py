@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 
 from terarec.data.positions import PassInput
-from terarec.distributed.lookup import ShardedPassPlan
 from terarec.train.metrics import evaluate_scores
-from terarec.train.passes import pass_batches
+from terarec.train.passes import Pass
 
 
 def finite_or_none(x: float) -> float | None:
@@ -35,13 +34,11 @@ class ProgressiveScorer:
         self._probs: list[np.ndarray] = []
         self._earlier: tuple[int, float | None] = (0, None)
 
-    def score(self, trainer: Any, plan: Any, info: PassInput) -> dict[str, Any]:
-        """Score ``plan`` with ``trainer``'s current model (collective on N ranks: every
+    def score(self, trainer: Any, p: Pass, info: PassInput) -> dict[str, Any]:
+        """Score pass ``p`` with ``trainer``'s current model (collective on N ranks: every
         rank gets the figures over all ranks' rows); the history fields it adds."""
-        batches = plan.rank.batches if isinstance(plan, ShardedPassPlan) else plan
-        rows = pass_batches(plan)
-        probs = trainer.predict_batches(batches)
-        labels = (np.concatenate([b.labels.numpy() for b in rows]) if rows
+        probs = trainer.predict_pass(p)
+        labels = (np.concatenate([b.labels.numpy() for b in p.batches]) if p.batches
                   else np.empty(0, np.float32))
         labels, probs = trainer._all_scores(labels, probs)
         record: dict[str, Any] = {"progressive_rows": int(len(labels))}

@@ -45,7 +45,7 @@ from terarec.train.follow import (
     write_prometheus,
 )
 from terarec.train.loop import StreamOptions
-from terarec.train.passes import iter_file_batches
+from terarec.train.passes import Pass, iter_file_batches
 from terarec.train.progressive import progressive_summary
 from terarec.train.selection import SelectionTracker, refit_epochs
 from terarec.train.trainer import Trainer
@@ -288,7 +288,7 @@ def _no_rows(what: str, paths: Sequence[Path | InputFile], stats: ReadStats) -> 
     return f"no {what} rows in {files}: the files hold no data rows"
 
 
-def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,
+def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list[Pass], run: TrainRun,
                  history: list[dict], seconds: float, stats: ReadStats) -> dict:
     """Scores on the validation rows (the training rows without them) and the run's
     figures (``scorer``: the trainer or the best pass restored). ``samples_per_s``: rows
@@ -296,9 +296,11 @@ def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list, run: TrainRun,
     figure already takes the ranks' mean), reading and scoring not included."""
     config = trainer.config
     if valid or run.follow is None:
-        source = valid or iter_file_batches(run.train, trainer.schema, config.batch_size,
-                                            on_bad_row=config.on_bad_row)
-        metrics: dict[str, Any] = dict(scorer.evaluate(source))
+        metrics: dict[str, Any] = dict(
+            scorer.evaluate_passes(valid) if valid
+            else scorer.evaluate(iter_file_batches(run.train, trainer.schema,
+                                                   config.batch_size,
+                                                   on_bad_row=config.on_bad_row)))
         metrics["evaluated_on"] = "valid" if valid else "train"
         metrics.pop("samples_per_s")  # scoring throughput; training throughput below
     else:  # a followed stream: each file was scored before it was trained

@@ -55,21 +55,15 @@ from terarec.data.positions import Idle, PassInput, Positions
 from terarec.data.readers import ReadStats
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.distributed.dense_comm import DenseComm
-from terarec.distributed.lookup import (
-    ShardedPassPlan,
-    ShardedWorkingSet,
-    exchange_plan,
-    plan_rank_pass,
-)
+from terarec.distributed.lookup import ShardedWorkingSet
 from terarec.distributed.negatives import gather_positives
-from terarec.distributed.sharding import deal_batches, iter_rank_pass_inputs, iter_rank_passes
+from terarec.distributed.sharding import iter_rank_pass_inputs, iter_rank_passes
 from terarec.embedding.device import make_device_cache
-from terarec.embedding.index import unique_inverse
 from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
-from terarec.embedding.working_set import PassPlan, WorkingSet, _pooled, plan_pass
+from terarec.embedding.working_set import WorkingSet, _pooled
 from terarec.finite import check_model_scores
 from terarec.modeldir import choose_checkpoint, comm_file, read_model_meta
 from terarec.models import build_model
@@ -80,11 +74,13 @@ from terarec.train.loop import StreamOptions, TrialRun, run_passes
 from terarec.train.metrics import evaluate_scores, offset_shift
 from terarec.train.passes import (
     Inputs,
-    group_passes,
+    Pass,
     iter_file_batches,
     iter_input_passes,
-    pass_batches,
+    iter_scoring_passes,
+    plan_for,
     shuffled_steps,
+    stage_pass,
 )
 from terarec.train.selection import SelectionTracker
 from terarec.types import Batch, FeatureSchema
@@ -258,36 +254,47 @@ class Trainer:
         return F.binary_cross_entropy_with_logits(self._logits(ws, batch, train=True),
                                                   batch.labels)
 
-    def train_pass(self, batches: list[Batch] | PassPlan | ShardedPassPlan,
-                   progress: tqdm | None = None,
-                   upcoming: list[Batch] | PassPlan | ShardedPassPlan | None = None
-                   ) -> PassResult:
-        """Stage, train and write back one pass; returns its figures. A ``PassPlan`` made
-        ahead (``plan_pass``, e.g. in the read-ahead thread) takes the key work off the
-        critical path.
+    def train_pass(self, p: Pass, progress: tqdm | None = None,
+                   upcoming: Pass | None = None) -> PassResult:
+        """Stage, train and write back pass ``p`` (planned ahead by ``plan``, e.g. in the
+        read-ahead thread, so that the key work is off the critical path); returns its
+        figures. Collective on N ranks.
 
-        ``upcoming``: the next pass, whose rows a store with a disk tier reads into RAM in
-        a thread while this pass trains.
-
-        Collective on N ranks (``_train_rank_pass``); alone, the local fast path below.
+        ``upcoming``: the next pass, whose rows a store with a disk tier (or a device row
+        cache) reads in a thread while this pass trains.
         """
-        if self.ctx.world > 1:
-            assert not isinstance(batches, PassPlan) and not isinstance(upcoming, PassPlan)
-            return self._train_rank_pass(batches, progress, upcoming)
-        assert not isinstance(batches, ShardedPassPlan)  # ranks plan those
-        assert not isinstance(upcoming, ShardedPassPlan)
         self.model.train()
         t0 = time.perf_counter()
         if self._admitted_before is None or self._admitted_before[0] != self.pass_id:
             self.begin_pass()
-        keyed = batches.batches if isinstance(batches, PassPlan) else batches
-        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=True,
-                              cache=self.device_cache)
-        batches = ws.batches
-        prefetcher = _start_prefetch(self.store, upcoming)
-        if self.device_cache is not None and upcoming is not None:
-            self.device_cache.read_ahead(self.store, upcoming, ws.keys, after=prefetcher)
+        ws = stage_pass(self.ctx, self.store, p, self.pass_id, train=True,
+                        cache=self.device_cache)
+        keys_next = upcoming.staged_keys if upcoming is not None else None
+        prefetcher = _start_prefetch(self.store, keys_next)
+        if self.device_cache is not None and keys_next is not None:
+            self.device_cache.read_ahead(self.store, keys_next, ws.keys, after=prefetcher)
         t1 = time.perf_counter()
+        # The one place the world size shows: alone, a step's backward runs the sparse
+        # optimizer on the pass's table in place (the fused lookup) over the batch's mean
+        # loss; a rank's step exchanges rows and row gradients with their owners and
+        # scales a summed loss so that DDP's average is the single-process gradient
+        # (``train.loop``). The two steps share no work worth a common body, and a
+        # branch per step would cost every step of the local fast path.
+        sparse_bytes = dense_bytes = 0.0
+        if isinstance(ws, ShardedWorkingSet):
+            loss_sum, sparse_bytes, dense_bytes = self._train_rank_steps(ws, progress)
+        else:
+            loss_sum = self._train_steps(ws, p.batches, progress)
+        t2 = time.perf_counter()
+        wait_s, evicted = self._close_pass(ws, prefetcher)
+        t3 = time.perf_counter()
+        return self._pass_result((t0, t1, t2, t3), loss_sum, sum(len(b) for b in p.batches),
+                                 ws.stats.unique_keys, ws.stats.admitted_keys, evicted,
+                                 wait_s, sparse_bytes=sparse_bytes, dense_bytes=dense_bytes)
+
+    def _train_steps(self, ws: WorkingSet, keyed: list[Batch],
+                     progress: tqdm | None) -> float:
+        """Train one process's pass, step by step; its loss summed over rows."""
         losses = []
         for step, (batch, raw) in enumerate(zip(ws.batches, keyed, strict=True)):
             ws.step = step
@@ -298,14 +305,8 @@ class Trainer:
             losses.append(loss.detach())
             if progress is not None:
                 progress.update(len(batch))
-        t2 = time.perf_counter()
-        wait_s, evicted = self._close_pass(ws, prefetcher)
-        t3 = time.perf_counter()
-        weights = torch.tensor([len(b) for b in batches], dtype=torch.float32)
-        loss_sum = float((torch.stack(losses).cpu() * weights).sum()) if losses else 0.0
-        return self._pass_result((t0, t1, t2, t3), loss_sum, sum(len(b) for b in batches),
-                                 ws.stats.unique_keys, ws.stats.admitted_keys, evicted,
-                                 wait_s)
+        weights = torch.tensor([len(b) for b in ws.batches], dtype=torch.float32)
+        return float((torch.stack(losses).cpu() * weights).sum()) if losses else 0.0
 
     def _pass_result(self, times: tuple[float, float, float, float], loss_sum: float,
                      rows: int, unique_keys: int, admitted_keys: int, evicted: int,
@@ -384,25 +385,12 @@ class Trainer:
             return unused + 0.0 * emb.sum(), 0
         return model.in_batch_softmax(user, items, all_ids, first) + unused, len(all_ids)
 
-    def _train_rank_pass(self, batches: list[Batch] | ShardedPassPlan,
-                         progress: tqdm | None,
-                         upcoming: list[Batch] | ShardedPassPlan | None) -> PassResult:
-        """Collective: stage, train and write back this rank's share of one pass. Once
-        the next pass is planned (``plan``, whose key exchange told this rank which keys
-        it will serve), a store with a disk tier reads their rows in a thread meanwhile."""
-        self.model.train()
+    def _train_rank_steps(self, ws: ShardedWorkingSet, progress: tqdm | None
+                          ) -> tuple[float, float, float]:
+        """Collective: train this rank's share of one pass, one local batch per global
+        step; (its loss summed over rows, sparse and dense bytes sent per step)."""
         ctx = self.ctx
         assert self.dense_comm is not None
-        t0 = time.perf_counter()
-        if self._admitted_before is None or self._admitted_before[0] != self.pass_id:
-            self.begin_pass()
-        ws = ShardedWorkingSet.stage(ctx, self.store, batches, self.pass_id, train=True,
-                                     cache=self.device_cache)
-        owned_next = upcoming.owned if isinstance(upcoming, ShardedPassPlan) else None
-        prefetcher = _start_prefetch(self.store, owned_next)
-        if self.device_cache is not None and owned_next is not None:
-            self.device_cache.read_ahead(self.store, owned_next, ws.keys, after=prefetcher)
-        t1 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64)
         bytes_before = self.dense_comm.meter.bytes
         for step, batch in enumerate(ws.batches):
@@ -419,15 +407,9 @@ class Trainer:
             if progress is not None:
                 progress.update(global_rows)
         self._average_norm_statistics()
-        t2 = time.perf_counter()
-        wait_s, evicted = self._close_pass(ws, prefetcher)
-        t3 = time.perf_counter()
         steps = max(len(ws.batches), 1)
-        return self._pass_result(
-            (t0, t1, t2, t3), float(loss_sum), sum(len(b) for b in ws.batches),
-            ws.stats.unique_keys, ws.stats.admitted_keys, evicted, wait_s,
-            sparse_bytes=(ws.stats.staging_bytes + ws.step_bytes) / steps,
-            dense_bytes=(self.dense_comm.meter.bytes - bytes_before) / steps)
+        return (float(loss_sum), (ws.stats.staging_bytes + ws.step_bytes) / steps,
+                (self.dense_comm.meter.bytes - bytes_before) / steps)
 
     def _average_norm_statistics(self) -> None:
         """Collective: the batch-norm running statistics averaged over ranks at a pass
@@ -463,7 +445,7 @@ class Trainer:
             self.device_cache.sync(self.store)
 
     @torch.no_grad()
-    def recalibrate(self, batches: list[Batch] | PassPlan | ShardedPassPlan) -> float | None:
+    def recalibrate(self, p: Pass) -> float | None:
         """Collective on N ranks: after a pass, shift the model's output bias
         (``logit_offset``) so that its mean prediction on the pass's rows (evenly spread
         steps, ``RECALIBRATE_ROWS`` at most) equals their click rate; returns the shift
@@ -480,7 +462,7 @@ class Trainer:
         if not self.config.recalibrate or offset is None \
                 or self.config.loss != "bce":
             return None
-        local = pass_batches(batches)
+        local = p.batches
         if not local:
             return None
         wanted = max(1, math.ceil(RECALIBRATE_ROWS / self.config.batch_size))
@@ -494,80 +476,71 @@ class Trainer:
         return shift
 
     @torch.no_grad()
-    def predict_batches(self, batches: list[Batch] | PassPlan | ShardedPassPlan
-                        ) -> np.ndarray:
+    def predict_batches(self, batches: list[Batch]) -> np.ndarray:
         """Click probabilities for in-memory batches (global keys); the store is unchanged.
         Collective on N ranks: each passes its own batches (one per step, as in
         training), whose rows come from their owners."""
-        self.model.eval()
-        if self.ctx.world > 1:
-            assert not isinstance(batches, PassPlan)  # ranks score batches
-            return self._predict_rank_batches(batches)
-        assert not isinstance(batches, ShardedPassPlan)  # made by ranks only
-        if not batches:
+        if not batches and self.ctx.world == 1:  # ranks join the exchange even so
             return np.empty(0, np.float32)
-        ws = WorkingSet.stage(self.store, batches, self.pass_id, self.device, train=False,
-                              cache=self.device_cache)
-        out = [torch.sigmoid(self._logits(ws, b, train=False)).cpu() for b in ws.batches]
-        return torch.cat(out).numpy()
+        return self.predict_pass(self.plan(batches, counts=False))
 
-    def _predict_rank_batches(self, batches: list[Batch] | ShardedPassPlan) -> np.ndarray:
-        ws = ShardedWorkingSet.stage(self.ctx, self.store, batches, self.pass_id, train=False,
-                                     cache=self.device_cache)
+    @torch.no_grad()
+    def predict_pass(self, p: Pass) -> np.ndarray:
+        """Click probabilities for this process's rows of pass ``p`` (collective on N
+        ranks, where each step's rows come from their owners)."""
+        self.model.eval()
+        ws = stage_pass(self.ctx, self.store, p, self.pass_id, train=False,
+                        cache=self.device_cache)
         out = []
         for step, batch in enumerate(ws.batches):
-            table = ws.fetch(step)
+            table = ws.step_table(step)  # collective on N ranks, even for an empty batch
             if len(batch):
                 emb = _pooled(table, batch.sparse, self.mean_fields)
                 out.append(torch.sigmoid(self.model(batch.dense, emb)).cpu())
         return torch.cat(out).numpy() if out else np.empty(0, np.float32)
 
-    def predict_stream(self, batches: Iterable[Batch] | list[PassPlan] | list[ShardedPassPlan]
+    def predict_stream(self, batches: Iterable[Batch]
                        ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time.
-        ``batches`` may be pass plans made once (``plan_pass(..., counts=False)``) for a
-        set scored again and again, e.g. a validation set by every trial of a search. On
-        N ranks, collective: either the same batches on every rank, each rank scoring
-        its round-robin share, or each rank's own share planned once
-        (``scoring_passes``); each rank yields (probabilities, labels) for its share."""
-        if isinstance(batches, list) and batches and isinstance(batches[0],
-                                                                (PassPlan, ShardedPassPlan)):
-            groups: Iterable = batches
-        else:
-            groups = group_passes(cast(Iterable[Batch], batches), self.config.pass_rows)
-        for group in groups:
-            if isinstance(group, ShardedPassPlan):  # this rank's share, planned already
-                yield self.predict_batches(group), _labels(group.rank.remapped)
-                continue
-            if self.ctx.world > 1:
-                rows = group.batches if isinstance(group, PassPlan) else group
-                group = deal_batches(rows, self.ctx.rank, self.ctx.world)
-            rows = group.batches if isinstance(group, PassPlan) else group
-            yield self.predict_batches(group), _labels(rows)
+        """(probabilities, labels) chunk by chunk, one pass's worth of rows at a time. On
+        N ranks, collective: the same batches on every rank, each rank scoring (and
+        yielding) its round-robin share."""
+        for p in iter_scoring_passes(self.ctx, batches, self.config.pass_rows):
+            yield self.predict_pass(p), _labels(p.batches)
 
     def scoring_passes(self, paths: Sequence[str | Path], stats: ReadStats | None = None
-                       ) -> list[Batch] | list[ShardedPassPlan]:
-        """A validation set, read once to be scored after every pass (``evaluate``).
-        Alone: its batches. On N ranks (collective): this rank's share only, parsed by
-        this rank alone (local batches, as training deals them) and planned once, its
-        key requests exchanged with the owners; ``stats`` gets every rank's counts."""
+                       ) -> list[Pass]:
+        """A validation set, read and planned once to be scored after every pass
+        (``evaluate_passes``). On N ranks (collective): this rank's share only, parsed by
+        this rank alone (local batches, as training deals them), its key requests
+        exchanged with the owners; ``stats`` gets every rank's counts."""
         cfg = self.config
-        if self.ctx.world == 1:
-            return list(iter_file_batches(paths, self.schema, cfg.batch_size,
-                                          on_bad_row=cfg.on_bad_row, stats=stats))
         ctx = self.ctx
-        return [exchange_plan(ctx, plan_rank_pass(group, ctx.world, counts=False))
+        if ctx.world == 1:
+            return list(iter_scoring_passes(ctx, iter_file_batches(
+                paths, self.schema, cfg.batch_size, on_bad_row=cfg.on_bad_row,
+                stats=stats), cfg.pass_rows))
+        return [self.plan(group, counts=False)
                 for group in iter_rank_passes(paths, self.schema, cfg.batch_size,
                                               cfg.pass_rows, ctx.rank, ctx.world,
                                               on_bad_row=cfg.on_bad_row, stats=stats,
                                               ctx=ctx)]
 
-    def evaluate(self, batches: Iterable[Batch] | list[PassPlan] | list[ShardedPassPlan]
-                 ) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
         """AUC, logloss, rows and scoring samples/s (reading included) over ``batches``."""
-        probs, labels = [], []
         start = time.perf_counter()
-        for p, y in self.predict_stream(batches):
+        return self._metrics(self.predict_stream(batches), start)
+
+    def evaluate_passes(self, passes: Iterable[Pass]) -> dict[str, float]:
+        """``evaluate`` over passes planned once (``scoring_passes``), e.g. a validation
+        set scored after every pass or by every trial of a search."""
+        start = time.perf_counter()
+        return self._metrics(((self.predict_pass(p), _labels(p.batches)) for p in passes),
+                             start)
+
+    def _metrics(self, scored: Iterator[tuple[np.ndarray, np.ndarray]],
+                 start: float) -> dict[str, float]:
+        probs, labels = [], []
+        for p, y in scored:
             probs.append(p)
             labels.append(y)
         seconds = time.perf_counter() - start
@@ -594,7 +567,7 @@ class Trainer:
     # -- whole runs ---------------------------------------------------------------------
     def iter_passes(self, train_paths: Inputs, stats: ReadStats | None = None,
                     first: int = 0, skip: int = 0, positions: Positions | None = None,
-                    per_file: bool = False) -> Iterator[tuple[Any, PassInput] | Idle]:
+                    per_file: bool = False) -> Iterator[tuple[Pass | None, PassInput] | Idle]:
         """The passes ``fit`` trains, numbered from ``first``, planned in the read-ahead
         thread, each with what it consumed (``PassInput``), from each file's row in
         ``positions`` on (a resumed run); passes below ``skip`` (resuming a checkpoint
@@ -614,17 +587,18 @@ class Trainer:
                                        on_bad_row=cfg.on_bad_row, stats=stats)
         if cfg.shuffle:
             passes = shuffled_steps(passes, cfg.seed)
-        return _plans(passes, first, skip, self.plan if self.ctx.world > 1 else plan_pass)
+        return _plans(passes, first, skip, lambda group: self.plan(group, ahead=True))
 
-    def plan(self, batches: list[Batch]) -> ShardedPassPlan:
-        """Collective in the planning group: this rank's share of a training pass, planned
-        and exchanged with the owners. Call it from one thread only (the read-ahead one),
-        in pass order on every rank."""
-        ctx = self.ctx
-        return exchange_plan(ctx, plan_rank_pass(batches, ctx.world), group=ctx.plan_group)
+    def plan(self, batches: list[Batch], *, counts: bool = True, ahead: bool = False) -> Pass:
+        """This process's ``batches`` as a ``Pass`` (``counts``: for training). On N ranks,
+        collective: its requests are exchanged with the owners, in the planning group
+        when ``ahead`` (call that from one thread only, the read-ahead one, in pass order
+        on every rank), else in the row exchange group."""
+        group = self.ctx.plan_group if ahead else None
+        return plan_for(self.ctx, batches, counts=counts, group=group)
 
     def fit(self, train_paths: Inputs,
-            valid_batches: list[Batch] | list[ShardedPassPlan] | None = None,
+            valid_batches: Sequence[Pass] | None = None,
             *, progress: bool = True, stats=None, on_pass_end=None,
             skip_passes: int = 0, selection: SelectionTracker | None = None,
             stream: StreamOptions | None = None) -> list[dict]:
@@ -651,17 +625,19 @@ def _labels(batches: list[Batch]) -> np.ndarray:
             else np.empty(0, np.float32))
 
 
-def _plans(passes: Iterator, first: int, skip: int, plan: Callable) -> Iterator:
+def _plans(passes: Iterator[tuple[list[Batch], PassInput] | Idle], first: int, skip: int,
+           plan: Callable[[list[Batch]], Pass]
+           ) -> Iterator[tuple[Pass | None, PassInput] | Idle]:
     """Plan each pass numbered ``first``, ``first + 1``, ... (IDLE markers are not
-    passes); passes below ``skip`` (already trained, when resuming) pass through
-    unplanned."""
+    passes); passes below ``skip`` (already trained, when resuming) are read, not
+    planned (None)."""
     number = first
     for item in passes:
         if isinstance(item, Idle):
             yield item
             continue
         group, info = item
-        yield (plan(group) if number >= skip else group), info
+        yield (plan(group) if number >= skip else None), info
         number += 1
 
 
@@ -692,22 +668,14 @@ def rank_store_config(config: TrainConfig, ctx: DistContext) -> TrainConfig:
 class _Prefetcher(threading.Thread):
     """Reads the next pass's rows from the disk tier; errors re-raised on join."""
 
-    def __init__(self, store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray
-                 ) -> None:
+    def __init__(self, store: EmbeddingStore, keys: np.ndarray) -> None:
         super().__init__(name="terarec-store-prefetch", daemon=True)
-        self.store, self.upcoming = store, upcoming
+        self.store, self.keys = store, keys
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            if isinstance(self.upcoming, np.ndarray):  # the keys themselves
-                keys = self.upcoming
-            elif isinstance(self.upcoming, PassPlan):
-                keys = self.upcoming.keys
-            else:
-                keys, _ = unique_inverse(np.concatenate([b.sparse.values.numpy()
-                                                         for b in self.upcoming]))
-            self.store.prefetch(keys)
+            self.store.prefetch(self.keys)
         except BaseException as exc:  # handed to the trainer thread
             self.error = exc
 
@@ -717,14 +685,11 @@ class _Prefetcher(threading.Thread):
             raise self.error
 
 
-def _start_prefetch(store: EmbeddingStore, upcoming: list[Batch] | PassPlan | np.ndarray | None
-                    ) -> _Prefetcher | None:
-    """Start reading ``upcoming``'s rows (a pass, its plan, or its keys) into RAM, where
-    the store has a disk tier to read them from."""
-    if upcoming is None or not store.prefetches:
+def _start_prefetch(store: EmbeddingStore, keys: np.ndarray | None) -> _Prefetcher | None:
+    """Start reading the rows of ``keys`` (the next pass's) into RAM, where the store has
+    a disk tier to read them from."""
+    if keys is None or not len(keys) or not store.prefetches:
         return None
-    if isinstance(upcoming, (list, np.ndarray)) and len(upcoming) == 0:
-        return None
-    thread = _Prefetcher(store, upcoming)
+    thread = _Prefetcher(store, keys)
     thread.start()
     return thread

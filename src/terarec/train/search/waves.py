@@ -28,7 +28,6 @@ from typing import Any
 from terarec.config import parse_bytes, to_dict
 from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext, resolve_device
-from terarec.embedding.working_set import PassPlan, plan_pass
 from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
 from terarec.train.cohort import (
     KeySides,
@@ -39,7 +38,7 @@ from terarec.train.cohort import (
     split_budget,
 )
 from terarec.train.loop import TrialRun, run_passes
-from terarec.train.passes import group_passes
+from terarec.train.passes import Pass, iter_scoring_passes
 from terarec.train.search.config import SearchConfig
 from terarec.train.search.results import write_best, write_trial_files
 from terarec.train.search.space import Space, check_batch_sizes, grid_space, suggest
@@ -166,8 +165,7 @@ class _Search:
         self.budget = parse_bytes(base.store.memory_budget) \
             if base.store.memory_budget else None
         # The validation set's keys are planned once for every trial and evaluation.
-        valid = [plan_pass(group, counts=False)
-                 for group in group_passes(valid_batches, base.pass_rows)]
+        valid = list(iter_scoring_passes(ctx, valid_batches, base.pass_rows))
         start = time.perf_counter()
         if left is not None:  # the wave a stopped search was training, from its last commit
             wave = self._continue(left)
@@ -257,7 +255,7 @@ class _Search:
         return wave
 
     def _train(self, wave: list[SearchTrial], train: Sequence[str | Path | InputFile],
-               valid: list[PassPlan], reader: dict[str, Any] | None = None) -> None:
+               valid: list[Pass], reader: dict[str, Any] | None = None) -> None:
         """Train a wave to its end. ``reader``: the values of the trial whose batch and
         pass sizes cut the wave's passes, when it is not in ``wave`` (a continued wave
         whose first trial had finished): a stopped stand-in with its configuration
