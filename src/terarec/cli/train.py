@@ -145,6 +145,7 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         for flag in ("stop_after", "stop_idle", "poll_seconds"):
             if getattr(args, flag) is not None:
                 raise UserError(f"--{flag.replace('_', '-')} needs --follow")
+    _log_events()
     outcome = run_training(train_job_from_args(args, dense_comm_from_args(args)), on_commit)
     if outcome.is_main:
         metrics = outcome.metrics
@@ -175,3 +176,13 @@ def _say_undefined_auc(metrics: dict) -> None:
     if isinstance(auc, float) and not math.isfinite(auc):
         print("AUC is undefined: every validation label is the same class; written as null",
               file=sys.stderr)
+
+
+def _log_events() -> None:
+    """terarec's INFO events (a file landed, a pass trained, a version exported) as lines
+    on stderr, unless the caller configured logging already."""
+    import logging
+
+    logging.basicConfig(format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("terarec").setLevel(logging.INFO)
+

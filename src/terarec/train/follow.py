@@ -33,6 +33,7 @@ rank sees, as for checkpoints.
 from __future__ import annotations
 
 import contextlib
+import logging
 import posixpath
 import shutil
 import signal
@@ -54,6 +55,8 @@ from terarec.distributed.context import DistContext
 from terarec.export.storage import Storage
 from terarec.io import atomic_write_bytes, atomic_write_text
 from terarec.types import FeatureSchema
+
+log = logging.getLogger(__name__)
 
 SUCCESS = "_SUCCESS"
 _IN_PROGRESS = (".tmp", ".part", ".partial", ".inprogress")
@@ -156,6 +159,7 @@ class FollowSource:
             if not dest.exists():
                 self.storage.download(rel, dest)
             item = InputFile(self.key(rel), dest, empty_ok=True, fingerprint=fingerprint(dest))
+        log.info("landed %s (%d bytes)", rel, (item.fingerprint or (0,))[0])
         if self.prepare is None:
             return item
         return self._prepared(item, (into or self.cache) / PREPARED_DIR / rel)

@@ -25,7 +25,9 @@ K trials with the seeds of K separate runs end with the same weights.
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,8 @@ from terarec.train.selection import (
     SelectionTracker,
 )
 from terarec.types import Batch
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from terarec.train.trainer import Trainer
@@ -231,7 +235,9 @@ def run_passes(runs: Sequence[TrialRun], train_paths: Inputs,
                     continue
                 assert plan is not None  # planned from ``skip`` on
                 if bar is None:
-                    bar = tqdm(unit=" rows", unit_scale=True, disable=not progress,
+                    # a bar only on a terminal: in a log file it was one 30 kB line
+                    bar = tqdm(unit=" rows", unit_scale=True,
+                               disable=not progress or not sys.stderr.isatty(),
                                dynamic_ncols=True,
                                desc="train" if len(runs) == 1 else f"train x{len(runs)}")
                 plans = _PlanCache(plan, reader.config.batch_size, reader.ctx, info,
@@ -297,6 +303,10 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
     if "valid_auc" in record:  # a run without --valid (a refit) has no AUC to show
         shown["auc"] = f"{record['valid_auc']:.4f}"
     bar.set_postfix(shown)
+    if bar.disable and trainer.ctx.is_main:  # no bar: one line per pass for the log
+        log.info("pass %d (epoch %d, %s): %d rows, loss %s%s", trainer.pass_id, epoch + 1,
+                 ", ".join(record["files"]) or "stream", result.rows, shown["loss"],
+                 f", valid auc {shown['auc']}" if "auc" in shown else "")
     if run.on_pass_end is not None:
         run.on_pass_end(trainer, record)
 

@@ -1,0 +1,30 @@
+"""``terarec train`` writing to a log file (stderr not a terminal): one line per pass, no progress bar (a bar there was one 30 kB line of carriage returns)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from terarec.data.synth import generate
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_a_log_file_gets_lines_not_a_bar(tmp_path):
+    data = tmp_path / "train.tsv"
+    generate(data, 2000, model_seed=0, sample_seed=1, vocab_scale=0.01)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    log = tmp_path / "train.log"
+    with open(log, "w") as fh:
+        done = subprocess.run(
+            [sys.executable, "-m", "terarec", "train", "--train", str(data), "--out",
+             str(tmp_path / "m"), "--model", "lr", "--epochs", "2", "--batch-size", "500",
+             "--threads", "1"], env=env, stderr=fh, stdout=subprocess.DEVNULL, timeout=300)
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "\r" not in text and " rows/s" not in text  # no tqdm bar
+    passes = [line for line in text.splitlines() if " rows, loss " in line]
+    assert len(passes) == 2, text
+    assert "epoch 2, train.tsv" in passes[1]
