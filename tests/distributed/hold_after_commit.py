@@ -26,4 +26,4 @@ def on_commit(trainer) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(train.run(build_parser().parse_args(sys.argv[1:]), on_commit=on_commit))
+    sys.exit(train.run(build_parser("train").parse_args(sys.argv[1:]), on_commit=on_commit))
