@@ -16,6 +16,7 @@ flight together in one pass (``serving/batching.py``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -135,18 +136,18 @@ async def scores(batcher: DynamicBatcher, version: ServedVersion, batch: Batch,
     return list(out.tolist())
 
 
+@dataclass
 class ScoringRoutes:
     """``POST /predict`` and ``POST /v2/models/NAME/infer`` as plain ASGI handlers:
     ``(scope, receive)`` -> the JSON answer of a 200 (``ServingApp`` sends it)."""
 
-    def __init__(self, engine: ServingEngine, batcher: DynamicBatcher, *, model_name: str,
-                 max_candidates: int, max_body_bytes: int, top_k: TopK) -> None:
-        self.engine = engine
-        self.batcher = batcher
-        self.model_name = model_name
-        self.max_candidates = max_candidates
-        self.max_body_bytes = max_body_bytes
-        self.top_k = top_k
+    engine: ServingEngine
+    batcher: DynamicBatcher
+    _: KW_ONLY
+    model_name: str
+    max_candidates: int
+    max_body_bytes: int
+    top_k: TopK
 
     def served_model(self, name: str) -> ServedVersion:
         """The served version, if ``name`` is this server's model (404 if not)."""
