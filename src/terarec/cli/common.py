@@ -41,7 +41,6 @@ from terarec.validation import InvalidInput, strip_type
 if typing.TYPE_CHECKING:
     from terarec.api.training import TrainJob
     from terarec.data.readers import ReadStats
-    from terarec.distributed.context import DistContext
 
 
 def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
@@ -116,24 +115,6 @@ def _buckets_arg(text: str) -> int | str:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected a bucket count, 'log' or 'tested'") from None
-
-
-def train_schema_from_args(args: argparse.Namespace,
-                           base: FeatureSchema | None = None,
-                           ctx: DistContext | None = None) -> FeatureSchema:
-    """The schema a new training run uses (``DataSpec.train_schema`` over ``--train``);
-    with ``ctx`` one of N ranks (collective), each rank reads its share of the rows."""
-    spec = spec_from_args(args)
-    if ctx is not None and ctx.world > 1:
-        return spec.train_schema(args.train, base, rank=ctx.rank, world=ctx.world,
-                                 gather=ctx.all_gather_object)
-    return spec.train_schema(args.train, base)
-
-
-def schema_for_data(model_schema: FeatureSchema, args: argparse.Namespace) -> FeatureSchema:
-    """The model's schema, read as ``--format`` / ``--delimiter`` say
-    (``DataSpec.for_model``)."""
-    return spec_from_args(args).for_model(model_schema)
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
