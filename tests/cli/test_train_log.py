@@ -1,4 +1,5 @@
-"""``terarec train`` writing to a log file (stderr not a terminal): one line per pass, no progress bar (a bar there was one 30 kB line of carriage returns)."""
+"""``terarec train`` writing to a log file (stderr not a terminal): one line per pass and
+no progress bar (a bar there was one 30 kB line of carriage returns)."""
 
 from __future__ import annotations
 
