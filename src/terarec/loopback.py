@@ -35,6 +35,11 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on loopback now."""
+    return _bindable(port)
+
+
 def free_ports(n: int, offsets: tuple[int, ...] = (0,)) -> list[int]:
     """``n`` distinct loopback ports, each with ``port + offset`` free for every offset
     (a Redis Cluster node's bus port is its port + 10000), all below the ephemeral range."""

@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, str] = {
     "export": "export a trained model for serving",
     "index": "build an item-vector index for /retrieve",
     "publish": "publish an exported version to a Redis Cluster",
+    "cluster": "start, check or stop a local Redis Cluster",
     "serve": "serve an exported model over HTTP",
     "autofeature": "generate and select SQL aggregate features",
     "inspect": "summarise a model directory's store",

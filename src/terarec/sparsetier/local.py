@@ -1,5 +1,6 @@
-"""A real Redis Cluster on loopback ports: what the tests, the benchmark and a laptop trial
-of the sparse tier run against (``redis-server`` and ``redis-cli`` from the system).
+"""A real Redis Cluster on loopback ports: what the tests, the benchmark, ``terarec
+cluster up|status|down`` and a laptop trial of the sparse tier run against
+(``redis-server`` and ``redis-cli`` from the system).
 
 Each node is a ``redis-server`` process with its own folder (``nodes.conf``, no
 persistence) and ``--cluster-enabled yes``; ``redis-cli --cluster create`` assigns the
@@ -9,6 +10,9 @@ tests stall a node (``DEBUG SLEEP``).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +24,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from terarec.loopback import free_ports
+from terarec.loopback import free_ports, port_free
 
 
 class ClusterStartError(RuntimeError):
@@ -48,6 +52,11 @@ class LocalCluster:
     node_timeout_ms: int = 1000
     ports: list[int] = field(default_factory=list)
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    # ``terarec cluster up``: nodes on ``base_port``, ``base_port + 1``, ... (a port
+    # taken is an error, not a reason to choose others), in their own session so that
+    # they outlive the command and a Ctrl-C in its terminal.
+    base_port: int | None = None
+    detached: bool = False
 
     @property
     def url(self) -> str:
@@ -68,7 +77,8 @@ class LocalCluster:
                 "--dir", str(folder), "--logfile", str(folder / "redis.log"),
                 "--protected-mode", "no", "--io-threads", "1"]
         self.procs[port] = subprocess.Popen(args, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL)
+                                            stderr=subprocess.DEVNULL,
+                                            start_new_session=self.detached)
 
     def _wait_ping(self, port: int, timeout_s: float = 10.0) -> None:
         """Until the node launched on ``port`` answers: the answer must come from this
@@ -94,17 +104,35 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         """Launch fresh nodes, create the cluster and wait until every slot is served."""
-        for _ in range(2):
+        if self.masters < 3:
+            raise ClusterStartError(f"a Redis Cluster needs at least 3 masters, "
+                                    f"got {self.masters}")
+        if self.replicas < 0:
+            raise ClusterStartError(f"replicas must be >= 0, got {self.replicas}")
+        for _ in range(2 if self.base_port is None else 0):
             try:
                 return self._start_on_free_ports(timeout_s)
             except _PortTaken:  # another process bound a chosen port first: choose again
                 pass
-        return self._start_on_free_ports(timeout_s)
+        try:
+            return self._start_on_free_ports(timeout_s)
+        except _PortTaken as exc:
+            raise ClusterStartError(str(exc)) from None
 
     def _start_on_free_ports(self, timeout_s: float) -> LocalCluster:
         if self.root.exists():
             shutil.rmtree(self.root)
-        self.ports = free_ports(self.masters * (1 + self.replicas), offsets=(0, 10_000))
+        count = self.masters * (1 + self.replicas)
+        if self.base_port is None:
+            self.ports = free_ports(count, offsets=(0, 10_000))
+        else:
+            self.ports = list(range(self.base_port, self.base_port + count))
+            taken = [p for p in self.ports for o in (0, 10_000) if not port_free(p + o)]
+            if taken:
+                raise ClusterStartError(
+                    f"port(s) {', '.join(map(str, taken))} already in use (a node needs "
+                    f"its port and port + 10000 for the cluster bus); choose another "
+                    f"--port")
         self._bring_up(timeout_s)
         return self
 
@@ -200,3 +228,174 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# -- a cluster that outlives the command that started it (``terarec cluster``) ------------
+STATE_FILE = "cluster.json"
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node of a started cluster as it answers now."""
+
+    port: int
+    pid: int
+    alive: bool
+    role: str  # "master", "replica", or "down" when it does not answer
+    slots: int  # slots this master serves (0 for a replica)
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """A started cluster: its folder, seed URL and nodes; ``ok`` when every node answers
+    and all 16384 slots are served."""
+
+    root: Path
+    url: str
+    masters: int
+    replicas: int
+    nodes: tuple[NodeStatus, ...]
+    state: str  # the cluster's ``cluster_state`` as a live node sees it, or "down"
+    slots_ok: int
+
+    @property
+    def ok(self) -> bool:
+        return (self.state == "ok" and self.slots_ok == 16384
+                and all(n.alive for n in self.nodes))
+
+    def to_dict(self) -> dict[str, object]:
+        return {"dir": str(self.root), "url": self.url, "masters": self.masters,
+                "replicas": self.replicas, "state": self.state, "slots_ok": self.slots_ok,
+                "ok": self.ok,
+                "nodes": [{"port": n.port, "pid": n.pid, "alive": n.alive, "role": n.role,
+                           "slots": n.slots} for n in self.nodes]}
+
+
+def cluster_up(root: Path, *, masters: int = 3, replicas: int = 1, port: int = 7000,
+               node_timeout_ms: int = 5000, timeout_s: float = 60.0) -> ClusterStatus:
+    """Start a cluster under ``root`` on ports ``port`` .. ``port + n - 1`` whose nodes
+    keep running after this call returns (stop it with ``cluster_down``). Refused when
+    ``root`` holds a cluster that is still running."""
+    root = Path(root)
+    if (root / STATE_FILE).exists():
+        running = [n for n in cluster_status(root).nodes if n.alive]
+        if running:
+            raise ClusterStartError(
+                f"{root} already runs a cluster ({len(running)} nodes alive, first on "
+                f"port {running[0].port}); stop it with `terarec cluster down --dir "
+                f"{root}`")
+    cluster = LocalCluster(root, masters=masters, replicas=replicas,
+                           node_timeout_ms=node_timeout_ms, base_port=port, detached=True)
+    cluster.start(timeout_s)
+    state = {"masters": masters, "replicas": replicas, "ports": cluster.ports,
+             "pids": {str(p): proc.pid for p, proc in cluster.procs.items()}}
+    tmp = root / f"{STATE_FILE}.tmp"
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(root / STATE_FILE)
+    return cluster_status(root)
+
+
+def _read_state(root: Path) -> dict:
+    path = Path(root) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("ports"), list):
+            raise ValueError("no ports list")
+        return state
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no cluster started here (start one with "
+                                f"`terarec cluster up --dir {root}`)") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a cluster state file ({exc})") from None
+
+
+def _node_of(root: Path, port: int) -> bool:
+    """Whether the process answering on ``port`` is this cluster's node (its ``dir``),
+    not a process that took the port since."""
+    try:
+        answered = redis.Redis(port=port, socket_timeout=1,
+                               retry=Retry(NoBackoff(), 0)).config_get("dir")
+    except redis.RedisError:
+        return False
+    return bool(answered.get("dir") == str((Path(root) / str(port)).resolve()))
+
+
+def cluster_status(root: Path) -> ClusterStatus:
+    """What each node of the cluster started under ``root`` answers now."""
+    root = Path(root)
+    state = _read_state(root)
+    nodes: list[NodeStatus] = []
+    cluster_state, slots_ok = "down", 0
+    for port in state["ports"]:
+        pid = int(state.get("pids", {}).get(str(port), 0))
+        if not _node_of(root, port):
+            nodes.append(NodeStatus(port, pid, False, "down", 0))
+            continue
+        client = redis.Redis(port=port, socket_timeout=1, retry=Retry(NoBackoff(), 0))
+        try:
+            role = str(client.info("replication")["role"])
+            slots = 0
+            if role == "master":
+                me = client.execute_command("CLUSTER", "MYID")
+                me = me.decode() if isinstance(me, bytes) else str(me)
+                for entry in client.execute_command("CLUSTER", "SLOTS"):
+                    node_id = entry[2][2] if len(entry[2]) > 2 else None
+                    node_id = node_id.decode() if isinstance(node_id, bytes) else node_id
+                    if node_id == me:
+                        slots += int(entry[1]) - int(entry[0]) + 1
+            if cluster_state == "down":
+                info = client.cluster("info")
+                cluster_state = str(info.get("cluster_state", "down"))
+                slots_ok = int(info.get("cluster_slots_ok", 0))
+        except redis.RedisError:
+            nodes.append(NodeStatus(port, pid, False, "down", 0))
+            continue
+        nodes.append(NodeStatus(port, pid, True, "replica" if role == "slave" else role,
+                                slots))
+    ports = [n.port for n in nodes if n.alive] or state["ports"]
+    return ClusterStatus(root, f"redis://127.0.0.1:{ports[0]}", int(state.get("masters", 0)),
+                         int(state.get("replicas", 0)), tuple(nodes), cluster_state,
+                         slots_ok)
+
+
+def cluster_down(root: Path, timeout_s: float = 10.0) -> list[int]:
+    """Stop every node of the cluster started under ``root`` and remove the folder;
+    returns the ports of the nodes that were still running. Only processes that answer
+    as this cluster's nodes are signalled."""
+    root = Path(root)
+    state = _read_state(root)
+    stopped: list[int] = []
+    for port in state["ports"]:
+        pid = int(state.get("pids", {}).get(str(port), 0))
+        if pid > 0 and _node_of(root, port):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            stopped.append(port)
+    deadline = time.monotonic() + timeout_s
+    for port in stopped:
+        pid = int(state["pids"][str(port)])
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + timeout_s
+            time.sleep(0.05)
+    shutil.rmtree(root, ignore_errors=True)
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a child of this process that exited is reaped)."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:  # not our child: the system reaps it
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
