@@ -48,7 +48,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 @needs_redis
-def test_up_status_publish_down(tmp_path):
+def test_up_status_publish_down(tmp_path, capsys):
     # six nodes on consecutive ports, each with its bus port free
     base = free_ports(1, offsets=(*range(6), *range(10_000, 10_006)))[0]
     folder = tmp_path / "cluster"
@@ -70,7 +70,17 @@ def test_up_status_publish_down(tmp_path):
         ModelExporter(tmp_path / "export").write_full(
             schema=schema, model_config=config, dense=model.state_dict(), keys=keys,
             values=np.ones((len(keys), model.row_dim), np.float32), pass_id=1)
+        capsys.readouterr()
         assert main(["publish", str(tmp_path / "export"), "--to", st["url"]]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        assert len(printed) == 1, printed  # one line: what, where, how many rows
+        assert printed[0].startswith(f"published v000001 (all) to {st['url']} namespace "
+                                     f"terarec: 500 rows in ")
+        assert printed[0].endswith("; announced")
+        assert main(["publish", str(tmp_path / "export"), "--to", st["url"], "--json"]) == 0
+        again_json = json.loads(capsys.readouterr().out)
+        assert again_json["rows"] == 0 and again_json["to"] == st["url"]
+        assert again_json["skipped"] and again_json["announced"]
         client = redis.RedisCluster(host="127.0.0.1", port=base)
         assert client.exists("{terarec}:announced") == 1
         client.close()

@@ -29,3 +29,33 @@ def test_a_log_file_gets_lines_not_a_bar(tmp_path):
     passes = [line for line in text.splitlines() if " rows, loss " in line]
     assert len(passes) == 2, text
     assert "epoch 2, train.tsv" in passes[1]
+
+
+def test_follow_logs_each_landed_file_and_each_exported_version(tmp_path):
+    """``train --follow`` in a log: one line per file landed and per version exported."""
+    data = tmp_path / "all.tsv"
+    generate(data, 1200, model_seed=0, sample_seed=1, vocab_scale=0.01)
+    lines = data.read_text().splitlines(keepends=True)
+    source = tmp_path / "landing"
+    source.mkdir()
+    for i, chunk in enumerate((lines[:600], lines[600:])):
+        (source / f"{i:02d}.tsv").write_text("".join(chunk))
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    log = tmp_path / "follow.log"
+    with open(log, "w") as fh:
+        done = subprocess.run(
+            [sys.executable, "-m", "terarec", "train", "--follow", str(source), "--out",
+             str(tmp_path / "m"), "--model", "lr", "--stop-after", "2", "--poll-seconds",
+             "0.2", "--batch-size", "300", "--threads", "1", "--export-to",
+             str(tmp_path / "export")], env=env, stderr=fh, stdout=subprocess.DEVNULL,
+            timeout=300)
+    text = log.read_text()
+    assert done.returncode == 0, text
+    assert "\r" not in text
+    landed = [line for line in text.splitlines() if " landed " in line]
+    assert [line.split(" landed ")[1].split()[0] for line in landed] == ["00.tsv", "01.tsv"]
+    exported = [line for line in text.splitlines() if " exported " in line]
+    versions = sorted(p.name for p in (tmp_path / "export").iterdir() if p.name[0] == "v")
+    assert len(exported) == len(versions) == 2, text
+    assert "exported full version v000001" in exported[0]
+    assert "exported delta version v000002" in exported[1]

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import uuid
@@ -64,13 +65,15 @@ class AutoFeatureEngine:
 
     def __init__(self, *, memory_limit: str | None = None,
                  temp_dir: str | os.PathLike | None = None, threads: int | None = None,
-                 joins_per_query: int = 24, stage_text: bool = True) -> None:
+                 joins_per_query: int = 24, stage_text: bool = True,
+                 progress: bool = False) -> None:
         if joins_per_query < 1:
             raise ValueError(f"joins_per_query must be >= 1, got {joins_per_query}")
         self.memory_limit = memory_limit
         self.threads = threads
         self.joins_per_query = joins_per_query
         self.stage_text = stage_text
+        self.progress = progress
         self._cleanup: weakref.finalize | None = None
         self.temp_dir = Path(temp_dir) if temp_dir is not None else None
         self._con: duckdb.DuckDBPyConnection | None = None
@@ -101,7 +104,11 @@ class AutoFeatureEngine:
         with self._lock:
             if self._con is None:
                 self._con = duckdb.connect(":memory:", config=self.duckdb_config())
-            return self._con.cursor()
+            cursor = self._con.cursor()
+        # a per-connection setting (DuckDB refuses it in the database's config)
+        bar = "true" if self.progress and _stdout_is_tty() else "false"
+        cursor.execute(f"SET enable_progress_bar = {bar}")
+        return cursor
 
     def close(self) -> None:
         with self._lock:
@@ -182,6 +189,13 @@ class AutoFeatureEngine:
                          f"loading feature table {table.name} from {path}")
                 self._loaded[token] = name
             return self._loaded[token]
+
+
+def _stdout_is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
 
 
 _default_engine: AutoFeatureEngine | None = None

@@ -76,6 +76,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "larger aggregations spill to --temp-dir")
     g.add_argument("--temp-dir", type=Path, default=None, help="DuckDB spill directory")
     g.add_argument("--threads", type=int, default=None, help="DuckDB threads (default all)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no DuckDB progress bar (drawn only on a terminal anyway)")
     p.set_defaults(func=run)
 
 
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.selection_model, train_rows=args.sample_rows, valid_rows=args.valid_rows,
         epochs=args.epochs, seed=args.seed)
     engine = AutoFeatureEngine(memory_limit=args.memory_limit, temp_dir=args.temp_dir,
-                               threads=args.threads)
+                               threads=args.threads, progress=not args.no_progress)
     with engine, tempfile.TemporaryDirectory(prefix="autofeature-",
                                              dir=engine.scratch_dir()) as tmp:
         try:  # DuckDB reads --memory-limit when the database opens

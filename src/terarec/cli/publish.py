@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gc-grace-seconds", type=float, default=30.0,
                    help="keep a superseded version this long even if no server registered "
                         "it (default 30)")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object instead of one line of text")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
     add_storage_args(p)
@@ -88,5 +90,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     finally:
         publisher.close()
-    print(json.dumps(result.to_dict()))
+    if args.json:
+        print(json.dumps({**result.to_dict(), "to": args.to, "namespace": args.namespace}))
+    else:
+        print(result.summary(args.to, args.namespace))
     return 0

@@ -65,6 +65,19 @@ class PublishResult:
                 "announced": self.announced, "skipped": self.skipped,
                 "collected": self.collected}
 
+    def summary(self, to: str, namespace: str) -> str:
+        """One line for a log: what went where, and whether servers will now follow it."""
+        done = (f"{self.rows} rows in {self.seconds:.2f} s ({self.rows_per_s:,.0f} rows/s)"
+                if self.rows or not self.skipped else "no rows")
+        parts = [f"published {self.version} ({self.part}) to {to} namespace {namespace}: "
+                 f"{done}"]
+        if self.skipped:
+            parts.append(f"already there: {', '.join(self.skipped)}")
+        parts.append("announced" if self.announced else "not announced")
+        if self.collected:
+            parts.append(f"removed {', '.join(self.collected)}")
+        return "; ".join(parts)
+
 
 def split_version_uri(uri: str) -> tuple[str, str | None]:
     """``EXPORT/vNNNNNN`` -> (EXPORT, vNNNNNN); an export URI alone -> (uri, None)."""

@@ -144,10 +144,12 @@ class FollowSource:
             return input_key(local)
         return f"{self.storage.uri.rstrip('/')}/{rel}"
 
-    def fetch(self, rel: str, into: Path | None = None) -> InputFile:
+    def fetch(self, rel: str, into: Path | None = None, *, announce: bool = True) -> InputFile:
         """The file as a local input: an object store's file copied into the cache, and
         with ``prepare``, the prepared copy (``into``: the folder for the copies instead
-        of the cache, every copy but the prepared one removed before returning)."""
+        of the cache, every copy but the prepared one removed before returning).
+        ``announce``: log the landing (once per file: not when ``first_landed`` reads the
+        first file for its statistics before the loop takes it)."""
         local = self.storage.local_path(rel)
         if local is not None:
             # Fingerprinted now: the size checkpoints record is the one ``follow_inputs``
@@ -159,7 +161,8 @@ class FollowSource:
             if not dest.exists():
                 self.storage.download(rel, dest)
             item = InputFile(self.key(rel), dest, empty_ok=True, fingerprint=fingerprint(dest))
-        log.info("landed %s (%d bytes)", rel, (item.fingerprint or (0,))[0])
+        if announce:
+            log.info("landed %s (%d bytes)", rel, (item.fingerprint or (0,))[0])
         if self.prepare is None:
             return item
         return self._prepared(item, (into or self.cache) / PREPARED_DIR / rel)
@@ -211,7 +214,7 @@ def first_landed(options: FollowOptions, cache: Path,
                 if rel in checked:
                     continue
                 checked.add(rel)
-                item = source.fetch(rel, into=Path(own))
+                item = source.fetch(rel, into=Path(own), announce=False)
                 if no_data_rows(item.path, schema):
                     if source.cached(item):
                         item.path.unlink(missing_ok=True)
