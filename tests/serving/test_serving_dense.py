@@ -89,3 +89,22 @@ def test_the_engine_serves_on_onnx_runtime_and_scores_like_pytorch(live_run):
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_dssm_runs_on_onnx_runtime_without_a_warning(caplog):
+    """DSSM's forward has a keyword-only option (``towers``): its export failed with a
+    TypeError logged for every version, which then ran on PyTorch."""
+    config = ModelConfig(name="dssm", embedding_dim=8, deep_mlp=(16,),
+                         user_fields=("C1", "C2"))
+    torch.manual_seed(0)
+    first, second = (build_model(SCHEMA, config).eval() for _ in range(2))
+    builder = OnnxForwards(threads=1)
+    with caplog.at_level("DEBUG", logger="terarec.serving.dense"):
+        runs = [builder.build(m, SCHEMA, m.row_dim) for m in (first, second)]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert runs[0] is not None and runs[1] is not None
+    dense, emb = _inputs(first.row_dim, 64, 5)
+    for model, run in zip((first, second), runs, strict=True):
+        want = torch.sigmoid(torch_forward(model)(dense, emb))
+        assert float((torch.sigmoid(run(dense, emb)) - want).abs().max()) <= TOLERANCE
+    assert float((runs[0](dense, emb) - runs[1](dense, emb)).abs().max()) > 1e-4

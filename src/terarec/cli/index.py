@@ -47,6 +47,13 @@ _KIND_KNOBS = {"hnsw": ("hnsw_m", "ef_construction", "ef_search"),
 
 
 def run(args: argparse.Namespace) -> int:
+    from terarec.cli.main import UserError
+    from terarec.retrieval.faiss_import import FaissMissingError, import_faiss
+
+    try:
+        import_faiss()
+    except FaissMissingError as exc:
+        raise UserError(str(exc)) from None
     from terarec.retrieval.index import IndexOptions, build_index, update_index
 
     if args.out.exists() and not args.out.is_dir():

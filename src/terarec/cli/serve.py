@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     check_port(args.host, args.port)
     import uvicorn
 
+    from terarec.cli.main import UserError
     from terarec.io import ScratchDir
     from terarec.serving.workers import (
         SWAP_NOTICE,
@@ -209,6 +210,13 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.index is not None:  # faiss is needed only for an index
+        from terarec.retrieval.faiss_import import FaissMissingError, import_faiss
+
+        try:
+            import_faiss()
+        except FaissMissingError as exc:
+            raise UserError(f"--index {args.index}: {exc}") from None
     options = ServeOptions(
         uri=str(args.uri), storage_options=storage_options_from_args(args),
         model_name=args.name, poll_seconds=args.poll_seconds, cache_rows=args.cache_rows,

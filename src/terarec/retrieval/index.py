@@ -30,9 +30,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,6 +41,7 @@ from terarec.data.hashing import hash_column
 from terarec.export.format import Manifest
 from terarec.io import atomic_path, atomic_write_text
 from terarec.models.dssm import DSSM
+from terarec.retrieval.faiss_import import import_faiss
 from terarec.retrieval.slices import iter_field_columns, slice_of
 from terarec.serving.engine import ServedVersion, ServingEngine
 from terarec.serving.features import columns_batch
@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 KINDS = ("hnsw", "ivfpq")
 CURRENT = "CURRENT"
 EMBED_ROWS = 8192
+
+if TYPE_CHECKING:
+    import faiss
+else:  # its loader's lines about builds it lacks are debug events, not errors
+    faiss = import_faiss()
 
 
 class IndexFolderError(ValueError):

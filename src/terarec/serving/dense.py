@@ -107,7 +107,7 @@ class _Graph:
         buf = io.BytesIO()
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            torch.onnx.export(probe, (dense, emb), buf,  # type: ignore[arg-type]
+            torch.onnx.export(_Positional(probe), (dense, emb), buf,  # type: ignore[arg-type]
                               input_names=["dense", "emb"], output_names=["logit"],
                               dynamic_axes={"dense": {0: "b"}, "emb": {0: "b"},
                                             "logit": {0: "b"}},
@@ -133,7 +133,7 @@ class _Graph:
         options.log_severity_level = 3
         from onnx import numpy_helper
 
-        state = model.state_dict()
+        state = {_PREFIX + k: v for k, v in model.state_dict().items()}
         # The weights are written into the graph (not passed as overriding initializers:
         # the session's optimizer folds the graph's own values before those apply).
         for tensor in self.proto.graph.initializer:
@@ -152,6 +152,22 @@ class _Graph:
             return torch.from_numpy(out.reshape(d.shape[0]))
 
         return forward
+
+
+_PREFIX = "net."  # the wrapped network's weights in the graph: net.<state_dict key>
+
+
+class _Positional(torch.nn.Module):
+    """The network called with exactly its two inputs: the exporter passes keyword
+    defaults on as an extra positional argument, which a forward with keyword-only
+    options (DSSM's ``towers``) refused, so its versions were served by PyTorch."""
+
+    def __init__(self, net: CTRModel) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return self.net(dense, emb)
 
 
 def _shapes(model: CTRModel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

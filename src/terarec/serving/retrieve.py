@@ -16,9 +16,8 @@ read and validated as ``/predict``'s are: errors name the JSON path.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import faiss
 import msgspec
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from starlette.concurrency import run_in_threadpool
 
 from terarec.finite import NonFiniteError, check_scores
 from terarec.models.dssm import DSSM
+from terarec.retrieval.faiss_import import import_faiss
 from terarec.retrieval.index import IndexWatcher, ItemIndex
 from terarec.serving import routes
 from terarec.serving.asgi import read_body
@@ -40,6 +40,11 @@ from terarec.serving.schemas import Features, InferRequest, decode, encode
 
 DEFAULT_TOP_K = 100
 RETRIEVAL_OUTPUTS = ("items", "scores")
+
+if TYPE_CHECKING:
+    import faiss
+else:  # its loader's lines about builds it lacks are debug events, not errors
+    faiss = import_faiss()
 
 
 class RetrieveRequest(msgspec.Struct, forbid_unknown_fields=True):
