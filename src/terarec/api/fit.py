@@ -30,14 +30,16 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
         eval_every: int | None = None, features: str | os.PathLike[str] | None = None,
         export_to: str | None = None, export: ExportSchedule | None = None,
         dense_comm: DenseCommConfig | None = None, checkpoint_every: int = 1,
-        progress: bool = True, **settings: Any) -> Model:
+        progress: bool = True, choose: str | None = None, **settings: Any) -> Model:
     """Train a model on ``train`` files into the model directory ``out`` and return it.
 
     With ``valid`` files, training is validation-driven: the best pass by ``select_by``
     (``logloss`` or ``auc``) is kept, training stops after ``patience`` evaluations
     without improvement (default 2), and below 100,000 training rows a fresh model is
     refit on train + valid for the chosen number of epochs (``refit=False`` keeps the
-    selected pass). Settings not given follow the data's size, as on the command line.
+    selected pass). Settings not given follow the data's size, as on the command line;
+    with ``valid`` a small portfolio of settings races them on the validation rows
+    (``choose="auto"``, the default there; ``choose="off"`` keeps the sized ones).
 
     ``config``: a whole ``TrainConfig`` (its values that differ from the defaults count
     as given); keyword settings apply on top of it. ``model`` may also be a
@@ -50,6 +52,7 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
                        features=features, export=export, export_to=export_to,
                        dense_comm=dense_comm, checkpoint_every=checkpoint_every,
                        progress=progress, settings=settings)
+    job.choose = choose
     run_training(job)
     return Model(out)
 

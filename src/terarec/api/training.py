@@ -58,6 +58,7 @@ POLL_SECONDS = 1.0  # follow: how often the source is listed by default
 INPUTS_FILE = "inputs.json"  # in the model directory: the files it was trained on
 LOCK_FILE = ".lock"  # in the model directory: held by the one run training it
 CHOOSING_DIR = "choosing"  # in the model directory while a default is chosen by validation
+CHOOSE_MODES = ("auto", "off")  # --choose: race the settings portfolio, or not
 RANKS_LOCK_FILE = ".lock-ranks"  # in the model directory: shared by every rank of that run
 
 # The rows are joined with AutoFeature tables in DuckDB first, which stops at a bad row
@@ -118,6 +119,9 @@ class TrainJob:
     eval_every: int | None = None
     export: ExportSchedule = field(default_factory=ExportSchedule)
     dense_comm: DenseCommConfig = field(default_factory=DenseCommConfig)
+    # "auto": with validation rows, the portfolio of train.portfolio races the default
+    # and may replace it; "off": the sized defaults as they are. None: auto with --valid.
+    choose: str | None = None
 
 
 @dataclass
@@ -153,6 +157,7 @@ def run_training(job: TrainJob,
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
     _check_export(job)
+    _check_choose(job)
     config = job.config
     if job.features and config.on_bad_row == "skip":
         raise ValueError(SKIP_WITH_FEATURES)
@@ -207,6 +212,24 @@ def check_disjoint(train: list[Path] | list[str], valid: list[Path] | list[str])
             named = f" (as {same})" if str(same) != str(path) else ""
             raise ValueError(f"--valid: {path} is also a --train file{named}: validation "
                              "must hold rows training does not see")
+
+
+def _check_choose(job: TrainJob) -> None:
+    if job.choose is None:
+        return
+    if job.choose not in CHOOSE_MODES:
+        raise ValueError(f"--choose {job.choose}: expected one of {', '.join(CHOOSE_MODES)}")
+    if job.choose == "auto" and (not job.valid or job.follow is not None):
+        raise ValueError("--choose auto needs --valid (the settings are chosen on the "
+                         "validation rows) and --train")
+
+
+def _choosing(job: TrainJob, config: TrainConfig) -> bool:
+    """Whether this run races the portfolio: with validation rows unless ``choose`` is
+    "off", on a fresh model whose store is all in RAM (a memory budget would be split
+    between the members)."""
+    return job.choose != "off" and bool(job.valid) and not _resuming(job) \
+        and config.store.memory_budget is None
 
 
 def _remove_if_only_locks(out: Path) -> None:
@@ -487,6 +510,9 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
             config.sparse_optimizer.initial_accumulator = chosen.chosen
             sized[ACCUMULATOR_KEY] = chosen.chosen
             notes["chosen_by_validation"] = [chosen.summary()]
+        if selection is not None and _choosing(job, config):
+            config, selection, notes["chosen_settings"] = _choose_settings(
+                job, config, schema(), inputs, valid, selection, ctx)
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
@@ -527,6 +553,36 @@ def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
         print(f"{ACCUMULATOR_KEY} chosen by validation {selection.select_by} ({said})",
               file=sys.stderr)
     return choice
+
+
+def _choose_settings(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
+                     inputs: list[Path | InputFile], valid: list[Path],
+                     selection: SelectionTracker, ctx: DistContext
+                     ) -> tuple[TrainConfig, SelectionTracker, dict[str, Any]]:
+    """The portfolio raced on the validation rows (``train.portfolio``): the run's
+    config and selection with the chosen member's values, and what was measured."""
+    from terarec.train.passes import iter_file_batches
+    from terarec.train.portfolio import choose_settings, chosen_config, portfolio
+
+    given = job.given | ({"patience"} if job.patience != DEFAULT_PATIENCE else set())
+    members = portfolio(config, given, job.patience, estimate_rows(job.train or []))
+    batches = list(iter_file_batches(valid, schema, config.batch_size,
+                                     on_bad_row=config.on_bad_row))
+    choice = choose_settings(schema, config, members, inputs, batches,
+                             Path(job.out) / CHOOSING_DIR, select_by=selection.select_by,
+                             patience=selection.patience or job.patience, ctx=ctx)
+    if ctx.is_main:
+        said = ", ".join(f"{c.member.name} {c.valid_auc:.4f}" if c.valid_auc is not None
+                         else f"{c.member.name} none" for c in choice.candidates)
+        summary = choice.summary()["budget"]
+        print(f"settings chosen by validation: {choice.chosen.member.name} (valid auc: "
+              f"{said}; standard error {choice.auc_standard_error or 0:.4f}; "
+              f"{summary['used_x_default_run']:g}x the default run's passes, "
+              f"{summary['seconds']:.1f}s)", file=sys.stderr)
+    member = choice.chosen.member
+    if member.patience is not None:
+        selection = SelectionTracker(selection.select_by, member.patience)
+    return chosen_config(config, choice), selection, choice.summary()
 
 
 def _check_resumed_columns(job: TrainJob) -> None:

@@ -51,6 +51,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --valid: once validation has picked the best epoch count, "
                    "train a fresh model that long on --train and --valid together and "
                    "write it as the model (default: on below 100,000 training rows)")
+    p.add_argument("--choose", choices=("auto", "off"), default=None,
+                   help="with --valid: race a small portfolio of learning rates, batch "
+                   "size, patience, width and dropout against the data-sized default on "
+                   "the validation rows, keeping the default unless a setting beats its "
+                   "validation AUC by more than the standard error, within 3x the "
+                   "default run's passes (docs/training.md; default: auto with --valid)")
     p.add_argument("--out", required=True, type=Path, help="model directory")
     p.add_argument("--resume", action="store_true",
                    help="continue after the last committed pass in --out")

@@ -11,7 +11,7 @@ Adagrad's start on small data this way.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.train.cohort import KeySides, free_rows, member_config, split_budget
 from terarec.train.loop import TrialRun, run_passes
-from terarec.train.passes import iter_scoring_passes
+from terarec.train.passes import Pass, iter_scoring_passes
 from terarec.train.selection import SelectionTracker
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema
@@ -40,6 +40,54 @@ class Choice:
                 "validation": [{"value": v, "best": b} for v, b in self.values.items()]}
 
 
+def race(schema: FeatureSchema, base: TrainConfig, params: Sequence[Mapping[str, Any]],
+         train_paths: Sequence[str | Path | InputFile], valid: list[Pass],
+         scratch: str | Path, *, select_by: str, patience: Sequence[int | None],
+         ctx: DistContext,
+         on_boundary: Callable[[list[TrialRun]], None] | None = None) -> list[TrialRun]:
+    """One run per ``params`` (dotted values on ``base``) trained side by side in one
+    pass loop on ``valid`` (planned passes), each with its own patience, until each
+    stops; ``on_boundary`` may stop more after each pass. Their rows are freed after,
+    their histories kept; a tiered store's files go to ``scratch``, removed after.
+    Every rank calls this and trains its key shard of every run."""
+    scratch = Path(scratch)
+    if ctx.is_main:  # a run stopped while choosing left its stores: start them again
+        shutil.rmtree(scratch, ignore_errors=True)
+    ctx.barrier()
+    budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
+    keys = KeySides()
+    runs = []
+    for i, (values, wait) in enumerate(zip(params, patience, strict=True)):
+        config = member_config(base, values, scratch / f"choice-{i}", budget, len(params))
+        trainer = Trainer(schema, config, ctx=ctx)
+        keys.attach(trainer)
+        runs.append(TrialRun(trainer, SelectionTracker(select_by, wait),
+                             stop_on_divergence=True))
+    freed: set[int] = set()
+
+    def free(stopped: bool = True) -> None:
+        """Give back the rows of the runs that train no more (``stopped=False``: all)."""
+        for i, run in enumerate(runs):
+            if (not run.live or not stopped) and i not in freed:
+                free_rows(run.trainer)
+                freed.add(i)
+
+    def boundary(live: list[TrialRun]) -> None:
+        if on_boundary is not None:
+            on_boundary(live)
+        free()
+        split_budget([r.trainer for r in runs if r.live], budget)
+
+    # No try/finally: a rank that fails exits rather than wait for its peers in a
+    # barrier; the next run removes what it left.
+    run_passes(runs, train_paths, valid, progress=False, on_boundary=boundary)
+    free(stopped=False)
+    ctx.barrier()
+    if ctx.is_main:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return runs
+
+
 def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
                          choices: Sequence[Any],
                          train_paths: Sequence[str | Path | InputFile],
@@ -52,42 +100,9 @@ def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
     if not valid_batches:
         raise ValueError(f"choosing {key} by validation needs a validation set")
     ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
-    scratch = Path(scratch)
-    if ctx.is_main:  # a run stopped while choosing left its stores: start them again
-        shutil.rmtree(scratch, ignore_errors=True)
-    ctx.barrier()
-    budget = parse_bytes(base.store.memory_budget) if base.store.memory_budget else None
-    keys = KeySides()
-    runs = []
-    for i, value in enumerate(choices):
-        config = member_config(base, {key: value}, scratch / f"choice-{i}", budget,
-                               len(choices))
-        trainer = Trainer(schema, config, ctx=ctx)
-        keys.attach(trainer)
-        runs.append(TrialRun(trainer, SelectionTracker(select_by, patience),
-                             stop_on_divergence=True))
-    # planned once for every run and evaluation (on N ranks: each rank's share)
-    valid = list(iter_scoring_passes(ctx, valid_batches, base.pass_rows))
-    freed: set[int] = set()
-
-    def free(stopped: bool = True) -> None:
-        """Give back the rows of the runs that train no more (``stopped=False``: all)."""
-        for i, run in enumerate(runs):
-            if (not run.live or not stopped) and i not in freed:
-                free_rows(run.trainer)
-                freed.add(i)
-
-    def boundary(live: list[TrialRun]) -> None:
-        free()
-        split_budget([r.trainer for r in runs if r.live], budget)
-
-    # No try/finally: a rank that fails exits rather than wait for its peers in a
-    # barrier; the next run removes what it left.
-    run_passes(runs, train_paths, valid, progress=False, on_boundary=boundary)
-    free(stopped=False)
-    ctx.barrier()
-    if ctx.is_main:
-        shutil.rmtree(scratch, ignore_errors=True)
+    runs = race(schema, base, [{key: value} for value in choices], train_paths,
+                list(iter_scoring_passes(ctx, valid_batches, base.pass_rows)), scratch,
+                select_by=select_by, patience=[patience] * len(choices), ctx=ctx)
     values: dict[Any, float | None] = {}
     best = SelectionTracker(select_by, patience=None)
     chosen: Any = None
