@@ -121,7 +121,7 @@ Device = Annotated[str, AfterValidator(_check_device)]
 
 # The models terarec.models.registry builds (its test keeps the two lists equal): checked
 # where a config is read, so a misspelt name is named by its path before any work.
-MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
+MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm", "din", "seqpool")
 
 
 # A model of the user's own: ``package.module:ClassName``, a ``terarec.CTRModel``

@@ -264,6 +264,27 @@ class FieldSpec:
     mean: float | None = None
     std: Annotated[float, Field(gt=0)] | None = None
     buckets: tuple[float, ...] | None = None
+    # A sequence field (``terarec.data.sequences``): the most recent ``max_len`` values
+    # of an ordered multi-valued cell, kept in order rather than pooled.
+    max_len: Annotated[int, Field(ge=1)] | None = None
+    # The key space (embedding table) the field hashes into; None: its own name.
+    table: str | None = None
+
+    @property
+    def key_space(self) -> str:
+        """The name keys are hashed with: the shared table's, else the field's own, so
+        fields naming one table map a value to one key (and one row)."""
+        return self.table if self.table is not None else self.name
+
+    @property
+    def slots(self) -> tuple[FieldSpec, ...]:
+        """The slots the field occupies in ``Batch.sparse``: itself, or ``max_len``
+        slots ``name#0`` .. of a sequence field (``terarec.data.sequences``); each keeps
+        the separator, since a slot may be empty."""
+        if self.max_len is None:
+            return (self,)
+        return tuple(replace(self, name=f"{self.name}#{i}", pooling="sum")
+                     for i in range(self.max_len))
 
     @property
     def sparse(self) -> bool:
@@ -300,10 +321,24 @@ class FeatureSchema:
         return tuple(f for f in self.fields if f.kind == "categorical")
 
     @property
-    def sparse_fields(self) -> tuple[FieldSpec, ...]:
-        """The fields that feed keys, in the order of ``Batch.sparse`` (and of the
-        model's embedding slots): the categorical fields, then the bucketed numeric ones."""
+    def key_fields(self) -> tuple[FieldSpec, ...]:
+        """The fields that feed keys, one entry each: the categorical fields, then the
+        bucketed numeric ones."""
         return self.categorical + tuple(f for f in self.numeric if f.buckets is not None)
+
+    @property
+    def sparse_fields(self) -> tuple[FieldSpec, ...]:
+        """The slots of ``Batch.sparse`` (and of the model's embedding rows), in order:
+        ``key_fields``, each sequence field spread over ``max_len`` slots named
+        ``name#0`` .. (oldest kept value first, empty slots after the last), so every
+        lookup, store and rank handles a sequence as ordinary fields."""
+        if not any(f.max_len for f in self.categorical):
+            return self.key_fields
+        return tuple(s for f in self.key_fields for s in f.slots)
+
+    @property
+    def sequence_fields(self) -> tuple[FieldSpec, ...]:
+        return tuple(f for f in self.categorical if f.max_len is not None)
 
     @property
     def sparse_names(self) -> tuple[str, ...]:
@@ -355,6 +390,10 @@ class FeatureSchema:
         if schema.label in names:
             raise InvalidInput(f"{prefix}label: {schema.label!r} is also an input field")
         for i, spec in enumerate(schema.fields):
+            if spec.max_len is not None and (spec.kind != "categorical"
+                                             or spec.separator is None):
+                raise InvalidInput(f"{prefix}fields[{i}].max_len: only a multi-valued "
+                                   "categorical field (with a separator) is a sequence")
             if spec.buckets is None:
                 continue
             if spec.kind != "numeric":

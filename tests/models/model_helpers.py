@@ -10,6 +10,8 @@ from terarec.config import ModelConfig
 from terarec.types import FeatureSchema, FieldSpec
 
 MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
+# Models over sequence fields (tests/sequences): they need a schema with one.
+SEQUENCE_MODEL_NAMES = ("din", "seqpool")
 
 
 def tiny_schema(missing_flags: bool = False) -> FeatureSchema:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from model_helpers import MODEL_NAMES, small_config, tiny_schema
+from model_helpers import MODEL_NAMES, SEQUENCE_MODEL_NAMES, small_config, tiny_schema
 
 import terarec.models as models
 from terarec.config import ModelConfig, from_dict
@@ -13,7 +13,7 @@ from terarec.models import MODELS, CTRModel, build_model, model_class, row_dim_f
 
 
 def test_registry_holds_exactly_the_documented_models() -> None:
-    assert tuple(MODELS) == MODEL_NAMES
+    assert tuple(MODELS) == MODEL_NAMES + SEQUENCE_MODEL_NAMES
     for name, cls in MODELS.items():
         assert issubclass(cls, CTRModel)
         assert model_class(name.upper()) is cls
@@ -30,9 +30,9 @@ def test_build_model_picks_the_class_and_row_dim_for_agrees(name: str) -> None:
 
 def test_configs_accept_exactly_the_registered_models() -> None:
     """config.py checks model names without importing the models: the lists agree."""
-    from terarec.config import MODEL_NAMES
+    from terarec.config import MODEL_NAMES as CONFIG_NAMES
 
-    assert tuple(MODELS) == MODEL_NAMES
+    assert tuple(MODELS) == CONFIG_NAMES
 
 
 def test_unknown_model_name_lists_the_known_ones() -> None:
@@ -120,6 +120,8 @@ def test_public_signatures_are_stable() -> None:
         assert _params(cls.__init__) == [("self", POS), ("schema", POS), ("config", POS)]
         # DSSM's forward also gives its towers' vectors (sampled softmax through DDP)
         extra = [("towers", inspect.Parameter.KEYWORD_ONLY)] if cls is models.DSSM else []
+        if cls.uses_sequences:  # the sequence fields' rows (models/sequence.py)
+            extra = [("sequences", POS)]
         assert _params(cls.forward) == [("self", POS), ("dense", POS), ("emb", POS), *extra]
         assert _params(cls.row_dim_for) == [("config", POS)]
     assert _params(build_model) == [("schema", POS), ("config", POS)]

@@ -57,6 +57,12 @@ def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> N
                    help="separator inside multi-valued categorical cells, e.g. '|'")
     g.add_argument("--multi-valued", default=None,
                    help="comma-separated categorical columns that are multi-valued")
+    g.add_argument("--sequence", default="", metavar="COL[:MAX_LEN],...",
+                   help="ordered multi-valued columns kept as sequences of their most "
+                   "recent MAX_LEN values (default 50), not pooled (docs/sequences.md)")
+    g.add_argument("--share-table", default="", metavar="FIELD=TABLE,...",
+                   help="fields that look up another field's table: the same value gives "
+                   "the same key and row (e.g. hist_items=item)")
     g.add_argument("--log1p", default=None,
                    help="comma-separated numeric columns to transform with signed log1p; "
                    "the others get none (default: every numeric column gets "
@@ -79,7 +85,9 @@ def spec_from_args(args: argparse.Namespace) -> DataSpec:
         numeric_transform=getattr(args, "numeric_transform", None),
         standardize=not getattr(args, "no_standardize", False),
         stats_rows=getattr(args, "stats_rows", DEFAULT_STATS_ROWS),
-        numeric_buckets=getattr(args, "numeric_buckets", None))
+        numeric_buckets=getattr(args, "numeric_buckets", None),
+        sequences=names(getattr(args, "sequence", "")),
+        share_tables=names(getattr(args, "share_table", "")))
 
 
 def schema_from_args(args: argparse.Namespace) -> FeatureSchema:

@@ -33,6 +33,7 @@ import torch
 
 from terarec.data.hashing import hash_column
 from terarec.data.numeric import bucket_index, transform_values
+from terarec.data.sequences import slot_keys
 from terarec.types import (
     Batch,
     FeatureSchema,
@@ -881,16 +882,18 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     for spec in schema.categorical:
         col = table.column(spec.name)
         if spec.separator is None:
-            keys.append(hash_column(spec.name, col, schema.hash_salt))
+            keys.append(hash_column(spec.key_space, col, schema.hash_salt))
             lengths.append(np.ones(n, dtype=np.int64))
         else:
             k, length = _multi_keys(spec, col, n, schema.hash_salt)
+            if spec.max_len is not None:  # spread over its slots, most recent kept
+                k, length = slot_keys(k, length, spec.max_len)
             keys.append(k)
             lengths.append(length)
     keys += bucket_keys  # sparse_fields order: categorical, then bucketed numeric
     lengths += [np.ones(n, dtype=np.int64)] * len(bucket_keys)
     values = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
-    offsets = np.zeros(n * len(lengths) + 1, dtype=np.int64)
+    offsets = np.zeros(sum(len(x) for x in lengths) + 1, dtype=np.int64)  # F * n + 1
     np.cumsum(np.concatenate(lengths), out=offsets[1:])
     # Offsets built in numpy: small torch ops pay thread-pool wake-ups on every batch.
     sparse = KeyedIds(schema.sparse_names, as_int64_tensor(values), torch.from_numpy(offsets))
@@ -961,5 +964,5 @@ def _multi_keys(spec: FieldSpec, col: pa.ChunkedArray, n: int,
     if not keep_np.all():
         flat = flat.filter(keep)
         parents = parents[keep_np]
-    keys = hash_column(spec.name, flat, salt)
+    keys = hash_column(spec.key_space, flat, salt)
     return keys, np.bincount(parents, minlength=n).astype(np.int64)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from terarec.data.numeric import DEFAULT_STATS_ROWS, with_numeric_stats
+from terarec.data.sequences import parse_sequence
 from terarec.types import FeatureSchema, NumericTransform
 
 Format = Literal["criteo", "csv", "parquet"]
@@ -49,6 +50,10 @@ class DataSpec:
     standardize: bool = True
     stats_rows: int = DEFAULT_STATS_ROWS
     numeric_buckets: Buckets | None = None
+    # ``COL[:max_len]`` sequence columns and ``FIELD=TABLE`` shared tables
+    # (``terarec.data.sequences``).
+    sequences: tuple[str, ...] = ()
+    share_tables: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, **given: Any) -> DataSpec:
@@ -59,7 +64,7 @@ class DataSpec:
         if unknown:
             raise TypeError(f"unknown data setting(s) {', '.join(unknown)}; known: "
                             f"{', '.join(sorted(known))}")
-        for key in ("numeric", "categorical"):
+        for key in ("numeric", "categorical", "sequences", "share_tables"):
             if key in given:
                 given[key] = names(given[key])
         for key in ("multi_valued", "log1p"):
@@ -74,7 +79,8 @@ class DataSpec:
         with the model's own)."""
         return any(v not in (None, (), "") for v in (
             self.format, self.label, self.numeric, self.categorical, self.delimiter,
-            self.multi_sep, self.multi_valued, self.log1p, self.numeric_transform))
+            self.multi_sep, self.multi_valued, self.log1p, self.numeric_transform,
+            self.sequences, self.share_tables))
 
     # -- the schema of a new model --------------------------------------------------
     def schema(self) -> FeatureSchema:
@@ -99,13 +105,19 @@ class DataSpec:
         _check_columns(self.label, list(self.numeric), list(self.categorical),
                        self.multi_valued)
         from terarec.data.readers import csv_schema  # pyarrow: not for --help
+        from terarec.data.sequences import with_sequences
 
-        return csv_schema(self.label, self.numeric, self.categorical,
+        seq_cols = [c for c, _ in map(parse_sequence, self.sequences)]
+        categorical = (*self.categorical, *(c for c in seq_cols if c not in self.categorical))
+        multi = self.multi_valued
+        if multi is not None or (self.sequences and self.multi_sep is None):
+            multi = (*(multi or ()), *(c for c in seq_cols if c not in (multi or ())))
+        schema = csv_schema(self.label, self.numeric, categorical,
                           delimiter=self.delimiter if self.delimiter is not None else ",",
                           separator=self.multi_sep,
-                          multi_valued=list(self.multi_valued)
-                          if self.multi_valued is not None else None,
+                          multi_valued=list(multi) if multi is not None else None,
                           transform=transform, format=fmt)
+        return with_sequences(schema, self.sequences, self.share_tables)
 
     def _criteo_schema(self) -> FeatureSchema:
         """The Criteo schema; its columns are fixed, so a setting naming columns is an
@@ -127,7 +139,9 @@ class DataSpec:
                  ("--delimiter", with_delimiter and self.delimiter is not None),
                  ("--multi-sep", self.multi_sep is not None),
                  ("--multi-valued", self.multi_valued is not None),
-                 ("--log1p", self.log1p is not None)]
+                 ("--log1p", self.log1p is not None),
+                 ("--sequence", bool(self.sequences)),
+                 ("--share-table", bool(self.share_tables))]
         return [flag for flag, set_ in given if set_]
 
     def train_schema(self, files: Sequence[str | Path], base: FeatureSchema | None = None,

@@ -8,10 +8,13 @@ model class trains on a laptop, across ranks, and serves from a cache, unchanged
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from terarec.config import ModelConfig
+from terarec.models.sequence import SlotLayout
 from terarec.types import FeatureSchema
 
 
@@ -37,17 +40,30 @@ class CTRModel(nn.Module):
       each pass so the mean prediction equals the click rate; found as a one-element
       ``self.bias`` parameter by default, None turns recalibration off for the model.
 
+    - Sequence fields (``terarec.models.sequence``): every lookup yields one row per slot
+      of ``schema.sparse_fields``, a sequence taking ``max_len`` slots; the base class
+      adapts them before ``forward``. A model with ``uses_sequences = True`` gets
+      ``forward(dense, emb, sequences)``: ``emb`` the other fields, ``sequences``
+      ``{name: SequenceRows}`` (padded ``[B, L, D]`` rows, lengths, mask); any other
+      model gets each sequence pooled into one field of ``emb``.
+
     Keep ``forward`` traceable (tensor operations, no data-dependent Python control
     flow) and the server runs it as an ONNX graph; otherwise it runs it in PyTorch.
     """
 
     row_dim: int
+    # Whether ``forward`` takes a third argument, the sequence fields' padded rows.
+    uses_sequences: bool = False
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__()
         self.schema = schema
         self.config = config
         self.num_fields = len(schema.sparse_names)
+        if schema.sequence_fields:
+            layout = SlotLayout(schema)
+            self.num_fields = layout.pooled_fields(self.uses_sequences)
+            self.register_forward_pre_hook(_slot_hook(layout, self.uses_sequences))
         self.dense_dim = schema.dense_dim
         if self.num_fields < 1:  # every model reads embedding rows
             raise ValueError(f"model {type(self).__name__.lower()!r} needs at least one "
@@ -97,3 +113,22 @@ class CTRModel(nn.Module):
         if dense.dim() != 2 or dense.shape[0] != emb.shape[0] or dense.shape[1] != self.dense_dim:
             raise ValueError(f"{type(self).__name__}: dense must be [{emb.shape[0]}, "
                              f"{self.dense_dim}], got {list(dense.shape)}")
+
+
+def _slot_hook(layout: SlotLayout, uses_sequences: bool
+               ) -> Callable[[nn.Module, tuple], tuple | None]:
+    """The pre-forward hook that turns the lookup's slot rows into the model's inputs."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple | None:
+        # (the ONNX exporter passes a forward's defaults too: ``sequences=None``)
+        if len(args) < 2 or any(a is not None for a in args[2:]):
+            return None
+        dense, emb = args[:2]
+        if emb.dim() != 3 or emb.shape[1] != layout.slots:
+            return None  # already adapted (or a caller's own shape, checked in forward)
+        if uses_sequences:
+            pooled, sequences = layout.split(emb)
+            return dense, pooled, sequences
+        return dense, layout.pool(emb)
+
+    return hook

@@ -12,6 +12,7 @@ import torch
 from terarec.config import ModelConfig, is_import_path
 from terarec.models.base import CTRModel
 from terarec.models.dcn import DCNv2
+from terarec.models.din import DIN, SeqPool
 from terarec.models.dlrm import DLRM
 from terarec.models.dssm import DSSM
 from terarec.models.fm import FM, DeepFM
@@ -27,6 +28,8 @@ MODELS: dict[str, type[CTRModel]] = {
     "dcnv2": DCNv2,
     "dlrm": DLRM,
     "dssm": DSSM,
+    "din": DIN,
+    "seqpool": SeqPool,
 }
 
 

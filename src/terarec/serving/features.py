@@ -63,13 +63,17 @@ class _Plan:
         self.dense_row, self.dense_shared = _dense_sources(schema, self.row, self.shared,
                                                            row_names)
         sparse = schema.sparse_fields
-        self.sparse_from_row = torch.tensor([f.name in row_names for f in sparse])
+        # the field each slot belongs to (a sequence field's slots: that field)
+        self.owner = {slot.name: f.name for f in schema.key_fields for slot in f.slots}
+        self.sparse_from_row = torch.tensor([self.owner[f.name] in row_names
+                                             for f in sparse])
         # Per sparse field of ``schema``: its position in each part (0 where it is not).
         row_sparse = list(self.row.sparse_names)
         shared_sparse = list(self.shared.sparse_names)
-        self.row_index = torch.tensor([row_sparse.index(f.name) if f.name in row_names
+        self.row_index = torch.tensor([row_sparse.index(f.name)
+                                       if self.owner[f.name] in row_names
                                        else 0 for f in sparse])
-        self.shared_index = torch.tensor([0 if f.name in row_names
+        self.shared_index = torch.tensor([0 if self.owner[f.name] in row_names
                                           else shared_sparse.index(f.name)
                                           for f in sparse])
 
@@ -160,7 +164,8 @@ def request_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
 
     values, lengths = [], []
     for spec in schema.sparse_fields:
-        batch = rows if rows is not None and spec.name in row_names else shared
+        from_row = plan.owner[spec.name] in row_names
+        batch = rows if rows is not None and from_row else shared
         sparse = batch.sparse
         f = sparse.fields.index(spec.name)
         keys = sparse.field_values(spec.name)
@@ -227,7 +232,7 @@ def _common_columns(columns: Mapping[str, pa.Array], n: int, schema: FeatureSche
                   or pa.types.is_binary(col.type)):
             return None
         cats.append(col)
-    keys = hash_columns(cat_names, cats, schema.hash_salt)
+    keys = hash_columns([s.key_space for s in schema.categorical], cats, schema.hash_salt)
     ids = keys[_broadcast_index([len(c) for c in cats], n)].reshape(-1)
 
     texts: list[tuple[int, pa.Array]] = []  # numeric texts are parsed together
@@ -292,6 +297,7 @@ class _Layout:
 
     def __init__(self, schema: FeatureSchema) -> None:
         self.cats = tuple(s.name for s in schema.categorical)
+        self.tables = tuple(s.key_space for s in schema.categorical)  # hashed with these
         self.nums = tuple(s.name for s in schema.numeric)
         self.single_valued = all(s.separator is None for s in schema.categorical)
         self.sparse_names = schema.sparse_names
@@ -364,7 +370,7 @@ def _listed_batch(context: Mapping[str, Any], candidates: Sequence[Mapping[str, 
         cats = pa.nulls(len(cats), pa.string())
     elif not pa.types.is_string(cats.type):  # integers, bytes or a mix: checked elsewhere
         return None
-    keys = hash_segments(layout.cats, cats, _bounds(tuple(cat_lengths)), schema.hash_salt)
+    keys = hash_segments(layout.tables, cats, _bounds(tuple(cat_lengths)), schema.hash_salt)
     ids = keys[_broadcast_index(cat_lengths, n)].reshape(-1)
     numeric = np.empty((len(layout.nums), 1 if shared else n), dtype=np.float64)
     if plain is not None:

@@ -1,0 +1,95 @@
+"""Models over sequence fields: DIN's target attention, and the pooled-sequence baseline.
+
+Both get the other fields' rows ``[B, F, D]`` and each sequence's padded rows ``[B, L,
+D]`` with its mask (``terarec.models.sequence``), turn each sequence into one interest
+vector, and feed ``[fields, interests, dense]`` to an MLP:
+
+- ``seqpool``: the interest is the sum (or, for a field pooled by mean, the mean) of
+  the sequence's rows: what a multi-valued field gives, kept as a baseline;
+- ``din`` (Zhou et al., *Deep Interest Network*, KDD 2018): the candidate's row ``q``
+  attends over the history's rows ``k_i`` through an MLP of ``[q, k_i, q - k_i, q * k_i]``;
+  the interest is ``sum_i a(q, k_i) k_i`` over the filled positions, without softmax
+  normalisation (the paper keeps the weights' sum, the intensity of the interest).
+
+The candidate field of a sequence is the field sharing its table (``--share-table
+hist_items=item``): the history and the candidate then look up the same rows, which is
+what lets the attention compare them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from terarec.config import ModelConfig
+from terarec.models.base import CTRModel
+from terarec.models.layers import MLP
+from terarec.models.sequence import SequenceRows
+from terarec.types import FeatureSchema
+
+ATTENTION_MLP = (64, 32)  # the activation unit's widths (the paper: 80-40)
+
+
+class SeqPool(CTRModel):
+    """MLP over the fields, each sequence's pooled rows and the dense features."""
+
+    uses_sequences = True
+
+    def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
+        super().__init__(schema, config)
+        self.sequence_names = tuple(f.name for f in schema.sequence_fields)
+        if not self.sequence_names:
+            raise ValueError(f"model {config.name!r} needs a sequence field (--sequence "
+                             "COL[:max_len]); the schema has none")
+        self.mean = tuple(f.pooling == "mean" for f in schema.sequence_fields)
+        dim = config.embedding_dim
+        in_dim = (self.num_fields + len(self.sequence_names)) * dim + self.dense_dim
+        self.bias = nn.Parameter(torch.zeros(1))
+        self.deep = MLP(in_dim, tuple(config.deep_mlp), config.dropout, out_dim=1,
+                        batch_norm=config.batch_norm)
+
+    def interest(self, i: int, emb: torch.Tensor, seq: SequenceRows) -> torch.Tensor:
+        """Sequence ``i``'s interest vector ``[B, D]``."""
+        total = seq.rows.sum(dim=1)
+        if self.mean[i]:
+            total = total / seq.lengths.clamp_min(1).to(total.dtype).unsqueeze(1)
+        return total
+
+    def forward(self, dense: torch.Tensor, emb: torch.Tensor,
+                sequences: dict[str, SequenceRows] | None = None) -> torch.Tensor:
+        self.check_inputs(dense, emb)
+        if sequences is None:
+            raise ValueError(f"{type(self).__name__}: needs the sequence fields' rows")
+        parts = [emb.flatten(1)]
+        parts += [self.interest(i, emb, sequences[name])
+                  for i, name in enumerate(self.sequence_names)]
+        parts.append(dense)
+        return self.deep(torch.cat(parts, dim=1)).squeeze(1) + self.bias
+
+
+class DIN(SeqPool):
+    """Deep Interest Network: target attention of the candidate over each sequence."""
+
+    def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
+        super().__init__(schema, config)
+        pooled = [f.name for f in schema.key_fields if f.max_len is None]
+        self.query_index: list[int] = []
+        for spec in schema.sequence_fields:
+            same = [f for f in schema.key_fields
+                    if f.max_len is None and f.key_space == spec.key_space]
+            if not same:
+                raise ValueError(
+                    f"model 'din': sequence field {spec.name!r} needs a candidate field on "
+                    f"its table {spec.key_space!r}: share one (--share-table "
+                    f"{spec.name}=ITEM_FIELD, or FieldSpec.table)")
+            self.query_index.append(pooled.index(same[0].name))
+        dim = config.embedding_dim
+        self.attention = nn.ModuleList(
+            MLP(4 * dim, ATTENTION_MLP, 0.0, out_dim=1) for _ in self.sequence_names)
+
+    def interest(self, i: int, emb: torch.Tensor, seq: SequenceRows) -> torch.Tensor:
+        keys = seq.rows  # [B, L, D]
+        query = emb[:, self.query_index[i]].unsqueeze(1).expand_as(keys)
+        units = torch.cat([query, keys, query - keys, query * keys], dim=2)
+        weights = self.attention[i](units).squeeze(2) * seq.mask.to(keys.dtype)
+        return (weights.unsqueeze(2) * keys).sum(dim=1)
