@@ -16,6 +16,7 @@ from terarec.models.dlrm import DLRM
 from terarec.models.dssm import DSSM
 from terarec.models.fm import FM, DeepFM
 from terarec.models.lr import LR
+from terarec.models.multitask import ESMM, MMoE, SharedBottom
 from terarec.models.wide_deep import WideDeep
 from terarec.types import FeatureSchema
 
@@ -27,6 +28,9 @@ MODELS: dict[str, type[CTRModel]] = {
     "dcnv2": DCNv2,
     "dlrm": DLRM,
     "dssm": DSSM,
+    "sharedbottom": SharedBottom,
+    "mmoe": MMoE,
+    "esmm": ESMM,
 }
 
 
