@@ -121,7 +121,8 @@ Device = Annotated[str, AfterValidator(_check_device)]
 
 # The models terarec.models.registry builds (its test keeps the two lists equal): checked
 # where a config is read, so a misspelt name is named by its path before any work.
-MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm", "din", "seqpool")
+MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm", "din", "seqpool",
+               "sharedbottom", "mmoe", "esmm")
 
 
 # A model of the user's own: ``package.module:ClassName``, a ``terarec.CTRModel``
@@ -205,6 +206,10 @@ class ModelConfig:
     item_fields: tuple[str, ...] = ()
     tower_similarity: Literal["cosine", "dot"] = "cosine"
     cosine_scale: Rate = 10.0
+    # Multi-task models (sharedbottom, mmoe, esmm): each task's tower after the shared
+    # part, and MMoE's expert count (each expert is a ``deep_mlp``).
+    tower_mlp: tuple[Positive, ...] = (64,)
+    num_experts: Positive = 4
 
     def with_embedding_dim(self, dim: int) -> ModelConfig:
         """This shape at width ``dim``. DLRM's bottom MLP must end at the width (its
@@ -500,12 +505,15 @@ def repeated_key(raw: bytes | str) -> str | None:
 
 # Keys only some models or sparse optimizers read (section, key -> the names that read
 # it); given to any other, the value would be silently ignored.
+MULTI_TASK_MODELS = ("sharedbottom", "mmoe", "esmm")  # one logit per label
 _READ_ONLY_BY: dict[tuple[str, str], tuple[str, ...]] = {
     **{("model", k): ("dcnv2",) for k in ("cross_layers", "cross_rank")},
     **{("model", k): ("dlrm",) for k in ("bottom_mlp", "top_mlp")},
-    ("model", "deep_mlp"): ("widedeep", "deepfm", "dcnv2", "dssm"),
-    **{("model", k): ("widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
+    ("model", "deep_mlp"): ("widedeep", "deepfm", "dcnv2", "dssm", *MULTI_TASK_MODELS),
+    **{("model", k): ("widedeep", "deepfm", "dcnv2", "dlrm", "dssm", *MULTI_TASK_MODELS)
        for k in ("dropout", "batch_norm")},  # the models with an MLP
+    ("model", "tower_mlp"): MULTI_TASK_MODELS,
+    ("model", "num_experts"): ("mmoe",),
     **{("model", k): ("dssm",) for k in ("user_fields", "item_fields", "tower_similarity",
                                            "cosine_scale")},
     **{("sparse_optimizer", k): ("adam",) for k in ("beta1", "beta2")},

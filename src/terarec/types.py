@@ -7,6 +7,7 @@ always a ``KeyedIds``. Keys are int64 from the hash to the store: never floats.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -208,7 +209,8 @@ def _slot_offsets(slots: int) -> torch.Tensor:
 
 @dataclass
 class Batch:
-    """One minibatch: ``dense`` float32 ``[B, D]``, ``sparse`` keys, ``labels`` float32 ``[B]``."""
+    """One minibatch: ``dense`` float32 ``[B, D]``, ``sparse`` keys, ``labels`` float32
+    ``[B]`` (``[B, T]`` for a schema with T > 1 labels, in ``task_names`` order)."""
 
     dense: torch.Tensor
     sparse: KeyedIds
@@ -311,6 +313,25 @@ class FeatureSchema:
     has_header: bool = True
     column_names: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    # Several labels (multi-task models): the columns after ``label``, and each task's
+    # weight in the training loss (empty: 1 each). Left out of the JSON when empty, so a
+    # one-label schema reads and writes as before.
+    extra_labels: tuple[str, ...] = ()
+    label_weights: tuple[float, ...] = ()
+
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        """The label columns, one task each: ``label`` first."""
+        return (self.label, *self.extra_labels)
+
+    @property
+    def num_tasks(self) -> int:
+        return 1 + len(self.extra_labels)
+
+    @property
+    def task_weights(self) -> tuple[float, ...]:
+        """Each task's loss weight (1 where none was given)."""
+        return self.label_weights or (1.0,) * self.num_tasks
 
     @property
     def numeric(self) -> tuple[FieldSpec, ...]:
@@ -367,6 +388,11 @@ class FeatureSchema:
         d = asdict(self)
         d["fields"] = [asdict(f) for f in self.fields]
         d["column_names"] = list(self.column_names)
+        for key in ("extra_labels", "label_weights"):
+            if d[key]:
+                d[key] = list(d[key])
+            else:
+                del d[key]
         d["schema_version"] = SCHEMA_VERSION
         return d
 
@@ -389,6 +415,16 @@ class FeatureSchema:
                                    f"fields[{names.index(name)}]")
         if schema.label in names:
             raise InvalidInput(f"{prefix}label: {schema.label!r} is also an input field")
+        for i, name in enumerate(schema.extra_labels):
+            if name in names or name in schema.task_names[:i + 1]:
+                raise InvalidInput(f"{prefix}extra_labels[{i}]: {name!r} is also an input "
+                                   "field or another label")
+        weights = schema.label_weights
+        if weights and (len(weights) != schema.num_tasks
+                        or not all(math.isfinite(w) and w >= 0 for w in weights)
+                        or not any(weights)):
+            raise InvalidInput(f"{prefix}label_weights: expected {schema.num_tasks} finite "
+                               f"weights >= 0, not all 0, got {list(weights)}")
         for i, spec in enumerate(schema.fields):
             if spec.max_len is not None and (spec.kind != "categorical"
                                              or spec.separator is None):

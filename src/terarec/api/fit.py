@@ -27,14 +27,16 @@ Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str],
         config: TrainConfig | None = None, resume: bool = False, refit: bool | None = None,
         select_by: str = "logloss", patience: int | None = None,
-        eval_every: int | None = None, features: str | os.PathLike[str] | None = None,
+        select_task: str | None = None, eval_every: int | None = None,
+        features: str | os.PathLike[str] | None = None,
         export_to: str | None = None, export: ExportSchedule | None = None,
         dense_comm: DenseCommConfig | None = None, checkpoint_every: int = 1,
         progress: bool = True, choose: str | None = None, **settings: Any) -> Model:
     """Train a model on ``train`` files into the model directory ``out`` and return it.
 
     With ``valid`` files, training is validation-driven: the best pass by ``select_by``
-    (``logloss`` or ``auc``) is kept, training stops after ``patience`` evaluations
+    (``logloss`` or ``auc``; with several labels their ``label_weights`` mean, or the
+    task ``select_task`` names) is kept, training stops after ``patience`` evaluations
     without improvement (default 2), and below 100,000 training rows a fresh model is
     refit on train + valid for the chosen number of epochs (``refit=False`` keeps the
     selected pass). Settings not given follow the data's size, as on the command line;
@@ -49,7 +51,8 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
     """
     job = job_settings(train, valid, out=out, config=config, resume=resume, refit=refit,
                        select_by=select_by, patience=patience, eval_every=eval_every,
-                       features=features, export=export, export_to=export_to,
+                       select_task=select_task, features=features, export=export,
+                       export_to=export_to,
                        dense_comm=dense_comm, checkpoint_every=checkpoint_every,
                        progress=progress, settings=settings)
     job.choose = choose
@@ -63,7 +66,7 @@ def job_settings(train: Paths, valid: Paths | None, *, out: str | os.PathLike[st
                  features: str | os.PathLike[str] | None, export: ExportSchedule | None,
                  export_to: str | None, dense_comm: DenseCommConfig | None,
                  checkpoint_every: int, progress: bool,
-                 settings: dict[str, Any]) -> TrainJob:
+                 settings: dict[str, Any], select_task: str | None = None) -> TrainJob:
     """The ``TrainJob`` of ``fit``'s arguments (``search`` builds its trials' the same
     way): ``settings`` split into the data description and config keys."""
     from terarec.train.selection import DEFAULT_PATIENCE
@@ -78,6 +81,7 @@ def job_settings(train: Paths, valid: Paths | None, *, out: str | os.PathLike[st
         named={k: f"{k}=" for k in given}, config_origin="config", resume=resume,
         refit=refit, checkpoint_every=checkpoint_every, progress=progress,
         features=Path(features) if features is not None else None, select_by=select_by,
+        select_task=select_task,
         patience=DEFAULT_PATIENCE if patience is None else patience, eval_every=eval_every,
         export=_export(export, export_to), dense_comm=dense_comm or DenseCommConfig())
 

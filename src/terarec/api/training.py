@@ -115,6 +115,7 @@ class TrainJob:
     progress: bool = True
     features: Path | None = None  # an AutoFeature config
     select_by: str = "logloss"
+    select_task: str | None = None  # several labels: select by this task's metric
     patience: int = DEFAULT_PATIENCE
     eval_every: int | None = None
     export: ExportSchedule = field(default_factory=ExportSchedule)
@@ -316,7 +317,8 @@ def selection_for(job: TrainJob, config: TrainConfig) -> SelectionTracker | None
         given = [flag for flag, value, default in (
             ("--eval-every", job.eval_every, None),
             ("--patience", job.patience, DEFAULT_PATIENCE),
-            ("--select-by", job.select_by, "logloss")) if value != default]
+            ("--select-by", job.select_by, "logloss"),
+            ("--select-task", job.select_task, None)) if value != default]
         if given:  # each was silently ignored without a validation set
             raise ValueError(f"{', '.join(given)} needs --valid")
         return None
@@ -329,7 +331,12 @@ def selection_for(job: TrainJob, config: TrainConfig) -> SelectionTracker | None
     if "epochs" not in job.given:  # neither a flag nor the config file set it
         config.epochs = max_epochs(estimate_rows(job.train or []),
                                    config.batch_size) + job.patience
-    return SelectionTracker(job.select_by, job.patience)
+    if job.select_task is not None:
+        tasks = job.data.labels()[0]  # empty: the model's own (a resumed run)
+        if tasks and (len(tasks) < 2 or job.select_task not in tasks):
+            raise ValueError(f"--select-task {job.select_task!r}: not one of several "
+                             f"labels (--label {job.data.label})")
+    return SelectionTracker(job.select_by, job.patience, task=job.select_task)
 
 
 def refuse_unused_keys(job: TrainJob, config: TrainConfig) -> None:
@@ -596,7 +603,7 @@ def _check_resumed_columns(job: TrainJob) -> None:
         return
 
     def columns(schema: FeatureSchema) -> tuple:
-        return (schema.format, schema.label,
+        return (schema.format, schema.task_names,
                 schema.delimiter if schema.format == "csv" else None,
                 tuple((f.name, f.kind, f.transform, f.separator) for f in schema.fields))
 

@@ -48,7 +48,9 @@ def add_format_args(parser: argparse.ArgumentParser, required: bool = True) -> N
     g.add_argument("--format", choices=["criteo", "csv", "parquet"], default=None,
                    required=False, help="input format (default: criteo for training; "
                    "the model's own format for eval/predict)")
-    g.add_argument("--label", help="label column (csv/parquet)")
+    g.add_argument("--label", help="label column (csv/parquet); several as "
+                   "click:1,conversion:0.5 (one task each, with its loss weight) for a "
+                   "multi-task model (sharedbottom, mmoe, esmm)")
     g.add_argument("--numeric", default="", help="comma-separated numeric columns")
     g.add_argument("--categorical", default="", help="comma-separated categorical columns")
     g.add_argument("--delimiter", default=None,
@@ -187,6 +189,9 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("validation-driven training (with --valid)")
     g.add_argument("--select-by", choices=list(SELECT_BY), default="logloss",
                    help="validation metric that picks the best checkpoint (default logloss)")
+    g.add_argument("--select-task", default=None, metavar="LABEL",
+                   help="with several --label columns: select by this label's metric "
+                   "(default: the label weights' weighted mean)")
     g.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
                    help="stop after this many evaluations without improvement "
                    f"(default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
@@ -205,6 +210,7 @@ def selection_from_args(args: argparse.Namespace,
 
     return selection_for(TrainJob(out=Path("."), train=args.train, valid=args.valid,
                                   select_by=args.select_by, patience=args.patience,
+                                  select_task=getattr(args, "select_task", None),
                                   eval_every=args.eval_every,
                                   given=explicit_config_keys(args)), config)
 
@@ -253,6 +259,7 @@ def train_job_from_args(args: argparse.Namespace,
         named=named, config_origin=f"--config {args.config}", resume=args.resume,
         refit=args.refit, checkpoint_every=args.checkpoint_every,
         progress=not args.no_progress, features=args.features, select_by=args.select_by,
+        select_task=getattr(args, "select_task", None),
         patience=args.patience, eval_every=args.eval_every,
         export=ExportSchedule() if export_to is None and not hasattr(args, "delta_every")
         else ExportSchedule(

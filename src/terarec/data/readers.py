@@ -339,7 +339,7 @@ class _Cleaner:
         self.on_bad_row = on_bad_row
         self.stats = stats
 
-    def label(self, col: pa.Array, first_row: int) -> pa.Array:
+    def label(self, col: pa.Array, first_row: int, name: str | None = None) -> pa.Array:
         """Labels as float32, null where the value is not 0 or 1."""
         t = col.type
         if pa.types.is_string(t) or pa.types.is_large_string(t):
@@ -349,7 +349,7 @@ class _Cleaner:
             values = pc.cast(col, pa.float32())
             ok = pc.is_in(values, value_set=pa.array([0.0, 1.0], pa.float32()))
         else:
-            raise DataError(f"{self.where(first_row)}: field {self.schema.label!r}: label "
+            raise DataError(f"{self.where(first_row)}: field {name or self.schema.label!r}: label "
                             f"column has type {t}, expected 0/1 integers or strings")
         return pc.if_else(pc.fill_null(ok, False), values, pa.scalar(None, pa.float32()))
 
@@ -385,15 +385,16 @@ class _Cleaner:
         schema = self.schema
         columns: dict[str, pa.Array] = {}
         bad: list[tuple[str, np.ndarray, pa.Array]] = []  # (field, bad mask, raw column)
-        if schema.label not in block.schema.names:  # scoring new rows: no label read
-            raw_label = labels = pa.nulls(block.num_rows, pa.float32()).fill_null(0.0)
-        else:
-            raw_label = block.column(schema.label)
-            labels = self.label(raw_label, first_row)
-        columns[schema.label] = labels
-        if labels.null_count:
-            bad.append((schema.label, labels.is_null().to_numpy(zero_copy_only=False),
-                        raw_label))
+        for name in schema.task_names:
+            if name not in block.schema.names:  # scoring new rows: no label read
+                raw_label = labels = pa.nulls(block.num_rows, pa.float32()).fill_null(0.0)
+            else:
+                raw_label = block.column(name)
+                labels = self.label(raw_label, first_row, name)
+            columns[name] = labels
+            if labels.null_count:
+                bad.append((name, labels.is_null().to_numpy(zero_copy_only=False),
+                            raw_label))
         for spec in schema.numeric:
             raw = block.column(spec.name)
             x = self.numeric(raw, spec.name)
@@ -413,7 +414,7 @@ class _Cleaner:
         for i in rows:
             name, _, raw = next(b for b in bad if b[1][i])
             value = raw[int(i)].as_py()
-            what = ("label must be 0 or 1" if name == schema.label
+            what = ("label must be 0 or 1" if name in schema.task_names
                     else _numeric_problem(value))
             message = (f"{self.where(first_row + int(i))}: field {name!r}: {what}, "
                        f"got {'an empty value' if value in (None, '') else repr(value)}")
@@ -573,14 +574,14 @@ _quiet_undecodable_rows = _QuietUndecodableRows()
 def _needed(schema: FeatureSchema, with_label: bool = True) -> list[str]:
     """The columns a read takes: the label (unless scoring new rows) and every field."""
     fields = [f.name for f in schema.fields]
-    return [schema.label, *fields] if with_label else fields
+    return [*schema.task_names, *fields] if with_label else fields
 
 
 def _roles(schema: FeatureSchema, names: list[str]) -> str:
     """``field(s) ['a' (label), 'b' (numeric)]``: what each missing column was to be, so
     that the flag or schema entry that named it is found."""
     kinds = {f.name: f.kind for f in schema.fields}
-    shown = [f"{n!r} ({'label' if n == schema.label else kinds.get(n, 'column')})"
+    shown = [f"{n!r} ({'label' if n in schema.task_names else kinds.get(n, 'column')})"
              for n in names]
     return f"field(s) [{', '.join(shown)}]"
 
@@ -597,8 +598,9 @@ def text_columns(path: Path, schema: FeatureSchema,
         names, header_lines = _read_header(path, schema.delimiter), 1
     else:
         names, header_lines = list(schema.column_names) or _needed(schema), 0
-        if not with_label and len(_read_header(path, schema.delimiter)) == len(names) - 1:
-            names.remove(schema.label)
+        if not with_label and len(_read_header(path, schema.delimiter)) \
+                == len(names) - schema.num_tasks:
+            names = [n for n in names if n not in schema.task_names]
     where = f"{path}: line 1" if header_lines else f"{path}"
     missing = [n for n in needed if n not in names]
     if missing:
@@ -870,7 +872,11 @@ def rebatch_blocks(blocks: Iterator[pa.RecordBatch], batch_size: int) -> Iterato
 def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     """A clean table (from ``iter_tables``) as a Batch: dense features, hashed keys, labels."""
     n = table.num_rows
-    labels = np.array(table.column(schema.label).to_numpy(), dtype=np.float32)  # writable
+    if schema.num_tasks == 1:
+        labels = np.array(table.column(schema.label).to_numpy(), dtype=np.float32)  # writable
+    else:  # [B, T], one column per task
+        labels = np.stack([table.column(t).to_numpy() for t in schema.task_names],
+                          axis=1).astype(np.float32)
     # float64, NaN where missing
     numeric = np.empty((len(schema.numeric), n), dtype=np.float64)
     for j, spec in enumerate(schema.numeric):

@@ -7,6 +7,7 @@ from it in one place, so the two cannot read the same file differently.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +55,7 @@ class DataSpec:
     # (``terarec.data.sequences``).
     sequences: tuple[str, ...] = ()
     share_tables: tuple[str, ...] = ()
+    label_weights: tuple[float, ...] | None = None
 
     @classmethod
     def of(cls, **given: Any) -> DataSpec:
@@ -70,6 +72,10 @@ class DataSpec:
         for key in ("multi_valued", "log1p"):
             if given.get(key) is not None:
                 given[key] = names(given[key])
+        if given.get("label") is not None and not isinstance(given["label"], str):
+            given["label"] = ",".join(str(c) for c in given["label"])
+        if given.get("label_weights") is not None:
+            given["label_weights"] = tuple(float(w) for w in given["label_weights"])
         if given.get("format") is not None and given["format"] not in FORMATS:
             raise ValueError(f"format {given['format']!r} is not one of {', '.join(FORMATS)}")
         return cls(**given)
@@ -81,6 +87,12 @@ class DataSpec:
             self.format, self.label, self.numeric, self.categorical, self.delimiter,
             self.multi_sep, self.multi_valued, self.log1p, self.numeric_transform,
             self.sequences, self.share_tables))
+
+    def labels(self) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """The label columns and their loss weights (empty: 1 each): ``--label`` is one
+        column, or several as ``click:1,conversion:0.5`` (one task each, weight 1 where
+        none is written); ``label_weights`` gives the weights as a list instead."""
+        return parse_labels(self.label, self.label_weights)
 
     # -- the schema of a new model --------------------------------------------------
     def schema(self) -> FeatureSchema:
@@ -102,7 +114,8 @@ class DataSpec:
             if unknown:
                 raise ValueError(f"--log1p names columns that are not --numeric: {unknown}")
             transform = {c: ("log1p" if c in self.log1p else "none") for c in self.numeric}
-        _check_columns(self.label, list(self.numeric), list(self.categorical),
+        labels, weights = self.labels()
+        _check_columns(list(labels), list(self.numeric), list(self.categorical),
                        self.multi_valued)
         from terarec.data.readers import csv_schema  # pyarrow: not for --help
         from terarec.data.sequences import with_sequences
@@ -112,12 +125,15 @@ class DataSpec:
         multi = self.multi_valued
         if multi is not None or (self.sequences and self.multi_sep is None):
             multi = (*(multi or ()), *(c for c in seq_cols if c not in (multi or ())))
-        schema = csv_schema(self.label, self.numeric, categorical,
+        schema = csv_schema(labels[0], self.numeric, categorical,
                           delimiter=self.delimiter if self.delimiter is not None else ",",
                           separator=self.multi_sep,
                           multi_valued=list(multi) if multi is not None else None,
                           transform=transform, format=fmt)
-        return with_sequences(schema, self.sequences, self.share_tables)
+        schema = with_sequences(schema, self.sequences, self.share_tables)
+        if len(labels) == 1:
+            return schema
+        return replace(schema, extra_labels=labels[1:], label_weights=weights)
 
     def _criteo_schema(self) -> FeatureSchema:
         """The Criteo schema; its columns are fixed, so a setting naming columns is an
@@ -205,11 +221,51 @@ def check_delimiter_for(delimiter: str | None, fmt: str) -> None:
         raise ValueError(f"--delimiter {delimiter!r}: {problem}")
 
 
-def _check_columns(label: str, numeric: list[str], categorical: list[str],
+def parse_labels(label: str | None, weights: Sequence[float] | None = None
+                 ) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """``click:1,conversion:0.5`` -> ((click, conversion), (1.0, 0.5)); one column
+    without a weight -> ((click,), ()). A weight that is no finite number >= 0, weights
+    all 0, or ``weights`` of another length are ValueErrors naming ``--label``."""
+    if not label:
+        return (), ()
+    columns: list[str] = []
+    given: list[float | None] = []
+    for part in label.split(","):
+        name, sep, weight = part.strip().partition(":")
+        if not name.strip():
+            raise ValueError(f"--label {label!r}: an empty column name")
+        columns.append(name.strip())
+        if not sep:
+            given.append(None)
+            continue
+        try:
+            given.append(float(weight))
+        except ValueError:
+            raise ValueError(f"--label {label!r}: weight {weight!r} of {name!r} is not a "
+                             "number") from None
+    if weights is not None:
+        if any(g is not None for g in given):
+            raise ValueError(f"--label {label!r} carries weights and label_weights gives "
+                             "them again; give them once")
+        if len(weights) != len(columns):
+            raise ValueError(f"label_weights: {len(weights)} weights for {len(columns)} "
+                             f"labels {columns}")
+        given = [float(w) for w in weights]
+    out = () if all(g is None for g in given) else tuple(1.0 if g is None else g
+                                                         for g in given)
+    if any(not math.isfinite(w) or w < 0 for w in out) or (out and not any(out)):
+        raise ValueError(f"--label {label!r}: weights must be finite numbers >= 0, not all "
+                         f"0, got {list(out)}")
+    if len(columns) == 1:  # one task: its weight scales nothing
+        out = ()
+    return tuple(columns), out
+
+
+def _check_columns(labels: list[str], numeric: list[str], categorical: list[str],
                    multi: tuple[str, ...] | None) -> None:
     """A column named twice across label / numeric / categorical, or a multi-valued one
     that is not categorical: said with the flags (the schema's own check names fields)."""
-    lists = (("--label", [label] if label else []), ("--numeric", numeric),
+    lists = (("--label", labels), ("--numeric", numeric),
              ("--categorical", categorical))
     for i, (flag, cols) in enumerate(lists):
         repeated = sorted({n for n in cols if cols.count(n) > 1})

@@ -185,7 +185,7 @@ def iter_rank_tables(path: str | Path, schema: FeatureSchema, local_size: int, r
 
 def empty_table(schema: FeatureSchema) -> pa.Table:
     """A clean table with no rows (a rank's share of a step it has no batch in)."""
-    columns = {schema.label: pa.array([], pa.float32())}
+    columns = {name: pa.array([], pa.float32()) for name in schema.task_names}
     columns.update({f.name: pa.array([], pa.float64()) for f in schema.numeric})
     columns.update({f.name: pa.array([], pa.string()) for f in schema.categorical})
     return pa.table(columns)

@@ -36,8 +36,11 @@ if TYPE_CHECKING:
 
 
 def occurrence_labels(batch: Batch) -> np.ndarray:
-    """The label of the sample each key in ``batch.sparse.values`` belongs to."""
+    """The label of the sample each key in ``batch.sparse.values`` belongs to (the first
+    task's, ``label``, where a batch has several: it counts the keys' clicks)."""
     labels = batch.labels.numpy()
+    if labels.ndim == 2:
+        labels = np.ascontiguousarray(labels[:, 0])
     per_slot = np.tile(labels, batch.sparse.num_fields)
     if batch.sparse.one_per_slot:
         return per_slot

@@ -9,6 +9,7 @@ model class trains on a laptop, across ranks, and serves from a cache, unchanged
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -47,6 +48,12 @@ class CTRModel(nn.Module):
       ``{name: SequenceRows}`` (padded ``[B, L, D]`` rows, lengths, mask); any other
       model gets each sequence pooled into one field of ``emb``.
 
+    Several labels (``schema.task_names``, ``--label click,conversion``): a model that
+    sets ``multi_task = True`` returns ``[B, T]`` logits, one column per task in
+    ``task_names`` order, and may map the labels it is trained on with
+    ``task_targets`` (ESMM's CTCVR target is click and conversion). Other models keep
+    one label and return ``[B]``.
+
     Keep ``forward`` traceable (tensor operations, no data-dependent Python control
     flow) and the server runs it as an ONNX graph; otherwise it runs it in PyTorch.
     """
@@ -54,6 +61,8 @@ class CTRModel(nn.Module):
     row_dim: int
     # Whether ``forward`` takes a third argument, the sequence fields' padded rows.
     uses_sequences: bool = False
+
+    multi_task: ClassVar[bool] = False
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__()
@@ -69,9 +78,24 @@ class CTRModel(nn.Module):
             raise ValueError(f"model {type(self).__name__.lower()!r} needs at least one "
                              "categorical field in the feature schema, found none")
         self.row_dim = self.row_dim_for(config)  # validates config too
+        self.task_names = schema.task_names
+        self.num_tasks = len(self.task_names)
+        name = type(self).__name__.lower()
+        if self.num_tasks > 1 and not self.multi_task:
+            raise ValueError(f"model {name!r} predicts one label, the schema has "
+                             f"{self.num_tasks} ({', '.join(self.task_names)}); train "
+                             "several labels with sharedbottom, mmoe or esmm")
+        if self.num_tasks < 2 and self.multi_task:
+            raise ValueError(f"model {name!r} is a multi-task model: it needs two or more "
+                             f"labels (--label click,conversion), the schema has one")
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:  # noqa: D102
         raise NotImplementedError
+
+    def task_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """The targets the loss compares the logits with: the labels as read, unless a
+        model trains a task on a combination of them."""
+        return labels
 
     def logit_offset(self) -> nn.Parameter | None:
         """The one-element parameter added to every logit (the global bias), which

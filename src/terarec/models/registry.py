@@ -17,6 +17,7 @@ from terarec.models.dlrm import DLRM
 from terarec.models.dssm import DSSM
 from terarec.models.fm import FM, DeepFM
 from terarec.models.lr import LR
+from terarec.models.multitask import ESMM, MMoE, SharedBottom
 from terarec.models.wide_deep import WideDeep
 from terarec.types import FeatureSchema
 
@@ -30,6 +31,9 @@ MODELS: dict[str, type[CTRModel]] = {
     "dssm": DSSM,
     "din": DIN,
     "seqpool": SeqPool,
+    "sharedbottom": SharedBottom,
+    "mmoe": MMoE,
+    "esmm": ESMM,
 }
 
 

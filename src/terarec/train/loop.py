@@ -294,6 +294,8 @@ def _train_one(run: TrialRun, plans: _PlanCache, upcoming,
             metrics = {"auc": math.nan, "logloss": math.nan}
         record.update(valid_auc=metrics["auc"], valid_logloss=metrics["logloss"],
                       eval_s=time.perf_counter() - start)
+        record.update({f"valid_{k}": v for k, v in metrics.items()  # several labels
+                       if k.startswith(("auc_", "logloss_"))})
     if run.selection is not None and run.selection.observe(record).stop:
         run.stop(STOP_PATIENCE)
     if run.stop_on_divergence and diverged(record):

@@ -7,6 +7,8 @@ every trial after every pass. The ranks are numpy's (one sort): importing scipy'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -51,6 +53,26 @@ def evaluate_scores(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
     return {"auc": auc(labels, probs), "logloss": logloss(labels, probs),
             "ctr": float(np.mean(labels)) if len(labels) else float("nan"),
             "mean_prediction": float(np.mean(probs)) if len(probs) else float("nan")}
+
+
+def evaluate_tasks(labels: np.ndarray, probs: np.ndarray, tasks: Sequence[str],
+                   weights: Sequence[float]) -> dict[str, float]:
+    """``evaluate_scores`` per column of ``[N, T]`` labels and probabilities, as
+    ``auc_<task>``, ``logloss_<task>``, ``ctr_<task>`` and ``mean_prediction_<task>``;
+    ``auc`` and ``logloss`` are the ``weights``-weighted mean over the tasks where they
+    are defined (selection by a weighted sum), ``ctr`` and ``mean_prediction`` the first
+    task's."""
+    out: dict[str, float] = {}
+    per_task = [evaluate_scores(labels[:, t], probs[:, t]) for t in range(len(tasks))]
+    for name, m in zip(tasks, per_task, strict=True):
+        out.update({f"{key}_{name}": value for key, value in m.items()})
+    for key in ("auc", "logloss"):
+        pairs = [(w, m[key]) for w, m in zip(weights, per_task, strict=True)
+                 if np.isfinite(m[key]) and w > 0]
+        total = sum(w for w, _ in pairs)
+        out[key] = float(sum(w * v for w, v in pairs) / total) if total > 0 else float("nan")
+    out["ctr"], out["mean_prediction"] = per_task[0]["ctr"], per_task[0]["mean_prediction"]
+    return out
 
 
 def offset_shift(labels: np.ndarray, probs: np.ndarray, iterations: int = 100) -> float:

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from terarec.data.positions import PassInput
-from terarec.train.metrics import evaluate_scores
 from terarec.train.passes import Pass
 
 
@@ -43,7 +42,7 @@ class ProgressiveScorer:
         labels, probs = trainer._all_scores(labels, probs)
         record: dict[str, Any] = {"progressive_rows": int(len(labels))}
         if len(labels):
-            m = evaluate_scores(labels, probs)
+            m = trainer.score_metrics(labels, probs)
             record.update(progressive_auc=finite_or_none(m["auc"]),
                           progressive_logloss=finite_or_none(m["logloss"]))
         if len(info.files) != 1:  # a pass over several files: no per-file figure
@@ -57,7 +56,7 @@ class ProgressiveScorer:
         self._probs.append(probs)
         if key in info.finished:
             all_labels, all_probs = np.concatenate(self._labels), np.concatenate(self._probs)
-            m = evaluate_scores(all_labels, all_probs) if len(all_labels) else {}
+            m = trainer.score_metrics(all_labels, all_probs) if len(all_labels) else {}
             n, loss = len(all_labels), finite_or_none(m.get("logloss", math.nan))
             record.update(file_done=Path(key).name, file_rows=n,
                           file_auc=finite_or_none(m.get("auc", math.nan)),

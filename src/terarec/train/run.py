@@ -135,7 +135,8 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
             print(f"{where}resuming {run.out} after pass {trainer.pass_id}")
         if selection is not None:  # continue with the best value and patience it had
             selection = SelectionTracker.from_history(trainer.history, selection.select_by,
-                                                      selection.patience)
+                                                      selection.patience,
+                                                      task=selection.task)
     else:
         earlier = list_checkpoints(run.out)
         if earlier:  # a fresh run's pass-000001 would be pruned below their numbers

@@ -31,11 +31,12 @@ STOP_PRUNED = "pruned"  # a search pruned the trial
 STOP_DIVERGED = "diverged"  # a search trial's loss or validation metric went non-finite
 
 
-def metric_key(select_by: str) -> str:
-    """History key of the selected metric: ``valid_auc`` / ``valid_logloss``."""
+def metric_key(select_by: str, task: str | None = None) -> str:
+    """History key of the selected metric: ``valid_auc`` / ``valid_logloss`` (with
+    several labels, their weighted mean), or one task's, ``valid_auc_<task>``."""
     if select_by not in SELECT_BY:
         raise ValueError(f"select-by {select_by!r}: expected one of {', '.join(SELECT_BY)}")
-    return f"valid_{select_by}"
+    return f"valid_{select_by}" if task is None else f"valid_{select_by}_{task}"
 
 
 def higher_is_better(select_by: str) -> bool:
@@ -60,8 +61,9 @@ class SelectionTracker:
     """
 
     def __init__(self, select_by: str = "logloss", patience: int | None = DEFAULT_PATIENCE,
-                 min_delta: float = 0.0) -> None:
-        self.key = metric_key(select_by)
+                 min_delta: float = 0.0, task: str | None = None) -> None:
+        self.key = metric_key(select_by, task)
+        self.task = task
         if patience is not None and patience < 1:
             raise ValueError(f"patience {patience}: must be >= 1")
         if min_delta < 0 or not math.isfinite(min_delta):
@@ -105,7 +107,8 @@ class SelectionTracker:
         count a checkpoint after it carries), writing the verdict into the record."""
         if self.key not in record:
             raise KeyError(f"history record of pass {record.get('pass_id')} has no "
-                           f"{self.key}: selection needs a validation set")
+                           f"{self.key}: selection needs a validation set"
+                           + (f" and a label {self.task!r}" if self.task else ""))
         verdict = self.update(record[self.key], int(record["pass_id"]) + 1)
         record["best"] = verdict.improved
         return verdict
@@ -113,9 +116,9 @@ class SelectionTracker:
     @classmethod
     def from_history(cls, history: Sequence[Mapping], select_by: str = "logloss",
                      patience: int | None = DEFAULT_PATIENCE,
-                     min_delta: float = 0.0) -> SelectionTracker:
+                     min_delta: float = 0.0, task: str | None = None) -> SelectionTracker:
         """The tracker a run with ``history`` ends with (for resuming it)."""
-        tracker = cls(select_by, patience, min_delta)
+        tracker = cls(select_by, patience, min_delta, task)
         for record in history:
             if tracker.key in record:
                 tracker.update(record[tracker.key], int(record["pass_id"]) + 1)
@@ -123,9 +126,12 @@ class SelectionTracker:
 
     def summary(self) -> dict:
         """What metrics.json says about the selection."""
-        return {"select_by": self.select_by, "best_pass": self.best_pass,
-                "best_value": self.best_value, "evaluations": self.evaluations,
-                "patience": self.patience}
+        out = {"select_by": self.select_by, "best_pass": self.best_pass,
+               "best_value": self.best_value, "evaluations": self.evaluations,
+               "patience": self.patience}
+        if self.task is not None:
+            out["select_task"] = self.task
+        return out
 
 
 def refit_epochs(history: Sequence[Mapping], best_pass: int | None) -> int | None:

@@ -71,7 +71,7 @@ from terarec.models.dssm import DSSM
 from terarec.models.registry import check_model_fits
 from terarec.train.dense_optimizer import dense_optimizer
 from terarec.train.loop import StreamOptions, TrialRun, run_passes
-from terarec.train.metrics import evaluate_scores, offset_shift
+from terarec.train.metrics import evaluate_scores, evaluate_tasks, offset_shift
 from terarec.train.passes import (
     Inputs,
     Pass,
@@ -251,8 +251,19 @@ class Trainer:
             emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
             return model.sampled_softmax_loss(batch.dense, emb, batch.labels,
                                               model.item_ids(keyed.sparse).to(self.device))
-        return F.binary_cross_entropy_with_logits(self._logits(ws, batch, train=True),
-                                                  batch.labels)
+        return self._bce(self._logits(ws, batch, train=True), batch.labels)
+
+    def _bce(self, logits: torch.Tensor, labels: torch.Tensor,
+             reduction: str = "mean") -> torch.Tensor:
+        """Binary cross-entropy; for ``[B, T]`` logits (several labels), each task's
+        weighted by its ``label_weights`` entry and summed over tasks, against the
+        targets the model trains each task on (``CTRModel.task_targets``)."""
+        if logits.dim() == 1:
+            return F.binary_cross_entropy_with_logits(logits, labels, reduction=reduction)
+        weights = torch.tensor(self.schema.task_weights, device=logits.device)
+        per_row = (F.binary_cross_entropy_with_logits(
+            logits, self.model.task_targets(labels), reduction="none") * weights).sum(1)
+        return per_row.sum() if reduction == "sum" else per_row.mean()
 
     def train_pass(self, p: Pass, progress: tqdm | None = None,
                    upcoming: Pass | None = None) -> PassResult:
@@ -363,8 +374,7 @@ class Trainer:
             pos = torch.nonzero(batch.labels > 0.5).squeeze(1)
             return self._rank_softmax(batch.dense, emb, ids, pos)
         logits = self.ddp(batch.dense, emb)
-        return F.binary_cross_entropy_with_logits(logits, batch.labels,
-                                                  reduction="sum"), rows
+        return self._bce(logits, batch.labels, reduction="sum"), rows
 
     def _rank_softmax(self, dense: torch.Tensor, emb: torch.Tensor, ids: torch.Tensor,
                       pos: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -550,10 +560,20 @@ class Trainer:
         if not len(all_labels):
             raise ValueError("no rows to evaluate")
         check_model_scores(all_probs, f"pass {self.pass_id} model")  # same on every rank
-        metrics = evaluate_scores(all_labels, all_probs)
+        metrics = self.score_metrics(all_labels, all_probs)
         metrics["rows"] = int(len(all_labels))
         metrics["samples_per_s"] = metrics["rows"] / seconds if seconds > 0 else 0.0
         return metrics
+
+    def score_metrics(self, labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
+        """AUC, logloss, click rate and mean prediction; with several labels, each task's
+        (``auc_<task>`` ...) against its training target, and their ``label_weights``
+        mean as ``auc`` and ``logloss``."""
+        if labels.ndim == 1:
+            return evaluate_scores(labels, probs)
+        targets = self.model.task_targets(torch.from_numpy(labels)).numpy()
+        return evaluate_tasks(targets, probs, self.schema.task_names,
+                              self.schema.task_weights)
 
     def _all_scores(self, labels: np.ndarray,
                     probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
