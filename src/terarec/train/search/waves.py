@@ -208,9 +208,11 @@ class _Search:
             if best is not None and (best.model_dir / "checkpoints").exists():
                 write_best(best, self.out_dir, base)  # else out/best holds it (resumed)
             for t in done:  # only the best trial keeps its checkpoints (in out/best)
-                shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
+                # the pointers first: a kill in between never leaves LATEST naming a
+                # checkpoint that is gone
                 for pointer in ("BEST", "LATEST"):
                     (t.model_dir / pointer).unlink(missing_ok=True)
+                shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
         ctx.barrier()
         return SearchResult(done, best, best_dir,
                             self.study.study if self.study is not None else None,
