@@ -234,7 +234,9 @@ def _search_round(cmd: list[str], out: Path, rng: random.Random, kills: int,
         totals["search_continued"] += b"continuing trial(s)" in proc.stdout.read()
         if (out / "results.json").exists():
             break
-    running = [d for d in (out / "trials").glob("trial-*") if (d / "LATEST").exists()] \
+    # trials left running: a pointer and checkpoints (a finished search removes both)
+    running = [d for d in (out / "trials").glob("trial-*")
+               if (d / "LATEST").exists() and list_checkpoints(d)] \
         if (out / "trials").exists() else []
     if running and not (out / "results.json").exists():
         newest = list_checkpoints(max(running))[0]  # refused, the pass before taken

@@ -145,11 +145,14 @@ class Model:
     def export(self, uri: str, *, bits: int = 32, codebook: bool = False,
                shard_rows: int | None = None, slice: str | None = None,
                keys_from: Sequence[str | os.PathLike[str]] = (),
-               storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+               storage_options: dict[str, Any] | None = None,
+               delta: bool = False) -> dict[str, Any]:
         """Write this checkpoint as a full version under ``uri`` (a folder or an fsspec
         URL) for ``terarec serve``: rows as fp32, fp16 or 8/4/2/1-bit codes, or only a
         ``slice`` (``user_tower`` / ``item_tower``, ``wide`` / ``deep``, or a field list)
-        carrying the keys of ``keys_from`` files. Returns what was written."""
+        carrying the keys of ``keys_from`` files. ``delta``: a delta on ``uri``'s newest
+        version instead (fp32; the rows new or changed since it, the keys gone, the dense
+        weights), which a running server applies live. Returns what was written."""
         from terarec.export.format import DEFAULT_SHARD_ROWS
         from terarec.export.target import check_export_target
 
@@ -159,6 +162,17 @@ class Model:
         check_export_target(uri, storage_options, "--out")
         if rows < 1:
             raise ValueError(f"--shard-rows {rows}: must be >= 1")
+        if delta:
+            if slice is not None:
+                raise ValueError("--delta: a slice exported again to the same --out is a "
+                                 "delta already; leave out --delta")
+            if bits != 32 or codebook:
+                raise ValueError("--delta writes fp32 rows; leave out --bits / --codebook")
+            from terarec.export.delta import export_model_delta
+
+            written = export_model_delta(self.path, uri, storage_options, shard_rows=rows,
+                                         checkpoint=self.checkpoint)
+            return {"uri": uri, **asdict(written)}
         if slice is not None:
             if bits != 32 or codebook:
                 raise ValueError("--slice writes fp32 rows; leave out --bits / --codebook")

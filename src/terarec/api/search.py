@@ -125,6 +125,7 @@ def _run(job: SearchJob, train: list[Path], valid: list[Path],
     from terarec.train.passes import iter_file_batches
     from terarec.train.search import run_search
     from terarec.train.search.results import write_results, write_search_report
+    from terarec.train.search.waves import search_directory_lock
 
     run = job.run
     out = Path(run.out)
@@ -141,15 +142,24 @@ def _run(job: SearchJob, train: list[Path], valid: list[Path],
     # on from its positions (the copies are made again in another temporary folder).
     inputs = keyed_copies(run.train or [], train) \
         if features is not None and features.tables.tables else train
-    result = run_search(search, schema, inputs, valid_batches, out, ctx=ctx)
-    if result.best_dir is not None and features is not None and ctx.is_main:
-        install_features(result.best_dir, features)  # eval / predict / serve join them
-    ctx.barrier()
-    if result.best_dir is not None and _refit(run, train):
-        refit_best(result.best_dir, dataclasses.replace(run, train=train, valid=valid), ctx)
-    if ctx.is_main:
-        write_results(result, out)
-        write_search_report(result, out)
+    # The directory's lock is held through the refit and the results: a second search
+    # (--resume) started while the refit ran rewrote best/ beside it.
+    with search_directory_lock(out, ctx):
+        result = run_search(search, schema, inputs, valid_batches, out, ctx=ctx,
+                            locked=True)
+        if result.best_dir is not None and features is not None and ctx.is_main:
+            install_features(result.best_dir, features)  # eval / predict / serve join them
+        ctx.barrier()
+        # rank 0's reading of best/ decides for every rank (one refit, run by all)
+        redo = ctx.broadcast_object(result.best_dir is not None and _refit(run, train)
+                                    and not (ctx.is_main
+                                             and _refit_done(result.best_dir, result.best)))
+        if redo and result.best_dir is not None:
+            refit_best(result.best_dir, dataclasses.replace(run, train=train, valid=valid),
+                       ctx)
+        if ctx.is_main:
+            write_results(result, out)
+            write_search_report(result, out)
     is_main, world = ctx.is_main, ctx.world
     ctx.close()
     return SearchOutcome(
@@ -212,6 +222,17 @@ def _refit(run: TrainJob, train: list[Path]) -> bool:
     if run.refit is not None:
         return bool(run.refit)
     return refit_by_default(estimate_rows(train))
+
+
+def _refit_done(best_dir: Path, best: Any) -> bool:
+    """Whether ``best_dir`` holds the refit of the best trial already: a resumed search
+    that had finished keeps its ``best/`` (the trials' checkpoints are gone), and a
+    second refit of it trained the same model again."""
+    metrics_file = best_dir / "metrics.json"
+    if best is None or not metrics_file.exists():
+        return False
+    metrics = json.loads(metrics_file.read_text())
+    return bool(metrics.get("refit")) and metrics.get("trial") == best.number
 
 
 def refit_best(best_dir: Path, run: TrainJob, ctx: DistContext) -> None:

@@ -1,5 +1,6 @@
 """``terarec export``: write a model directory's best (or newest) checkpoint as a full
-version, or one slice of it (``--slice``)."""
+version, one slice of it (``--slice``), or a delta on the export's newest version
+(``--delta``)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keys-from", type=Path, action="append", default=[], metavar="FILE",
                    help="with --slice: a data file (training log, item catalog) holding the "
                    "slice's fields, whose keys the slice carries (repeatable)")
+    p.add_argument("--delta", action="store_true",
+                   help="a delta on --out's newest version (same model, fp32): the rows "
+                   "new or changed since it, the keys gone, the dense weights; servers "
+                   "apply it live (docs/serving.md)")
     add_checkpoint_arg(p)
     add_storage_args(p)
     p.set_defaults(func=run)
@@ -47,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
     written = Model(args.model, args.checkpoint).export(
         args.out, bits=args.bits, codebook=args.codebook, shard_rows=args.shard_rows,
         slice=args.slice, keys_from=args.keys_from,
-        storage_options=storage_options_from_args(args))
+        storage_options=storage_options_from_args(args), delta=args.delta)
     print(json.dumps(written))
     return 0

@@ -34,6 +34,7 @@ from terarec.config import ModelConfig, to_dict
 from terarec.data.hashing import hash_column
 from terarec.data.readers import text_columns
 from terarec.embedding.store import CHUNK_ROWS
+from terarec.export.delta import row_diff, version_rows
 from terarec.export.format import Manifest
 from terarec.export.writer import ExportedVersion, ModelExporter, as_json, check_same_part
 from terarec.modeldir import checkpoint_name, load_checkpoint, read_model_meta
@@ -193,7 +194,7 @@ def export_slice(model_dir: str | Path, uri: str | Path, name: str,
             and latest.data["model"] == as_json(to_dict(config.model)):
         keys, values = _sliced_rows(ckpt, wanted, spec.columns, row_dim)
         old_keys, old_values = version_rows(exporter, latest)
-        changed, deleted = _diff(keys, values, old_keys, old_values)
+        changed, deleted = row_diff(keys, values, old_keys, old_values)
         return exporter.write_delta(dense=dense, keys=keys[changed], values=values[changed],
                                     deleted=deleted, pass_id=int(ckpt.meta["pass_id"]))
     if not len(wanted):
@@ -251,42 +252,6 @@ def _sliced_rows(ckpt: Any, wanted: np.ndarray, columns: tuple[int, int | None] 
         keys.append(np.asarray(chunk.keys, np.int64))
         values.append(np.asarray(chunk.values, np.float32))
     return np.concatenate(keys), np.concatenate(values)
-
-
-def version_rows(exporter: ModelExporter, manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
-    """Every row of a version (its full version with its deltas applied), sorted by key."""
-    import tempfile
-
-    from terarec.export.format import read_manifest
-    from terarec.export.reader import VersionReader
-
-    with tempfile.TemporaryDirectory(prefix="terarec-slice-") as tmp:
-        reader = VersionReader(exporter.storage, Path(tmp))
-        base = read_manifest(exporter.storage, manifest.base)
-        shards = reader.shards(base)
-        keys = np.concatenate([np.array(k) for k, _ in shards]) if shards \
-            else np.empty(0, np.int64)
-        values = np.concatenate([np.array(v) for _, v in shards]) if shards \
-            else np.empty((0, manifest.row_dim), np.float32)
-        for name in manifest.deltas:
-            upserts, rows, deleted = reader.delta(read_manifest(exporter.storage, name))
-            keep = ~np.isin(keys, np.concatenate([upserts, deleted]))
-            keys, values = np.concatenate([keys[keep], upserts]), np.concatenate(
-                [values[keep], rows])
-            order = np.argsort(keys, kind="stable")
-            keys, values = keys[order], values[order]
-    return keys, values
-
-
-def _diff(keys: np.ndarray, values: np.ndarray, old_keys: np.ndarray,
-          old_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(positions in ``keys`` whose rows are new or changed, keys gone since)."""
-    pos = np.minimum(np.searchsorted(old_keys, keys), max(len(old_keys) - 1, 0))
-    known = (old_keys[pos] == keys) if len(old_keys) else np.zeros(len(keys), bool)
-    changed = ~known
-    if known.any() and values.size:
-        changed[known] = (values[known] != old_values[pos[known]]).any(axis=1)
-    return np.flatnonzero(changed), np.setdiff1d(old_keys, keys, assume_unique=True)
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:

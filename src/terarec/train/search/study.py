@@ -202,13 +202,15 @@ def _left_wave(study: Study, running: list[FrozenTrial], out_dir: Path, world: i
     name, metas = found
     for frozen, meta in zip(running, metas, strict=True):
         model_dir = trial_dir(out_dir, frozen.number)
+        # the pointers before the newer checkpoints go: a kill in between leaves none
+        # naming a checkpoint that is gone
+        atomic_write_text(model_dir / LATEST_FILE, name)
+        clear_best(model_dir)
         for newer in list_checkpoints(model_dir):
             if newer.name > name:
                 shutil.rmtree(newer)
-        atomic_write_text(model_dir / LATEST_FILE, name)
         selection = SelectionTracker.from_history(meta.get("history", []), select_by,
                                                   patience)
-        clear_best(model_dir)
         best = f"pass-{selection.best_pass or 0:06d}"
         if selection.best_pass and (model_dir / "checkpoints" / best).is_dir():
             mark_best(model_dir, best)

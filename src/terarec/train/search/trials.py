@@ -152,9 +152,11 @@ class BestSoFar:
 
 
 def drop_checkpoints(model_dir: Path) -> None:
-    shutil.rmtree(model_dir / "checkpoints", ignore_errors=True)
+    """The pointers first, then the checkpoints: killed in between, a trial never has a
+    ``LATEST`` naming a checkpoint that is gone."""
     for pointer in ("BEST", LATEST_FILE):
         (model_dir / pointer).unlink(missing_ok=True)
+    shutil.rmtree(model_dir / "checkpoints", ignore_errors=True)
 
 
 def commit_pass(model_dir: Path, number: int, overall: BestSoFar

@@ -20,7 +20,7 @@ import contextlib
 import math
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,10 +68,33 @@ from terarec.types import Batch, FeatureSchema
 OnBoundary = Callable[[list[SearchTrial]], None]
 
 
+@contextlib.contextmanager
+def search_directory_lock(out_dir: str | Path, ctx: DistContext) -> Iterator[None]:
+    """One search per directory: rank 0 holds ``out_dir/.lock`` for the block (every rank
+    fails with the holder named when another process has it). Its caller holds it through
+    everything the search writes, the best trial's refit and results included: a second
+    search released beside a refit rewrote ``best/`` under it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        failure = None
+        if ctx.is_main:  # one search per directory: the journal has one writer
+            try:
+                held.enter_context(exclusive_lock(out_dir / LOCK_FILE,
+                                                  f"search directory {out_dir}"))
+                remove_atomic_leftovers(out_dir)  # of a search killed mid-write
+            except LockedError as exc:
+                failure = str(exc)
+        failure = ctx.broadcast_object(failure)
+        if failure is not None:
+            raise ValueError(failure)
+        yield
+
+
 def run_search(config: SearchConfig, schema: FeatureSchema,
                train: Sequence[str | Path | InputFile], valid: list[Batch],
                out_dir: str | Path, *, ctx: DistContext | None = None,
-               on_boundary: OnBoundary | None = None) -> SearchResult:
+               on_boundary: OnBoundary | None = None, locked: bool = False) -> SearchResult:
     """Train ``config.trials`` trials on the ``train`` files, ``config.parallel`` at a
     time in one pass loop, select them on the ``valid`` batches, and write the best one
     to ``out_dir/best`` as an ordinary model directory.
@@ -90,7 +113,7 @@ def run_search(config: SearchConfig, schema: FeatureSchema,
     ``ctx``: this rank's topology under torchrun (every rank calls this; each trial
     trains on all ranks, each keeping its key shard's rows); None trains in this
     process on ``config.base.device``. ``on_boundary`` sees the wave's trials after each
-    pass's pruning.
+    pass's pruning. ``locked``: the caller holds ``search_directory_lock`` already.
     """
     if not valid:
         raise ValueError("search needs a validation set (--valid)")
@@ -103,17 +126,8 @@ def run_search(config: SearchConfig, schema: FeatureSchema,
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = ctx if ctx is not None else DistContext.single(resolve_device(config.base.device))
     with contextlib.ExitStack() as held:
-        failure = None
-        if ctx.is_main:  # one search per directory: the journal has one writer
-            try:
-                held.enter_context(exclusive_lock(out_dir / LOCK_FILE,
-                                                  f"search directory {out_dir}"))
-                remove_atomic_leftovers(out_dir)  # of a search killed mid-write
-            except LockedError as exc:
-                failure = str(exc)
-        failure = ctx.broadcast_object(failure)
-        if failure is not None:
-            raise ValueError(failure)
+        if not locked:
+            held.enter_context(search_directory_lock(out_dir, ctx))
         search = _Search(config, space, schema, out_dir, ctx, on_boundary)
         return search.run(train, valid, trials, parallel)
 
@@ -194,9 +208,11 @@ class _Search:
             if best is not None and (best.model_dir / "checkpoints").exists():
                 write_best(best, self.out_dir, base)  # else out/best holds it (resumed)
             for t in done:  # only the best trial keeps its checkpoints (in out/best)
-                shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
+                # the pointers first: a kill in between never leaves LATEST naming a
+                # checkpoint that is gone
                 for pointer in ("BEST", "LATEST"):
                     (t.model_dir / pointer).unlink(missing_ok=True)
+                shutil.rmtree(t.model_dir / "checkpoints", ignore_errors=True)
         ctx.barrier()
         return SearchResult(done, best, best_dir,
                             self.study.study if self.study is not None else None,
