@@ -159,6 +159,8 @@ def test_choose_auto_records_candidates_and_off_trains_the_sized_default(
     assert budget["seconds"] > 0 and chosen["auc_standard_error"] > 0
     assert "settings chosen by validation" in capsys.readouterr().err
     assert not (tmp_path / "auto" / "choosing").exists()
+    page = (tmp_path / "auto" / "report" / "report.html").read_text()
+    assert "Settings chosen by validation" in page and "sparse-x3" in page
     off = _train(files, tmp_path / "off", "--choose", "off")
     assert "chosen_settings" not in off
     # 1,000 validation rows: no challenger beats the default beyond the noise here, so
