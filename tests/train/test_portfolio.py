@@ -177,3 +177,15 @@ def test_choose_needs_validation_rows(files, tmp_path, capsys) -> None:
                  "auto", *FLAGS])
     assert code != 0
     assert "--choose auto needs --valid" in capsys.readouterr().err
+
+
+def test_fit_takes_choose(files, tmp_path) -> None:
+    from terarec.api.fit import fit
+
+    train, valid = files
+    with pytest.raises(ValueError, match="--choose maybe: expected one of auto, off"):
+        fit(train, valid, out=tmp_path / "bad", model="lr", choose="maybe")
+    model = fit(train, valid, out=tmp_path / "off", model="lr", choose="off", epochs=1,
+                threads=1, progress=False)
+    metrics = json.loads((tmp_path / "off" / "metrics.json").read_text())
+    assert "chosen_settings" not in metrics and model is not None
