@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import html
 import io
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -404,6 +405,10 @@ def write_report(
              for h in history if h.get("file_done")]
     files_html = (f"<h2>Progressive validation per file</h2>{_rows_table(files)}"
                   if files else "")
+    chosen = summary.get("chosen_settings")
+    if isinstance(chosen, Mapping):  # the portfolio raced on the validation rows
+        summary = {k: v for k, v in summary.items() if k != "chosen_settings"}
+        files_html += _chosen_html(chosen)
 
     body = f"""{_headline(auc, ceiling)}
 <h2>Summary</h2>
@@ -440,6 +445,25 @@ def _page(title: str, sub: str, body: str) -> str:
 </body>
 </html>
 """
+
+
+def _chosen_html(chosen: Mapping) -> str:
+    """The settings portfolio's race: every candidate, the rule, the budget used."""
+    budget = chosen.get("budget") or {}
+    rows = [{"member": c.get("name"), "values": json.dumps(c.get("params") or {}),
+             "patience": c.get("patience"), "passes": c.get("passes"),
+             "best pass": c.get("best_pass"), "valid AUC": c.get("valid_auc"),
+             "valid log loss": c.get("valid_logloss"), "stopped": c.get("stop_reason")}
+            for c in chosen.get("candidates") or []]
+    said = (f"Chosen: <b>{html.escape(str(chosen.get('chosen')))}</b>. "
+            f"{html.escape(str(chosen.get('rule', '')))} "
+            f"(standard error {_cell(chosen.get('auc_standard_error'))[0]}). Budget: "
+            f"{_cell(budget.get('passes'))[0]} passes, "
+            f"{_cell(budget.get('used_x_default_run'))[0]}x the default run's "
+            f"(limit {_cell(budget.get('limit_x_default_run'))[0]}x), "
+            f"{_cell(budget.get('seconds'))[0]} s.")
+    return (f"<h2>Settings chosen by validation</h2><p>{said}</p>"
+            f"{_rows_table(rows) if rows else ''}")
 
 
 def _rows_table(rows: Sequence[Mapping]) -> str:

@@ -159,6 +159,8 @@ def test_choose_auto_records_candidates_and_off_trains_the_sized_default(
     assert budget["seconds"] > 0 and chosen["auc_standard_error"] > 0
     assert "settings chosen by validation" in capsys.readouterr().err
     assert not (tmp_path / "auto" / "choosing").exists()
+    page = (tmp_path / "auto" / "report" / "report.html").read_text()
+    assert "Settings chosen by validation" in page and "sparse-x3" in page
     off = _train(files, tmp_path / "off", "--choose", "off")
     assert "chosen_settings" not in off
     # 1,000 validation rows: no challenger beats the default beyond the noise here, so
@@ -175,3 +177,15 @@ def test_choose_needs_validation_rows(files, tmp_path, capsys) -> None:
                  "auto", *FLAGS])
     assert code != 0
     assert "--choose auto needs --valid" in capsys.readouterr().err
+
+
+def test_fit_takes_choose(files, tmp_path) -> None:
+    from terarec.api.fit import fit
+
+    train, valid = files
+    with pytest.raises(ValueError, match="--choose maybe: expected one of auto, off"):
+        fit(train, valid, out=tmp_path / "bad", model="lr", choose="maybe")
+    model = fit(train, valid, out=tmp_path / "off", model="lr", choose="off", epochs=1,
+                threads=1, progress=False)
+    metrics = json.loads((tmp_path / "off" / "metrics.json").read_text())
+    assert "chosen_settings" not in metrics and model is not None

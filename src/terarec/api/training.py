@@ -518,8 +518,10 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
             sized[ACCUMULATOR_KEY] = chosen.chosen
             notes["chosen_by_validation"] = [chosen.summary()]
         if selection is not None and _choosing(job, config):
-            config, selection, notes["chosen_settings"] = _choose_settings(
+            config, selection, chosen_settings = _choose_settings(
                 job, config, schema(), inputs, valid, selection, ctx)
+            if chosen_settings:
+                notes["chosen_settings"] = chosen_settings
         if sized and ctx.is_main:
             print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
                   file=sys.stderr)
@@ -575,6 +577,8 @@ def _choose_settings(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
     members = portfolio(config, given, job.patience, estimate_rows(job.train or []))
     batches = list(iter_file_batches(valid, schema, config.batch_size,
                                      on_bad_row=config.on_bad_row))
+    if not batches or len(members) < 2:  # no rows (the run says so) or no challenger
+        return config, selection, {}
     choice = choose_settings(schema, config, members, inputs, batches,
                              Path(job.out) / CHOOSING_DIR, select_by=selection.select_by,
                              patience=selection.patience or job.patience, ctx=ctx)

@@ -22,7 +22,9 @@ least ``MIN_SELECTED_STEPS`` optimizer steps. A run that gives any of ``SIZED_KE
 keeps the fixed defaults for the rest (they are tuned together); admission and the
 width are sized unless given themselves. Below 100,000 rows a run with a validation set
 is refit on train + valid (``refit_by_default``). Why each value, and what it was
-measured against: docs/models.md, "Data-sized defaults".
+measured against: docs/models.md, "Data-sized defaults". With a validation set these
+values are the default a small portfolio races (``train.portfolio``): the data replaces
+them where an alternative beats them beyond the validation noise.
 """
 
 from __future__ import annotations
