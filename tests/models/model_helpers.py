@@ -10,6 +10,8 @@ from terarec.config import ModelConfig
 from terarec.types import FeatureSchema, FieldSpec
 
 MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
+# One logit per label: built over a schema with several labels (tests/multitask).
+MULTI_TASK_NAMES = ("sharedbottom", "mmoe", "esmm")
 
 
 def tiny_schema(missing_flags: bool = False) -> FeatureSchema:
