@@ -32,6 +32,7 @@ from terarec.data.synth import (
     _CALIBRATION_ROWS,
     NUM_CATEGORICAL,
     NUM_DENSE,
+    SynthArrays,
     _AUCHistogram,
     _bias_for_ctr,
     _blocks,
@@ -123,7 +124,7 @@ def generate_conversion(path: str | Path, rows: int, *, model_seed: int = 0,
             conv_score.add(p_conv, conversion)
             clicks += float(click.sum())
             conversions += float(conversion.sum())
-            table = _to_table(_Part(dense, cats, click.astype(np.float32)))
+            table = _to_table(SynthArrays(dense, cats, click.astype(np.float32), p_click))
             table = table.rename_columns(["click", *table.column_names[1:]])
             table = table.add_column(1, "conversion", pa.array(conversion.astype(np.int8)))
             pa_csv.write_csv(table, fh, options)
@@ -136,11 +137,3 @@ def generate_conversion(path: str | Path, rows: int, *, model_seed: int = 0,
     atomic_write_text(truth_path(path), json.dumps(asdict(info), indent=2))
     return info
 
-
-@dataclass
-class _Part:
-    """The columns ``synth._to_table`` renders."""
-
-    dense: np.ndarray
-    categorical: np.ndarray
-    labels: np.ndarray
