@@ -68,7 +68,7 @@ def test_schema_json_keeps_the_labels_and_one_label_stays_as_it_was() -> None:
 def test_multi_task_models_give_one_logit_per_label(name: str) -> None:
     torch.manual_seed(0)
     model = build_model(SCHEMA, replace(SMALL, name=name))
-    dense, emb = torch.randn(5, SCHEMA.dense_dim), torch.randn(5, 2, 4)
+    dense, emb = torch.randn(5, SCHEMA.dense_dim), torch.randn(5, 2, 5)
     out = model(dense, emb)
     assert out.shape == (5, 2) and torch.isfinite(out).all()
     assert model.task_names == ("click", "conversion")
@@ -79,7 +79,7 @@ def test_multi_task_models_give_one_logit_per_label(name: str) -> None:
 def test_esmm_second_output_is_the_product_of_ctr_and_cvr() -> None:
     torch.manual_seed(1)
     model = build_model(SCHEMA, replace(SMALL, name="esmm")).eval()
-    dense, emb = torch.randn(64, SCHEMA.dense_dim), 3 * torch.randn(64, 2, 4)
+    dense, emb = torch.randn(64, SCHEMA.dense_dim), 3 * torch.randn(64, 2, 5)
     out = torch.sigmoid(model(dense, emb).double())
     cvr = torch.sigmoid(model.cvr_logits(dense, emb).double())
     assert torch.allclose(out[:, 1], out[:, 0] * cvr, rtol=1e-4, atol=1e-7)
@@ -96,7 +96,7 @@ def test_label_count_and_model_kind_must_agree() -> None:
     with pytest.raises(ValueError, match="'esmm' has two tasks"):
         build_model(three, replace(SMALL, name="esmm"))
     assert build_model(three, replace(SMALL, name="mmoe"))(
-        torch.zeros(2, 2), torch.zeros(2, 2, 4)).shape == (2, 3)
+        torch.zeros(2, 2), torch.zeros(2, 2, 5)).shape == (2, 3)
 
 
 @pytest.fixture(scope="module")
