@@ -12,6 +12,8 @@ from terarec.types import FeatureSchema, FieldSpec
 MODEL_NAMES = ("lr", "fm", "widedeep", "deepfm", "dcnv2", "dlrm", "dssm")
 # Models over sequence fields (tests/sequences): they need a schema with one.
 SEQUENCE_MODEL_NAMES = ("din", "seqpool")
+# One logit per label: built over a schema with several labels (tests/multitask).
+MULTI_TASK_NAMES = ("sharedbottom", "mmoe", "esmm")
 
 
 def tiny_schema(missing_flags: bool = False) -> FeatureSchema:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from model_helpers import MODEL_NAMES, SEQUENCE_MODEL_NAMES, small_config, tiny_schema
+from model_helpers import (
+    MODEL_NAMES,
+    MULTI_TASK_NAMES,
+    SEQUENCE_MODEL_NAMES,
+    small_config,
+    tiny_schema,
+)
 
 import terarec.models as models
 from terarec.config import ModelConfig, from_dict
@@ -13,7 +19,7 @@ from terarec.models import MODELS, CTRModel, build_model, model_class, row_dim_f
 
 
 def test_registry_holds_exactly_the_documented_models() -> None:
-    assert tuple(MODELS) == MODEL_NAMES + SEQUENCE_MODEL_NAMES
+    assert tuple(MODELS) == MODEL_NAMES + SEQUENCE_MODEL_NAMES + MULTI_TASK_NAMES
     for name, cls in MODELS.items():
         assert issubclass(cls, CTRModel)
         assert model_class(name.upper()) is cls

@@ -51,6 +51,12 @@ class Model:
         """The feature schema the model was trained with (``schema.json``)."""
         return self._meta[0]
 
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        """The labels the model scores, one task each (one for most models; the columns
+        of ``predict``'s ``[rows, T]`` for a multi-task model)."""
+        return self.schema.task_names
+
     @functools.cached_property
     def config(self) -> TrainConfig:
         """The ``TrainConfig`` the model was trained with (``train_config.json``)."""
@@ -91,7 +97,8 @@ class Model:
     def predict(self, data: Data, *, format: str | None = None, delimiter: str | None = None,
                 on_bad_row: OnBadRow = "error") -> np.ndarray:
         """Click probabilities, one per row of ``data`` in order (a label column is not
-        needed). With ``on_bad_row="skip"`` a skipped row gets NaN, so row i of the
+        needed); ``[rows, T]`` for a model of several labels, one column per task in
+        ``task_names`` order. With ``on_bad_row="skip"`` a skipped row gets NaN, so row i of the
         result still answers row i of the data."""
         from terarec.finite import check_model_scores
 
@@ -137,9 +144,10 @@ class Model:
             check_rows_scored(files, stats)
         metrics["skipped_rows"] = stats.skipped
         metrics["in_sample"] = in_sample
-        auc = metrics.get("auc")
-        if auc is not None and not math.isfinite(auc):
-            metrics["auc"] = None
+        for key in [k for k in metrics if k == "auc" or k.startswith("auc_")]:
+            auc = metrics[key]  # a task's AUC too, with several labels
+            if auc is not None and not math.isfinite(auc):
+                metrics[key] = None
         return metrics
 
     def export(self, uri: str, *, bits: int = 32, codebook: bool = False,
@@ -314,7 +322,7 @@ def _with_gaps(scores: np.ndarray, stats: ReadStats, first: int) -> np.ndarray:
     if not stats.skipped_at:
         return scores
     gaps = np.asarray(sorted(stats.skipped_at), dtype=np.int64) - first
-    out = np.full(len(scores) + len(gaps), np.nan)
+    out = np.full((len(scores) + len(gaps), *scores.shape[1:]), np.nan)
     keep = np.ones(len(out), dtype=bool)
     keep[gaps] = False
     out[keep] = scores

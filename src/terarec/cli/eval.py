@@ -30,11 +30,13 @@ def run(args: argparse.Namespace) -> int:
     metrics["in_sample"] = in_sample
     if in_sample:
         print(f"warning: {in_sample_warning(args.model, in_sample)}", file=sys.stderr)
-    auc = metrics["auc"]
-    if auc is not None and not math.isfinite(auc):  # NaN is not JSON: the file was unreadable
-        metrics["auc"] = None
-        print("AUC is undefined: every label in --data is the same class; written as null",
-              file=sys.stderr)
+    for key in [k for k in metrics if k == "auc" or k.startswith("auc_")]:  # and each task's
+        auc = metrics[key]
+        if auc is not None and not math.isfinite(auc):  # NaN is not JSON
+            metrics[key] = None
+            label = "" if key == "auc" else f" {key[4:]!r}"
+            print(f"AUC is undefined: every label{label} in --data is the same class; "
+                  "written as null", file=sys.stderr)
     atomic_write_text(args.out or args.model / "eval_metrics.json",
                       json.dumps(metrics, indent=2, allow_nan=False))
     report_skipped(stats)

@@ -51,6 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Zipf exponent of categorical values (default 1.1)")
     p.add_argument("--vocab-scale", type=float,
                    help="multiply every field's vocabulary size (default 1.0)")
+    p.add_argument("--conversion", action="store_true",
+                   help="also plant a conversion label (only after a click, sharing the "
+                   "click truth's factors plus its own): a CSV with a header, "
+                   "click,conversion,I1..I13,C1..C26, for multi-task models "
+                   "(docs/multitask.md)")
     g = p.add_argument_group("retrieval (--retrieval): a click log with planted user-item "
                              "affinity, and its item catalog OUT.items")
     g.add_argument("--retrieval", action="store_true",
@@ -115,10 +120,15 @@ def _run(args: argparse.Namespace) -> int:
                          "N validation rows")
     if args.seed < 0:
         raise ValueError(f"--seed must not be negative, got {args.seed}")
+    if args.conversion and (args.retrieval or args.hourly is not None):
+        raise ValueError("--conversion plants a second label in click logs; it does not go "
+                         "with --retrieval or --hourly")
     if args.retrieval:
         return _retrieval(args)
     if args.hourly is not None:
         return _hourly(args)
+    if args.conversion:
+        return _conversion(args)
     common = dict(model_seed=args.seed, exponent=args.exponent, vocab_scale=args.vocab_scale,
                   truth=args.truth)
     jobs = [("train", args.out, args.rows, 2 * args.seed)]
@@ -128,6 +138,28 @@ def _run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         info = generate(path, rows, sample_seed=sample_seed, **common)
         _print(name, info, time.perf_counter() - start)
+    return 0
+
+
+def _conversion(args: argparse.Namespace) -> int:
+    from terarec.data.synth_conversion import generate_conversion
+
+    jobs = [("train", args.out, args.rows, 2 * args.seed)]
+    if args.valid_rows:
+        jobs.append(("valid", args.valid_out, args.valid_rows, 2 * args.seed + 1))
+    for name, path, rows, sample_seed in jobs:
+        start = time.perf_counter()
+        info = generate_conversion(path, rows, model_seed=args.seed, sample_seed=sample_seed,
+                                   exponent=args.exponent, vocab_scale=args.vocab_scale,
+                                   truth=args.truth)
+        print(f"{name}: {info.rows:,} rows -> {info.path} "
+              f"({time.perf_counter() - start:.1f} s, truth {info.truth})\n"
+              f"  click: CTR {100 * info.ctr:.2f} %, best reachable AUC "
+              f"{info.ceiling_auc:.4f} (log loss {info.ceiling_logloss:.4f})\n"
+              f"  conversion: {100 * info.conversion_rate:.2f} % of rows "
+              f"({100 * info.cvr:.2f} % of clicks), best reachable AUC "
+              f"{info.conversion_ceiling_auc:.4f} "
+              f"(log loss {info.conversion_ceiling_logloss:.4f})")
     return 0
 
 

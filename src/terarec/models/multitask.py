@@ -1,16 +1,23 @@
 """Multi-task models: one logit per label over the same embedding rows, so tasks that
 share sparse rows (click and conversion, income and marital status) train one table.
 
-Every model here reads ``x = [emb_1, ..., emb_F, dense]`` (the pooled rows flattened,
-the numeric columns appended) and returns ``[B, T]`` logits in ``schema.task_names``
-order::
+Rows are laid out as DeepFM's, ``1 + D`` wide (column 0 a key's linear weight, columns
+``1:`` its factor ``v``), and each task's logit is DeepFM's shape with a shared deep part::
 
-    sharedbottom   x -> deep_mlp -> tower_t (tower_mlp -> 1)            per task t
-    mmoe           x -> expert_e (deep_mlp), e < num_experts
-                   gate_t = softmax(W_t x); h_t = sum_e gate_t[e] expert_e
-                   h_t -> tower_t (tower_mlp -> 1)                       per task t
-    esmm           x -> ctr tower (deep_mlp -> 1) = a,  x -> cvr tower = b
-                   [a, logit(sigmoid(a) * sigmoid(b))]   (pCTR, pCTCVR)
+    shallow_t = bias_t + sum_f c_tf w_f + a_t . dense + <s_t, fm(v)>    per task t
+                (c, s start at 1: every task starts as the same FM; fm(v) is the
+                 pairwise-interaction vector 0.5 ((sum v)^2 - sum v^2), so <1, fm> is FM)
+    x         = [v_1, ..., v_F, dense]
+    sharedbottom   deep_t = tower_t(deep_mlp(x))
+    mmoe           expert_e = deep_mlp_e(x), e < num_experts
+                   deep_t = tower_t(sum_e softmax(W_t x)[e] expert_e)
+    esmm           ctr = shallow_0 + ctr_mlp(x),  cvr = shallow_1 + cvr_mlp(x)
+                   outputs [ctr, logit(sigmoid(ctr) * sigmoid(cvr))]   (pCTR, pCTCVR)
+
+    logit_t = shallow_t + deep_t, returned as [B, T] in ``schema.task_names`` order.
+
+The towers' output layers start at zero (as DeepFM's deep part): an untrained model is
+one FM per task, and the deep part learns what the tasks share beyond it.
 """
 
 from __future__ import annotations
@@ -28,21 +35,48 @@ from terarec.types import FeatureSchema
 
 
 class _MultiTask(CTRModel):
-    """The input width and per-task towers the three models share."""
+    """Each task's FM part and the towers the three models share."""
 
     multi_task: ClassVar[bool] = True
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
-        self.in_dim = self.num_fields * config.embedding_dim + self.dense_dim
+        tasks, fields, dim = self.num_tasks, self.num_fields, config.embedding_dim
+        self.in_dim = fields * dim + self.dense_dim
+        self.task_bias = nn.Parameter(torch.zeros(tasks))
+        self.field_scale = nn.Parameter(torch.ones(tasks, fields))
+        self.pair_scale = nn.Parameter(torch.ones(tasks, dim))
+        self.task_dense = nn.Linear(self.dense_dim, tasks, bias=False) \
+            if self.dense_dim else None
+        if self.task_dense is not None:
+            nn.init.zeros_(self.task_dense.weight)
+
+    @classmethod
+    def row_dim_for(cls, config: ModelConfig) -> int:
+        cls.check_config(config)
+        return 1 + config.embedding_dim
+
+    def shallow(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """``[B, T]``: each task's FM logit over the shared rows."""
+        factors = emb[:, :, 1:]
+        linear = emb[:, :, 0] @ self.field_scale.T + self.task_bias
+        if self.task_dense is not None:
+            linear = linear + self.task_dense(dense)
+        pairs = 0.5 * (factors.sum(dim=1).square() - factors.square().sum(dim=1))
+        return linear + pairs @ self.pair_scale.T
+
+    def deep_input(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return concat_dense(emb[:, :, 1:], dense)
 
     def _towers(self, in_dim: int) -> nn.ModuleList:
         cfg = self.config
         return nn.ModuleList(MLP(in_dim, tuple(cfg.tower_mlp), cfg.dropout, out_dim=1,
-                                 batch_norm=cfg.batch_norm) for _ in self.task_names)
+                                 batch_norm=cfg.batch_norm, zero_output=True)
+                             for _ in self.task_names)
 
     def logit_offset(self) -> nn.Parameter | None:
-        """None: each task has its own output bias (recalibration is per model)."""
+        """None: each task has its own output bias (``task_bias``); recalibration, which
+        shifts one, is off for these models."""
         return None
 
 
@@ -58,8 +92,9 @@ class SharedBottom(_MultiTask):
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)
-        h = self.bottom(concat_dense(emb, dense))
-        return torch.cat([tower(h) for tower in self.towers], dim=1)
+        h = self.bottom(self.deep_input(dense, emb))
+        deep = torch.cat([tower(h) for tower in self.towers], dim=1)
+        return self.shallow(dense, emb) + deep
 
 
 class MMoE(_MultiTask):
@@ -86,18 +121,19 @@ class MMoE(_MultiTask):
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)
-        x = concat_dense(emb, dense)
+        x = self.deep_input(dense, emb)
         experts = torch.stack([e(x) for e in self.experts], dim=1)  # [B, E, H]
         gates = F.softmax(self.gates(x).view(x.shape[0], self.num_tasks, -1), dim=2)
         mixed = torch.bmm(gates, experts)  # [B, T, H]
-        return torch.cat([tower(mixed[:, t]) for t, tower in enumerate(self.towers)],
-                         dim=1)
+        deep = torch.cat([tower(mixed[:, t]) for t, tower in enumerate(self.towers)], dim=1)
+        return self.shallow(dense, emb) + deep
 
 
 class ESMM(_MultiTask):
     """Entire-space multi-task model (Ma et al., SIGIR 2018) for click then conversion:
-    a CTR tower and a CVR tower over the shared rows; the second output is
-    pCTCVR = pCTR * pCVR, trained on impressions against click and conversion, so the
+    a CTR and a CVR network (each an FM part and a ``deep_mlp``) over the shared rows;
+    the second output is pCTCVR = pCTR * pCVR, trained on impressions against click and
+    conversion, so the
     CVR tower learns over the whole impression space (no selection bias) and from the
     click task's rows. Labels: ``click,conversion``; a conversion without a click counts
     as none. The CVR itself is ``sigmoid(cvr_logits)``."""
@@ -108,13 +144,19 @@ class ESMM(_MultiTask):
             raise ValueError(f"model 'esmm' has two tasks (click, then conversion); the "
                              f"schema has {self.num_tasks}: {', '.join(self.task_names)}")
         self.ctr = MLP(self.in_dim, tuple(config.deep_mlp), config.dropout, out_dim=1,
-                       batch_norm=config.batch_norm)
+                       batch_norm=config.batch_norm, zero_output=True)
         self.cvr = MLP(self.in_dim, tuple(config.deep_mlp), config.dropout, out_dim=1,
-                       batch_norm=config.batch_norm)
+                       batch_norm=config.batch_norm, zero_output=True)
+
+    def _ctr_cvr(self, dense: torch.Tensor, emb: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, 1]`` CTR and CVR logits: each task's FM part plus its tower."""
+        shallow, x = self.shallow(dense, emb), self.deep_input(dense, emb)
+        return shallow[:, :1] + self.ctr(x), shallow[:, 1:] + self.cvr(x)
 
     def cvr_logits(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """``[B]`` conversion-given-click logits (the CVR tower alone)."""
-        return self.cvr(concat_dense(emb, dense)).squeeze(1)
+        return self._ctr_cvr(dense, emb)[1].squeeze(1)
 
     def task_targets(self, labels: torch.Tensor) -> torch.Tensor:
         """``[click, click and conversion]``: pCTCVR's target on every impression."""
@@ -122,8 +164,7 @@ class ESMM(_MultiTask):
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)
-        x = concat_dense(emb, dense)
-        a, b = self.ctr(x), self.cvr(x)
+        a, b = self._ctr_cvr(dense, emb)
         # log pCTCVR = log s(a) + log s(b); its logit is that minus log(1 - pCTCVR),
         # kept below 0 so the product never rounds to 1 (an infinite logit).
         log_p = (F.logsigmoid(a) + F.logsigmoid(b)).clamp(max=-1e-6)

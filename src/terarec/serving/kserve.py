@@ -24,23 +24,39 @@ DATATYPES = frozenset({"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "I
 OUTPUT_NAME = "score"
 
 
+def output_names(version: ServedVersion) -> tuple[str, ...]:
+    """The outputs of a served model: ``score``, or one per task (named as its label)
+    for a model of several labels."""
+    schema = version.schema
+    return (OUTPUT_NAME,) if schema.num_tasks == 1 else schema.task_names
+
+
 def model_metadata(version: ServedVersion, model_name: str) -> dict[str, Any]:
     """``GET /v2/models/NAME``: the served version, its inputs (one per raw feature) and
-    its one output."""
+    its outputs (one, or one per task)."""
     inputs = [{"name": f.name, "datatype": "FP64" if f.kind == "numeric" else "BYTES",
                "shape": [-1]} for f in version.schema.fields]
     return {"name": model_name, "versions": [str(version.version)], "platform": "terarec",
             "inputs": inputs,
-            "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [-1]}]}
+            "outputs": [{"name": name, "datatype": "FP32", "shape": [-1]}
+                        for name in output_names(version)]}
 
 
-def score_answer(model_name: str, version: ServedVersion, scores: list[float],
-                 request_id: str | None) -> dict[str, Any]:
-    """The answer of a scored v2 request: one FP32 output, one score per row."""
+def score_answer(model_name: str, version: ServedVersion, scores: list[Any],
+                 request_id: str | None, requested: list[dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
+    """The answer of a scored v2 request: one FP32 output with one score per row, or,
+    for a model of several labels, one output per task (those ``requested``, if the
+    request named some)."""
+    names = output_names(version)
+    columns = [scores] if len(names) == 1 else [[row[t] for row in scores]
+                                                for t in range(len(names))]
+    wanted = {o.get("name") for o in requested or []}
     out: dict[str, Any] = {
         "model_name": model_name, "model_version": str(version.version),
-        "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [len(scores)],
-                     "data": scores}]}
+        "outputs": [{"name": name, "datatype": "FP32", "shape": [len(data)], "data": data}
+                    for name, data in zip(names, columns, strict=True)
+                    if not wanted or name in wanted]}
     if request_id is not None:
         out["id"] = request_id
     return out
@@ -50,7 +66,7 @@ def json_columns(body: InferRequest, version: ServedVersion, max_rows: int
                  ) -> tuple[dict[str, Any], int]:
     """Columns of a v2 inference request: one input tensor per feature, shape [N] or
     [N, 1], all with the same N; and N."""
-    check_outputs(body.outputs)
+    check_outputs(body.outputs, version)
     columns: dict[str, Any] = {}
     rows = None
     for i, tensor in enumerate(body.inputs):
@@ -69,10 +85,13 @@ def json_columns(body: InferRequest, version: ServedVersion, max_rows: int
     return columns, rows
 
 
-def check_outputs(outputs: list[dict[str, Any]]) -> None:
-    """A request may name the one output there is, or none."""
-    if any(o.get("name") != OUTPUT_NAME for o in outputs):
-        raise BadRequest(f"'outputs' may only request the output {OUTPUT_NAME!r}")
+def check_outputs(outputs: list[dict[str, Any]], version: ServedVersion) -> None:
+    """A request may name the outputs there are (``score``, or the tasks), or none."""
+    names = output_names(version)
+    if any(o.get("name") not in names for o in outputs):
+        if len(names) == 1:
+            raise BadRequest(f"'outputs' may only request the output {OUTPUT_NAME!r}")
+        raise BadRequest(f"'outputs' may only request the outputs {list(names)}")
 
 
 def check_tensor(i: int, name: str, datatype: str, shape: list[int],
@@ -152,7 +171,7 @@ def binary_columns(raw: bytes, header: str, version: ServedVersion, max_rows: in
         raise BadRequest(f"bad {binary.HEADER} header {header!r}: the body has "
                          f"{len(raw)} bytes", 400)
     body = decode(BinaryInferRequest, raw[:size])
-    check_outputs(body.outputs)
+    check_outputs(body.outputs, version)
     data = memoryview(raw)[size:]
     columns: dict[str, Any] = {}
     rows, start = None, 0

@@ -185,6 +185,8 @@ def add_retrieve_routes(app: FastAPI, engine: ServingEngine,
             records = index.records(found)
             batch = request_batch(version, body.context, records, "candidates")
             ranked = np.asarray(await routes.scores(batcher, version, batch, "candidates"))
+            if ranked.ndim == 2:  # several labels: ranked by the first task's score
+                ranked = ranked[:, 0]
             order = np.argsort(-ranked, kind="stable")
             found, scores = found[order], scores[order]
             out["rank_scores"] = ranked[order].tolist()

@@ -9,6 +9,9 @@ model's saved schema, exactly as training hashed its files::
     {"context": {"C1": "u42", "I1": 3}, "candidates": [{"C3": "item7"}, {"C3": "item9"}]}
     -> {"model": "terarec", "version": 3, "scores": [0.031, 0.207]}
 
+A model of several labels also answers ``"task_scores": {"click": [...], "conversion":
+[...]}`` (``"scores"`` is then the first task's), and ``/infer`` one output per task.
+
 Every scoring request goes through one ``DynamicBatcher``, which scores the requests in
 flight together in one pass (``serving/batching.py``).
 """
@@ -122,8 +125,9 @@ def _binary_batch_error(version: ServedVersion, columns: dict[str, Any], rows: i
 
 
 async def scores(batcher: DynamicBatcher, version: ServedVersion, batch: Batch,
-                 where: str) -> list[float]:
-    """The batch's scores, scored together with the requests in flight (503 when the
+                 where: str) -> list[Any]:
+    """The batch's scores (rows of one score per task for a model of several labels),
+    scored together with the requests in flight (503 when the
     batcher's queue is full, 422 naming ``where`` for a score that is not finite)."""
     try:
         out = await batcher.score(version, batch)
@@ -164,14 +168,22 @@ class ScoringRoutes:
                                                   self.max_candidates)
         batch = request_batch(version, context, candidates, "candidates", names)
         out = await scores(self.batcher, version, batch, "candidates")
-        return {"model": self.model_name, "version": version.version, "scores": out}
+        answer = {"model": self.model_name, "version": version.version, "scores": out}
+        tasks = version.schema.task_names
+        if len(tasks) > 1:  # several labels: "scores" is the first task's, as one had it
+            answer["scores"] = [row[0] for row in out]
+            answer["task_scores"] = {name: [row[t] for row in out]
+                                     for t, name in enumerate(tasks)}
+        return answer
 
     async def infer(self, scope: Scope, receive: Receive) -> dict[str, Any]:
         version = self.served_model(scope["path"].split("/")[3])
         raw = await read_body(scope, receive, self.max_body_bytes)
         binary_header = header(scope, binary.HEADER.encode())
+        requested = None
         if binary_header is None:
             body = decode(InferRequest, raw)
+            requested = body.outputs
             if "top_k" in body.parameters:  # retrieval (serving/retrieve.py)
                 return await self.top_k(version, body)
             require_route(version, "predict")
@@ -183,7 +195,7 @@ class ScoringRoutes:
                 raw, binary_header, version, self.max_candidates)
         batch = columns_request_batch(version, columns, rows)
         out = await scores(self.batcher, version, batch, "row")
-        return kserve.score_answer(self.model_name, version, out, request_id)
+        return kserve.score_answer(self.model_name, version, out, request_id, requested)
 
 
 def add_v2_routes(app: FastAPI, engine: ServingEngine, scoring: ScoringRoutes) -> None:

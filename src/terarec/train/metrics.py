@@ -64,14 +64,14 @@ def evaluate_tasks(labels: np.ndarray, probs: np.ndarray, tasks: Sequence[str],
     task's."""
     out: dict[str, float] = {}
     per_task = [evaluate_scores(labels[:, t], probs[:, t]) for t in range(len(tasks))]
-    for name, m in zip(tasks, per_task, strict=True):
-        out.update({f"{key}_{name}": value for key, value in m.items()})
     for key in ("auc", "logloss"):
         pairs = [(w, m[key]) for w, m in zip(weights, per_task, strict=True)
                  if np.isfinite(m[key]) and w > 0]
         total = sum(w for w, _ in pairs)
         out[key] = float(sum(w * v for w, v in pairs) / total) if total > 0 else float("nan")
     out["ctr"], out["mean_prediction"] = per_task[0]["ctr"], per_task[0]["mean_prediction"]
+    for name, m in zip(tasks, per_task, strict=True):
+        out.update({f"{key}_{name}": value for key, value in m.items()})
     return out
 
 

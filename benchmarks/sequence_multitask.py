@@ -1,0 +1,183 @@
+"""Modern ranking models against their references, measured in one run.
+
+Each part is a function returning its keys; ``main`` merges them into one JSON line.
+
+Multi-task (several labels in one model, docs/multitask.md):
+
+- ``adult``: Adult (../shared/data/adult) as two tasks, as in the MMoE paper's census
+  setup: income (the file's label) and marital status never-married, with the
+  marital-status column removed from the inputs. One MMoE (both labels) against two
+  single-task DeepFMs, the same settings on each side: trained on the first 87.5 % of
+  train.csv, the best pass selected by validation AUC on the rest, scored on test.csv.
+  ``table_bytes_*``: the embedding rows stored, one table against the two models' sum.
+- ``planted``: ``synth --conversion`` data (a conversion only after a click, its logit
+  sharing the click truth's factors plus its own): ESMM and MMoE against a single-task
+  DeepFM per label, scored on a test file of the same truth, with both ceilings (the
+  planted probabilities' AUC on the test rows).
+
+    python benchmarks/sequence_multitask.py [--parts adult,planted] [--rows 60000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+ADULT_NUMERIC = ("age", "fnlwgt", "educational-num", "capital-gain", "capital-loss",
+                 "hours-per-week")
+VALID_FRACTION = 0.125
+# The same settings on both sides of every comparison: selection by validation AUC, no
+# refit, and Adagrad's start fixed (not chosen by validation, which trains each several
+# times); everything else follows the data's size as in a default ``train``.
+SETTINGS: dict[str, Any] = dict(select_by="auc", patience=2, refit=False, progress=False,
+                                sparse_optimizer={"initial_accumulator": 0.001})
+
+
+def _fit(train: Path, valid: Path, test: Path, out: Path, label: str, model: str,
+         epochs: int, **data: Any) -> dict[str, Any]:
+    """One model trained and scored on ``test``: its metrics, rows stored and seconds."""
+    import terarec
+
+    start = time.perf_counter()
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fitted = terarec.fit(train, valid, out=out, label=label,
+                             model={"name": model}, epochs=epochs, **SETTINGS, **data)
+        scored = fitted.evaluate(test)
+    return {**scored, "seconds": time.perf_counter() - start,
+            "table_bytes": int(fitted.metrics["store_value_bytes"])}
+
+
+# -- multi-task: Adult as two tasks -------------------------------------------------------
+
+def _adult_files(work: Path) -> tuple[Path, Path, Path, list[str]] | None:
+    """fit / valid / test CSVs with the labels ``income`` and ``never_married`` and
+    without the marital-status column; None when the data is absent."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pa_csv
+
+    folder = DATA / "adult"
+    if not (folder / "train.csv").exists():
+        return None
+    categorical: list[str] = []
+    out = []
+    for name in ("train", "test"):
+        table = pa_csv.read_csv(folder / f"{name}.csv")
+        never = pc.equal(table.column("marital-status"), "Never-married")
+        columns = {"income": table.column("label"),
+                   "never_married": pc.cast(never, pa.int8())}
+        categorical = [c for c in table.column_names
+                       if c not in (*ADULT_NUMERIC, "label", "marital-status")]
+        for c in (*ADULT_NUMERIC, *categorical):
+            columns[c] = table.column(c)
+        out.append(pa.table(columns))
+    train, test = out
+    cut = int(train.num_rows * (1 - VALID_FRACTION))
+    paths = []
+    for name, table in (("fit", train.slice(0, cut)), ("valid", train.slice(cut)),
+                        ("test", test)):
+        path = work / f"adult-{name}.csv"
+        pa_csv.write_csv(table, path)
+        paths.append(path)
+    return paths[0], paths[1], paths[2], categorical
+
+
+def adult_multitask(work: Path, epochs: int) -> dict[str, Any]:
+    """MMoE on (income, never-married) against a DeepFM per task."""
+    files = _adult_files(work)
+    if files is None:
+        print(f"adult: {DATA / 'adult'} is absent; part skipped", file=sys.stderr)
+        return {}
+    fit, valid, test, categorical = files
+    data = dict(format="csv", numeric=",".join(ADULT_NUMERIC),
+                categorical=",".join(categorical))
+    mmoe = _fit(fit, valid, test, work / "adult-mmoe", "income,never_married", "mmoe",
+                epochs, **data)
+    single = {task: _fit(fit, valid, test, work / f"adult-{task}", task, "deepfm", epochs,
+                         **data) for task in ("income", "never_married")}
+    return {
+        "adult_mmoe_auc_income": mmoe["auc_income"],
+        "adult_single_auc_income": single["income"]["auc"],
+        "adult_mmoe_auc_never_married": mmoe["auc_never_married"],
+        "adult_single_auc_never_married": single["never_married"]["auc"],
+        "table_bytes_mmoe": mmoe["table_bytes"],
+        "table_bytes_single": sum(s["table_bytes"] for s in single.values()),
+        "adult_mmoe_seconds": round(mmoe["seconds"], 1),
+        "adult_single_seconds": round(sum(s["seconds"] for s in single.values()), 1),
+    }
+
+
+# -- multi-task: planted click and conversion ---------------------------------------------
+
+def planted_multitask(work: Path, rows: int, epochs: int) -> dict[str, Any]:
+    """ESMM and MMoE against a DeepFM per label, with the planted ceilings."""
+    from terarec.data.synth_conversion import CATEGORICAL, NUMERIC, generate_conversion
+
+    files = {}
+    for name, n, seed in (("train", rows, 0), ("valid", rows // 4, 1), ("test", rows // 4, 2)):
+        files[name] = work / f"planted-{name}.csv"
+        info = generate_conversion(files[name], n, sample_seed=seed, vocab_scale=0.01)
+    data = dict(format="csv", numeric=",".join(NUMERIC), categorical=",".join(CATEGORICAL))
+    args = (files["train"], files["valid"], files["test"])
+    out: dict[str, Any] = {"planted_rows": rows,
+                           "planted_ceiling_auc_click": info.ceiling_auc,
+                           "planted_ceiling_auc_conversion": info.conversion_ceiling_auc}
+    for model in ("esmm", "mmoe"):
+        got = _fit(*args, work / f"planted-{model}", "click,conversion", model, epochs,
+                   **data)
+        out[f"planted_{model}_auc_click"] = got["auc_click"]
+        out[f"planted_{model}_auc_conversion"] = got["auc_conversion"]
+    for task in ("click", "conversion"):
+        got = _fit(*args, work / f"planted-single-{task}", task, "deepfm", epochs, **data)
+        out[f"planted_single_auc_{task}"] = got["auc"]
+    return out
+
+
+# Behaviour sequences (DIN, sum pooling, the length-50 throughput ratio) are parts of
+# their own, added next to these with their keys.
+PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, Any]]] = {
+    "adult": lambda work, a: adult_multitask(work, a.epochs),
+    "planted": lambda work, a: planted_multitask(work, a.rows, a.epochs),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--rows", type=int, default=60_000, help="planted training rows")
+    parser.add_argument("--epochs", type=int, default=6, help="epoch upper bound")
+    args = parser.parse_args(argv)
+    wanted = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(wanted) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; known: {', '.join(PARTS)}")
+    line: dict[str, Any] = {"benchmark": "sequence_multitask",
+                            "load_avg": [round(os.getloadavg()[0], 1)]}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="terarec-seqmt-") as tmp:
+        for name in wanted:
+            line.update(PARTS[name](Path(tmp), args))
+    line["seconds"] = round(time.perf_counter() - start, 1)
+    line["load_avg"].append(round(os.getloadavg()[0], 1))
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                      for k, v in line.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    raise SystemExit(main())
