@@ -65,8 +65,8 @@ from terarec.export import (
     list_versions,
     read_manifest,
 )
-from terarec.export.format import MANIFEST, sha256_bytes, shard_name
-from terarec.io import sha256_file
+from terarec.export.format import LATEST, MANIFEST, sha256_bytes, shard_name
+from terarec.io import atomic_write_text, sha256_file
 from terarec.loopback import free_port
 from terarec.modeldir import CheckpointError, list_checkpoints, load_checkpoint, verify_checkpoint
 
@@ -344,10 +344,24 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
     keys, values = ckpt.sparse["keys"], ckpt.sparse["values"]
     pass_id = int(ckpt.meta["pass_id"])
 
-    def delta(shift: float) -> str:
-        return ModelExporter(export).write_delta(
+    def delta(shift: float, into: Path = export) -> str:
+        return ModelExporter(into).write_delta(
             dense=ckpt.dense, keys=keys[::2], values=values[::2] + shift,
             deleted=keys[1::40], pass_id=pass_id).name
+
+    def damaged_delta(shift: float, damage) -> str:
+        """A delta written and damaged out of the server's sight (in a copy of the
+        export), then moved in whole: written in place, a server polling under load
+        loaded it between the write and the damage, and rightly served it."""
+        staging = work / "staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(export, staging)
+        name = delta(shift, into=staging)
+        damage(staging / name)
+        os.rename(staging / name, export / name)
+        atomic_write_text(export / LATEST, name)
+        shutil.rmtree(staging)
+        return name
 
     port, cache = free_port(), work / "serve-cache"
     serve_cmd = ["serve", str(export), "--port", str(port), "--threads", "1",
@@ -371,8 +385,7 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
             totals["faults"] += 1
         time.sleep(1.0)
         # 2. a delta with a flipped byte
-        bad = delta(0.5)
-        _flip(export / bad / shard_name(0))
+        bad = damaged_delta(0.5, lambda folder: _flip(folder / shard_name(0)))
         must_not_serve.add(int(bad[1:]))
         totals["faults"] += 1
         time.sleep(1.0)
@@ -414,16 +427,18 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
         status, _ = post(port, _unseen(body))
         totals["server_5xx"] += status >= 500
         # 4. a delta whose manifest reaches outside its version
-        escape = delta(0.75)
-        outside = work / "outside" / "dense.safetensors"
-        outside.parent.mkdir(exist_ok=True)
-        shutil.copy(export / escape / "dense.safetensors", outside)
-        manifest = json.loads((export / escape / MANIFEST).read_text())
-        rel = "../../outside/dense.safetensors"
-        manifest["dense"] = rel
-        manifest["files"][rel] = {"sha256": sha256_bytes(outside.read_bytes()),
-                                  "bytes": outside.stat().st_size}
-        (export / escape / MANIFEST).write_text(json.dumps(manifest))
+        def point_outside(folder: Path) -> None:
+            outside = work / "outside" / "dense.safetensors"
+            outside.parent.mkdir(exist_ok=True)
+            shutil.copy(folder / "dense.safetensors", outside)
+            manifest = json.loads((folder / MANIFEST).read_text())
+            rel = "../../outside/dense.safetensors"  # from the export's version folder
+            manifest["dense"] = rel
+            manifest["files"][rel] = {"sha256": sha256_bytes(outside.read_bytes()),
+                                      "bytes": outside.stat().st_size}
+            (folder / MANIFEST).write_text(json.dumps(manifest))
+
+        escape = damaged_delta(0.75, point_outside)
         must_not_serve.add(int(escape[1:]))
         totals["faults"] += 1
         # 5. hostile bodies
@@ -437,10 +452,12 @@ def serve_rounds(work: Path, model: Path, export_src: Path, data: Path,
         # 5b. versions consistent with their manifests but unservable: all rows NaN, keys
         # out of order, and a delta whose shard is a symbolic link out of its folder
         served = served_version(port)
-        linked = delta(0.6)
-        target = work / "outside" / "shard.safetensors"
-        shutil.move(export / linked / shard_name(0), target)
-        (export / linked / shard_name(0)).symlink_to(target)
+        def link_out(folder: Path) -> None:
+            target = work / "outside" / "shard.safetensors"
+            shutil.move(folder / shard_name(0), target)
+            (folder / shard_name(0)).symlink_to(target)
+
+        linked = damaged_delta(0.6, link_out)
         must_not_serve.add(int(linked[1:]))
         totals["faults"] += 1
         time.sleep(1.0)
@@ -513,12 +530,14 @@ def _unsorted_keys(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
 def _full_copy(export: Path, source: str, edit) -> int:
     """A new full version: full version ``source`` with its first shard passed through
     ``edit``, under a manifest whose sizes and checksums match; its number."""
-    from terarec.export.format import LATEST, memmap_tensors, rows_bytes
+    from terarec.export.format import memmap_tensors, rows_bytes
 
     storage = Storage(export)
     number = max(int(n[1:]) for n in list_versions(storage)) + 1
     name = f"v{number:06d}"
-    folder = export / name
+    # built beside the export and moved in whole: the server never sees it half made
+    folder = export.parent / f"staging-{name}"
+    shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(export / source, folder)
     shard = folder / shard_name(0)
     tensors = memmap_tensors(shard)
@@ -530,6 +549,7 @@ def _full_copy(export: Path, source: str, edit) -> int:
     manifest.pop("parent", None)
     manifest["files"][shard_name(0)] = {"sha256": sha256_bytes(data), "bytes": len(data)}
     (folder / MANIFEST).write_text(json.dumps(manifest))
+    os.rename(folder, export / name)
     (export / LATEST).write_text(name)
     return number
 
