@@ -135,6 +135,25 @@ def test_a_tighter_budget_trains_challengers_less(files, tmp_path) -> None:
     assert all(c.stop_reason == "pruned" for c in choice.candidates[1:])
 
 
+def test_a_longer_patience_goes_on_from_the_default_run(files, tmp_path) -> None:
+    """The member that only waits longer is the default's run trained on: the default's
+    figures are what it reaches alone, and the longer run stays within the budget."""
+    schema, config, batches = _setup(files)
+    config.epochs = 6
+    default = Member("default", {})
+    alone = choose_settings(schema, config, [default], [files[0]], batches, tmp_path / "a",
+                            select_by="logloss", patience=1, ctx=CPU)
+    longer = Member("patience-x3", {"epochs": 20}, patience=3)
+    both = choose_settings(schema, config, [default, longer], [files[0]], batches,
+                           tmp_path / "b", select_by="logloss", patience=1, ctx=CPU)
+    first, wait = both.candidates
+    assert first.passes == alone.candidates[0].passes == both.default_passes
+    assert first.best_pass == alone.candidates[0].best_pass
+    assert first.valid_auc == alone.candidates[0].valid_auc
+    assert wait.member.name == "patience-x3" and wait.passes >= first.passes
+    assert both.passes == wait.passes <= 3 * both.default_passes
+
+
 def _train(files, out: Path, *extra: str) -> dict:
     train, valid = files
     assert main(["train", "--train", str(train), "--valid", str(valid), "--out", str(out),
