@@ -76,10 +76,13 @@ def test_members_leave_given_keys_alone_and_skip_models_that_do_not_change() -> 
     config = TrainConfig()
     names = [m.name for m in portfolio(config, set(), 2, 10_000)]
     assert names[0] == "default" and {"sparse-x3", "deep-x8", "patience-x3",
-                                      "batch-x4", "wide", "fast-dropout"} <= set(names)
+                                      "batch-x4", "wide", "dropout"} <= set(names)
+    assert "admit-all" not in names  # the fixed admission admits every key already
+    config.store.admit_min_count = 2
+    assert "admit-all" in {m.name for m in portfolio(config, set(), 2, 10_000)}
     given = {m.name for m in portfolio(config, {"sparse_optimizer.lr", "patience"}, 2,
                                        10_000)}
-    assert not given & {"sparse-x3", "fast", "fast-dropout", "patience-x3", "batch-x4"}
+    assert not given & {"sparse-x3", "fast", "patience-x3", "batch-x4"}
     assert {"deep-x8", "wide"} <= given
     # the epoch upper bound follows a member's batch size and patience
     batch = next(m for m in portfolio(config, set(), 2, 10_000) if m.name == "batch-x4")

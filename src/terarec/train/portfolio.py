@@ -135,11 +135,12 @@ def portfolio(config: TrainConfig, given: set[str], patience: int,
         Member("wide", {"model.embedding_dim": config.model.embedding_dim * 2},
                why="a wider embedding for data with more interaction signal"),
     ]
+    if config.store.admit_min_count > 1 and config.store.admit_probability is None:
+        members.append(Member("admit-all", {"store.admit_min_count": 1},
+                              why="a row for every key, as one-hot regression has"))
     if name in _DEEP:
-        members.append(Member(
-            "fast-dropout", {"sparse_optimizer.lr": sparse * 3,
-                             "dense_optimizer.lr": dense * 8, "model.dropout": 0.2},
-            why="fast rates held back by dropout"))
+        members.append(Member("dropout", {"model.dropout": 0.2},
+                              why="a deep part held back where it overfits"))
     out = [Member(DEFAULT_NAME, {}, why="the data-sized default")]
     for member in members:
         keys = set(member.params) | ({"patience"} if member.patience else set())
