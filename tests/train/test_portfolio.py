@@ -76,10 +76,13 @@ def test_members_leave_given_keys_alone_and_skip_models_that_do_not_change() -> 
     config = TrainConfig()
     names = [m.name for m in portfolio(config, set(), 2, 10_000)]
     assert names[0] == "default" and {"sparse-x3", "deep-x8", "patience-x3",
-                                      "batch-x4", "wide", "fast-dropout"} <= set(names)
+                                      "batch-x4", "wide", "dropout"} <= set(names)
+    assert "admit-all" not in names  # the fixed admission admits every key already
+    config.store.admit_min_count = 2
+    assert "admit-all" in {m.name for m in portfolio(config, set(), 2, 10_000)}
     given = {m.name for m in portfolio(config, {"sparse_optimizer.lr", "patience"}, 2,
                                        10_000)}
-    assert not given & {"sparse-x3", "fast", "fast-dropout", "patience-x3", "batch-x4"}
+    assert not given & {"sparse-x3", "fast", "patience-x3", "batch-x4"}
     assert {"deep-x8", "wide"} <= given
     # the epoch upper bound follows a member's batch size and patience
     batch = next(m for m in portfolio(config, set(), 2, 10_000) if m.name == "batch-x4")
@@ -133,6 +136,25 @@ def test_a_tighter_budget_trains_challengers_less(files, tmp_path) -> None:
     assert choice.passes <= 1.5 * d
     assert sum(c.passes for c in choice.candidates[1:]) <= d // 2
     assert all(c.stop_reason == "pruned" for c in choice.candidates[1:])
+
+
+def test_a_longer_patience_goes_on_from_the_default_run(files, tmp_path) -> None:
+    """The member that only waits longer is the default's run trained on: the default's
+    figures are what it reaches alone, and the longer run stays within the budget."""
+    schema, config, batches = _setup(files)
+    config.epochs = 6
+    default = Member("default", {})
+    alone = choose_settings(schema, config, [default], [files[0]], batches, tmp_path / "a",
+                            select_by="logloss", patience=1, ctx=CPU)
+    longer = Member("patience-x3", {"epochs": 20}, patience=3)
+    both = choose_settings(schema, config, [default, longer], [files[0]], batches,
+                           tmp_path / "b", select_by="logloss", patience=1, ctx=CPU)
+    first, wait = both.candidates
+    assert first.passes == alone.candidates[0].passes == both.default_passes
+    assert first.best_pass == alone.candidates[0].best_pass
+    assert first.valid_auc == alone.candidates[0].valid_auc
+    assert wait.member.name == "patience-x3" and wait.passes >= first.passes
+    assert both.passes == wait.passes <= 3 * both.default_passes
 
 
 def _train(files, out: Path, *extra: str) -> dict:

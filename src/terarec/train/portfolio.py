@@ -5,7 +5,8 @@ fast a model converges within its epoch budget, how fast its deep part should le
 how much it should be held back differ between data sets. So where ``train`` has
 validation rows, a few alternatives (``portfolio``) race the default::
 
-    1. the default trains alone, as its run would, to its patience stop: d passes
+    1. the default trains alone, as its run would, to its patience stop: d passes (a
+       member that only waits longer is that run trained on, ``_first_run``)
     2. the challengers train side by side (``train.choose.race``, one pass loop), with
        (budget - 1) * d passes between them: successive halving keeps the better half
        by the selection metric at each rung, and a challenger stops once the next pass
@@ -134,11 +135,12 @@ def portfolio(config: TrainConfig, given: set[str], patience: int,
         Member("wide", {"model.embedding_dim": config.model.embedding_dim * 2},
                why="a wider embedding for data with more interaction signal"),
     ]
+    if config.store.admit_min_count > 1 and config.store.admit_probability is None:
+        members.append(Member("admit-all", {"store.admit_min_count": 1},
+                              why="a row for every key, as one-hot regression has"))
     if name in _DEEP:
-        members.append(Member(
-            "fast-dropout", {"sparse_optimizer.lr": sparse * 3,
-                             "dense_optimizer.lr": dense * 8, "model.dropout": 0.2},
-            why="fast rates held back by dropout"))
+        members.append(Member("dropout", {"model.dropout": 0.2},
+                              why="a deep part held back where it overfits"))
     out = [Member(DEFAULT_NAME, {}, why="the data-sized default")]
     for member in members:
         keys = set(member.params) | ({"patience"} if member.patience else set())
@@ -207,12 +209,16 @@ def choose_settings(schema: FeatureSchema, config: TrainConfig, members: Sequenc
     valid = list(iter_scoring_passes(ctx, valid_batches, config.pass_rows))
     scratch = Path(scratch)
     default, *challengers = members
-    (first,) = race(schema, config, [default.params], train_paths, valid, scratch,
-                    select_by=select_by, patience=[default.patience or patience], ctx=ctx)
-    candidates = [_candidate(default, first)]
-    d = candidates[0].passes
-    allowed = int((budget - 1) * d)
-    spent = 0
+    # A member that only waits longer trains what the default does up to its stop: it
+    # is the default's run trained on (``_first_run``), not raced from the start.
+    longer = next((m for m in challengers if m.patience and set(m.params) <= {"epochs"}),
+                  None)
+    challengers = [m for m in challengers if m is not longer]
+    candidates, d, first_passes = _first_run(
+        schema, config, default, longer, train_paths, valid, scratch, select_by=select_by,
+        patience=patience, ctx=ctx, budget=budget)
+    allowed = int(budget * d) - first_passes
+    spent = first_passes - d
     if challengers and allowed >= len(challengers):
         marks = rungs(len(challengers), allowed)
         tracker = SelectionTracker(select_by, patience=None)
@@ -236,7 +242,7 @@ def choose_settings(schema: FeatureSchema, config: TrainConfig, members: Sequenc
                     patience=[m.patience or patience for m in challengers], ctx=ctx,
                     on_boundary=boundary)
         candidates += [_candidate(m, r) for m, r in zip(challengers, runs, strict=True)]
-        spent = counted[0]
+        spent += counted[0]
     positives = int(sum(float(b.labels.sum()) for b in valid_batches) + 0.5)
     rows = sum(len(b) for b in valid_batches)
     chosen, se = pick(candidates, positives, rows - positives)
@@ -269,6 +275,55 @@ def pick(candidates: Sequence[Candidate], positives: int, negatives: int
         if chosen is default or auc > (chosen.valid_auc or -math.inf):
             chosen = c
     return chosen, se
+
+
+def _first_run(schema: FeatureSchema, config: TrainConfig, default: Member,
+               longer: Member | None, train_paths: Sequence[str | Path | InputFile],
+               valid: list, scratch: Path, *, select_by: str, patience: int,
+               ctx: DistContext, budget: float) -> tuple[list[Candidate], int, int]:
+    """The default's run, alone, to its stop: its candidate, its passes (d) and the
+    passes trained. With ``longer`` (a member that only waits longer) the run goes on
+    under its patience and epoch bound, up to half the challengers' budget past d,
+    while a second tracker with the default's patience says where the default stops."""
+    wait = default.patience or patience
+    if longer is None:
+        (run,) = race(schema, config, [default.params], train_paths, valid, scratch,
+                      select_by=select_by, patience=[wait], ctx=ctx)
+        candidate = _candidate(default, run)
+        return [candidate], candidate.passes, candidate.passes
+    shadow = SelectionTracker(select_by, wait)
+    stop: list[int | None] = [None]  # the default's passes, once it has stopped
+    reason: list[str | None] = [None]
+    cap: list[int | None] = [None]
+
+    def watch(live: list[TrialRun]) -> None:
+        (run,) = live
+        history = run.trainer.history
+        record = history[-1]
+        if stop[0] is None and int(record["epoch"]) >= config.epochs:
+            stop[0], reason[0] = len(history) - 1, "epochs_exhausted"  # not its pass
+        elif stop[0] is None:
+            shadow.update(record[shadow.key], int(record["pass_id"]) + 1)
+            if shadow.exhausted:
+                stop[0], reason[0] = len(history), "patience"
+        if stop[0] is not None and cap[0] is None:
+            cap[0] = stop[0] + int((budget - 1) * stop[0]) // 2
+        if cap[0] is not None and len(history) >= cap[0]:
+            run.stop(STOP_PRUNED)
+
+    (run,) = race(schema, config, [{**default.params, **longer.params}], train_paths, valid,
+                  scratch, select_by=select_by, patience=[longer.patience or wait],
+                  ctx=ctx, on_boundary=watch)
+    history = run.trainer.history
+    d = stop[0] if stop[0] is not None else len(history)
+    if stop[0] is None:  # both ended together (the data ran out of epochs)
+        shadow = SelectionTracker.from_history(history, select_by, wait)
+    best = next((r for r in history if int(r["pass_id"]) + 1 == shadow.best_pass), {})
+    first = Candidate(default, passes=d, best_pass=shadow.best_pass,
+                      best_value=shadow.best_value, valid_auc=best.get("valid_auc"),
+                      valid_logloss=best.get("valid_logloss"),
+                      stop_reason=reason[0] or run.stop_reason)
+    return [first, _candidate(longer, run)], d, len(history)
 
 
 def _rank(run: TrialRun, tracker: SelectionTracker) -> tuple[int, float]:
