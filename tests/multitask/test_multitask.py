@@ -186,3 +186,28 @@ def test_cli_synth_conversion_and_train(tmp_path, capsys) -> None:
     evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"auc_click", "auc_conversion", "logloss_click", "logloss_conversion"} \
         <= set(evaluated)
+
+
+@pytest.mark.parametrize("name", ["sharedbottom", "mmoe", "esmm"])
+def test_the_server_runs_multi_task_networks_on_onnx(name: str) -> None:
+    from terarec.serving.dense import TOLERANCE, OnnxForwards
+
+    torch.manual_seed(2)
+    model = build_model(SCHEMA, replace(SMALL, name=name)).eval()
+    forward = OnnxForwards(threads=1).build(model, SCHEMA, model.row_dim)
+    assert forward is not None, f"{name} is not served by ONNX Runtime"
+    dense, emb = torch.randn(33, SCHEMA.dense_dim), torch.randn(33, 2, 5)
+    got = torch.sigmoid(forward(dense, emb))
+    assert got.shape == (33, 2)
+    assert float((got - torch.sigmoid(model(dense, emb))).abs().max()) <= TOLERANCE
+
+
+def test_esmm_ctcvr_logit_is_exact_where_the_product_nears_one() -> None:
+    model = build_model(SCHEMA, replace(SMALL, name="esmm")).eval()
+    a = torch.tensor([[30.0], [-30.0], [0.0], [8.0]])
+    b = torch.tensor([[30.0], [5.0], [-40.0], [9.0]])
+    model._ctr_cvr = lambda dense, emb: (a, b)  # type: ignore[method-assign]
+    got = model(torch.zeros(4, 2), torch.zeros(4, 2, 5))[:, 1].double()
+    want = torch.logit(torch.sigmoid(a.double()) * torch.sigmoid(b.double())).squeeze(1)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-3)

@@ -166,8 +166,10 @@ class ESMM(_MultiTask):
         self.check_inputs(dense, emb)
         a, b = self._ctr_cvr(dense, emb)
         # log pCTCVR = log s(a) + log s(b); its logit is that minus log(1 - pCTCVR),
-        # kept below 0 so the product never rounds to 1 (an infinite logit).
-        log_p = (F.logsigmoid(a) + F.logsigmoid(b)).clamp(max=-1e-6)
-        log_q = torch.where(log_p > -0.6931, torch.log(-torch.expm1(log_p)),
-                            torch.log1p(-torch.exp(log_p)))
+        # where 1 - s(a) s(b) = s(-a) + s(a) s(-b): a sum of positive terms, so no
+        # cancellation near pCTCVR = 1 (and every operation exports to ONNX).
+        log_p = F.logsigmoid(a) + F.logsigmoid(b)
+        log_q = torch.logsumexp(torch.cat([F.logsigmoid(-a),
+                                           F.logsigmoid(a) + F.logsigmoid(-b)], dim=1),
+                                dim=1, keepdim=True)
         return torch.cat([a, log_p - log_q], dim=1)

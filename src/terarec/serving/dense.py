@@ -145,11 +145,12 @@ class _Graph:
 
         run = session.run
         outputs = ["logit"]
+        tasks = (model.num_tasks,) if model.multi_task else ()  # [B] or [B, T] logits
 
         def forward(d: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
             out = run(outputs, {"dense": np.ascontiguousarray(d.numpy()),
                                 "emb": np.ascontiguousarray(e.numpy())})[0]
-            return torch.from_numpy(out.reshape(d.shape[0]))
+            return torch.from_numpy(out.reshape(d.shape[0], *tasks))
 
         return forward
 
