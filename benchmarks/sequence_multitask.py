@@ -150,7 +150,7 @@ def planted_multitask(work: Path, rows: int, epochs: int) -> dict[str, Any]:
 # Behaviour sequences (DIN, sum pooling, the length-50 throughput ratio) are parts of
 # their own, added next to these with their keys.
 PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, Any]]] = {
-    "adult": lambda work, a: adult_multitask(work, a.epochs),
+    "adult": lambda work, a: adult_multitask(work, a.adult_epochs),
     "planted": lambda work, a: planted_multitask(work, a.rows, a.epochs),
 }
 
@@ -159,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--rows", type=int, default=60_000, help="planted training rows")
-    parser.add_argument("--epochs", type=int, default=6, help="epoch upper bound")
+    parser.add_argument("--epochs", type=int, default=6,
+                        help="epoch upper bound on the planted data")
+    parser.add_argument("--adult-epochs", type=int, default=12,
+                        help="epoch upper bound on Adult (patience stops first)")
     args = parser.parse_args(argv)
     wanted = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(wanted) - set(PARTS))

@@ -4,9 +4,10 @@ share sparse rows (click and conversion, income and marital status) train one ta
 Rows are laid out as DeepFM's, ``1 + D`` wide (column 0 a key's linear weight, columns
 ``1:`` its factor ``v``), and each task's logit is DeepFM's shape with a shared deep part::
 
-    shallow_t = bias_t + sum_f c_tf w_f + a_t . dense + <s_t, fm(v)>    per task t
-                (c, s start at 1: every task starts as the same FM; fm(v) is the
-                 pairwise-interaction vector 0.5 ((sum v)^2 - sum v^2), so <1, fm> is FM)
+    shallow_t = bias_t + sum_f (c_tf w_f + <u_tf, v_f>) + a_t . dense + <s_t, fm(v)>
+                (c, s start at 1 and u at 0: every task starts as the same FM; fm(v) is
+                 the pairwise-interaction vector 0.5 ((sum v)^2 - sum v^2), <1, fm> FM's
+                 term; u_tf lets each task weigh a key's factor as its own first order)
     x         = [v_1, ..., v_F, dense]
     sharedbottom   deep_t = tower_t(deep_mlp(x))
     mmoe           expert_e = deep_mlp_e(x), e < num_experts
@@ -46,6 +47,9 @@ class _MultiTask(CTRModel):
         self.task_bias = nn.Parameter(torch.zeros(tasks))
         self.field_scale = nn.Parameter(torch.ones(tasks, fields))
         self.pair_scale = nn.Parameter(torch.ones(tasks, dim))
+        # Each task's own reading of a key's factor as a first-order weight: the rows'
+        # linear weight is shared, and tasks may weigh one key differently.
+        self.field_proj = nn.Parameter(torch.zeros(tasks, fields, dim))
         self.task_dense = nn.Linear(self.dense_dim, tasks, bias=False) \
             if self.dense_dim else None
         if self.task_dense is not None:
@@ -59,7 +63,8 @@ class _MultiTask(CTRModel):
     def shallow(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """``[B, T]``: each task's FM logit over the shared rows."""
         factors = emb[:, :, 1:]
-        linear = emb[:, :, 0] @ self.field_scale.T + self.task_bias
+        linear = emb[:, :, 0] @ self.field_scale.T + self.task_bias \
+            + torch.einsum("bfd,tfd->bt", factors, self.field_proj)
         if self.task_dense is not None:
             linear = linear + self.task_dense(dense)
         pairs = 0.5 * (factors.sum(dim=1).square() - factors.square().sum(dim=1))
