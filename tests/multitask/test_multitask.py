@@ -211,3 +211,10 @@ def test_esmm_ctcvr_logit_is_exact_where_the_product_nears_one() -> None:
     want = torch.logit(torch.sigmoid(a.double()) * torch.sigmoid(b.double())).squeeze(1)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-3)
+
+
+def test_synth_conversion_refuses_the_other_modes(tmp_path, capsys) -> None:
+    for mode in (["--hourly", "2"], ["--retrieval"]):
+        assert cli_main(["synth", "--conversion", *mode, "--rows", "10",
+                         "--out", str(tmp_path / "x")]) == 2
+        assert "--conversion plants a second label" in capsys.readouterr().err
