@@ -134,6 +134,9 @@ def test_a_tighter_budget_trains_challengers_less(files, tmp_path) -> None:
                              select_by="auc", patience=5, ctx=CPU, budget=1.5)
     d = choice.default_passes
     assert choice.passes <= 1.5 * d
+    if d // 2 < 2:  # too few passes left for both challengers: none raced, and said so
+        assert len(choice.candidates) == 1 and "notes" in choice.summary()
+        return
     assert sum(c.passes for c in choice.candidates[1:]) <= d // 2
     assert all(c.stop_reason == "pruned" for c in choice.candidates[1:])
 

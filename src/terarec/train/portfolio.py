@@ -106,7 +106,8 @@ class PortfolioChoice:
                            "default_passes": self.default_passes,
                            "used_x_default_run": round(used, 4),
                            "seconds": round(self.seconds, 3)},
-                "candidates": [c.summary() for c in self.candidates]}
+                "candidates": [c.summary() for c in self.candidates],
+                **({"notes": self.notes} if self.notes else {})}
 
 
 def portfolio(config: TrainConfig, given: set[str], patience: int,
@@ -246,9 +247,9 @@ def choose_settings(schema: FeatureSchema, config: TrainConfig, members: Sequenc
     positives = int(sum(float(b.labels.sum()) for b in valid_batches) + 0.5)
     rows = sum(len(b) for b in valid_batches)
     chosen, se = pick(candidates, positives, rows - positives)
-    notes = [] if challengers and allowed >= len(challengers) else \
-        [f"no challenger raced: the default trained {d} pass(es), leaving "
-         f"{allowed} for {len(challengers)} challenger(s)"]
+    notes = [f"no challenger raced: the default trained {d} pass(es), leaving "
+             f"{allowed} for {len(challengers)} challenger(s)"] \
+        if challengers and allowed < len(challengers) else []
     return PortfolioChoice(candidates, chosen, se, budget, d + spent, d,
                            time.perf_counter() - start,
                            rule=RULE,
