@@ -61,10 +61,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--retrieval", action="store_true",
                    help="write label/user/item/topic rows whose true top items per user are "
                    "known (docs/retrieval.md)")
-    g.add_argument("--users", type=int, help="users (default 100,000)")
-    g.add_argument("--items", type=int, help="items (default 1,000,000)")
+    g.add_argument("--users", type=int,
+                   help="users (default 100,000; with --history 1,000)")
+    g.add_argument("--items", type=int,
+                   help="items (default 1,000,000; with --history 1,000)")
     g.add_argument("--negatives", type=int,
                    help="uniformly drawn unclicked rows per click (default 1)")
+    g = p.add_argument_group("behaviour sequences (--history): label,user,item,hist rows "
+                             "whose click depends on the user's recent items")
+    g.add_argument("--history", action="store_true",
+                   help="write CSV rows with a planted history effect and its ceiling AUC "
+                   "(docs/sequences.md)")
+    g.add_argument("--max-history", type=int,
+                   help="--history: longest history in items (default 20)")
     p.set_defaults(func=run)
 
 
@@ -75,14 +84,18 @@ _DEFAULTS: dict[str, tuple[object, tuple[str, ...], str]] = {
     "truth": ("fm", ("click", "hourly"), "to click logs, not with --retrieval"),
     "exponent": (1.1, ("click", "hourly"), "to click logs, not with --retrieval"),
     "vocab_scale": (1.0, ("click", "hourly"), "to click logs, not with --retrieval"),
-    "users": (100_000, ("retrieval",), "with --retrieval"),
-    "items": (1_000_000, ("retrieval",), "with --retrieval"),
+    "users": (None, ("retrieval", "history"), "with --retrieval or --history"),
+    "items": (None, ("retrieval", "history"), "with --retrieval or --history"),
+    "max_history": (20, ("history",), "with --history"),
     "negatives": (1, ("retrieval",), "with --retrieval")}
 
 
 def _mode_defaults(args: argparse.Namespace) -> None:
     """Refuse a flag of another mode (naming it and where it applies); fill in the rest."""
-    mode = "retrieval" if args.retrieval else "hourly" if args.hourly is not None else "click"
+    if args.retrieval and args.history:
+        raise ValueError("--retrieval and --history write different data; give one")
+    mode = ("retrieval" if args.retrieval else "history" if args.history
+            else "hourly" if args.hourly is not None else "click")
     for attr, (default, modes, where) in _DEFAULTS.items():
         if getattr(args, attr) is None:
             setattr(args, attr, default)
@@ -125,6 +138,8 @@ def _run(args: argparse.Namespace) -> int:
                          "with --retrieval or --hourly")
     if args.retrieval:
         return _retrieval(args)
+    if args.history:
+        return _history(args)
     if args.hourly is not None:
         return _hourly(args)
     if args.conversion:
@@ -195,13 +210,45 @@ def _print(name: str, info: SynthInfo, seconds: float) -> None:
           f"(log loss {info.ceiling_logloss:.4f})")
 
 
+def _history(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from terarec.data.synth_history import HistorySettings, generate_history
+
+    if args.hourly is not None:
+        raise ValueError("--history does not go with --hourly")
+    settings = HistorySettings(max_history=args.max_history)
+    if args.users is not None:
+        settings = replace(settings, users=args.users)
+    if args.items is not None:  # fewer items: fewer subtopics (then topics), 2 items each
+        if args.items < 2:
+            raise ValueError(f"--items must be at least 2 with --history, got {args.items}")
+        subtopics = max(1, min(settings.subtopics, args.items // (2 * settings.topics)))
+        topics = max(1, min(settings.topics, args.items // (2 * subtopics)))
+        settings = replace(settings, items=args.items, topics=topics, subtopics=subtopics,
+                           favourite_topics=min(settings.favourite_topics, topics))
+    settings.check()
+    jobs = [("train", args.out, args.rows, 0)]
+    if args.valid_rows:
+        jobs.append(("valid", args.valid_out, args.valid_rows, 1))
+    for name, path, rows, sample_seed in jobs:
+        start = time.perf_counter()
+        info = generate_history(path, rows, seed=args.seed, sample_seed=sample_seed,
+                                settings=settings)
+        print(f"{name}: {info.rows:,} rows -> {info.path} "
+              f"({time.perf_counter() - start:.1f} s, history up to {info.max_history})\n"
+              f"  CTR {100 * info.ctr:.2f} %, best reachable AUC {info.ceiling_auc:.4f}")
+    return 0
+
+
 def _retrieval(args: argparse.Namespace) -> int:
     from terarec.data.synth_retrieval import write_retrieval
 
     if args.hourly is not None or args.valid_rows:
         raise ValueError("--retrieval does not go with --hourly or --valid-rows")
     start = time.perf_counter()
-    info = write_retrieval(args.out, args.rows, users=args.users, items=args.items,
+    info = write_retrieval(args.out, args.rows, users=args.users or 100_000,
+                           items=args.items or 1_000_000,
                            negatives=args.negatives, seed=args.seed)
     print(f"retrieval: {info.rows:,} rows ({info.clicks:,} clicks) -> {info.path} "
           f"({time.perf_counter() - start:.1f} s)\n  {info.users:,} users, {info.items:,} "

@@ -2,15 +2,17 @@
 --history``).
 
 Each row is a user, a candidate item and the user's recent items (oldest first,
-``|``-separated), the columns ``label,user,item,hist``. Items fall into topics; a user
-favours a few topics and most of the history comes from them. The click probability
-depends on the similarity between the candidate and the history::
+``|``-separated), the columns ``label,user,item,hist``. Items fall into topics, each
+split into subtopics; a user favours a few topics, and most of the history and many
+candidates come from them. The click probability depends on the similarity between the
+candidate and the history's items::
 
-    logit = bias + pop[item] + effect * [some history item shares the candidate's topic]
+    logit = bias + pop[item] + effect * [some history item is in the candidate's subtopic]
 
-The effect saturates (one matching item is as good as five), so it is the candidate's
-relation to individual history items that matters, not the pooled history: what target
-attention (DIN) is for. Its AUC from the true probabilities is the ceiling any model can
+A pooled history tells which topics a user likes, which the user's id tells too; only
+matching the candidate against the history's items one by one says whether this
+subtopic was among them, and the effect saturates (one match counts as much as five):
+what target attention (DIN) is for. Its AUC from the true probabilities is the ceiling any model can
 reach, reported with the data. Everything is a function of ``seed`` (the truth) and
 ``sample_seed`` (the rows): a train and a validation file share one truth.
 """
@@ -36,24 +38,29 @@ COLUMNS = ("label", "user", "item", "hist")
 class HistorySettings:
     """The planted world: sizes, history lengths and the effect's strength."""
 
-    users: int = 5000
-    items: int = 2000
-    topics: int = 100
-    favourite_topics: int = 3
-    max_history: int = 50
+    users: int = 1000
+    items: int = 1000
+    topics: int = 20
+    subtopics: int = 25  # per topic: 2 items each at the defaults
+    favourite_topics: int = 2
+    max_history: int = 20
     min_history: int = 1
-    # share of history items (and of candidates) drawn from the user's favourite topics
-    from_favourites: float = 0.7
+    # share of history items drawn from the user's favourite topics
+    from_favourites: float = 0.8
+    # share of candidates from the subtopic of one of the history's items, and from
+    # the favourite topics (the rest: any topic)
+    candidate_from_history: float = 0.4
     candidate_from_favourites: float = 0.3
-    effect: float = 2.5
+    effect: float = 3.0
     popularity_std: float = 0.3
     bias: float = -2.0
 
     def check(self) -> None:
         if min(self.users, self.items, self.topics, self.favourite_topics) < 1:
             raise ValueError("users, items, topics and favourite_topics must be positive")
-        if self.topics > self.items:
-            raise ValueError(f"topics ({self.topics}) must not exceed items ({self.items})")
+        if self.topics * self.subtopics > self.items:
+            raise ValueError(f"topics x subtopics ({self.topics * self.subtopics}) must not "
+                             f"exceed items ({self.items})")
         if not 1 <= self.min_history <= self.max_history:
             raise ValueError(f"history lengths: need 1 <= min_history ({self.min_history}) "
                              f"<= max_history ({self.max_history})")
@@ -91,20 +98,26 @@ def draw_rows(rows: int, settings: HistorySettings, seed: int = 0,
     settings.check()
     s = settings
     world = np.random.default_rng([seed, 0x5E9])
-    topic_of = world.permutation(np.arange(s.items) % s.topics)  # every topic has items
+    # every subtopic has items; subtopic t * subtopics + j belongs to topic t
+    subtopic_of = world.permutation(np.arange(s.items) % (s.topics * s.subtopics))
+    topic_of = subtopic_of // s.subtopics
     by_topic = [np.flatnonzero(topic_of == t) for t in range(s.topics)]
+    by_subtopic = [np.flatnonzero(subtopic_of == t) for t in range(s.topics * s.subtopics)]
     favourites = np.stack([world.choice(s.topics, s.favourite_topics, replace=False)
                            for _ in range(s.users)])
     popularity = world.normal(0.0, s.popularity_std, s.items)
 
     rng = np.random.default_rng([seed, sample_seed, 0x0E5])
 
-    def items_of(topics: np.ndarray) -> np.ndarray:
-        sizes = np.array([len(by_topic[t]) for t in range(s.topics)])
-        pick = (rng.random(len(topics)) * sizes[topics]).astype(np.int64)
+    def members(groups: list[np.ndarray], of: np.ndarray) -> np.ndarray:
+        """A uniform item of group ``of[i]`` for each i."""
+        sizes = np.array([len(g) for g in groups])
+        pick = (rng.random(len(of)) * sizes[of]).astype(np.int64)
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        flat = np.concatenate(by_topic)
-        return flat[starts[topics] + pick]
+        return np.concatenate(groups)[starts[of] + pick]
+
+    def items_of(topics: np.ndarray) -> np.ndarray:
+        return members(by_topic, topics)
 
     def draw_topics(users: np.ndarray, share: float) -> np.ndarray:
         fav = favourites[users, rng.integers(0, s.favourite_topics, len(users))]
@@ -116,8 +129,13 @@ def draw_rows(rows: int, settings: HistorySettings, seed: int = 0,
     owner = np.repeat(users, lengths)
     hist = items_of(draw_topics(owner, s.from_favourites))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    items = items_of(draw_topics(users, s.candidate_from_favourites))
-    same = topic_of[hist] == np.repeat(topic_of[items], lengths)
+    items = items_of(draw_topics(users, s.candidate_from_favourites
+                                 / max(1e-9, 1.0 - s.candidate_from_history)))
+    # a candidate like one of the history's items: an item of its subtopic
+    seen = hist[offsets[:-1] + (rng.random(rows) * lengths).astype(np.int64)]
+    like = members(by_subtopic, subtopic_of[seen])
+    items = np.where(rng.random(rows) < s.candidate_from_history, like, items)
+    same = subtopic_of[hist] == np.repeat(subtopic_of[items], lengths)
     matched = np.add.reduceat(same.astype(np.int64), offsets[:-1]) > 0
     logits = s.bias + popularity[items] + s.effect * matched
     probs = 1.0 / (1.0 + np.exp(-logits))
