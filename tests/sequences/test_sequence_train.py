@@ -97,7 +97,7 @@ def test_a_tiered_store_trains_the_same_sequence_model(
     train, valid = files
     tiered = terarec.fit(train, valid, out=tmp_path / "tiered", model="din", progress=False,
                          epochs=1, batch_size=256, refit=False,
-                         store={"memory_budget": "40KB"}, **DATA)
+                         store={"memory_budget": "60KB"}, **DATA)
     assert tiered.config.store.memory_budget is not None
     assert np.allclose(tiered.predict(valid), din.predict(valid), atol=1e-5)
 
