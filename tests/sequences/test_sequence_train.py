@@ -97,20 +97,26 @@ def test_a_tiered_store_trains_the_same_sequence_model(
     train, valid = files
     tiered = terarec.fit(train, valid, out=tmp_path / "tiered", model="din", progress=False,
                          epochs=1, batch_size=256, refit=False,
-                         store={"memory_budget": "40KB"}, **DATA)
+                         store={"memory_budget": "60KB"}, **DATA)
     assert tiered.config.store.memory_budget is not None
     assert np.allclose(tiered.predict(valid), din.predict(valid), atol=1e-5)
 
 
 def test_train_cli_takes_sequence_and_share_table(files: tuple[Path, Path],
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, capsys) -> None:
     train, valid = files
-    code = main(["train", "--train", str(train), "--valid", str(valid), "--out",
-                 str(tmp_path / "m"), "--format", "csv", "--label", "label",
-                 "--categorical", "user,item", "--sequence", "hist:3",
-                 "--share-table", "hist=item", "--model", "seqpool", "--epochs", "1",
-                 "--batch-size", "512", "--no-progress"])
-    assert code == 0
+
+    def run(sequence: str, *extra: str) -> int:
+        return main(["train", "--train", str(train), "--valid", str(valid), "--out",
+                     str(tmp_path / "m"), "--format", "csv", "--label", "label",
+                     "--categorical", "user,item", "--sequence", sequence,
+                     "--share-table", "hist=item", "--model", "seqpool", "--epochs", "1",
+                     "--batch-size", "512", "--no-progress", *extra])
+
+    assert run("hist:3") == 0
+    capsys.readouterr()
+    assert run("hist:5", "--resume") == 2  # another length: other columns
+    assert "fields differs" in capsys.readouterr().err
     schema = terarec.load(tmp_path / "m").schema
     hist = schema.sequence_fields[0]
     assert (hist.name, hist.max_len, hist.key_space) == ("hist", 3, "item")

@@ -609,7 +609,8 @@ def _check_resumed_columns(job: TrainJob) -> None:
     def columns(schema: FeatureSchema) -> tuple:
         return (schema.format, schema.task_names,
                 schema.delimiter if schema.format == "csv" else None,
-                tuple((f.name, f.kind, f.transform, f.separator) for f in schema.fields))
+                tuple((f.name, f.kind, f.transform, f.separator, f.max_len, f.key_space)
+                      for f in schema.fields))
 
     saved, given = columns(read_model_meta(job.out)[0]), columns(job.data.schema())
     if saved != given:

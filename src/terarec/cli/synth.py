@@ -84,8 +84,8 @@ _DEFAULTS: dict[str, tuple[object, tuple[str, ...], str]] = {
     "truth": ("fm", ("click", "hourly"), "to click logs, not with --retrieval"),
     "exponent": (1.1, ("click", "hourly"), "to click logs, not with --retrieval"),
     "vocab_scale": (1.0, ("click", "hourly"), "to click logs, not with --retrieval"),
-    "users": (None, ("retrieval", "history"), "with --retrieval or --history"),
-    "items": (None, ("retrieval", "history"), "with --retrieval or --history"),
+    "users": (None, ("retrieval", "history"), "with --retrieval"),
+    "items": (None, ("retrieval", "history"), "with --retrieval"),
     "max_history": (20, ("history",), "with --history"),
     "negatives": (1, ("retrieval",), "with --retrieval")}
 
