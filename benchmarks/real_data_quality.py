@@ -496,7 +496,10 @@ def _evaluate_named(name: str, rows: int, test_rows: int, plan: Plan, work: str
     if sample is None:
         return name, None
     result = evaluate_sample(sample, plan, folder)
-    print(f"{sample.name}: done", file=sys.stderr, flush=True)
+    refs = " ".join(f"{k} {v['auc']:.4f}" for k, v in result["references"].items())
+    search = f" search {result['search']['auc']:.4f}" if result["search"] else ""
+    print(f"{sample.name}: default {result['default']['auc']}{search} {refs}",
+          file=sys.stderr, flush=True)
     return sample.name, result
 
 
