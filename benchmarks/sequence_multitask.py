@@ -2,6 +2,18 @@
 
 Each part is a function returning its keys; ``main`` merges them into one JSON line.
 
+Behaviour sequences (docs/sequences.md):
+
+- ``sequence``: ``terarec synth --history`` rows (``label,user,item,hist``), the click
+  probability depending on whether the user's history holds an item of the candidate's
+  topic, with its Bayes ceiling AUC (``auc_ceiling``) on the scored rows. ``auc_din``:
+  ``din`` with ``hist`` a sequence field sharing ``item``'s table; ``auc_no_sequence``:
+  ``deepfm`` over ``user`` and ``item``; ``auc_sum_pooled``: ``deepfm`` with ``hist`` a
+  multi-valued field, sum-pooled, on ``item``'s table. Same rows, same scored rows.
+- ``speed``: ``deepfm`` with ``hist`` a sequence field of length 50 against the same model
+  without it (``sps_ratio_sequence50``: median training samples per second over the
+  passes after the first), on rows whose histories reach 50.
+
 Multi-task (several labels in one model, docs/multitask.md):
 
 - ``adult``: Adult (../shared/data/adult) as two tasks, as in the MMoE paper's census
@@ -15,7 +27,7 @@ Multi-task (several labels in one model, docs/multitask.md):
   DeepFM per label, scored on a test file of the same truth, with both ceilings (the
   planted probabilities' AUC on the test rows).
 
-    python benchmarks/sequence_multitask.py [--parts adult,planted] [--rows 60000]
+    python benchmarks/sequence_multitask.py [--parts sequence,speed,adult,planted]
 """
 
 from __future__ import annotations
@@ -59,6 +71,67 @@ def _fit(train: Path, valid: Path, test: Path, out: Path, label: str, model: str
         scored = fitted.evaluate(test)
     return {**scored, "seconds": time.perf_counter() - start,
             "table_bytes": int(fitted.metrics["store_value_bytes"])}
+
+
+# -- behaviour sequences: DIN against pooling and no sequence -----------------------------
+
+# The sequence models train with small batches and larger initial rows and learning rates
+# than the defaults, so the item rows learn the planted similarity within the few epochs
+# a CPU run affords; every side of the comparison uses the same.
+SEQUENCE_TRAINING: dict[str, Any] = dict(
+    format="csv", label="label", progress=False, refit=False, select_by="auc",
+    batch_size=256, store={"init_std": 0.1}, sparse_optimizer={"lr": 0.1},
+    dense_optimizer={"lr": 0.003})
+
+
+def _fit_sequence(train: Path, valid: Path, out: Path, model: str, categorical: str,
+                  epochs: int, **extra: Any) -> tuple[float, float]:
+    """(AUC on ``valid``, median training samples per second after the first pass)."""
+    import terarec
+
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = terarec.fit(train, valid, out=out, model=model, categorical=categorical,
+                        epochs=epochs, **SEQUENCE_TRAINING, **extra)
+        auc = float(m.evaluate(valid)["auc"])
+    sps = [float(h["samples_per_s"]) for h in m.history if "samples_per_s" in h]
+    steady = sorted(sps[1:] or sps)
+    return auc, steady[len(steady) // 2] if steady else float("nan")
+
+
+def sequence_din(work: Path, rows: int, epochs: int, max_len: int) -> dict[str, Any]:
+    """DIN against DeepFM without the history and with it sum-pooled, and the ceiling."""
+    from terarec.data.synth_history import HistorySettings, generate_history
+
+    settings = HistorySettings(max_history=max_len)
+    train, valid = work / "history-train.csv", work / "history-valid.csv"
+    generate_history(train, rows, sample_seed=0, settings=settings)
+    info = generate_history(valid, rows // 3, sample_seed=1, settings=settings)
+    auc_din, _ = _fit_sequence(train, valid, work / "din", "din", "user,item", epochs,
+                               sequences=f"hist:{max_len}", share_tables="hist=item")
+    auc_none, _ = _fit_sequence(train, valid, work / "none", "deepfm", "user,item", epochs)
+    auc_sum, _ = _fit_sequence(train, valid, work / "sum", "deepfm", "user,item,hist",
+                               epochs, multi_valued="hist", share_tables="hist=item")
+    return {"sequence_rows": rows, "sequence_max_len": max_len, "sequence_epochs": epochs,
+            "auc_din": auc_din, "auc_no_sequence": auc_none, "auc_sum_pooled": auc_sum,
+            "auc_ceiling": info.ceiling_auc,
+            "din_minus_best_reference": auc_din - max(auc_none, auc_sum),
+            "ceiling_minus_din": info.ceiling_auc - auc_din}
+
+
+def sequence_speed(work: Path, rows: int) -> dict[str, Any]:
+    """Training samples per second with a length-50 sequence against none."""
+    from terarec.data.synth_history import HistorySettings, generate_history
+
+    long = HistorySettings(max_history=50)
+    train, valid = work / "speed-train.csv", work / "speed-valid.csv"
+    generate_history(train, rows, settings=long)
+    generate_history(valid, rows // 4, sample_seed=1, settings=long)
+    _, plain = _fit_sequence(train, valid, work / "plain", "deepfm", "user,item", 3)
+    _, seq = _fit_sequence(train, valid, work / "seq50", "deepfm", "user,item", 3,
+                           sequences="hist:50", share_tables="hist=item")
+    return {"sps_no_sequence": round(plain), "sps_sequence50": round(seq),
+            "sps_ratio_sequence50": round(seq / plain, 3)}
 
 
 # -- multi-task: Adult as two tasks -------------------------------------------------------
@@ -147,9 +220,10 @@ def planted_multitask(work: Path, rows: int, epochs: int) -> dict[str, Any]:
     return out
 
 
-# Behaviour sequences (DIN, sum pooling, the length-50 throughput ratio) are parts of
-# their own, added next to these with their keys.
 PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, Any]]] = {
+    "sequence": lambda work, a: sequence_din(work, a.sequence_rows, a.sequence_epochs,
+                                             a.max_len),
+    "speed": lambda work, a: sequence_speed(work, a.speed_rows),
     "adult": lambda work, a: adult_multitask(work, a.adult_epochs),
     "planted": lambda work, a: planted_multitask(work, a.rows, a.epochs),
 }
@@ -158,6 +232,12 @@ PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, Any]]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--sequence-rows", type=int, default=60_000,
+                        help="planted-history training rows (a third as many scored)")
+    parser.add_argument("--sequence-epochs", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=20, help="history length of DIN")
+    parser.add_argument("--speed-rows", type=int, default=20_000,
+                        help="rows of the throughput runs (histories up to 50)")
     parser.add_argument("--rows", type=int, default=60_000, help="planted training rows")
     parser.add_argument("--epochs", type=int, default=6,
                         help="epoch upper bound on the planted data")
