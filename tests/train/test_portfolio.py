@@ -174,7 +174,8 @@ def _weights(out: Path) -> dict[str, bytes]:
 
 def test_choose_auto_records_candidates_and_off_trains_the_sized_default(
         files, tmp_path, capsys) -> None:
-    auto = _train(files, tmp_path / "auto")
+    assert "chosen_settings" not in _train(files, tmp_path / "plain")  # opt-in
+    auto = _train(files, tmp_path / "auto", "--choose", "auto")
     chosen = auto["chosen_settings"]
     assert chosen["candidates"][0]["name"] == "default"
     for c in chosen["candidates"]:

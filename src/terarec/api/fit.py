@@ -40,8 +40,8 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
     without improvement (default 2), and below 100,000 training rows a fresh model is
     refit on train + valid for the chosen number of epochs (``refit=False`` keeps the
     selected pass). Settings not given follow the data's size, as on the command line;
-    with ``valid`` a small portfolio of settings races them on the validation rows
-    (``choose="auto"``, the default there; ``choose="off"`` keeps the sized ones).
+    ``choose="auto"`` (with ``valid``) races a small portfolio of settings against them
+    on the validation rows (docs/training.md; off by default).
 
     ``config``: a whole ``TrainConfig`` (its values that differ from the defaults count
     as given); keyword settings apply on top of it. ``model`` may also be a

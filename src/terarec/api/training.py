@@ -226,10 +226,11 @@ def _check_choose(job: TrainJob) -> None:
 
 
 def _choosing(job: TrainJob, config: TrainConfig) -> bool:
-    """Whether this run races the portfolio: with validation rows unless ``choose`` is
-    "off", on a fresh model whose store is all in RAM (a memory budget would be split
-    between the members)."""
-    return job.choose != "off" and bool(job.valid) and not _resuming(job) \
+    """Whether this run races the portfolio: asked for (``choose="auto"``, opt-in: the
+    race costs up to 3 runs more and has kept the default in every measured case), with
+    validation rows, on a fresh model whose store is all in RAM (a memory budget would
+    be split between the members)."""
+    return job.choose == "auto" and bool(job.valid) and not _resuming(job) \
         and config.store.memory_budget is None
 
 

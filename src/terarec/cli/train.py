@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "size, patience, width and dropout against the data-sized default on "
                    "the validation rows, keeping the default unless a setting beats its "
                    "validation AUC by more than the standard error, within 3x the "
-                   "default run's passes (docs/training.md; default: auto with --valid)")
+                   "default run's passes (docs/training.md; default: off)")
     p.add_argument("--out", required=True, type=Path, help="model directory")
     p.add_argument("--resume", action="store_true",
                    help="continue after the last committed pass in --out")
