@@ -505,12 +505,15 @@ def repeated_key(raw: bytes | str) -> str | None:
 
 # Keys only some models or sparse optimizers read (section, key -> the names that read
 # it); given to any other, the value would be silently ignored.
+SEQUENCE_MODELS = ("din", "seqpool")  # an MLP over the fields and a sequence
 MULTI_TASK_MODELS = ("sharedbottom", "mmoe", "esmm")  # one logit per label
 _READ_ONLY_BY: dict[tuple[str, str], tuple[str, ...]] = {
     **{("model", k): ("dcnv2",) for k in ("cross_layers", "cross_rank")},
     **{("model", k): ("dlrm",) for k in ("bottom_mlp", "top_mlp")},
-    ("model", "deep_mlp"): ("widedeep", "deepfm", "dcnv2", "dssm", *MULTI_TASK_MODELS),
-    **{("model", k): ("widedeep", "deepfm", "dcnv2", "dlrm", "dssm", *MULTI_TASK_MODELS)
+    ("model", "deep_mlp"): ("widedeep", "deepfm", "dcnv2", "dssm", *SEQUENCE_MODELS,
+                            *MULTI_TASK_MODELS),
+    **{("model", k): ("widedeep", "deepfm", "dcnv2", "dlrm", "dssm", *SEQUENCE_MODELS,
+                      *MULTI_TASK_MODELS)
        for k in ("dropout", "batch_norm")},  # the models with an MLP
     ("model", "tower_mlp"): MULTI_TASK_MODELS,
     ("model", "num_experts"): ("mmoe",),

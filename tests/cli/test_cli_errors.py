@@ -194,13 +194,16 @@ def test_config_keys_the_model_or_optimizer_does_not_read_are_refused(data, tmp_
                   "--sparse-optimizer", "adagrad", "--epochs", "1") == 0
 
 
+# The models with an MLP (dropout and batch norm read it), as errors list them.
+MLP_MODELS = ("widedeep / deepfm / dcnv2 / dlrm / dssm / din / seqpool / sharedbottom / "
+              "mmoe / esmm")
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--model", "lr", "--dropout", "0.3"],
-     "--dropout: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this run's "
-     "is lr"),
+     f"--dropout: only model {MLP_MODELS} reads it, this run's is lr"),
     (["--model", "fm", "--batch-norm"],
-     "--batch-norm: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this "
-     "run's is fm"),
+     f"--batch-norm: only model {MLP_MODELS} reads it, this run's is fm"),
 ])
 def test_flags_the_model_does_not_read_are_refused(data, tmp_path, capsys, extra, message):
     """An MLP setting for a model without an MLP was silently ignored."""
@@ -217,10 +220,10 @@ def test_config_and_flag_keys_not_read_are_named_each_by_its_source(data, tmp_pa
     assert _train(data, tmp_path / "model", "--config", str(config), "--model", "fm",
                   "--dropout", "0.1") == 2
     assert _one_line(capsys).endswith(
-        "--dropout: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this run's "
-        f"is fm; --config {config}: model.deep_mlp: only model widedeep / deepfm / dcnv2 / "
-        "dssm reads it, this run's is fm; sparse_optimizer.eps: only sparse optimizer "
-        "adagrad / adam reads it, this run's is ftrl")
+        f"--dropout: only model {MLP_MODELS} reads it, this run's is fm; --config {config}: "
+        f"model.deep_mlp: only model {MLP_MODELS.replace('dlrm / ', '')} reads it, this run's "
+        "is fm; sparse_optimizer.eps: only sparse optimizer adagrad / adam reads it, this "
+        "run's is ftrl")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

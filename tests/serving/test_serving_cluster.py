@@ -36,7 +36,7 @@ def single_thread():
 
 def publish(url: str, uri, ns: str, *flags: str, capsys=None) -> int:
     return cli_main(["publish", str(uri), "--to", url, "--namespace", ns,
-                     "--gc-grace-seconds", "0", *flags])
+                     "--gc-grace-seconds", "0", "--json", *flags])
 
 
 def engine_for(chain, url: str, ns: str, **kwargs) -> ClusterEngine:

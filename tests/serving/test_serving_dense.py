@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from terarec.config import MULTI_TASK_MODELS, ModelConfig
+from terarec.config import MULTI_TASK_MODELS, SEQUENCE_MODELS, ModelConfig
 from terarec.models import MODELS, build_model
 from terarec.serving.dense import TOLERANCE, OnnxForwards, torch_forward
 from terarec.types import FeatureSchema
@@ -21,7 +21,9 @@ def _inputs(row_dim: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Ten
             0.3 * torch.randn(rows, len(SCHEMA.sparse_fields), row_dim, generator=gen))
 
 
-@pytest.mark.parametrize("name", sorted(set(MODELS) - {"dssm", *MULTI_TASK_MODELS}))
+# dssm, the sequence and the multi-task models have ONNX tests of their own.
+@pytest.mark.parametrize(
+    "name", sorted(set(MODELS) - {"dssm", *SEQUENCE_MODELS, *MULTI_TASK_MODELS}))
 def test_onnx_forward_scores_like_pytorch(name):
     torch.manual_seed(0)
     model = build_model(SCHEMA, ModelConfig(name=name, embedding_dim=16)).eval()

@@ -287,8 +287,8 @@ SPACE_VALUE_ERRORS = [
     ({"sparse_optimizer.beta1": [0.8, 0.9]}, "sparse_optimizer.beta1: only sparse optimizer "
                                              "adam reads it, this search's is adagrad"),
     ({"model.name": ["lr", "fm"], "model.dropout": [0.0, 0.1]},
-     "model.dropout: only model widedeep / deepfm / dcnv2 / dlrm / dssm reads it, this "
-     "search's are fm, lr"),
+     "model.dropout: only model widedeep / deepfm / dcnv2 / dlrm / dssm / din / seqpool / "
+     "sharedbottom / mmoe / esmm reads it, this search's are fm, lr"),
 ]
 
 

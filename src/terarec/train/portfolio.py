@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from terarec.config import TrainConfig
+from terarec.config import TrainConfig, read_only_by
 from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext
 from terarec.train.choose import race
@@ -46,8 +46,6 @@ DEFAULT_BUDGET = 3.0
 DEFAULT_NAME = "default"
 RULE = ("a challenger replaces the default when its validation AUC beats the default's "
         "by more than that AUC's standard error; the best such challenger wins")
-# Models whose network has hidden MLP layers (dropout reads them).
-_DEEP = ("deepfm", "widedeep", "dcnv2", "dlrm", "dssm")
 
 
 @dataclass(frozen=True)
@@ -139,7 +137,7 @@ def portfolio(config: TrainConfig, given: set[str], patience: int,
     if config.store.admit_min_count > 1 and config.store.admit_probability is None:
         members.append(Member("admit-all", {"store.admit_min_count": 1},
                               why="a row for every key, as one-hot regression has"))
-    if name in _DEEP:
+    if name in (read_only_by("model.dropout") or ()):  # the models with an MLP
         members.append(Member("dropout", {"model.dropout": 0.2},
                               why="a deep part held back where it overfits"))
     out = [Member(DEFAULT_NAME, {}, why="the data-sized default")]
