@@ -121,7 +121,7 @@ class TrainJob:
     export: ExportSchedule = field(default_factory=ExportSchedule)
     dense_comm: DenseCommConfig = field(default_factory=DenseCommConfig)
     # "auto": with validation rows, the portfolio of train.portfolio races the default
-    # and may replace it; "off": the sized defaults as they are. None: auto with --valid.
+    # and may replace it; "off" or None: the sized defaults as they are.
     choose: str | None = None
 
 

@@ -49,10 +49,6 @@ def run(args: argparse.Namespace) -> int:
     )
 
     if args.action == "up":
-        last = args.port + args.masters * (1 + max(args.replicas, 0)) - 1
-        if args.port < 1 or last + 10_000 > 65_535:
-            raise UserError(f"--port {args.port}: the nodes need ports {args.port}-{last} "
-                            f"and their bus ports (+10000) within 1-65535")
         if redis_binaries() is None:
             raise UserError("redis-server / redis-cli not found on PATH (Debian/Ubuntu: "
                             "apt-get install redis-server; macOS: brew install redis)")

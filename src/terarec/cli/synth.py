@@ -220,13 +220,8 @@ def _history(args: argparse.Namespace) -> int:
     settings = HistorySettings(max_history=args.max_history)
     if args.users is not None:
         settings = replace(settings, users=args.users)
-    if args.items is not None:  # fewer items: fewer subtopics (then topics), 2 items each
-        if args.items < 2:
-            raise ValueError(f"--items must be at least 2 with --history, got {args.items}")
-        subtopics = max(1, min(settings.subtopics, args.items // (2 * settings.topics)))
-        topics = max(1, min(settings.topics, args.items // (2 * subtopics)))
-        settings = replace(settings, items=args.items, topics=topics, subtopics=subtopics,
-                           favourite_topics=min(settings.favourite_topics, topics))
+    if args.items is not None:
+        settings = settings.with_items(args.items)
     settings.check()
     jobs = [("train", args.out, args.rows, 0)]
     if args.valid_rows:

@@ -20,7 +20,7 @@ reach, reported with the data. Everything is a function of ``seed`` (the truth) 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +54,16 @@ class HistorySettings:
     effect: float = 3.0
     popularity_std: float = 0.3
     bias: float = -2.0
+
+    def with_items(self, items: int) -> HistorySettings:
+        """These settings over ``items`` items: fewer items hold fewer subtopics (then
+        topics), two items each at the least."""
+        if items < 2:
+            raise ValueError(f"--items must be at least 2 with --history, got {items}")
+        subtopics = max(1, min(self.subtopics, items // (2 * self.topics)))
+        topics = max(1, min(self.topics, items // (2 * subtopics)))
+        return replace(self, items=items, topics=topics, subtopics=subtopics,
+                       favourite_topics=min(self.favourite_topics, topics))
 
     def check(self) -> None:
         if min(self.users, self.items, self.topics, self.favourite_topics) < 1:

@@ -75,10 +75,12 @@ def export_model_delta(model_dir: str | Path, uri: str | Path,
         raise ExportError(f"--delta: {where} holds no version to build a delta on; "
                           f"export a full version there first (without --delta)")
     check_same_part(where, latest, None)
-    if latest.data["schema"] != as_json(schema.to_dict()) \
-            or latest.data["model"] != as_json(to_dict(config.model)):
-        what = "schema" if latest.data["schema"] != as_json(schema.to_dict()) \
-            else "model configuration"
+    differs = [what for what, key, ours in (
+        ("schema", "schema", as_json(schema.to_dict())),
+        ("model configuration", "model", as_json(to_dict(config.model))))
+        if latest.data[key] != ours]
+    if differs:
+        what = differs[0]
         raise ExportError(f"--delta: {where}'s newest version {latest.name} is of another "
                           f"model ({what} differs from {model_dir}'s); export a full "
                           f"version instead")

@@ -138,10 +138,9 @@ class ESMM(_MultiTask):
     """Entire-space multi-task model (Ma et al., SIGIR 2018) for click then conversion:
     a CTR and a CVR network (each an FM part and a ``deep_mlp``) over the shared rows;
     the second output is pCTCVR = pCTR * pCVR, trained on impressions against click and
-    conversion, so the
-    CVR tower learns over the whole impression space (no selection bias) and from the
-    click task's rows. Labels: ``click,conversion``; a conversion without a click counts
-    as none. The CVR itself is ``sigmoid(cvr_logits)``."""
+    conversion, so the CVR tower learns over the whole impression space (no selection
+    bias) and from the click task's rows. Labels: ``click,conversion``; a conversion
+    without a click counts as none. The CVR itself is ``sigmoid(cvr_logits)``."""
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)

@@ -277,6 +277,10 @@ def cluster_up(root: Path, *, masters: int = 3, replicas: int = 1, port: int = 7
     keep running after this call returns (stop it with ``cluster_down``). Refused when
     ``root`` holds a cluster that is still running."""
     root = Path(root)
+    last = port + masters * (1 + max(replicas, 0)) - 1
+    if port < 1 or last + 10_000 > 65_535:
+        raise ClusterStartError(f"--port {port}: the nodes need ports {port}-{last} and "
+                                f"their bus ports (+10000) within 1-65535")
     if (root / STATE_FILE).exists():
         running = [n for n in cluster_status(root).nodes if n.alive]
         if running:
