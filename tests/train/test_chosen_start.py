@@ -1,6 +1,5 @@
 """Adagrad's start on small data chosen by validation: both starts trained side by side,
-the one with the better validation value kept, and what each reached in metrics.json;
-likewise whether the numeric columns keep the default's buckets."""
+the one with the better validation value kept, and what each reached in metrics.json."""
 
 from __future__ import annotations
 
@@ -11,13 +10,7 @@ import pytest
 
 from terarec.cli.main import main
 from terarec.data.synth import generate
-from terarec.train.defaults import (
-    ACCUMULATOR_KEY,
-    BUCKETS_KEY,
-    DEFAULT_BUCKETS,
-    NO_BUCKETS,
-    SMALL_DATA_ACCUMULATOR_CHOICES,
-)
+from terarec.train.defaults import ACCUMULATOR_KEY, SMALL_DATA_ACCUMULATOR_CHOICES
 
 FLAGS = ["--no-progress", "--threads", "1", "--seed", "3", "--model", "lr"]
 
@@ -38,41 +31,19 @@ def _train(files, out: Path, *extra: str, valid: bool = True) -> dict:
 
 
 def test_the_start_with_the_better_validation_value_is_kept(files, tmp_path, capsys) -> None:
-    """The start is chosen on the schema with the default's numeric buckets and on one
-    without; the schema whose chosen start reaches the better value is kept."""
     metrics = _train(files, tmp_path / "m")
-    *starts, buckets = metrics["chosen_by_validation"]
-    assert buckets["key"] == BUCKETS_KEY
-    reached = {v["value"]: v["best"] for v in buckets["validation"]}
-    assert list(reached) == [DEFAULT_BUCKETS, NO_BUCKETS]
-    assert buckets["chosen"] == min(reached, key=lambda v: reached[v])  # logloss
-    assert len(starts) == 2
-    for choice, setting in zip(starts, reached, strict=True):
-        assert choice["key"] == ACCUMULATOR_KEY
-        tried = {v["value"]: v["best"] for v in choice["validation"]}
-        assert sorted(tried) == sorted(SMALL_DATA_ACCUMULATOR_CHOICES)
-        assert choice["chosen"] == min(tried, key=lambda v: tried[v])  # lower wins
-        assert reached[setting] == tried[choice["chosen"]]
-    start = starts[list(reached).index(buckets["chosen"])]["chosen"]
-    # The model trained is the chosen one's, from the same seed: the same best value.
-    assert metrics["best_value"] == pytest.approx(reached[buckets["chosen"]], rel=1e-9)
+    (choice,) = metrics["chosen_by_validation"]
+    assert choice["key"] == ACCUMULATOR_KEY
+    tried = {v["value"]: v["best"] for v in choice["validation"]}
+    assert sorted(tried) == sorted(SMALL_DATA_ACCUMULATOR_CHOICES)
+    assert choice["chosen"] == min(tried, key=lambda v: tried[v])  # logloss: lower wins
+    # The model trained is the chosen start's, from the same seed: the same best value.
+    assert metrics["best_value"] == pytest.approx(tried[choice["chosen"]], rel=1e-9)
     config = json.loads((tmp_path / "m" / "train_config.json").read_text())
-    assert config["sparse_optimizer"]["initial_accumulator"] == start
-    schema = json.loads((tmp_path / "m" / "schema.json").read_text())
-    cut = [f["name"] for f in schema["fields"] if f.get("buckets")]
-    assert bool(cut) == (buckets["chosen"] == DEFAULT_BUCKETS)
+    assert config["sparse_optimizer"]["initial_accumulator"] == choice["chosen"]
     assert not (tmp_path / "m" / "choosing").exists()  # the trials' folder is gone
     err = capsys.readouterr().err
     assert f"{ACCUMULATOR_KEY} chosen by validation logloss" in err
-    assert f"{BUCKETS_KEY} chosen by validation logloss" in err
-
-
-def test_given_buckets_leave_only_the_start_to_choose(files, tmp_path) -> None:
-    metrics = _train(files, tmp_path / "m", "--numeric-buckets", "log")
-    (choice,) = metrics["chosen_by_validation"]
-    assert choice["key"] == ACCUMULATOR_KEY
-    schema = json.loads((tmp_path / "m" / "schema.json").read_text())
-    assert any(f.get("buckets") for f in schema["fields"])  # as given, kept
 
 
 def test_no_choice_when_the_start_is_given_or_there_is_no_validation(files, tmp_path) -> None:

@@ -13,10 +13,7 @@ from terarec.cli.common import add_train_args, config_from_args, explicit_config
 from terarec.config import TrainConfig
 from terarec.models.registry import build_model
 from terarec.train.defaults import (
-    DEFAULT_BUCKETS,
-    NO_BUCKETS,
     apply_sized_defaults,
-    bucket_choices,
     estimate_rows,
     sized_admission,
     sized_defaults,
@@ -232,16 +229,3 @@ def test_config_file_without_epochs_keeps_the_validation_epoch_bound(tmp_path: P
     fixed.write_text(json.dumps({"epochs": 3}))
     assert epochs(["--config", str(fixed)]) == 3
     assert epochs(["--config", str(shape), "--epochs", "4"]) == 4
-
-
-def test_buckets_are_chosen_by_validation_only_where_the_default_cut_a_column() -> None:
-    from dataclasses import replace
-
-    plain = FeatureSchema.criteo()
-    numeric = plain.numeric[0]
-    cut = replace(plain, fields=tuple(replace(f, buckets=(0.5, 1.5)) if f is numeric else f
-                                      for f in plain.fields))
-    assert bucket_choices(None, cut) == (DEFAULT_BUCKETS, NO_BUCKETS)
-    assert bucket_choices(None, plain) is None  # no column cut: nothing to choose
-    for given in ("log", 0, 16):  # a setting the user gave is not the data's to choose
-        assert bucket_choices(given, cut) is None

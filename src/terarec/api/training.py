@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from terarec.config import DenseCommConfig, TrainConfig, resumed_config, unused_keys
 from terarec.data.positions import InputFile
 from terarec.data.readers import ReadStats
-from terarec.data.spec import Buckets, DataSpec
+from terarec.data.spec import DataSpec
 from terarec.distributed.context import (
     DistContext,
     launched_by_torchrun,
@@ -40,12 +40,8 @@ from terarec.io import (
 )
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
-    BUCKETS_KEY,
-    DEFAULT_BUCKETS,
-    NO_BUCKETS,
     accumulator_choices,
     apply_sized_defaults,
-    bucket_choices,
     estimate_rows,
     max_epochs,
     refit_by_default,
@@ -518,17 +514,10 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
         # With a memory budget the trials would split it: the start stays the sized one.
         choices = accumulator_choices(sized) if config.store.memory_budget is None else None
         if choices is not None and selection is not None:
-            bucketing = bucket_choices(job.data.numeric_buckets, schema()) \
-                if not features else None
-            start, chosen_schema, said = _choose_start(
-                read, train, config, schema(), choices, bucketing, inputs, valid,
-                selection, ctx)
-            schema = functools.cache(lambda: chosen_schema)
-            config.sparse_optimizer.initial_accumulator = start
-            sized[ACCUMULATOR_KEY] = start
-            if said[-1]["key"] == BUCKETS_KEY and said[-1]["chosen"] == NO_BUCKETS:
-                sized[BUCKETS_KEY] = NO_BUCKETS
-            notes["chosen_by_validation"] = said
+            chosen = _choose(job, config, schema(), choices, inputs, valid, selection, ctx)
+            config.sparse_optimizer.initial_accumulator = chosen.chosen
+            sized[ACCUMULATOR_KEY] = chosen.chosen
+            notes["chosen_by_validation"] = [chosen.summary()]
         if selection is not None and _choosing(job, config):
             config, selection, chosen_settings = _choose_settings(
                 job, config, schema(), inputs, valid, selection, ctx)
@@ -552,42 +541,6 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
     world = ctx.world
     ctx.close()
     return TrainOutcome(metrics, stats, sized, ctx.is_main, world)
-
-
-def _choose_start(job: TrainJob, train: list[Path], config: TrainConfig,
-                  schema: FeatureSchema, choices: tuple[float, ...],
-                  bucketing: tuple[Buckets, ...] | None, inputs: list[Path | InputFile],
-                  valid: list[Path], selection: SelectionTracker, ctx: DistContext
-                  ) -> tuple[float, FeatureSchema, list[dict[str, Any]]]:
-    """Adagrad's start by validation (``_choose``) and, where ``bucketing`` offers it
-    (``bucket_choices``), whether the numeric columns keep their buckets: the start is
-    chosen on each schema and the schema whose chosen start reaches the better
-    validation value is kept (the default's on a tie). Returns the start, the schema
-    and what was measured (each start choice, then the buckets' when there was one)."""
-    if bucketing is None:
-        choice = _choose(job, config, schema, choices, inputs, valid, selection, ctx)
-        return choice.chosen, schema, [choice.summary()]
-    best = SelectionTracker(selection.select_by, patience=None)
-    tried: list[tuple[Buckets, FeatureSchema, Any]] = []
-    kept = 0
-    for setting in bucketing:
-        own = schema if setting == DEFAULT_BUCKETS else _train_schema(
-            dataclasses.replace(job, data=dataclasses.replace(
-                job.data, numeric_buckets=setting)), train, None, ctx)
-        choice = _choose(job, config, own, choices, inputs, valid, selection, ctx)
-        reached = choice.values[choice.chosen]
-        if reached is not None and best.is_better(reached):
-            best.update(reached, 0)
-            kept = len(tried)
-        tried.append((setting, own, choice))
-    setting, chosen_schema, choice = tried[kept]
-    if ctx.is_main:
-        said = ", ".join(f"{s}: {c.values[c.chosen]:.5f}" for s, _, c in tried)
-        print(f"{BUCKETS_KEY} chosen by validation {selection.select_by} ({said})",
-              file=sys.stderr)
-    buckets = {"key": BUCKETS_KEY, "chosen": setting,
-               "validation": [{"value": s, "best": c.values[c.chosen]} for s, _, c in tried]}
-    return choice.chosen, chosen_schema, [c.summary() for _, _, c in tried] + [buckets]
 
 
 def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema,

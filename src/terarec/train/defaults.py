@@ -35,9 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from terarec.config import TrainConfig
-from terarec.data.spec import Buckets
 from terarec.train.selection import DEFAULT_MAX_EPOCHS
-from terarec.types import FeatureSchema
 
 MIN_BATCH, MAX_BATCH = 256, 4096
 STEPS_PER_EPOCH = 32
@@ -54,13 +52,6 @@ SMALL_DATA_ACCUMULATOR = 0.0
 # With a validation set, small data trains both starts side by side and keeps the one
 # with the better validation value (``accumulator_choices``).
 SMALL_DATA_ACCUMULATOR_CHOICES = (0.0, 0.001)
-# With a validation set, small data whose numeric columns the default cuts into buckets
-# also trains without them (``bucket_choices``): their keys are worth it where a count's
-# level interacts with other fields or bends its effect, and only add variance where the
-# effect is linear in the standardised value, which the dense input already gives.
-BUCKETS_KEY = "numeric_buckets"
-DEFAULT_BUCKETS: Buckets = "log"
-NO_BUCKETS: Buckets = 0
 # The epoch upper bound with a validation set: room for this many steps, within limits.
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
@@ -179,17 +170,6 @@ def accumulator_choices(sized: dict) -> tuple[float, ...] | None:
     if sized.get(ACCUMULATOR_KEY) != SMALL_DATA_ACCUMULATOR:
         return None
     return SMALL_DATA_ACCUMULATOR_CHOICES
-
-
-def bucket_choices(given: object, schema: FeatureSchema) -> tuple[Buckets, ...] | None:
-    """The numeric bucket settings a small-data run with a validation set chooses
-    between (with buckets as the default cuts them, and none) when ``given`` (the data
-    setting ``numeric_buckets``) is None and the default cut at least one column of
-    ``schema``; None when there is nothing to choose. Called where
-    ``accumulator_choices`` gave a choice, so on the same small-data runs."""
-    if given is not None or not any(f.buckets is not None for f in schema.numeric):
-        return None
-    return (DEFAULT_BUCKETS, NO_BUCKETS)
 
 
 def sized_initial_accumulator(rows: int) -> float:
