@@ -34,8 +34,8 @@ Models:
   rows (where the data has numerics: all these data sets do).
 
 Targets per data set: default at or above the best of LR and MLP in every seed; search
-at or above the best reference + 0.005 and not below the default's mean; DeepFM's seed
-spread <= 0.005. Prints one JSON line (``load_avg`` at start and end) on stdout and a
+at or above the best reference + 0.005 and not below the default of its own seed (0);
+DeepFM's seed spread <= 0.005. Prints one JSON line (``load_avg`` at start and end) on stdout and a
 table on stderr. ``--quick``: small rows, one seed, two trials, one MLP setting.
 
     python benchmarks/real_data_quality.py [--datasets criteo,fm] [--seeds 2]
@@ -479,7 +479,11 @@ def evaluate_sample(sample: Sample, plan: Plan, work: Path) -> dict[str, Any]:
     if found is not None:
         targets |= {"search_minus_best_ref": round(found["auc"] - best_ref, 4),
                     "search_ge_ref_plus_0.005": found["auc"] >= best_ref + 0.005,
-                    "search_ge_default": found["auc"] >= default["auc_mean"]}
+                    # The search runs seed 0, so it is held to the default of seed 0: a
+                    # search that keeps the default then ties it instead of losing to
+                    # the other seeds' noise.
+                    "search_minus_default_seed0": round(found["auc"] - aucs[0], 4),
+                    "search_ge_default": found["auc"] >= aucs[0]}
     entry: dict[str, Any] = {"rows": sample.rows, "refit": sample.refit}
     if sample.ceiling_auc is not None:
         entry["ceiling_auc"] = sample.ceiling_auc
