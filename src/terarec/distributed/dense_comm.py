@@ -27,6 +27,9 @@ pairs travel as one int32 tensor (float32 bits + int32 index: 8 bytes per entry)
 through one all-gather per step; every rank sends the same k, so no sizes are
 exchanged. At ``ratio=0.001`` a rank sends about 8 * numel / 1000 bytes instead of
 4 * numel (one entry more per small parameter).
+
+Under an emulated link (``distributed.link``) every exchange first waits what this
+rank's share of it would take on that link.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hooks' annotations at runtime.
@@ -38,6 +41,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from terarec.config import DenseCommConfig
+from terarec.distributed.link import (
+    LinkEmulation,
+    all_gather_bytes,
+    all_reduce_bytes,
+    link_from_env,
+)
 
 _WARMUP_START_DENSITY = 0.25
 # torch 2.13 renamed all_gather_into_tensor (same semantics); older releases lack the new name.
@@ -134,6 +143,9 @@ def dgc_exchange(state: DGCState, update: torch.Tensor) -> torch.Tensor:
                            device=update.device)
     state.meter.add(payload.numel() * payload.element_size())
     state.step += 1
+    link = link_from_env()
+    if link is not None:
+        link.pay(all_gather_bytes(payload.numel() * payload.element_size(), state.world))
     _all_gather(gathered, payload, group=state.process_group)
     parts = gathered.view(state.world, -1)
     vals = parts[:, :w + k].reshape(-1).view(torch.float32)
@@ -151,10 +163,33 @@ def _local_hook(_: object, bucket: dist.GradBucket) -> torch.futures.Future[torc
     return fut
 
 
-def _fp16_hook(meter: CommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    meter.add(bucket.buffer().numel() * 2)
+class _HookState:
+    """What the all-reduce hooks need: the byte meter and, on an emulated link, the link
+    and the world size."""
+
+    def __init__(self, meter: CommMeter, link: LinkEmulation | None, world: int) -> None:
+        self.meter = meter
+        self.link = link
+        self.world = world
+
+
+def _fp16_hook(state: _HookState, bucket: dist.GradBucket
+               ) -> torch.futures.Future[torch.Tensor]:
+    nbytes = bucket.buffer().numel() * 2
+    state.meter.add(nbytes)
+    if state.link is not None:
+        state.link.pay(all_reduce_bytes(nbytes, state.world))
     # None: the hook's own default, the DDP model's process group.
     return default_hooks.fp16_compress_hook(None, bucket)  # type: ignore[arg-type]
+
+
+def _emulated_allreduce_hook(state: _HookState, bucket: dist.GradBucket
+                             ) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own all-reduce, after what it would take on the emulated link."""
+    assert state.link is not None
+    buffer = bucket.buffer()
+    state.link.pay(all_reduce_bytes(buffer.numel() * buffer.element_size(), state.world))
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
 
 
 def dense_grad_bytes(model: torch.nn.Module) -> int:
@@ -176,8 +211,11 @@ class DenseComm:
         self.steps = 0
         self.dgc: DGCState | None = None
         self._params: list[torch.Tensor] = []
+        hooks = _HookState(self.meter, link_from_env(), world)
         if config.mode == "fp16":
-            ddp.register_comm_hook(self.meter, _fp16_hook)
+            ddp.register_comm_hook(hooks, _fp16_hook)
+        elif config.mode == "none" and hooks.link is not None:
+            ddp.register_comm_hook(hooks, _emulated_allreduce_hook)
         elif config.mode == "dgc":
             self._params = [p for p in ddp.module.parameters() if p.requires_grad]
             self.dgc = DGCState(config, world, self.meter, self._params, process_group)
