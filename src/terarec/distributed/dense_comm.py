@@ -21,12 +21,14 @@ update is what is compressed, per dense parameter (the paper's per-layer thresho
     send (value, index) pairs;  v[sent] = 0, u[sent] = 0   (momentum factor masking)
     p = p_before + sum over ranks of the sent pairs / world
 
-Every rank applies the same sum to the same weights, so the weights stay identical;
-each rank's optimizer state follows its own gradients (it is saved with the rank). The
-pairs travel as one int32 tensor (float32 bits + int32 index: 8 bytes per entry)
-through one all-gather per step; every rank sends the same k, so no sizes are
-exchanged. At ``ratio=0.001`` a rank sends about 8 * numel / 1000 bytes instead of
-4 * numel (one entry more per small parameter).
+Parameters under 1 / ratio entries (biases, a narrow output layer), where top-k would
+send at least one entry anyway, are sent whole every step, as the paper leaves biases
+uncompressed. Every rank applies the same sum to the same weights, so the weights stay
+identical; each rank's optimizer state follows its own gradients (it is saved with the
+rank). The pairs travel as one int32 tensor (float32 bits + int32 index: 8 bytes per
+entry; the small parameters' values without indices, 4 bytes) through one all-gather
+per step; every rank sends the same k, so no sizes are exchanged. At ``ratio=0.001``
+a rank sends about 8 * numel / 1000 bytes of the large parameters instead of 4 * numel.
 
 Under an emulated link (``distributed.link``) every exchange first waits what this
 rank's share of it would take on that link.
