@@ -39,10 +39,11 @@ once, at the headline batch.
 
 Usage: ``python benchmarks/distributed_scaling.py [--rows 1000000] [--batch-size 8192]
 [--also-batch-sizes 4096] [--repeats 3] [--cli-repeats 1] [--cli-only]
-[--dense-comm-only] [--workdir DIR]``.
+[--loop-only] [--dense-comm-only] [--workdir DIR]``.
 The default run takes about 8 minutes on 2 idle cores; ``--cli-only`` measures only the
 end-to-end pair (``--cli-repeats`` runs per side, interleaved, the best counts);
-``--dense-comm-only`` only the 2-rank runs of each dense exchange (bytes and AUC).
+``--dense-comm-only`` only the 2-rank runs of each dense exchange (bytes and AUC);
+``--loop-only`` everything but the end-to-end pair.
 """
 
 from __future__ import annotations
@@ -278,6 +279,8 @@ def main() -> None:
                         "many Gb/s (0: not) and project scaling to 8 and 64 ranks")
     p.add_argument("--emulate-latency-us", type=float, default=50.0,
                    help="the emulated link's latency per collective, microseconds")
+    p.add_argument("--loop-only", action="store_true",
+                   help="leave out the end-to-end pair (the _cli figures)")
     p.add_argument("--dense-comm-only", action="store_true",
                    help="measure only the 2-rank dense exchanges (none, fp16, dgc): "
                         "bytes and validation AUC")
@@ -309,7 +312,7 @@ def main() -> None:
                               "load_avg_start": load_start,
                               "load_avg": round(os.getloadavg()[0], 2)}))
             return
-        cli = cli_pair(args)
+        cli = {} if args.loop_only else cli_pair(args)
         if args.cli_only:
             print(json.dumps({"rows": args.rows, "batch_size": args.batch_size,
                               "model": args.model, **cli,
