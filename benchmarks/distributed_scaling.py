@@ -19,6 +19,15 @@ Same synthetic Criteo-format data, same global batch and passes. Two measurement
   ``load_avg_start`` / ``load_avg``: the machine's load around the measurement (other
   work skews every ratio).
 
+* over an emulated link (``sps_2ranks_emulated_10gbps``, ``scaling_emulated_10gbps``,
+  ``emulated_10gbps_kept``: its share of the loopback ``scaling``): the headline 2-rank
+  loop again, with every row exchange and dense all-reduce first waiting bytes /
+  ``--emulate-gbps`` + ``--emulate-latency-us`` (``terarec.distributed.link``, no
+  netem); ``link_bytes_per_step`` / ``link_calls_per_step``: what rank 0 paid it.
+  ``projected_scaling``: from those figures and the measured 1- and 2-rank speeds, the
+  scaling at 8 and 64 ranks on 10 and 100 Gb/s links (``projected_scaling``'s
+  docstring and docs/distributed.md give the model).
+
 The scaling pair runs ``--repeats`` times, interleaved; ``scaling`` compares the best
 runs (other processes on a shared machine only ever slow a run down), ``scaling_median``
 the medians, and every run's figure is listed. The pair runs at the headline global batch
@@ -29,9 +38,12 @@ smaller the batch per rank, the larger its share. The fp16, dgc and end-to-end r
 once, at the headline batch.
 
 Usage: ``python benchmarks/distributed_scaling.py [--rows 1000000] [--batch-size 8192]
-[--also-batch-sizes 4096] [--repeats 3] [--cli-repeats 1] [--cli-only] [--workdir DIR]``.
+[--also-batch-sizes 4096] [--repeats 3] [--cli-repeats 1] [--cli-only]
+[--loop-only] [--dense-comm-only] [--workdir DIR]``.
 The default run takes about 8 minutes on 2 idle cores; ``--cli-only`` measures only the
-end-to-end pair (``--cli-repeats`` runs per side, interleaved, the best counts).
+end-to-end pair (``--cli-repeats`` runs per side, interleaved, the best counts);
+``--dense-comm-only`` only the 2-rank runs of each dense exchange (bytes and AUC);
+``--loop-only`` everything but the end-to-end pair.
 """
 
 from __future__ import annotations
@@ -51,14 +63,15 @@ from terarec.loopback import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _launch(args: argparse.Namespace, ranks: int, target: list[str]) -> float:
+def _launch(args: argparse.Namespace, ranks: int, target: list[str],
+            extra_env: dict[str, str] | None = None) -> float:
     cmd = [sys.executable]
     if ranks > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                 "--master_port", str(free_port())]
     cmd += target
     path = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(extra_env or {})}
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -66,11 +79,18 @@ def _launch(args: argparse.Namespace, ranks: int, target: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def train_loop(args: argparse.Namespace, ranks: int, dense_comm: str) -> dict:
-    out = args.workdir / f"loop-{ranks}-{dense_comm}.json"
+def train_loop(args: argparse.Namespace, ranks: int, dense_comm: str,
+               link_gbps: float = 0.0) -> dict:
+    """One training-loop measurement; ``link_gbps`` > 0: over an emulated link of that
+    bandwidth and ``--emulate-latency-us`` (``terarec.distributed.link``)."""
+    from terarec.distributed.link import GBPS_ENV, LATENCY_ENV
+
+    name = f"loop-{ranks}-{dense_comm}" + (f"-{link_gbps:g}gbps" if link_gbps else "")
+    out = args.workdir / f"{name}.json"
+    env = {GBPS_ENV: str(link_gbps), LATENCY_ENV: str(args.emulate_latency_us)}
     _launch(args, ranks, [str(Path(__file__).resolve()), "--worker", "--workdir",
                           str(args.workdir), "--out", str(out), "--dense-comm", dense_comm,
-                          *_shared_flags(args)])
+                          *_shared_flags(args)], env if link_gbps else None)
     return json.loads(out.read_text())
 
 
@@ -120,6 +140,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from terarec.config import DenseCommConfig, ModelConfig, TrainConfig
+    from terarec.distributed import link
     from terarec.distributed.context import init_distributed, launched_by_torchrun
     from terarec.distributed.sharding import iter_rank_passes
     from terarec.train.passes import group_passes, iter_file_batches, prefetch
@@ -148,34 +169,79 @@ def worker(args: argparse.Namespace) -> None:
                                    args.pass_rows))
     # Pass planning runs in the read-ahead thread, as in ``fit`` (on N ranks: requests
     # and their key exchange, in the planning group).
-    history, start = [], 0.0
+    history, start, paid = [], 0.0, (0.0, 0)
     for number, planned in enumerate(prefetch(trainer.plan(p, ahead=True) for p in passes)):
         history.append(trainer.train_pass(planned).as_dict())
         if number == 0:  # the first pass warms up (DDP buckets, compiled kernels)
             start = time.perf_counter()
+            paid = (link.TALLY.bytes, link.TALLY.calls)
     seconds = time.perf_counter() - start
+    steps = max(sum(len(p) for p in passes[1:]), 1)
     history = history[1:]
     auc = trainer.evaluate(valid)["auc"]
     rows = sum(h["rows"] for h in history)
     if ctx is None or ctx.is_main:
         result = {"samples_per_s": rows / seconds, "auc": auc, "rows": rows,
                   "dense_bytes_per_step": history[-1].get("dense_bytes_per_step", 0.0),
-                  "sparse_bytes_per_step": history[-1].get("sparse_bytes_per_step", 0.0)}
+                  "sparse_bytes_per_step": history[-1].get("sparse_bytes_per_step", 0.0),
+                  # on an emulated link: what rank 0 paid it per step (timed passes)
+                  "link_bytes_per_step": (link.TALLY.bytes - paid[0]) / steps,
+                  "link_calls_per_step": (link.TALLY.calls - paid[1]) / steps}
         args.out.write_text(json.dumps(result))
     if ctx is not None:
         ctx.close()
 
 
-def scaling_pair(args: argparse.Namespace) -> dict:
+def projected_scaling(sps_1rank: float, sps_2ranks: float, batch_size: int,
+                      link_bytes: float, link_calls: float, ranks: int, gbps: float,
+                      latency_us: float) -> float:
+    """Scaling at ``ranks`` ranks on a ``gbps`` link, from the 2-rank measurement (weak
+    scaling: each rank keeps the 2-rank run's batch_size / 2 rows a step).
+
+    A step takes the 2-rank loopback step (compute and loopback exchanges, kept as
+    they are: an overestimate) plus the wire: what a rank sends grows from its 2-rank
+    share to 2 (N - 1) / N of it (all-to-all: (N - 1) / N of its rows go elsewhere
+    instead of 1 / 2; ring all-reduce: 2 (N - 1) / N of the gradients instead of 1),
+    and each collective pays the latency N - 1 times (ring / pairwise rounds)."""
+    step_2 = batch_size / sps_2ranks
+    wire = (link_bytes * 2 * (ranks - 1) / ranks * 8 / (gbps * 1e9)
+            + link_calls * (ranks - 1) * latency_us * 1e-6)
+    rows_per_s = ranks * (batch_size / 2) / (step_2 + wire)
+    return rows_per_s / sps_1rank
+
+
+def scaling_pair(args: argparse.Namespace, emulate: bool = False) -> dict:
     """1 rank against 2 ranks at ``args.batch_size``, ``args.repeats`` times interleaved
     (a noisy spell hits both sides); runs are deterministic, so AUC and bytes do not
-    change between repeats."""
-    ones, twos = [], []
+    change between repeats. ``emulate``: 2 ranks over the emulated ``--emulate-gbps``
+    link too, in the same interleaving, and the projection to 8 and 64 ranks."""
+    ones, twos, slow = [], [], []
     for _ in range(args.repeats):
         ones.append(train_loop(args, 1, "none"))
         twos.append(train_loop(args, 2, "none"))
+        if emulate:
+            slow.append(train_loop(args, 2, "none", args.emulate_gbps))
     one = max(ones, key=lambda r: r["samples_per_s"])
     two = max(twos, key=lambda r: r["samples_per_s"])
+    emulated: dict = {}
+    if slow:
+        best = max(slow, key=lambda r: r["samples_per_s"])
+        tag = f"{args.emulate_gbps:g}gbps"
+        scaling = two["samples_per_s"] / one["samples_per_s"]
+        emulated = {
+            f"sps_2ranks_emulated_{tag}": round(best["samples_per_s"], 1),
+            f"scaling_emulated_{tag}": round(best["samples_per_s"] / one["samples_per_s"], 3),
+            f"emulated_{tag}_kept": round(best["samples_per_s"] / one["samples_per_s"]
+                                          / scaling, 3),
+            "emulated_latency_us": args.emulate_latency_us,
+            "link_bytes_per_step": round(best["link_bytes_per_step"], 1),
+            "link_calls_per_step": round(best["link_calls_per_step"], 2),
+            "projected_scaling": {
+                str(n): {f"{g:g}gbps": round(projected_scaling(
+                    one["samples_per_s"], two["samples_per_s"], args.batch_size,
+                    best["link_bytes_per_step"], best["link_calls_per_step"], n, g,
+                    args.emulate_latency_us), 2) for g in (10.0, 100.0)}
+                for n in (8, 64)}}
     return {
         "one": one, "two": two,
         "sps_1rank": round(one["samples_per_s"], 1),
@@ -185,6 +251,7 @@ def scaling_pair(args: argparse.Namespace) -> dict:
                                 / statistics.median(r["samples_per_s"] for r in ones), 3),
         "sps_2ranks_runs": [round(r["samples_per_s"]) for r in twos],
         "sps_1rank_runs": [round(r["samples_per_s"]) for r in ones],
+        **emulated,
     }
 
 
@@ -199,7 +266,7 @@ def main() -> None:
     p.add_argument("--pass-rows", type=int, default=200_000)
     p.add_argument("--model", default="deepfm")
     p.add_argument("--dgc-ratio", type=float, default=0.001)
-    p.add_argument("--dgc-momentum", type=float, default=0.5)
+    p.add_argument("--dgc-momentum", type=float, default=0.9)
     p.add_argument("--dgc-warmup-steps", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3,
                    help="training-loop runs per side of each scaling pair; the best counts")
@@ -207,11 +274,25 @@ def main() -> None:
                    help="end-to-end runs per side, interleaved; the best counts")
     p.add_argument("--cli-only", action="store_true",
                    help="measure only the end-to-end pair (the _cli figures)")
+    p.add_argument("--emulate-gbps", type=float, default=10.0,
+                   help="also run the headline 2-rank loop over an emulated link of this "
+                        "many Gb/s (0: not) and project scaling to 8 and 64 ranks")
+    p.add_argument("--emulate-latency-us", type=float, default=50.0,
+                   help="the emulated link's latency per collective, microseconds")
+    p.add_argument("--loop-only", action="store_true",
+                   help="leave out the end-to-end pair (the _cli figures)")
+    p.add_argument("--dense-comm-only", action="store_true",
+                   help="measure only the 2-rank dense exchanges (none, fp16, dgc): "
+                        "bytes and validation AUC")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dense-comm", default="none", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.emulate_gbps < 0:
+        p.error(f"--emulate-gbps must be >= 0 (0: no emulated link), got {args.emulate_gbps}")
+    if args.emulate_latency_us < 0:
+        p.error(f"--emulate-latency-us must be >= 0, got {args.emulate_latency_us}")
     if args.worker:
         worker(args)
         return
@@ -224,7 +305,14 @@ def main() -> None:
         if not (args.workdir / "train.txt").exists():
             generate(args.workdir / "train.txt", args.rows, sample_seed=1)
             generate(args.workdir / "valid.txt", args.valid_rows, sample_seed=2)
-        cli = cli_pair(args)
+        if args.dense_comm_only:
+            two = {c: train_loop(args, 2, c) for c in ("none", "fp16", "dgc")}
+            print(json.dumps({"rows": args.rows, "batch_size": args.batch_size,
+                              "model": args.model, **dense_comm_figures(args, two),
+                              "load_avg_start": load_start,
+                              "load_avg": round(os.getloadavg()[0], 2)}))
+            return
+        cli = {} if args.loop_only else cli_pair(args)
         if args.cli_only:
             print(json.dumps({"rows": args.rows, "batch_size": args.batch_size,
                               "model": args.model, **cli,
@@ -237,10 +325,10 @@ def main() -> None:
         for batch in others:
             by_batch[batch] = scaling_pair(argparse.Namespace(**{**vars(args),
                                                                  "batch_size": batch}))
-        main_pair = by_batch[args.batch_size] = scaling_pair(args)
+        main_pair = by_batch[args.batch_size] = scaling_pair(args,
+                                                             emulate=args.emulate_gbps > 0)
         two = {"none": main_pair["two"]}
         two.update({c: train_loop(args, 2, c) for c in ("fp16", "dgc")})
-    dense = {c: r["dense_bytes_per_step"] for c, r in two.items()}
     headline = {k: v for k, v in main_pair.items() if k not in ("one", "two")}
     print(json.dumps({
         "rows": args.rows, "batch_size": args.batch_size, "model": args.model,
@@ -250,17 +338,25 @@ def main() -> None:
                              for b, r in sorted(by_batch.items())},
         "sps_2ranks_dgc": round(two["dgc"]["samples_per_s"], 1),
         **cli,
+        "auc_1rank": round(main_pair["one"]["auc"], 5),
+        **dense_comm_figures(args, two),
+        "load_avg_start": load_start, "load_avg": round(os.getloadavg()[0], 2),
+    }))
+
+
+def dense_comm_figures(args: argparse.Namespace, two: dict[str, dict]) -> dict:
+    """Dense bytes per step and validation AUC of the 2-rank runs of each exchange."""
+    dense = {c: r["dense_bytes_per_step"] for c, r in two.items()}
+    return {
         "bytes_per_step": {c: round(b, 1) for c, b in dense.items()},
         "sparse_bytes_per_step": round(two["none"]["sparse_bytes_per_step"], 1),
         "dgc_ratio": args.dgc_ratio, "dgc_momentum": args.dgc_momentum,
+        "dgc_warmup_steps": args.dgc_warmup_steps,
         "dgc_compression": round(dense["none"] / dense["dgc"], 1),
-        "auc_1rank": round(main_pair["one"]["auc"], 5),
         "auc_none": round(two["none"]["auc"], 5),
         "auc_fp16": round(two["fp16"]["auc"], 5),
         "auc_dgc": round(two["dgc"]["auc"], 5),
-        "delta_auc_dgc": round(two["dgc"]["auc"] - two["none"]["auc"], 5),
-        "load_avg_start": load_start, "load_avg": round(os.getloadavg()[0], 2),
-    }))
+        "delta_auc_dgc": round(two["dgc"]["auc"] - two["none"]["auc"], 5)}
 
 
 if __name__ == "__main__":

@@ -29,15 +29,15 @@ def test_density_decays_from_a_quarter_to_the_ratio_over_warmup():
     assert state.density() == 0.01
 
 
-def test_nothing_is_lost_without_momentum_sent_plus_residual_is_the_gradient_sum():
+def test_nothing_is_lost_without_momentum_sent_plus_residual_is_the_update_sum():
     torch.manual_seed(0)
     n, total, sent = 2000, torch.zeros(2000), torch.zeros(2000)
     state = _state(n, dgc_ratio=0.01, dgc_momentum=0.0, dgc_warmup_steps=5)
     for step in range(20):
         state.step = step
-        grad = torch.randn(n)
-        total += grad
-        values, idx = dgc_sparsify(state, grad)
+        update = torch.randn(n)
+        total += update
+        values, idx = dgc_sparsify(state, update)
         assert values.numel() == math.ceil(n * state.density())
         assert idx.unique().numel() == idx.numel()
         sent.index_add_(0, idx, values)
@@ -47,34 +47,32 @@ def test_nothing_is_lost_without_momentum_sent_plus_residual_is_the_gradient_sum
 
 def test_top_k_sends_the_largest_accumulated_entries_and_masks_momentum():
     state = _state(dgc_ratio=0.25, dgc_momentum=0.5, dgc_warmup_steps=0)
-    grad = torch.tensor([0.1, -3.0, 0.2, 2.0, 0.0, 0.05, -0.3, 0.4])
-    values, idx = dgc_sparsify(state, grad)
+    update = torch.tensor([0.1, -3.0, 0.2, 2.0, 0.0, 0.05, -0.3, 0.4])
+    values, idx = dgc_sparsify(state, update)
     assert sorted(idx.tolist()) == [1, 3]
     torch.testing.assert_close(values[idx.argsort()], torch.tensor([-3.0, 2.0]))
     u, v = state.u, state.v
     assert u[1] == 0 and u[3] == 0 and v[1] == 0 and v[3] == 0  # momentum factor masking
     torch.testing.assert_close(u[[0, 2]], torch.tensor([0.1, 0.2]))
-    # Next step: momentum correction accumulates u = 0.5 u + g into the residual.
+    # Next step: momentum correction accumulates u = 0.5 u + d into the residual.
     dgc_sparsify(state, torch.zeros(8))
     torch.testing.assert_close(v[0], torch.tensor(0.1 + 0.05))
 
 
-def test_residuals_follow_parameters_whatever_the_bucket_layout():
-    # DDP re-forms buckets after the first step: the same parameters, another order.
-    a, b = torch.zeros(2), torch.zeros(4)
-    state = DGCState(DenseCommConfig(mode="dgc", dgc_ratio=0.5, dgc_momentum=0.0,
-                                     dgc_warmup_steps=0), 1, CommMeter(), params=[a, b])
-    values, idx = dgc_sparsify(state, torch.tensor([1.0, 0.1, 0.2, 2.0, 0.3, 0.1]),
-                               state.positions([a, b]))
-    assert sorted(idx.tolist()) == [0, 3, 4]
-    torch.testing.assert_close(state.v, torch.tensor([0.0, 0.1, 0.2, 0.0, 0.0, 0.1]))
-    # Bucket [b, a]: b's entries first; residuals are added to the right parameters.
-    flat = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 5.0])
-    values, idx = dgc_sparsify(state, flat, state.positions([b, a]))
-    # Accumulated, in bucket order: b = [0.2, 0, 0, 0.1], a = [0, 0.1 + 5.0].
-    assert sorted(idx.tolist()) == [0, 3, 5]
-    torch.testing.assert_close(values.sort().values, torch.tensor([0.1, 0.2, 5.1]))
-    torch.testing.assert_close(state.v, torch.zeros(6))
+def test_each_parameter_gets_its_share_and_small_ones_are_sent_whole():
+    """Top-k per parameter: a layer of small updates is not starved by a larger one; a
+    parameter under 1 / ratio entries (a bias) is sent whole, leaving no residual."""
+    big, small_updates, bias = torch.zeros(100), torch.zeros(100), torch.zeros(3)
+    state = DGCState(DenseCommConfig(mode="dgc", dgc_ratio=0.02, dgc_momentum=0.0,
+                                     dgc_warmup_steps=0), 1, CommMeter(),
+                     params=[big, small_updates, bias])
+    update = torch.cat([torch.linspace(1.0, 2.0, 100), torch.linspace(1e-3, 2e-3, 100),
+                        torch.tensor([1e-6, -2e-6, 3e-6])])
+    values, idx = dgc_sparsify(state, update)
+    assert sorted(idx.tolist()) == [98, 99, 198, 199, 200, 201, 202]
+    torch.testing.assert_close(state.v[200:], torch.zeros(3))
+    torch.testing.assert_close(state.whole, torch.tensor([200, 201, 202]))
+    assert state.v[:98].abs().sum() > 0 and state.v[100:198].abs().sum() > 0
 
 
 @pytest.mark.parametrize("bad", [dict(mode="zip"), dict(dgc_ratio=0.0), dict(dgc_ratio=2.0),

@@ -242,13 +242,14 @@ def test_ranks_with_tiered_stores_train_the_same_model_as_in_memory(synth_runs):
     assert m_tiered["auc"] == pytest.approx(m_none["auc"], abs=1e-6)
 
 
-def test_dgc_sends_500x_fewer_dense_bytes_and_keeps_auc(synth_runs):
+def test_dgc_sends_100x_fewer_dense_bytes_and_keeps_auc(synth_runs):
     none = json.loads((synth_runs / "none" / "metrics.json").read_text())
     dgc = json.loads((synth_runs / "dgc" / "metrics.json").read_text())
     last_none = json.loads((synth_runs / "none" / "history.json").read_text())[-1]
     last_dgc = json.loads((synth_runs / "dgc" / "history.json").read_text())[-1]
-    # After warm-up: 8 bytes per sent entry, 0.1 % of the entries, vs 4 bytes each.
-    assert last_none["dense_bytes_per_step"] / last_dgc["dense_bytes_per_step"] > 400
+    # After warm-up: 8 bytes per sent entry, 0.1 % of the large parameters' entries,
+    # and 4 bytes an entry of the small ones, vs 4 bytes each (DeepFM: 176x).
+    assert last_none["dense_bytes_per_step"] / last_dgc["dense_bytes_per_step"] > 150
     truth = json.loads((synth_runs / "valid.txt.truth.json").read_text())
     assert (none["auc"] - 0.5) / (truth["ceiling_auc"] - 0.5) > 0.6  # it did learn
     assert dgc["auc"] - none["auc"] > -0.005

@@ -104,10 +104,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     # None (not given) takes DenseCommConfig's default; given without --dense-comm dgc,
     # a DGC flag is refused rather than ignored.
     g.add_argument("--dgc-ratio", type=float,
-                   help="DGC: share of gradient entries sent per step (default 0.001)")
+                   help="DGC: share of the dense update's entries sent per step "
+                        "(default 0.001)")
     g.add_argument("--dgc-momentum", type=float,
-                   help="DGC: momentum of the local momentum correction (default 0.5: "
-                        "the dense optimizer adds its own)")
+                   help="DGC: momentum of the local momentum correction (default 0.9)")
     g.add_argument("--dgc-warmup-steps", type=int,
                    help="DGC: steps over which sparsity rises from 75%% to its target")
 

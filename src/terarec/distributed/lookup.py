@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from terarec.distributed.context import DistContext
+from terarec.distributed.link import link_from_env
 from terarec.embedding.device import DeviceRowCache
 from terarec.embedding.index import unique_inverse
 from terarec.embedding.protocol import EmbeddingStore
@@ -59,7 +60,8 @@ def exchange(ctx: DistContext, tensor: torch.Tensor, send_counts: np.ndarray | l
     """``all_to_all_single`` along dim 0 in ``group`` (default: the row exchange group):
     ``send_counts[r]`` rows go to rank ``r``, ``recv_counts[r]`` rows come from it (in
     rank order). With ``async_op``: (the output, filled once the returned work's
-    ``wait()`` returns, and that work)."""
+    ``wait()`` returns, and that work). Under an emulated link (``distributed.link``)
+    it first waits what this rank's outgoing rows would take on it."""
     send = [int(c) for c in send_counts]
     recv = [int(c) for c in recv_counts]
     tensor = tensor.to(ctx.comm_device).contiguous()
@@ -68,6 +70,10 @@ def exchange(ctx: DistContext, tensor: torch.Tensor, send_counts: np.ndarray | l
         return (out, _Done()) if async_op else out
     out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
+    link = link_from_env()
+    if link is not None:  # an emulated slower network: what leaves this rank
+        row_bytes = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+        link.pay((sum(send) - send[ctx.rank]) * row_bytes)
     work = dist.all_to_all_single(out, tensor, output_split_sizes=recv,
                                   input_split_sizes=send, group=group or ctx.sparse_group,
                                   async_op=async_op)

@@ -20,7 +20,10 @@ batch per global step::
                 loss.backward()                           DDP all-reduces dense grads; the
                                                           lookup's backward starts sending
                                                           table.grad / world to the owners
-                dense_optimizer.step()                    while that exchange runs
+                dense_comm.step()                         while that exchange runs: the
+                                                          optimizer's step (with dgc, on
+                                                          the local gradient, then the
+                                                          compressed update's exchange)
                 ws.apply_gradients(s)                     owners apply the sparse optimizer
     pass end    owners write rows back to their own store
 
@@ -177,7 +180,8 @@ class Trainer:
             self.ddp = DistributedDataParallel(self.model, device_ids=ids,
                                                gradient_as_bucket_view=True,
                                                **_NO_FORWARD_BUFFER_SYNC)
-            self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, self.ctx.world)
+            self.dense_comm = DenseComm(self.ddp, self.dense_comm_config, self.ctx.world,
+                                        self.dense_optimizer)
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, config: TrainConfig | None = None, *,
@@ -409,7 +413,7 @@ class Trainer:
             self.dense_optimizer.zero_grad(set_to_none=True)
             (loss * (ctx.world / max(count, 1))).backward()  # starts the row exchange
             if count:  # as one process, whose dense weights get no gradient then
-                self.dense_optimizer.step()
+                self.dense_comm.step()
             ws.apply_gradients(step)
             self.dense_comm.count_step()
             # per row, as one process records a batch's mean loss times its rows
