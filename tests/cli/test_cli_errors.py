@@ -79,11 +79,14 @@ FLAG_ERRORS = [
                                "that move a key up a class: promote_at (--promote-at)"),
     (["--variable-dims", "1,2", "--promote-at", "5"], "promote_at [5.0] (--promote-at) needs "
                                                       "one width per threshold"),
-    (["--patience", "5"], "--patience needs --valid"),
+    (["--patience", "5", "--valid-split", "0"], "--patience needs --valid"),
+    (["--valid-split", "2"], "--valid-split 2.0: must be a share of the training rows in "
+                             "[0, 0.5]"),
     (["--patience", "0", "--valid", "VALID"], "--patience 0: must be >= 1"),
     (["--dgc-ratio", "0.1"], "--dgc-ratio applies only with --dense-comm dgc (got "
                              "--dense-comm none)"),
-    (["--select-by", "auc", "--eval-every", "4"], "--eval-every, --select-by needs --valid"),
+    (["--select-by", "auc", "--eval-every", "4", "--valid-split", "0"],
+     "--eval-every, --select-by needs --valid"),
 ]
 
 # Checked only once the exporter was made (after the statistics pass, leaving a model

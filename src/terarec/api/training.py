@@ -237,8 +237,8 @@ def _check_choose(job: TrainJob) -> None:
         raise ValueError(f"--choose {job.choose}: expected one of {', '.join(CHOOSE_MODES)}")
     if job.choose == "auto" and (job.follow is not None
                                  or not (job.valid or job.valid_split != 0)):
-        raise ValueError("--choose auto needs validation rows (the settings are chosen on "
-                         "them: --valid, or rows carved from --train) and --train")
+        raise ValueError("--choose auto needs --valid, or validation rows carved from "
+                         "--train (--valid-split), to choose the settings on, and --train")
 
 
 def _check_valid_split(job: TrainJob) -> None:
@@ -350,7 +350,9 @@ def selection_for(job: TrainJob, config: TrainConfig) -> SelectionTracker | None
             ("--select-by", job.select_by, "logloss"),
             ("--select-task", job.select_task, None)) if value != default]
         if given:  # each was silently ignored without a validation set
-            raise ValueError(f"{', '.join(given)} needs --valid")
+            raise ValueError(f"{', '.join(given)} needs --valid, or validation rows carved "
+                             f"from --train (--valid-split; by default below "
+                             f"{SMALL_DATA_ROWS:,} training rows)")
         return None
     if job.patience < 1:
         raise ValueError(f"--patience {job.patience}: must be >= 1")
@@ -538,9 +540,9 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
         if ctx.is_main:
             print(carved.describe(), file=sys.stderr)
     if job.choose == "auto" and not job.valid:
-        raise ValueError(f"--choose auto needs validation rows: --valid, or a --train "
-                         f"input below {SMALL_DATA_ROWS:,} rows (whose last "
-                         f"{DEFAULT_VALID_SPLIT:g} is carved), or --valid-split F")
+        raise ValueError(f"--choose auto needs --valid, or validation rows carved from "
+                         f"--train: by default below {SMALL_DATA_ROWS:,} training rows, at "
+                         "any size with --valid-split F")
     try:
         metrics, stats, sized, config = _train_files(job, config, features, raw, ctx,
                                                      on_commit, validation)
@@ -750,7 +752,8 @@ def _refit(job: TrainJob, train: list[Path]) -> bool:
     """``refit`` as given, else on for small data (``refit_by_default``)."""
     if job.refit is not None:
         if job.refit and not job.valid:
-            raise ValueError("--refit needs --valid (validation picks the epoch count)")
+            raise ValueError("--refit needs --valid, or validation rows carved from --train "
+                             "(--valid-split): validation picks the epoch count")
         return bool(job.refit)
     return bool(job.valid) and refit_by_default(estimate_rows(train))
 
