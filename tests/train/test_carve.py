@@ -180,3 +180,19 @@ def test_fit_takes_valid_split(data, tmp_path):
     assert metrics["validation"]["rows"] == 800 and metrics["validation"]["fit_rows"] == 800
     with pytest.raises(ValueError, match=r"--valid-split 0.9"):
         terarec.fit(data, out=tmp_path / "n", valid_split=0.9)
+
+
+def test_a_resumed_run_carves_only_where_it_did(data, tmp_path, capsys):
+    plain = tmp_path / "plain"
+    _train(data, plain, "--valid-split", "0", "--epochs", "1")
+    metrics = _train(data, plain, "--resume", "--epochs", "2")  # trained before: no cut
+    assert metrics["validation"]["carved"] is False
+    assert "resumed trained without validation" in metrics["validation"]["reason"]
+    history = json.loads((plain / "history.json").read_text())
+    assert [h["rows"] for h in history] == [1600, 1600]  # every row, both epochs
+    carved = tmp_path / "carved"
+    _train(data, carved, "--epochs", "1", "--no-refit")
+    metrics = _train(data, carved, "--resume", "--epochs", "2", "--no-refit")
+    assert metrics["validation"]["carved"] is True and metrics["eval_rows"] == 200
+    history = json.loads((carved / "history.json").read_text())
+    assert [h["rows"] for h in history] == [1400, 1400]  # the same fit rows again

@@ -634,6 +634,9 @@ def _carve_validation(job: TrainJob, raw: FeatureSchema | None, ctx: DistContext
     if job.valid_split == 0:
         return None, {"carved": False, "reason": "turned off (--valid-split 0)"}
     fraction = job.valid_split
+    if fraction is None and _resuming(job) and not _resumed_run_validated(job.out):
+        return None, {"carved": False, "reason": "the run resumed trained without "
+                      "validation rows"}
     if fraction is None:
         rows = estimate_rows(job.train)
         if rows is None or rows >= SMALL_DATA_ROWS:
@@ -746,6 +749,17 @@ def _check_resumed_columns(job: TrainJob) -> None:
                          f"flags describe ({', '.join(differ)} "
                          f"{'differs' if len(differ) == 1 else 'differ'}); resume with the "
                          "flags it was trained with, or train into another --out")
+
+
+def _resumed_run_validated(out: Path) -> bool:
+    """Whether the checkpoints in ``out`` were trained with validation rows (a refit's
+    own history has none; the selection passes before it do): a resumed run carves
+    again only then (the same files are cut the same way), so a model trained on every
+    row without validation goes on doing so."""
+    from terarec.modeldir import checkpoint_meta, list_checkpoints
+
+    return any("valid_logloss" in h for path in list_checkpoints(out)
+               for h in checkpoint_meta(path).get("history", []))
 
 
 def _refit(job: TrainJob, train: list[Path]) -> bool:
