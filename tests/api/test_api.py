@@ -154,7 +154,8 @@ def test_a_config_object_counts_its_changed_values_as_given(data, tmp_path):
     """Sized defaults leave alone what a TrainConfig sets (batch size 300 here)."""
     train, _ = data
     config = terarec.TrainConfig(batch_size=300, pass_rows=1000, threads=1, epochs=1)
-    model = terarec.fit(train, out=tmp_path / "m", config=config, model="lr", progress=False)
+    model = terarec.fit(train, out=tmp_path / "m", config=config, model="lr", progress=False,
+                        valid_split=0)  # (validation rows would make epochs a bound)
     assert model.config.batch_size == 300 and model.config.epochs == 1
 
 

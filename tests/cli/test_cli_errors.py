@@ -35,7 +35,7 @@ def lr_model(data, tmp_path_factory) -> Path:
     change it."""
     out = tmp_path_factory.mktemp("lr") / "model"
     assert cli_main(["train", "--train", str(data), "--out", str(out), *TRAIN,
-                     "--model", "lr"]) == 0
+                     "--model", "lr", "--valid-split", "0"]) == 0
     return out
 
 
