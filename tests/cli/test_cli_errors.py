@@ -582,11 +582,16 @@ def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
     junk = tmp_path / "junk.tsv"
     junk.write_text("".join(f"row {i} is not criteo\n" for i in range(50)))
     out = tmp_path / "model"
-    assert _train(junk, out, "--on-bad-row", "skip") == 2
+    assert _train(junk, out, "--on-bad-row", "skip", "--valid-split", "0") == 2
     line = _one_line(capsys)
     assert (f"no training rows in {junk}: all 50 rows read were bad and skipped "
             f"(--on-bad-row skip); first: {junk}: line 1:") in line
     assert not (out / "checkpoints").exists() and not (out / "metrics.json").exists()
+    # the last 6 rows carved as validation rows are read first: named in the file
+    assert _train(junk, out, "--on-bad-row", "skip") == 2
+    assert (f"no validation rows in {junk}: all 6 rows read were bad and skipped "
+            f"(--on-bad-row skip); first: {junk}: line 45:") in _one_line(capsys)
+    assert not out.exists()  # nor the copies the rows were cut into
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
     assert _train(empty, tmp_path / "m2") == 2
@@ -628,7 +633,8 @@ def test_a_bad_row_is_reported_once_over_several_epochs(data, tmp_path, capsys):
     bad = tmp_path / "bad.tsv"
     bad.write_bytes(data.read_bytes() + b"notalabel\t1\n")
     out = tmp_path / "model"
-    assert _train(bad, out, "--epochs", "2", "--on-bad-row", "skip") == 0
+    assert _train(bad, out, "--epochs", "2", "--on-bad-row", "skip", "--valid-split",
+                  "0") == 0  # (every row trained every epoch)
     err = capsys.readouterr().err
     assert "skipped 1 bad rows; first: " in err
     assert err.count("line 2001") == 1

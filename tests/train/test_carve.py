@@ -196,3 +196,17 @@ def test_a_resumed_run_carves_only_where_it_did(data, tmp_path, capsys):
     assert metrics["validation"]["carved"] is True and metrics["eval_rows"] == 200
     history = json.loads((carved / "history.json").read_text())
     assert [h["rows"] for h in history] == [1400, 1400]  # the same fit rows again
+
+
+def test_messages_name_the_input_file_and_its_lines(tmp_path):
+    path = tmp_path / "clicks.csv"
+    _csv(path, range(16))
+    carved = carve([path], CSV, 0.25, tmp_path / "carved")
+    assert carved is not None
+    fit, valid = carved.fit[0].path, carved.valid[0].path
+    # the copy's line 3 is data row 2 of the validation rows: row 14 of the file, line 15
+    assert carved.name_sources(f"{valid}: line 3: field 'x': bad; {fit}: line 5") \
+        == f"{path}: line 15: field 'x': bad; {path}: line 5"
+    assert carved.name_sources(f"{valid}: line 1: empty header line") \
+        == f"{path}: line 1: empty header line"
+    assert carved.name_sources(f"no rows in {valid}") == f"no rows in {path}"

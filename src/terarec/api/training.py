@@ -546,6 +546,16 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
     try:
         metrics, stats, sized, config = _train_files(job, config, features, raw, ctx,
                                                      on_commit, validation)
+        if carved is not None:  # skipped rows named in the files the user gave
+            stats.examples = [carved.name_sources(e) for e in stats.examples]
+    except ValueError as exc:
+        if carved is None or (said := carved.name_sources(str(exc))) == str(exc):
+            raise
+        try:  # an error about a copy names the input file and its line
+            renamed = type(exc)(said)
+        except TypeError:
+            renamed = ValueError(said)
+        raise renamed from exc
     finally:
         if carved is not None and ctx.is_main and ctx.world == 1:
             shutil.rmtree(Path(job.out) / CARVED_DIR, ignore_errors=True)
@@ -758,8 +768,14 @@ def _resumed_run_validated(out: Path) -> bool:
     row without validation goes on doing so."""
     from terarec.modeldir import checkpoint_meta, list_checkpoints
 
-    return any("valid_logloss" in h for path in list_checkpoints(out)
-               for h in checkpoint_meta(path).get("history", []))
+    for path in list_checkpoints(out):
+        try:  # one that cannot be read is refused, saying why, when it is restored
+            history = checkpoint_meta(path).get("history", [])
+        except (OSError, ValueError):
+            continue
+        if any("valid_logloss" in h for h in history):
+            return True
+    return False
 
 
 def _refit(job: TrainJob, train: list[Path]) -> bool:

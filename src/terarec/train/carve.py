@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,8 +74,23 @@ class Carved:
     """The training input cut in two: ``fit`` rows train, ``valid`` rows select."""
 
     fraction: float
+    header: int = 0  # lines before the data rows in every text file (and its copies)
     fit: list[Piece] = field(default_factory=list)
     valid: list[Piece] = field(default_factory=list)
+
+    def name_sources(self, text: str) -> str:
+        """``text`` (an error, a skipped row's message) naming the input files the
+        copies were cut from, and their lines (or Parquet rows) as counted there."""
+        for piece in (p for p in [*self.fit, *self.valid] if p.path != p.source):
+            def source(match: re.Match[str], piece: Piece = piece) -> str:
+                if match.group(1) is None:
+                    return str(piece.source)
+                n = int(match.group(2))
+                return f"{piece.source}{match.group(1)[:-len(match.group(2))]}" + str(
+                    n if n <= self.header else n + piece.first)
+            text = re.sub(re.escape(str(piece.path)) + r"(: (?:line|row) (\d+))?", source,
+                          text)
+        return text
 
     @property
     def fit_rows(self) -> int:
@@ -135,7 +151,7 @@ def carve(paths: Sequence[Path], schema: FeatureSchema, fraction: float,
     valid_rows = min(max(1, math.floor(total * fraction)), total - 1)
     cut = total - valid_rows  # rows before it fit, from it on validate
     shutil.rmtree(folder, ignore_errors=True)
-    carved = Carved(fraction)
+    carved = Carved(fraction, 0 if schema.format == "parquet" else _header_lines(schema))
     seen = 0
     for path, n in zip(map(Path, paths), rows, strict=True):
         lo, hi = seen, seen + n
