@@ -210,3 +210,19 @@ def test_messages_name_the_input_file_and_its_lines(tmp_path):
     assert carved.name_sources(f"{valid}: line 1: empty header line") \
         == f"{path}: line 1: empty header line"
     assert carved.name_sources(f"no rows in {valid}") == f"no rows in {path}"
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 1 << 20])
+def test_the_cut_is_exact_whatever_the_read_size(tmp_path, monkeypatch, chunk):
+    """Files are copied in chunks (1 MB): the header, the cut and the end may fall
+    anywhere in one."""
+    import terarec.train.carve as carve_module
+
+    monkeypatch.setattr(carve_module, "_CHUNK", chunk)
+    path = tmp_path / "clicks.csv.gz"
+    rows = [f"{i % 2},{i},v{i}\n" for i in range(37)]
+    path.write_bytes(gzip.compress(("y,x,c\n" + "".join(rows)).encode()))
+    carved = carve([path], CSV, 0.25, tmp_path / "carved")
+    assert carved is not None and (carved.fit_rows, carved.valid_rows) == (28, 9)
+    assert carved.fit[0].path.read_text() == "y,x,c\n" + "".join(rows[:28])
+    assert carved.valid[0].path.read_text() == "y,x,c\n" + "".join(rows[28:])

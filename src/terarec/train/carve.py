@@ -203,8 +203,10 @@ def _split_lines(stream: Any, header: int, at: int, fit: BinaryIO, valid: Binary
             if line >= cut:
                 valid.write(chunk[pos:])
                 break
-            if line >= header and line + chunk.count(b"\n", pos) < cut:
+            ahead = chunk.count(b"\n", pos)
+            if line >= header and line + ahead < cut:
                 fit.write(chunk[pos:])  # the cut is beyond this chunk
+                line += ahead
                 break
             nl = chunk.find(b"\n", pos)
             end = len(chunk) if nl < 0 else nl + 1
