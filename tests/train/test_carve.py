@@ -226,3 +226,13 @@ def test_the_cut_is_exact_whatever_the_read_size(tmp_path, monkeypatch, chunk):
     assert carved is not None and (carved.fit_rows, carved.valid_rows) == (28, 9)
     assert carved.fit[0].path.read_text() == "y,x,c\n" + "".join(rows[:28])
     assert carved.valid[0].path.read_text() == "y,x,c\n" + "".join(rows[28:])
+
+
+def test_a_resumed_run_whose_cut_would_move_is_refused(data, tmp_path, capsys):
+    more = tmp_path / "more.tsv"
+    generate(more, 400, model_seed=1, sample_seed=7)
+    out = tmp_path / "m"
+    _train(data, out, "--epochs", "1", "--no-refit")
+    assert main(["train", "--train", str(data), str(more), "--out", str(out), "--resume",
+                 *TRAIN]) == 2
+    assert "the validation rows carved from --train moved" in capsys.readouterr().err

@@ -659,8 +659,10 @@ def _carve_validation(job: TrainJob, raw: FeatureSchema | None, ctx: DistContext
         try:  # the schema the files are read with: the model's own when resuming
             schema = raw if raw is not None else read_model_meta(job.out)[0] \
                 if _resuming(job) else job.data.schema()
-            answer = (carve(job.train, schema, fraction, Path(job.out) / CARVED_DIR),
-                      None, False)
+            cut = carve(job.train, schema, fraction, Path(job.out) / CARVED_DIR)
+            if cut is not None and _resuming(job):
+                _check_same_cut(job.out, cut)
+            answer = (cut, None, False)
         except CarveError as exc:
             answer = (None, str(exc), True)
         except Exception as exc:
@@ -759,6 +761,25 @@ def _check_resumed_columns(job: TrainJob) -> None:
                          f"flags describe ({', '.join(differ)} "
                          f"{'differs' if len(differ) == 1 else 'differ'}); resume with the "
                          "flags it was trained with, or train into another --out")
+
+
+def _check_same_cut(out: Path, carved: Carved) -> None:
+    """A resumed run's cut must leave every file the checkpoint was reading where it
+    was: with more (or other) ``--train`` files the cut moves, and rows trained as fit
+    rows would be read again as new ones (or validate), so that is refused."""
+    from terarec.modeldir import checkpoint_meta, list_checkpoints
+
+    try:
+        inputs = checkpoint_meta(list_checkpoints(out)[0]).get("inputs", {})
+    except (OSError, ValueError):
+        return  # refused, saying why, when it is restored
+    now = {os.path.abspath(p.path) for p in [*carved.fit, *carved.valid]}
+    moved = sorted(k for k in inputs.get("files", {}) if os.path.abspath(k) not in now)
+    if moved:
+        raise ValueError(f"--resume: the validation rows carved from --train moved (the "
+                         f"run read {', '.join(moved)}, which this cut does not): resume "
+                         "with the --train files the run started with, or train another "
+                         "--out with --valid or --valid-split 0")
 
 
 def _resumed_run_validated(out: Path) -> bool:
