@@ -83,12 +83,12 @@ class Carved:
         copies were cut from, and their lines (or Parquet rows) as counted there."""
         for piece in (p for p in [*self.fit, *self.valid] if p.path != p.source):
             def source(match: re.Match[str], piece: Piece = piece) -> str:
-                if match.group(1) is None:
+                if match.group(1) is None:  # the file named without a line
                     return str(piece.source)
-                n = int(match.group(2))
-                return f"{piece.source}{match.group(1)[:-len(match.group(2))]}" + str(
-                    n if n <= self.header else n + piece.first)
-            text = re.sub(re.escape(str(piece.path)) + r"(: (?:line|row) (\d+))?", source,
+                n = int(match.group(2))  # a copy's header lines are the file's
+                return f"{piece.source}: {match.group(1)} " \
+                       f"{n if n <= self.header else n + piece.first}"
+            text = re.sub(re.escape(str(piece.path)) + r"(?:: (line|row) (\d+))?", source,
                           text)
         return text
 
