@@ -154,7 +154,8 @@ def test_a_config_object_counts_its_changed_values_as_given(data, tmp_path):
     """Sized defaults leave alone what a TrainConfig sets (batch size 300 here)."""
     train, _ = data
     config = terarec.TrainConfig(batch_size=300, pass_rows=1000, threads=1, epochs=1)
-    model = terarec.fit(train, out=tmp_path / "m", config=config, model="lr", progress=False)
+    model = terarec.fit(train, out=tmp_path / "m", config=config, model="lr", progress=False,
+                        valid_split=0)  # (validation rows would make epochs a bound)
     assert model.config.batch_size == 300 and model.config.epochs == 1
 
 
@@ -179,12 +180,15 @@ def test_a_model_class_of_ones_own_trains_resumes_exports_and_serves(data, tmp_p
     assert json.loads((tmp_path / "m" / "train_config.json").read_text())["model"]["name"] \
         == CUSTOM
     assert model.metrics["auc"] > 0.55
-    # the command line trains the same class by import path, and resumes it
+    # the command line trains the same class by import path, and resumes it (every row,
+    # every epoch: no validation rows carved, so no patience to stop the second)
     assert cli_main(["train", "--train", str(train), "--out", str(tmp_path / "c"),
-                     "--model", CUSTOM, "--epochs", "1", *SMALL_FLAGS]) == 0
+                     "--model", CUSTOM, "--epochs", "1", "--valid-split", "0",
+                     *SMALL_FLAGS]) == 0
     first = terarec.load(tmp_path / "c", "latest").metrics["passes"]
     assert cli_main(["train", "--train", str(train), "--out", str(tmp_path / "c"),
-                     "--model", CUSTOM, "--epochs", "2", "--resume", *SMALL_FLAGS]) == 0
+                     "--model", CUSTOM, "--epochs", "2", "--resume", "--valid-split", "0",
+                     *SMALL_FLAGS]) == 0
     assert terarec.load(tmp_path / "c").metrics["passes"] == 2 * first
     model.export(str(tmp_path / "exp"))
     np.testing.assert_allclose(_served(tmp_path / "exp", valid, 100),

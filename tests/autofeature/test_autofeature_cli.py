@@ -323,7 +323,7 @@ def test_resume_with_tables_reads_on_inside_the_file(selected, data, tmp_path, c
     out = tmp_path / "m"
     common = ["--train", str(data.train), "--out", str(out), "--model", "lr",
               "--batch-size", "500", "--pass-rows", "2000", "--threads", "1",
-              "--no-progress", "--epochs", "1"]
+              "--no-progress", "--epochs", "1", "--valid-split", "0"]  # the raw file's rows
     assert main(["train", "--features", str(selected), *common]) == 0
     last = sorted((out / "checkpoints").iterdir())[-1]  # as if killed after the one before
     shutil.rmtree(last)

@@ -35,7 +35,7 @@ def lr_model(data, tmp_path_factory) -> Path:
     change it."""
     out = tmp_path_factory.mktemp("lr") / "model"
     assert cli_main(["train", "--train", str(data), "--out", str(out), *TRAIN,
-                     "--model", "lr"]) == 0
+                     "--model", "lr", "--valid-split", "0"]) == 0
     return out
 
 
@@ -79,11 +79,14 @@ FLAG_ERRORS = [
                                "that move a key up a class: promote_at (--promote-at)"),
     (["--variable-dims", "1,2", "--promote-at", "5"], "promote_at [5.0] (--promote-at) needs "
                                                       "one width per threshold"),
-    (["--patience", "5"], "--patience needs --valid"),
+    (["--patience", "5", "--valid-split", "0"], "--patience needs --valid"),
+    (["--valid-split", "2"], "--valid-split 2.0: must be a share of the training rows in "
+                             "[0, 0.5]"),
     (["--patience", "0", "--valid", "VALID"], "--patience 0: must be >= 1"),
     (["--dgc-ratio", "0.1"], "--dgc-ratio applies only with --dense-comm dgc (got "
                              "--dense-comm none)"),
-    (["--select-by", "auc", "--eval-every", "4"], "--eval-every, --select-by needs --valid"),
+    (["--select-by", "auc", "--eval-every", "4", "--valid-split", "0"],
+     "--eval-every, --select-by needs --valid"),
 ]
 
 # Checked only once the exporter was made (after the statistics pass, leaving a model
@@ -579,11 +582,16 @@ def test_every_row_skipped_fails_and_writes_no_checkpoint(tmp_path, capsys):
     junk = tmp_path / "junk.tsv"
     junk.write_text("".join(f"row {i} is not criteo\n" for i in range(50)))
     out = tmp_path / "model"
-    assert _train(junk, out, "--on-bad-row", "skip") == 2
+    assert _train(junk, out, "--on-bad-row", "skip", "--valid-split", "0") == 2
     line = _one_line(capsys)
     assert (f"no training rows in {junk}: all 50 rows read were bad and skipped "
             f"(--on-bad-row skip); first: {junk}: line 1:") in line
     assert not (out / "checkpoints").exists() and not (out / "metrics.json").exists()
+    # the last 6 rows carved as validation rows are read first: named in the file
+    assert _train(junk, out, "--on-bad-row", "skip") == 2
+    assert (f"no validation rows in {junk}: all 6 rows read were bad and skipped "
+            f"(--on-bad-row skip); first: {junk}: line 45:") in _one_line(capsys)
+    assert not out.exists()  # nor the copies the rows were cut into
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
     assert _train(empty, tmp_path / "m2") == 2
@@ -625,7 +633,8 @@ def test_a_bad_row_is_reported_once_over_several_epochs(data, tmp_path, capsys):
     bad = tmp_path / "bad.tsv"
     bad.write_bytes(data.read_bytes() + b"notalabel\t1\n")
     out = tmp_path / "model"
-    assert _train(bad, out, "--epochs", "2", "--on-bad-row", "skip") == 0
+    assert _train(bad, out, "--epochs", "2", "--on-bad-row", "skip", "--valid-split",
+                  "0") == 0  # (every row trained every epoch)
     err = capsys.readouterr().err
     assert "skipped 1 bad rows; first: " in err
     assert err.count("line 2001") == 1

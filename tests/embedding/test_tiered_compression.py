@@ -254,7 +254,8 @@ def test_cli_trains_checkpoints_and_exports_a_compressed_tiered_model(tmp_path, 
                 "--embedding-dim", "8", "--pass-rows", "1000", "--batch-size", "250",
                 "--threads", "1", "--no-progress", "--precision", "int8",
                 "--variable-dims", "1,4", "--promote-at", "2,4", "--group-lasso", "1e-3",
-                "--admit-min-count", "1"]  # every key a row: more than the budget holds
+                "--admit-min-count", "1",  # every key a row: more than the budget holds
+                "--valid-split", "0"]  # the last pass scored in the live store
         model, uri = tmp_path / "model", tmp_path / "export"
         assert cli_main([*args, "--out", str(model), "--memory-budget", "1000KB",
                          "--export-to", str(uri)]) == 0

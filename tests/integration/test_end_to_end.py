@@ -121,7 +121,7 @@ def test_bad_row_is_reported_with_file_line_and_field(tmp_path, capsys, synth_fi
     assert "bad.tsv" in err and "1501" in err and "I3" in err
     assert not (tmp_path / "m" / "metrics.json").exists()
     code = main(["train", "--train", str(bad), "--out", str(tmp_path / "m2"),
-                 "--on-bad-row", "skip", "--epochs", "1", *FAST])
+                 "--on-bad-row", "skip", "--epochs", "1", "--valid-split", "0", *FAST])
     captured = capsys.readouterr()
     assert code == 0 and "skipped 1 bad rows" in captured.err
     metrics = json.loads((tmp_path / "m2" / "metrics.json").read_text())

@@ -200,7 +200,7 @@ def test_choose_auto_records_candidates_and_off_trains_the_sized_default(
 def test_choose_needs_validation_rows(files, tmp_path, capsys) -> None:
     train, _ = files
     code = main(["train", "--train", str(train), "--out", str(tmp_path / "m"), "--choose",
-                 "auto", *FLAGS])
+                 "auto", "--valid-split", "0", *FLAGS])
     assert code != 0
     assert "--choose auto needs --valid" in capsys.readouterr().err
 

@@ -96,7 +96,7 @@ def test_no_refit_keeps_the_selected_pass(files, tmp_path):
 def test_refit_needs_valid_and_skips_cut_passes(files, tmp_path):
     train, _ = files
     assert main(["train", "--train", str(train), "--out", str(tmp_path / "a"), "--refit",
-                 *TRAIN]) == 2
+                 "--valid-split", "0", *TRAIN]) == 2
     metrics = _train(files, tmp_path / "b", "--pass-rows", "1000")
     assert "skipped" in metrics["refit"]
     assert (tmp_path / "b" / "BEST").read_text() == f"pass-{metrics['best_pass']:06d}"

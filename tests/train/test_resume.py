@@ -21,7 +21,8 @@ from terarec.train.trainer import Trainer
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TRAIN_ARGS = ["--pass-rows", "2000", "--batch-size", "500", "--threads", "1", "--no-progress",
-              "--model", "deepfm", "--embedding-dim", "4", "--seed", "5"]
+              "--model", "deepfm", "--embedding-dim", "4", "--seed", "5",
+              "--valid-split", "0"]  # every row every epoch: the resumed state is the point
 # Small enough that rows move between RAM and disk on this data, large enough for the
 # key index (see docs/tiered-store.md).
 BUDGET = ["--memory-budget", "5MB"]

@@ -31,7 +31,8 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
         features: str | os.PathLike[str] | None = None,
         export_to: str | None = None, export: ExportSchedule | None = None,
         dense_comm: DenseCommConfig | None = None, checkpoint_every: int = 1,
-        progress: bool = True, choose: str | None = None, **settings: Any) -> Model:
+        progress: bool = True, choose: str | None = None, valid_split: float | None = None,
+        **settings: Any) -> Model:
     """Train a model on ``train`` files into the model directory ``out`` and return it.
 
     With ``valid`` files, training is validation-driven: the best pass by ``select_by``
@@ -39,9 +40,13 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
     task ``select_task`` names) is kept, training stops after ``patience`` evaluations
     without improvement (default 2), and below 100,000 training rows a fresh model is
     refit on train + valid for the chosen number of epochs (``refit=False`` keeps the
-    selected pass). Settings not given follow the data's size, as on the command line;
-    ``choose="auto"`` (with ``valid``) races a small portfolio of settings against them
-    on the validation rows (docs/training.md; off by default).
+    selected pass). Without ``valid``, below 100,000 training rows the last 1/8 of them
+    are carved as validation rows and the run goes on as with ``valid``
+    (``valid_split``: another share, which carves at any size; 0 turns it off;
+    metrics.json's ``validation`` says which rows). Settings not given follow the
+    data's size, as on the command line; ``choose="auto"`` (with validation rows) races
+    a small portfolio of settings against them on the validation rows
+    (docs/training.md; off by default).
 
     ``config``: a whole ``TrainConfig`` (its values that differ from the defaults count
     as given); keyword settings apply on top of it. ``model`` may also be a
@@ -56,6 +61,7 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
                        dense_comm=dense_comm, checkpoint_every=checkpoint_every,
                        progress=progress, settings=settings)
     job.choose = choose
+    job.valid_split = valid_split
     run_training(job)
     return Model(out)
 

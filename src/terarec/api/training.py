@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,8 +39,17 @@ from terarec.io import (
     shared_lock,
     try_lock_file,
 )
+from terarec.train.carve import (
+    CARVED_DIR,
+    DEFAULT_VALID_SPLIT,
+    Carved,
+    CarveError,
+    carve,
+    check_valid_split,
+)
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
+    SMALL_DATA_ROWS,
     accumulator_choices,
     apply_sized_defaults,
     estimate_rows,
@@ -123,6 +133,10 @@ class TrainJob:
     # "auto": with validation rows, the portfolio of train.portfolio races the default
     # and may replace it; "off" or None: the sized defaults as they are.
     choose: str | None = None
+    # Without ``valid``: the share of the training rows (the last ones) carved as
+    # validation rows (train.carve); None: DEFAULT_VALID_SPLIT below SMALL_DATA_ROWS
+    # estimated rows, else none; 0: none.
+    valid_split: float | None = None
 
 
 @dataclass
@@ -158,6 +172,7 @@ def run_training(job: TrainJob,
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
     _check_export(job)
+    _check_valid_split(job)
     _check_choose(job)
     config = job.config
     if job.features and config.on_bad_row == "skip":
@@ -220,9 +235,23 @@ def _check_choose(job: TrainJob) -> None:
         return
     if job.choose not in CHOOSE_MODES:
         raise ValueError(f"--choose {job.choose}: expected one of {', '.join(CHOOSE_MODES)}")
-    if job.choose == "auto" and (not job.valid or job.follow is not None):
-        raise ValueError("--choose auto needs --valid (the settings are chosen on the "
-                         "validation rows) and --train")
+    if job.choose == "auto" and (job.follow is not None
+                                 or not (job.valid or job.valid_split != 0)):
+        raise ValueError("--choose auto needs --valid, or validation rows carved from "
+                         "--train (--valid-split), to choose the settings on, and --train")
+
+
+def _check_valid_split(job: TrainJob) -> None:
+    """``valid_split`` in range, and only where there is something to carve from."""
+    check_valid_split(job.valid_split)
+    if not job.valid_split:
+        return
+    if job.follow is not None:
+        raise ValueError(f"--valid-split {job.valid_split:g} does not apply to --follow: "
+                         "each file is scored before it is trained")
+    if job.valid:
+        raise ValueError(f"--valid-split {job.valid_split:g} carves validation rows from "
+                         "--train, and --valid gives them: give one")
 
 
 def _choosing(job: TrainJob, config: TrainConfig) -> bool:
@@ -321,7 +350,9 @@ def selection_for(job: TrainJob, config: TrainConfig) -> SelectionTracker | None
             ("--select-by", job.select_by, "logloss"),
             ("--select-task", job.select_task, None)) if value != default]
         if given:  # each was silently ignored without a validation set
-            raise ValueError(f"{', '.join(given)} needs --valid")
+            raise ValueError(f"{', '.join(given)} needs --valid, or validation rows carved "
+                             f"from --train (--valid-split; by default below "
+                             f"{SMALL_DATA_ROWS:,} training rows)")
         return None
     if job.patience < 1:
         raise ValueError(f"--patience {job.patience}: must be >= 1")
@@ -449,10 +480,12 @@ def _follow_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
 
 
 def record_inputs(out: Path, train: list[Path], valid: list[Path], *,
-                  valid_trained: bool) -> None:
+                  valid_trained: bool, carved: Carved | None = None) -> None:
     """``inputs.json``: each input file's fingerprint and whether the model in ``out``
     trained on its rows (the validation files too after a refit), so scoring them later
-    is known to be in-sample. A resumed run adds its files to the earlier ones."""
+    is known to be in-sample. A resumed run adds its files to the earlier ones. With
+    validation rows ``carved`` from the training files, a file whose rows all validate
+    is a validation file, and a file cut in two says which rows validate."""
     from terarec.data.positions import fingerprint
     from terarec.io import atomic_write_text, finite_json
 
@@ -461,11 +494,20 @@ def record_inputs(out: Path, train: list[Path], valid: list[Path], *,
         files = {f["path"]: f for f in json.loads(path.read_text())["files"]}
     except (OSError, ValueError, KeyError, TypeError):
         files = {}
+    carved_rows = {os.path.abspath(p.source): [p.first, p.end]
+                   for p in (carved.valid if carved is not None else [])}
+    fit = {os.path.abspath(p.source) for p in (carved.fit if carved is not None else [])}
     for role, paths, trained in (("valid", valid, valid_trained), ("train", train, True)):
         for p in paths:
             size, digest = fingerprint(p)
-            files[os.path.abspath(p)] = {"path": os.path.abspath(p), "role": role,
-                                         "size": size, "sha256": digest, "trained": trained}
+            name = os.path.abspath(p)
+            entry = {"path": name, "role": role, "size": size, "sha256": digest,
+                     "trained": trained}
+            if name in carved_rows and name not in fit:  # all its rows validate
+                entry.update(role="valid", trained=valid_trained)
+            elif name in carved_rows:
+                entry["valid_rows"] = carved_rows[name]
+            files[name] = entry
     atomic_write_text(path, finite_json({"files": list(files.values())}, indent=2))
 
 
@@ -479,10 +521,6 @@ def write_report(out: Path, metrics: dict, sized: dict, title: str) -> None:
 
 def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
                 on_commit: Callable[[Trainer], None] | None) -> TrainOutcome:
-    from terarec.autofeature.features import feature_inputs, keyed_copies
-    from terarec.modeldir import read_model_meta
-    from terarec.train.run import TrainRun, train_model
-
     if job.follow is not None:
         return _follow_run(job, config, ctx, on_commit)
     assert job.train is not None
@@ -494,6 +532,60 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
     if not features and _resuming(job):
         _check_resumed_columns(job)
     raw = job.data.for_model(features.base_schema) if features else None
+    given = job  # the files as the user named them
+    carved, validation = _carve_validation(job, raw, ctx)
+    if carved is not None:
+        job = dataclasses.replace(job, train=[p.path for p in carved.fit],
+                                  valid=[p.path for p in carved.valid])
+        if ctx.is_main:
+            print(carved.describe(), file=sys.stderr)
+    if job.choose == "auto" and not job.valid:
+        raise ValueError(f"--choose auto needs --valid, or validation rows carved from "
+                         f"--train: by default below {SMALL_DATA_ROWS:,} training rows, at "
+                         "any size with --valid-split F")
+    try:
+        metrics, stats, sized, config = _train_files(job, config, features, raw, ctx,
+                                                     on_commit, validation)
+        if carved is not None:  # skipped rows named in the files the user gave
+            stats.examples = [carved.name_sources(e) for e in stats.examples]
+    except ValueError as exc:
+        if carved is None or (said := carved.name_sources(str(exc))) == str(exc):
+            raise
+        try:  # an error about a copy names the input file and its line
+            renamed = type(exc)(said)
+        except TypeError:
+            renamed = ValueError(said)
+        raise renamed from exc
+    finally:
+        if carved is not None and ctx.is_main and ctx.world == 1:
+            shutil.rmtree(Path(job.out) / CARVED_DIR, ignore_errors=True)
+    if carved is not None and ctx.world > 1:  # every rank has read the copies
+        ctx.barrier()
+        if ctx.is_main:
+            shutil.rmtree(Path(job.out) / CARVED_DIR, ignore_errors=True)
+    if ctx.is_main:
+        refit = bool((metrics.get("refit") or {}).get("checkpoint"))
+        record_inputs(Path(job.out), given.train or [], given.valid, valid_trained=refit,
+                      carved=carved)
+        write_report(Path(job.out), metrics, sized, f"terarec train: {config.model.name} "
+                     f"on {', '.join(Path(p).name for p in given.train or [])}")
+    world = ctx.world
+    ctx.close()
+    return TrainOutcome(metrics, stats, sized, ctx.is_main, world)
+
+
+def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | None,
+                 raw: FeatureSchema | None, ctx: DistContext,
+                 on_commit: Callable[[Trainer], None] | None, validation: dict[str, Any]
+                 ) -> tuple[dict[str, Any], ReadStats, dict[str, Any], TrainConfig]:
+    """Sized defaults, the choices made by validation, and training with selection and
+    refit, on ``job``'s files (AutoFeature copies of them with ``features``); returns
+    the metrics, read statistics, sized values and the config trained with."""
+    from terarec.autofeature.features import feature_inputs, keyed_copies
+    from terarec.modeldir import read_model_meta
+    from terarec.train.run import TrainRun, train_model
+
+    assert job.train is not None
     with feature_inputs(features, job.train, schema=raw) as train, \
             feature_inputs(features, job.valid, schema=raw) as valid:
         # the inputs as the model reads them (joined copies with AutoFeature tables)
@@ -510,7 +602,7 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
             if features and features.tables.tables else [*train]
         schema = functools.cache(lambda: _train_schema(
             read, train, features.schema if features else None, ctx))
-        notes: dict[str, Any] = {}
+        notes: dict[str, Any] = {"validation": validation}
         # With a memory budget the trials would split it: the start stays the sized one.
         choices = accumulator_choices(sized) if config.store.memory_budget is None else None
         if choices is not None and selection is not None:
@@ -533,14 +625,62 @@ def _locked_run(job: TrainJob, config: TrainConfig, ctx: DistContext,
             config, schema, ctx, dense_comm=job.dense_comm,
             exporter=lambda trainer: make_exporter(job, trainer), on_commit=on_commit,
             selection=selection)
+    return metrics, stats, sized, config
+
+
+def _carve_validation(job: TrainJob, raw: FeatureSchema | None, ctx: DistContext
+                      ) -> tuple[Carved | None, dict[str, Any]]:
+    """Validation rows carved from ``job.train`` where none are given (``train.carve``):
+    ``valid_split`` of them when given, else ``DEFAULT_VALID_SPLIT`` below
+    ``SMALL_DATA_ROWS`` estimated rows. Rank 0 cuts and copies, every rank gets its
+    answer. Returns the cut (None: none) and what metrics.json says under
+    ``validation``."""
+    from terarec.modeldir import read_model_meta
+
+    assert job.train is not None
+    if job.valid:
+        return None, {"carved": False,
+                      "valid_files": [os.path.abspath(p) for p in job.valid]}
+    if job.valid_split == 0:
+        return None, {"carved": False, "reason": "turned off (--valid-split 0)"}
+    fraction = job.valid_split
+    if fraction is None and _resuming(job) and not _resumed_run_validated(job.out):
+        return None, {"carved": False, "reason": "the run resumed trained without "
+                      "validation rows"}
+    if fraction is None:
+        rows = estimate_rows(job.train)
+        if rows is None or rows >= SMALL_DATA_ROWS:
+            return None, {"carved": False, "reason": f"about {rows:,} training rows: "
+                          f"carved by default below {SMALL_DATA_ROWS:,}"
+                          if rows is not None else "the training rows cannot be counted"}
+        fraction = DEFAULT_VALID_SPLIT
+    answer: tuple[Carved | None, str | None, bool] = (None, None, False)
     if ctx.is_main:
-        refit = bool((metrics.get("refit") or {}).get("checkpoint"))
-        record_inputs(Path(job.out), job.train, job.valid, valid_trained=refit)
-        write_report(Path(job.out), metrics, sized, f"terarec train: {config.model.name} "
-                     f"on {', '.join(Path(p).name for p in job.train)}")
-    world = ctx.world
-    ctx.close()
-    return TrainOutcome(metrics, stats, sized, ctx.is_main, world)
+        try:  # the schema the files are read with: the model's own when resuming
+            schema = raw if raw is not None else read_model_meta(job.out)[0] \
+                if _resuming(job) else job.data.schema()
+            cut = carve(job.train, schema, fraction, Path(job.out) / CARVED_DIR)
+            if cut is not None and _resuming(job):
+                _check_same_cut(job.out, cut)
+            answer = (cut, None, False)
+        except CarveError as exc:
+            answer = (None, str(exc), True)
+        except Exception as exc:
+            if ctx.world == 1:
+                raise
+            answer = (None, str(exc), False)  # raised on every rank below
+    carved, failure, uncuttable = ctx.broadcast_object(answer) if ctx.world > 1 else answer
+    if failure is not None:
+        if uncuttable and job.valid_split is None:
+            if ctx.is_main:
+                print(f"validation: none carved ({failure}); training without validation "
+                      "rows", file=sys.stderr)
+            return None, {"carved": False, "reason": failure}
+        raise ValueError(f"--valid-split {fraction:g}: {failure}" if uncuttable
+                         else failure)
+    if carved is None:
+        return None, {"carved": False, "reason": "fewer than 2 training rows"}
+    return carved, carved.summary()
 
 
 def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
@@ -623,11 +763,48 @@ def _check_resumed_columns(job: TrainJob) -> None:
                          "flags it was trained with, or train into another --out")
 
 
+def _check_same_cut(out: Path, carved: Carved) -> None:
+    """A resumed run's cut must leave every file the checkpoint was reading where it
+    was: with more (or other) ``--train`` files the cut moves, and rows trained as fit
+    rows would be read again as new ones (or validate), so that is refused."""
+    from terarec.modeldir import checkpoint_meta, list_checkpoints
+
+    try:
+        inputs = checkpoint_meta(list_checkpoints(out)[0]).get("inputs", {})
+    except (OSError, ValueError):
+        return  # refused, saying why, when it is restored
+    now = {os.path.abspath(p.path) for p in [*carved.fit, *carved.valid]}
+    moved = sorted(k for k in inputs.get("files", {}) if os.path.abspath(k) not in now)
+    if moved:
+        raise ValueError(f"--resume: the validation rows carved from --train moved (the "
+                         f"run read {', '.join(moved)}, which this cut does not): resume "
+                         "with the --train files the run started with, or train another "
+                         "--out with --valid or --valid-split 0")
+
+
+def _resumed_run_validated(out: Path) -> bool:
+    """Whether the checkpoints in ``out`` were trained with validation rows (a refit's
+    own history has none; the selection passes before it do): a resumed run carves
+    again only then (the same files are cut the same way), so a model trained on every
+    row without validation goes on doing so."""
+    from terarec.modeldir import checkpoint_meta, list_checkpoints
+
+    for path in list_checkpoints(out):
+        try:  # one that cannot be read is refused, saying why, when it is restored
+            history = checkpoint_meta(path).get("history", [])
+        except (OSError, ValueError):
+            continue
+        if any("valid_logloss" in h for h in history):
+            return True
+    return False
+
+
 def _refit(job: TrainJob, train: list[Path]) -> bool:
     """``refit`` as given, else on for small data (``refit_by_default``)."""
     if job.refit is not None:
         if job.refit and not job.valid:
-            raise ValueError("--refit needs --valid (validation picks the epoch count)")
+            raise ValueError("--refit needs --valid, or validation rows carved from --train "
+                             "(--valid-split): validation picks the epoch count")
         return bool(job.refit)
     return bool(job.valid) and refit_by_default(estimate_rows(train))
 

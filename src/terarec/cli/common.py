@@ -268,7 +268,8 @@ def train_job_from_args(args: argparse.Namespace,
             publish_to=getattr(args, "publish_to", None),
             publish_namespace=getattr(args, "publish_namespace", "terarec"),
             storage_options=storage_options_from_args(args)),
-        dense_comm=dense_comm or DenseCommConfig(), choose=getattr(args, "choose", None))
+        dense_comm=dense_comm or DenseCommConfig(), choose=getattr(args, "choose", None),
+        valid_split=getattr(args, "valid_split", None))
 
 
 def explicit_config_keys(args: argparse.Namespace) -> set[str]:

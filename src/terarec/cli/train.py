@@ -46,7 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-idle", type=float, metavar="SECONDS",
                    help="--follow: stop once no new file has landed for this long")
     # "+": a bare --valid (an empty shell variable, say) trained without validation, silently
-    p.add_argument("--valid", nargs="+", default=[], type=Path, help="validation file(s)")
+    p.add_argument("--valid", nargs="+", default=[], type=Path,
+                   help="validation file(s) (without them, below 100,000 training rows the "
+                   "last 1/8 of --train validates: --valid-split)")
+    p.add_argument("--valid-split", type=float, default=None, metavar="FRACTION",
+                   help="without --valid: validate on the last FRACTION of the --train "
+                   "rows (in [0, 0.5]), select by them and refit on all rows as with "
+                   "--valid (default: 0.125 below 100,000 training rows, else none; 0 "
+                   "turns it off; metrics.json's validation says which rows)")
     p.add_argument("--refit", action=argparse.BooleanOptionalAction, default=None,
                    help="with --valid: once validation has picked the best epoch count, "
                    "train a fresh model that long on --train and --valid together and "
