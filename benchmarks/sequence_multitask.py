@@ -53,24 +53,30 @@ ADULT_NUMERIC = ("age", "fnlwgt", "educational-num", "capital-gain", "capital-lo
 VALID_FRACTION = 0.125
 # The same settings on both sides of every comparison: selection by validation AUC, no
 # refit, and Adagrad's start fixed (not chosen by validation, which trains each several
-# times); everything else follows the data's size as in a default ``train``.
+# times). An epoch count given here would also fix the batch size and rates at their
+# stream defaults (a run that sets one of them keeps the fixed others), so ``adult``
+# gives none: batch, rates and the epoch bound follow the data's size as in a default
+# ``train``, and patience ends each run.
 SETTINGS: dict[str, Any] = dict(select_by="auc", patience=2, refit=False, progress=False,
                                 sparse_optimizer={"initial_accumulator": 0.001})
 
 
 def _fit(train: Path, valid: Path, test: Path, out: Path, label: str, model: str,
-         epochs: int, **data: Any) -> dict[str, Any]:
-    """One model trained and scored on ``test``: its metrics, rows stored and seconds."""
+         epochs: int | None, **data: Any) -> dict[str, Any]:
+    """One model trained and scored on ``test``: its metrics, rows stored and seconds;
+    ``epochs`` None leaves the schedule data-sized."""
     import terarec
 
     start = time.perf_counter()
     with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fitted = terarec.fit(train, valid, out=out, label=label,
-                             model={"name": model}, epochs=epochs, **SETTINGS, **data)
+                             model={"name": model}, **SETTINGS, **data,
+                             **({} if epochs is None else {"epochs": epochs}))
         scored = fitted.evaluate(test)
     return {**scored, "seconds": time.perf_counter() - start,
-            "table_bytes": int(fitted.metrics["store_value_bytes"])}
+            "table_bytes": int(fitted.metrics["store_value_bytes"]),
+            "epochs_trained": int(fitted.metrics.get("epochs_trained", 0))}
 
 
 # -- behaviour sequences: DIN against pooling and no sequence -----------------------------
@@ -169,7 +175,7 @@ def _adult_files(work: Path) -> tuple[Path, Path, Path, list[str]] | None:
     return paths[0], paths[1], paths[2], categorical
 
 
-def adult_multitask(work: Path, epochs: int) -> dict[str, Any]:
+def adult_multitask(work: Path, epochs: int | None) -> dict[str, Any]:
     """MMoE on (income, never-married) against a DeepFM per task."""
     files = _adult_files(work)
     if files is None:
@@ -189,6 +195,8 @@ def adult_multitask(work: Path, epochs: int) -> dict[str, Any]:
         "adult_single_auc_never_married": single["never_married"]["auc"],
         "table_bytes_mmoe": mmoe["table_bytes"],
         "table_bytes_single": sum(s["table_bytes"] for s in single.values()),
+        "adult_mmoe_epochs": mmoe["epochs_trained"],
+        "adult_single_epochs": [single[t]["epochs_trained"] for t in single],
         "adult_mmoe_seconds": round(mmoe["seconds"], 1),
         "adult_single_seconds": round(sum(s["seconds"] for s in single.values()), 1),
     }
@@ -241,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=60_000, help="planted training rows")
     parser.add_argument("--epochs", type=int, default=6,
                         help="epoch upper bound on the planted data")
-    parser.add_argument("--adult-epochs", type=int, default=12,
-                        help="epoch upper bound on Adult (patience stops first)")
+    parser.add_argument("--adult-epochs", type=int, default=None,
+                        help="epoch upper bound on Adult (default: data-sized, with its "
+                        "batch size and rates; patience stops first)")
     args = parser.parse_args(argv)
     wanted = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(wanted) - set(PARTS))
