@@ -132,24 +132,6 @@ def test_din_exports_to_onnx_with_the_slot_input() -> None:
         assert torch.allclose(forward(dense, emb), model(dense, emb), atol=1e-5)
 
 
-def test_dice_switches_on_batch_statistics_in_training_and_running_ones_in_eval() -> None:
-    from terarec.models.din import Dice
-
-    torch.manual_seed(0)
-    dice = Dice(3)
-    with torch.no_grad():
-        dice.alpha.fill_(0.25)
-        x = torch.randn(4, 6, 3) * 2 + 1  # [B, L, width]: normalised over B * L rows
-        flat = x.reshape(-1, 3)
-        p = torch.sigmoid((x - flat.mean(0)) / (flat.var(0, unbiased=False) + 1e-8).sqrt())
-        assert torch.allclose(dice(x), x * (p + (1 - p) * 0.25), atol=1e-5)
-        dice.eval()
-        norm = dice.norm
-        assert norm.running_mean is not None and norm.running_var is not None
-        p = torch.sigmoid((x - norm.running_mean) / (norm.running_var + 1e-8).sqrt())
-        assert torch.allclose(dice(x), x * (p + (1 - p) * 0.25), atol=1e-5)
-
-
 def test_din_learns_whether_the_candidate_is_in_the_history() -> None:
     """The planted history's core signal on fixed rows: the label is whether the
     candidate's row is among the history's. The interest must be compared with the

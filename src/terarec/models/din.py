@@ -8,7 +8,7 @@ vector, and feed ``[fields, interests, dense]`` to an MLP:
   the sequence's rows: what a multi-valued field gives, kept as a baseline;
 - ``din`` (Zhou et al., *Deep Interest Network*, KDD 2018): the candidate's row ``q``
   attends over the history's rows ``k_i`` through the paper's activation unit, an MLP
-  of ``[q, k_i, q - k_i, q * k_i]`` with widths 80-40 and Dice activations; the interest
+  of ``[q, k_i, q - k_i, q * k_i]`` with widths 80-40 and PReLU activations; the interest
   is ``v = sum_i a(q, k_i) k_i`` over the filled positions, without softmax
   normalisation (the paper keeps the weights' sum, the intensity of the interest). The
   MLP gets ``[v, v * q]``: whether the attended history agrees with the candidate is a
@@ -28,7 +28,7 @@ from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import MLP, BatchNorm
+from terarec.models.layers import MLP
 from terarec.models.sequence import SequenceRows
 from terarec.types import FeatureSchema
 
@@ -74,33 +74,27 @@ class SeqPool(CTRModel):
         return self.deep(torch.cat(parts, dim=1)).squeeze(1) + self.bias
 
 
-class Dice(nn.Module):
-    """The DIN paper's activation: ``p x + (1 - p) alpha x`` with ``p`` the sigmoid of
-    ``x`` standardised by batch statistics (running ones in eval), a PReLU whose switch
-    point follows where the inputs lie instead of sitting at 0. Over ``[..., width]``."""
+class PReLU(nn.Module):
+    """``max(x, 0) + alpha * min(x, 0)`` with one ``alpha`` per unit of the last axis
+    (``nn.PReLU``'s channels are axis 1: the positions of ``[B, L, width]``); ``alpha``
+    starts at 0.25, as He et al.'s."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.norm = BatchNorm(width, affine=False, eps=1e-8)
-        self.alpha = nn.Parameter(torch.zeros(width))
+        self.alpha = nn.Parameter(torch.full((width,), 0.25))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = self.norm
-        if self.training:
-            z = norm(x.reshape(-1, x.shape[-1])).reshape(x.shape)
-        else:  # the running statistics, broadcast: no reshape for the ONNX trace
-            assert norm.running_mean is not None and norm.running_var is not None
-            z = (x - norm.running_mean) * torch.rsqrt(norm.running_var + norm.eps)
-        p = torch.sigmoid(z)
-        return x * (p + (1.0 - p) * self.alpha)
+        return x.clamp_min(0) + self.alpha * x.clamp_max(0)
 
 
 def activation_unit(in_dim: int, widths: tuple[int, ...]) -> nn.Sequential:
-    """``Linear -> Dice`` per width, then a ``Linear`` to one weight; Xavier weights and
-    zero biases, as ``MLP``."""
+    """``Linear -> PReLU`` per width, then a ``Linear`` to one weight; Xavier weights and
+    zero biases, as ``MLP``. PReLU, not the paper's Dice: Dice switches on batch
+    statistics, which differ between ranks that split a batch, so N ranks would train
+    another model than one process."""
     layers: list[nn.Module] = []
     for width in widths:
-        layers += [nn.Linear(in_dim, width), Dice(width)]
+        layers += [nn.Linear(in_dim, width), PReLU(width)]
         in_dim = width
     layers.append(nn.Linear(in_dim, 1))
     for layer in layers:
