@@ -6,7 +6,7 @@ Behaviour sequences (docs/sequences.md):
 
 - ``sequence``: ``terarec synth --history`` rows (``label,user,item,hist``), the click
   probability depending on whether the user's history holds an item of the candidate's
-  topic, with its Bayes ceiling AUC (``auc_ceiling``) on the scored rows. ``auc_din``:
+  subtopic, with its Bayes ceiling AUC (``auc_ceiling``) on the scored rows. ``auc_din``:
   ``din`` with ``hist`` a sequence field sharing ``item``'s table; ``auc_no_sequence``:
   ``deepfm`` over ``user`` and ``item``; ``auc_sum_pooled``: ``deepfm`` with ``hist`` a
   multi-valued field, sum-pooled, on ``item``'s table. Same rows, same scored rows.
