@@ -19,7 +19,8 @@ Multi-task (several labels in one model, docs/multitask.md):
 - ``adult``: Adult (../shared/data/adult) as two tasks, as in the MMoE paper's census
   setup: income (the file's label) and marital status never-married, with the
   marital-status column removed from the inputs. One MMoE (both labels) against two
-  single-task DeepFMs, the same settings on each side: trained on the first 87.5 % of
+  single-task DeepFMs, the same settings on each side (a default ``train``'s data-sized
+  batch size, rates and epoch bound; patience ends each run): trained on the first 87.5 % of
   train.csv, the best pass selected by validation AUC on the rest, scored on test.csv.
   ``table_bytes_*``: the embedding rows stored, one table against the two models' sum.
 - ``planted``: ``synth --conversion`` data (a conversion only after a click, its logit
