@@ -6,7 +6,7 @@ Behaviour sequences (docs/sequences.md):
 
 - ``sequence``: ``terarec synth --history`` rows (``label,user,item,hist``), the click
   probability depending on whether the user's history holds an item of the candidate's
-  topic, with its Bayes ceiling AUC (``auc_ceiling``) on the scored rows. ``auc_din``:
+  subtopic, with its Bayes ceiling AUC (``auc_ceiling``) on the scored rows. ``auc_din``:
   ``din`` with ``hist`` a sequence field sharing ``item``'s table; ``auc_no_sequence``:
   ``deepfm`` over ``user`` and ``item``; ``auc_sum_pooled``: ``deepfm`` with ``hist`` a
   multi-valued field, sum-pooled, on ``item``'s table. Same rows, same scored rows.
@@ -19,7 +19,8 @@ Multi-task (several labels in one model, docs/multitask.md):
 - ``adult``: Adult (../shared/data/adult) as two tasks, as in the MMoE paper's census
   setup: income (the file's label) and marital status never-married, with the
   marital-status column removed from the inputs. One MMoE (both labels) against two
-  single-task DeepFMs, the same settings on each side: trained on the first 87.5 % of
+  single-task DeepFMs, the same settings on each side (a default ``train``'s data-sized
+  batch size, rates and epoch bound; patience ends each run): trained on the first 87.5 % of
   train.csv, the best pass selected by validation AUC on the rest, scored on test.csv.
   ``table_bytes_*``: the embedding rows stored, one table against the two models' sum.
 - ``planted``: ``synth --conversion`` data (a conversion only after a click, its logit
@@ -53,40 +54,50 @@ ADULT_NUMERIC = ("age", "fnlwgt", "educational-num", "capital-gain", "capital-lo
 VALID_FRACTION = 0.125
 # The same settings on both sides of every comparison: selection by validation AUC, no
 # refit, and Adagrad's start fixed (not chosen by validation, which trains each several
-# times); everything else follows the data's size as in a default ``train``.
+# times). An epoch count given here would also fix the batch size and rates at their
+# stream defaults (a run that sets one of them keeps the fixed others), so ``adult``
+# gives none: batch, rates and the epoch bound follow the data's size as in a default
+# ``train``, and patience ends each run.
 SETTINGS: dict[str, Any] = dict(select_by="auc", patience=2, refit=False, progress=False,
                                 sparse_optimizer={"initial_accumulator": 0.001})
 
 
 def _fit(train: Path, valid: Path, test: Path, out: Path, label: str, model: str,
-         epochs: int, **data: Any) -> dict[str, Any]:
-    """One model trained and scored on ``test``: its metrics, rows stored and seconds."""
+         epochs: int | None, **data: Any) -> dict[str, Any]:
+    """One model trained and scored on ``test``: its metrics, rows stored and seconds;
+    ``epochs`` None leaves the schedule data-sized."""
     import terarec
 
     start = time.perf_counter()
     with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fitted = terarec.fit(train, valid, out=out, label=label,
-                             model={"name": model}, epochs=epochs, **SETTINGS, **data)
+                             model={"name": model}, **SETTINGS, **data,
+                             **({} if epochs is None else {"epochs": epochs}))
         scored = fitted.evaluate(test)
     return {**scored, "seconds": time.perf_counter() - start,
-            "table_bytes": int(fitted.metrics["store_value_bytes"])}
+            "table_bytes": int(fitted.metrics["store_value_bytes"]),
+            "epochs_trained": int(fitted.metrics.get("epochs_trained", 0))}
 
 
 # -- behaviour sequences: DIN against pooling and no sequence -----------------------------
 
 # The sequence models train with small batches and larger initial rows and learning rates
 # than the defaults, so the item rows learn the planted similarity within the few epochs
-# a CPU run affords; every side of the comparison uses the same.
+# a CPU run affords, with the DIN paper's mini-batch-aware L2 (a decay on the rows a step
+# touches) against the item and user rows' overfitting; the epoch count is an upper
+# bound, validation AUC selects the pass and patience ends the run. Every side of the
+# comparison uses the same.
 SEQUENCE_TRAINING: dict[str, Any] = dict(
     format="csv", label="label", progress=False, refit=False, select_by="auc",
-    batch_size=256, store={"init_std": 0.1}, sparse_optimizer={"lr": 0.1},
-    dense_optimizer={"lr": 0.003})
+    patience=2, batch_size=256, store={"init_std": 0.1},
+    sparse_optimizer={"lr": 0.1, "weight_decay": 0.001}, dense_optimizer={"lr": 0.003})
 
 
 def _fit_sequence(train: Path, valid: Path, out: Path, model: str, categorical: str,
-                  epochs: int, **extra: Any) -> tuple[float, float]:
-    """(AUC on ``valid``, median training samples per second after the first pass)."""
+                  epochs: int, **extra: Any) -> tuple[float, float, int]:
+    """(AUC on ``valid``, median training samples per second after the first pass,
+    epochs trained)."""
     import terarec
 
     with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
@@ -96,7 +107,8 @@ def _fit_sequence(train: Path, valid: Path, out: Path, model: str, categorical: 
         auc = float(m.evaluate(valid)["auc"])
     sps = [float(h["samples_per_s"]) for h in m.history if "samples_per_s" in h]
     steady = sorted(sps[1:] or sps)
-    return auc, steady[len(steady) // 2] if steady else float("nan")
+    sps_median = steady[len(steady) // 2] if steady else float("nan")
+    return auc, sps_median, int(m.metrics.get("epochs_trained", 0))
 
 
 def sequence_din(work: Path, rows: int, epochs: int, max_len: int) -> dict[str, Any]:
@@ -106,13 +118,15 @@ def sequence_din(work: Path, rows: int, epochs: int, max_len: int) -> dict[str, 
     settings = HistorySettings(max_history=max_len)
     train, valid = work / "history-train.csv", work / "history-valid.csv"
     generate_history(train, rows, sample_seed=0, settings=settings)
-    info = generate_history(valid, rows // 3, sample_seed=1, settings=settings)
-    auc_din, _ = _fit_sequence(train, valid, work / "din", "din", "user,item", epochs,
+    info = generate_history(valid, min(rows // 3, 20_000), sample_seed=1,
+                            settings=settings)
+    auc_din, _, din_epochs = _fit_sequence(train, valid, work / "din", "din", "user,item", epochs,
                                sequences=f"hist:{max_len}", share_tables="hist=item")
-    auc_none, _ = _fit_sequence(train, valid, work / "none", "deepfm", "user,item", epochs)
-    auc_sum, _ = _fit_sequence(train, valid, work / "sum", "deepfm", "user,item,hist",
+    auc_none, _, _ = _fit_sequence(train, valid, work / "none", "deepfm", "user,item", epochs)
+    auc_sum, _, _ = _fit_sequence(train, valid, work / "sum", "deepfm", "user,item,hist",
                                epochs, multi_valued="hist", share_tables="hist=item")
     return {"sequence_rows": rows, "sequence_max_len": max_len, "sequence_epochs": epochs,
+            "din_epochs_trained": din_epochs,
             "auc_din": auc_din, "auc_no_sequence": auc_none, "auc_sum_pooled": auc_sum,
             "auc_ceiling": info.ceiling_auc,
             "din_minus_best_reference": auc_din - max(auc_none, auc_sum),
@@ -127,8 +141,8 @@ def sequence_speed(work: Path, rows: int) -> dict[str, Any]:
     train, valid = work / "speed-train.csv", work / "speed-valid.csv"
     generate_history(train, rows, settings=long)
     generate_history(valid, rows // 4, sample_seed=1, settings=long)
-    _, plain = _fit_sequence(train, valid, work / "plain", "deepfm", "user,item", 3)
-    _, seq = _fit_sequence(train, valid, work / "seq50", "deepfm", "user,item", 3,
+    _, plain, _ = _fit_sequence(train, valid, work / "plain", "deepfm", "user,item", 3)
+    _, seq, _ = _fit_sequence(train, valid, work / "seq50", "deepfm", "user,item", 3,
                            sequences="hist:50", share_tables="hist=item")
     return {"sps_no_sequence": round(plain), "sps_sequence50": round(seq),
             "sps_ratio_sequence50": round(seq / plain, 3)}
@@ -169,7 +183,7 @@ def _adult_files(work: Path) -> tuple[Path, Path, Path, list[str]] | None:
     return paths[0], paths[1], paths[2], categorical
 
 
-def adult_multitask(work: Path, epochs: int) -> dict[str, Any]:
+def adult_multitask(work: Path, epochs: int | None) -> dict[str, Any]:
     """MMoE on (income, never-married) against a DeepFM per task."""
     files = _adult_files(work)
     if files is None:
@@ -189,6 +203,8 @@ def adult_multitask(work: Path, epochs: int) -> dict[str, Any]:
         "adult_single_auc_never_married": single["never_married"]["auc"],
         "table_bytes_mmoe": mmoe["table_bytes"],
         "table_bytes_single": sum(s["table_bytes"] for s in single.values()),
+        "adult_mmoe_epochs": mmoe["epochs_trained"],
+        "adult_single_epochs": [single[t]["epochs_trained"] for t in single],
         "adult_mmoe_seconds": round(mmoe["seconds"], 1),
         "adult_single_seconds": round(sum(s["seconds"] for s in single.values()), 1),
     }
@@ -232,17 +248,21 @@ PARTS: dict[str, Callable[[Path, argparse.Namespace], dict[str, Any]]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS))
-    parser.add_argument("--sequence-rows", type=int, default=60_000,
-                        help="planted-history training rows (a third as many scored)")
-    parser.add_argument("--sequence-epochs", type=int, default=8)
+    parser.add_argument("--sequence-rows", type=int, default=120_000,
+                        help="planted-history training rows (a third as many scored, at "
+                        "most 20,000)")
+    parser.add_argument("--sequence-epochs", type=int, default=20,
+                        help="epoch upper bound of the sequence models (patience 2 "
+                        "stops first)")
     parser.add_argument("--max-len", type=int, default=20, help="history length of DIN")
     parser.add_argument("--speed-rows", type=int, default=20_000,
                         help="rows of the throughput runs (histories up to 50)")
     parser.add_argument("--rows", type=int, default=60_000, help="planted training rows")
     parser.add_argument("--epochs", type=int, default=6,
                         help="epoch upper bound on the planted data")
-    parser.add_argument("--adult-epochs", type=int, default=12,
-                        help="epoch upper bound on Adult (patience stops first)")
+    parser.add_argument("--adult-epochs", type=int, default=None,
+                        help="epoch upper bound on Adult (default: data-sized, with its "
+                        "batch size and rates; patience stops first)")
     args = parser.parse_args(argv)
     wanted = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(wanted) - set(PARTS))
