@@ -233,12 +233,14 @@ def run_ann(args: argparse.Namespace) -> dict:
                     "single_query_threads": 1,
                     "exact_qps_batched": round(exact["qps_batched"], 1),
                     "exact_qps_single": round(exact["qps_single"], 1)}
-    for kind, settings in (("hnsw", args.ef_curve), ("ivfpq", args.ivf_curve)):
+    curves = {"hnsw": args.ef_curve, "ivfpq": args.ivf_curve}
+    for kind in args.kinds:
+        settings = curves[kind]
         faiss.omp_set_num_threads(args.threads)  # builds use all of them
         result.update(ann_curve(vectors, queries, kind, settings, exact, batch=args.batch,
                                 single_queries=args.exact_queries, threads=args.threads))
     result["ann_speedup_at_095"] = {kind: result[f"{kind}_speedup_at_095"]
-                                    for kind in ("hnsw", "ivfpq")}
+                                    for kind in args.kinds}
     result["total_s"] = round(time.perf_counter() - t0, 1)
     result["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     return result
@@ -375,6 +377,14 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _kinds(text: str) -> list[str]:
+    kinds = text.split(",")
+    bad = [k for k in kinds if k not in ("hnsw", "ivfpq")]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"--kinds {text!r}: expected hnsw and/or ivfpq")
+    return kinds
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -398,6 +408,8 @@ def parse_args() -> argparse.Namespace:
                    help="torch threads and faiss threads (the same for ANN and exact)")
     p.add_argument("--ann-only", action="store_true",
                    help="no training: both index kinds on planted vectors, curves vs exact")
+    p.add_argument("--kinds", type=_kinds, default=["hnsw", "ivfpq"],
+                   help="--ann-only: index kinds measured (comma-separated)")
     p.add_argument("--batch", type=int, default=256, help="--ann-only: queries per call")
     p.add_argument("--ef-curve", type=lambda t: t.split(","),
                    default=["100", "128", "192", "256", "384"],
