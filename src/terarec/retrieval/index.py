@@ -70,7 +70,7 @@ class IndexOptions:
     ef_search: int = 256
     nlist: int = 0        # ivfpq: clusters (0: about 4 sqrt(n))
     pq_m: int = 0         # ivfpq: sub-quantisers, bytes per vector (0: 16 or a divisor)
-    nprobe: int = 64
+    nprobe: int = 16      # ivfpq: of ~sqrt(n) clusters (docs/retrieval.md: the curve)
     refine: int = 16      # ivfpq: candidates re-scored exactly, per item asked for
 
     def __post_init__(self) -> None:
