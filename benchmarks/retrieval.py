@@ -399,7 +399,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ef-search", type=int, default=256)
     p.add_argument("--nprobe", type=int, default=IndexOptions.nprobe,
                    help="ivfpq: clusters searched")
-    p.add_argument("--refine", type=int, default=IndexOptions.refine, help="ivfpq: re-scored candidates / k")
+    p.add_argument("--refine", type=int, default=IndexOptions.refine,
+                   help="ivfpq: re-scored candidates / k")
     p.add_argument("--sweep", type=lambda t: t.split(","), default=["64x4", "64x32", "128x32"],
                    help="ivfpq: further NPROBExREFINE settings measured on the same index")
     p.add_argument("--eval-users", type=int, default=1000)
