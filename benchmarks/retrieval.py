@@ -22,6 +22,15 @@ Steps (all through terarec's own commands and modules)::
 
 Prints one JSON line. Usage: ``python benchmarks/retrieval.py [--items 1000000]
 [--users 100000] [--rows 1000000]``.
+
+``--ann-only`` skips training and measures the two index kinds on the same planted item
+vectors (``planted_vectors``: each item its topic's direction plus noise, each query a mix
+of its user's topics): per kind the build seconds, the serialized index bytes and a
+recall@100 / queries-per-second curve over the search setting (HNSW efSearch, IVF-PQ
+nprobe x refine), against exact search (faiss ``IndexFlatIP``) over the same vectors with
+the same faiss thread count, timed both one query per call (as ``/retrieve`` runs) and in
+batches of ``--batch`` queries. ``ann_speedup_at_095`` is each kind's speed over exact's
+at the first setting of its curve reaching recall 0.95.
 """
 
 from __future__ import annotations
@@ -42,7 +51,14 @@ from terarec.cli import main as cli
 from terarec.data.synth_retrieval import Affinity, catalog_path, default_topics, write_retrieval
 from terarec.export.format import read_manifest
 from terarec.export.writer import ModelExporter
-from terarec.retrieval.index import IndexOptions, build_index, load_index, update_index
+from terarec.retrieval.index import (
+    IndexOptions,
+    build_index,
+    index_vectors,
+    item_index,
+    load_index,
+    update_index,
+)
 from terarec.serving.engine import ServingEngine
 from terarec.serving.retrieve import user_vector
 
@@ -113,6 +129,121 @@ def _qps(search, queries: np.ndarray) -> float:
     for q in queries:
         search(q[None, :])
     return len(queries) / (time.perf_counter() - start)
+
+
+def planted_vectors(items: int, queries: int, dim: int, seed: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(item vectors [items, dim], query vectors [queries, dim]), unit length: the planted
+    log's topic structure as a trained tower would shape it (an item near its topic's
+    direction, a user near a mix of the topics it likes), so ANN meets clusters, not noise."""
+    truth = Affinity(max(queries, 1), items, default_topics(items), seed)
+    rng = np.random.default_rng([seed, 3])
+    centre = rng.standard_normal((truth.topics, dim)).astype(np.float32)
+    centre /= np.linalg.norm(centre, axis=1, keepdims=True)
+    vec = centre[truth.item_topic] + rng.standard_normal((items, dim)).astype(np.float32) * (
+        0.6 / dim ** 0.5)
+    liked, weights = truth._users
+    q = np.einsum("uk,ukd->ud", weights.astype(np.float32), centre[liked[:queries]])
+    q += rng.standard_normal(q.shape).astype(np.float32) * (0.3 / dim ** 0.5)
+    unit = [np.ascontiguousarray(a / np.linalg.norm(a, axis=1, keepdims=True), np.float32)
+            for a in (vec, q)]
+    return unit[0], unit[1]
+
+
+def _timed(search, queries: np.ndarray, batch: int, threads: int) -> float:
+    """Queries per second of ``search`` over ``queries`` in calls of ``batch`` rows, with
+    ``threads`` faiss threads (one query per call: 1, as each /retrieve request runs; more
+    threads on one query only wait on each other on a loaded machine)."""
+    import faiss
+
+    faiss.omp_set_num_threads(threads)
+    search(queries[:batch])  # warm: caches, thread pool
+    start = time.perf_counter()
+    for lo in range(0, len(queries), batch):
+        search(queries[lo:lo + batch])
+    return len(queries) / (time.perf_counter() - start)
+
+
+def exact_baseline(vectors: np.ndarray, queries: np.ndarray, *, batch: int,
+                   single_queries: int, threads: int, k: int = K) -> dict:
+    """Exact top ``k`` (faiss ``IndexFlatIP``) and its speed batched and one at a time."""
+    import faiss
+
+    flat = faiss.IndexFlatIP(vectors.shape[1])
+    flat.add(vectors)
+    scores, ids = flat.search(queries, k)
+    return {"ids": ids, "scores": scores,
+            "qps_batched": _timed(lambda q: flat.search(q, k), queries, batch, threads),
+            "qps_single": _timed(lambda q: flat.search(q, k), queries[:single_queries], 1, 1)}
+
+
+def ann_curve(vectors: np.ndarray, queries: np.ndarray, kind: str, settings: list[str],
+              exact: dict, *, batch: int, single_queries: int, threads: int,
+              k: int = K) -> dict:
+    """Build ``kind`` with the library's defaults over ``vectors``; recall@``k`` against
+    ``exact`` and speed (batched, one at a time) at each search setting (HNSW: efSearch;
+    IVF-PQ: NPROBExREFINE), searched through ``ItemIndex.search`` as a server does."""
+    import faiss
+
+    options = IndexOptions(kind=kind)
+    t = time.perf_counter()
+    index = index_vectors(vectors, options)
+    out: dict = {f"{kind}_build_s": round(time.perf_counter() - t, 2),
+                 f"{kind}_bytes": int(faiss.serialize_index(index).nbytes)}
+    if kind == "ivfpq":  # refine re-scores candidates with the exact vectors, kept beside it
+        out["ivfpq_refine_vectors_bytes"] = int(vectors.nbytes)
+    searcher = item_index(index, vectors, options)
+    curve = []
+    for setting in settings:
+        if kind == "hnsw":
+            ef = int(setting)
+            faiss.downcast_index(index.index).hnsw.efSearch = ef  # type: ignore[attr-defined]
+            point: dict = {"ef_search": ef}
+        else:
+            nprobe, refine = (int(x) for x in setting.split("x"))
+            faiss.extract_index_ivf(index).nprobe = nprobe
+            searcher.meta["refine"] = refine
+            point = {"nprobe": nprobe, "refine": refine}
+        found, _ = searcher.search(queries, k)
+        point["recall_at_100"] = round(_ann_recall(found, queries, vectors, exact["scores"]), 4)
+        point["qps_batched"] = round(_timed(lambda q: searcher.search(q, k), queries, batch,
+                                            threads), 1)
+        point["qps_single"] = round(_timed(lambda q: searcher.search(q, k),
+                                           queries[:single_queries], 1, 1), 1)
+        curve.append(point)
+    out[f"{kind}_curve"] = curve
+    met = next((p for p in curve if p["recall_at_100"] >= 0.95), None)
+    out[f"{kind}_at_095"] = met
+    out[f"{kind}_speedup_at_095"] = None if met is None else {
+        "batched": round(met["qps_batched"] / exact["qps_batched"], 1),
+        "single": round(met["qps_single"] / exact["qps_single"], 1)}
+    return out
+
+
+def run_ann(args: argparse.Namespace) -> dict:
+    """Both index kinds on the same planted vectors against exact search (``--ann-only``)."""
+    import faiss
+
+    t0 = time.perf_counter()
+    vectors, queries = planted_vectors(args.items, args.queries, args.dim, args.seed)
+    exact = exact_baseline(vectors, queries, batch=args.batch,
+                           single_queries=args.exact_queries, threads=args.threads)
+    result: dict = {"mode": "ann_only", "items": args.items, "dim": args.dim,
+                    "queries": args.queries, "batch": args.batch, "threads": args.threads,
+                    "single_query_threads": 1,
+                    "exact_qps_batched": round(exact["qps_batched"], 1),
+                    "exact_qps_single": round(exact["qps_single"], 1)}
+    curves = {"hnsw": args.ef_curve, "ivfpq": args.ivf_curve}
+    for kind in args.kinds:
+        settings = curves[kind]
+        faiss.omp_set_num_threads(args.threads)  # builds use all of them
+        result.update(ann_curve(vectors, queries, kind, settings, exact, batch=args.batch,
+                                single_queries=args.exact_queries, threads=args.threads))
+    result["ann_speedup_at_095"] = {kind: result[f"{kind}_speedup_at_095"]
+                                    for kind in args.kinds}
+    result["total_s"] = round(time.perf_counter() - t0, 1)
+    result["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    return result
 
 
 def _change_rows(uri: Path, fraction: float, seed: int) -> int:
@@ -246,6 +377,14 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def _kinds(text: str) -> list[str]:
+    kinds = text.split(",")
+    bad = [k for k in kinds if k not in ("hnsw", "ivfpq")]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"--kinds {text!r}: expected hnsw and/or ivfpq")
+    return kinds
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -258,14 +397,28 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=32, help="tower output (vector) size")
     p.add_argument("--kind", choices=["hnsw", "ivfpq"], default="ivfpq")
     p.add_argument("--ef-search", type=int, default=256)
-    p.add_argument("--nprobe", type=int, default=64, help="ivfpq: clusters searched")
-    p.add_argument("--refine", type=int, default=16, help="ivfpq: re-scored candidates / k")
+    p.add_argument("--nprobe", type=int, default=IndexOptions.nprobe,
+                   help="ivfpq: clusters searched")
+    p.add_argument("--refine", type=int, default=IndexOptions.refine,
+                   help="ivfpq: re-scored candidates / k")
     p.add_argument("--sweep", type=lambda t: t.split(","), default=["64x4", "64x32", "128x32"],
                    help="ivfpq: further NPROBExREFINE settings measured on the same index")
     p.add_argument("--eval-users", type=int, default=1000)
     p.add_argument("--queries", type=int, default=1000, help="ANN queries timed")
     p.add_argument("--exact-queries", type=int, default=200, help="brute-force queries timed")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads and faiss threads (the same for ANN and exact)")
+    p.add_argument("--ann-only", action="store_true",
+                   help="no training: both index kinds on planted vectors, curves vs exact")
+    p.add_argument("--kinds", type=_kinds, default=["hnsw", "ivfpq"],
+                   help="--ann-only: index kinds measured (comma-separated)")
+    p.add_argument("--batch", type=int, default=256, help="--ann-only: queries per call")
+    p.add_argument("--ef-curve", type=lambda t: t.split(","),
+                   default=["100", "128", "192", "256", "384"],
+                   help="--ann-only: HNSW efSearch settings")
+    p.add_argument("--ivf-curve", type=lambda t: t.split(","),
+                   default=["4x4", "8x4", "8x8", "16x8", "32x8", "32x16", "64x16"],
+                   help="--ann-only: IVF-PQ NPROBExREFINE settings")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="folder for the temporary files")
     p.add_argument("--keep", action="store_true", help="keep the temporary files")
@@ -273,4 +426,5 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(parse_args())))
+    _args = parse_args()
+    print(json.dumps(run_ann(_args) if _args.ann_only else run(_args)))

@@ -34,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pq-m", type=int,
                    help="ivfpq: bytes per vector (default 16, or the largest of 8/4/2/1 "
                    "dividing the vector size)")
-    p.add_argument("--nprobe", type=int, help="ivfpq: clusters searched (64)")
+    p.add_argument("--nprobe", type=int, help="ivfpq: clusters searched (16)")
     p.add_argument("--refine", type=int,
                    help="ivfpq: candidates re-scored with the exact vectors, per item asked "
                    "for (default 16)")

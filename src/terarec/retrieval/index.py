@@ -70,7 +70,7 @@ class IndexOptions:
     ef_search: int = 256
     nlist: int = 0        # ivfpq: clusters (0: about 4 sqrt(n))
     pq_m: int = 0         # ivfpq: sub-quantisers, bytes per vector (0: 16 or a divisor)
-    nprobe: int = 64
+    nprobe: int = 16      # ivfpq: of ~sqrt(n) clusters (docs/retrieval.md: the curve)
     refine: int = 16      # ivfpq: candidates re-scored exactly, per item asked for
 
     def __post_init__(self) -> None:
@@ -141,6 +141,29 @@ def _new_index(dim: int, options: IndexOptions, sample: np.ndarray,
     index.train(sample)
     index.nprobe = options.nprobe
     return index
+
+
+def index_vectors(vectors: np.ndarray, options: IndexOptions) -> faiss.Index:
+    """A faiss index of ``options.kind`` holding ``vectors`` under ids ``0..n-1`` (their
+    slots); IVF-PQ is trained on a sample of at most 65,536 of them."""
+    vectors = np.ascontiguousarray(vectors, np.float32)
+    sample = np.random.default_rng(0).permutation(len(vectors))[:1 << 16]
+    index = _new_index(vectors.shape[1], options, vectors[np.sort(sample)], len(vectors))
+    index.add_with_ids(vectors, np.arange(len(vectors), dtype=np.int64))
+    return index
+
+
+def item_index(index: faiss.Index, vectors: np.ndarray, options: IndexOptions,
+               folder: Path | None = None) -> ItemIndex:
+    """An in-memory ``ItemIndex`` over ``vectors`` (slots = positions), as a loaded
+    generation searches it: for measuring settings without writing a folder."""
+    n = len(vectors)
+    meta = {"kind": options.kind, "dim": int(vectors.shape[1]), "items": n, "next_slot": n,
+            "ef_search": options.ef_search, "nprobe": options.nprobe,
+            "refine": options.refine, "options": options.__dict__}
+    return ItemIndex(folder or Path("."), index, np.arange(n).astype(str),
+                     np.zeros((n, 0), np.int64), np.arange(n, dtype=np.int64),
+                     np.ascontiguousarray(vectors, np.float32), meta)
 
 
 class ItemIndex:
@@ -358,11 +381,8 @@ def build_index(uri: str, catalog: str | Path, out: str | Path,
             ids = np.asarray(raw.column(id_field).to_numpy(zero_copy_only=False), dtype=str)
             _check_unique_ids(ids, catalog, id_field)
             t1 = time.perf_counter()
-            sample = np.random.default_rng(0).permutation(len(vectors))[:1 << 16]
-            index = _new_index(vectors.shape[1], options, vectors[np.sort(sample)],
-                               len(vectors))
+            index = index_vectors(vectors, options)
             slots = np.arange(len(vectors), dtype=np.int64)
-            index.add_with_ids(vectors, slots)
             build_s = time.perf_counter() - t1
             meta = {"uri": str(uri), "version": version.name,
                     "created": version.manifest.created, "chain": version.manifest.chain,
