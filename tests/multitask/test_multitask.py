@@ -127,6 +127,15 @@ def test_fit_reports_every_task_and_selects_by_the_named_one(mmoe, data) -> None
     assert mmoe.task_names == ("click", "conversion")
 
 
+def test_the_report_shows_every_task(mmoe) -> None:
+    html = (mmoe.path / "report" / "report.html").read_text()
+    assert 'src="tasks.png"' in html and (mmoe.path / "report" / "tasks.png").is_file()
+    table = html.split("<h2>Per task</h2>")[1].split("</table>")[0]
+    for task in ("click", "conversion"):
+        assert f"<td>{task}</td>" in table
+        assert f"{mmoe.metrics[f'auc_{task}']:.4f}" in table
+
+
 def test_predict_and_evaluate_give_every_task(mmoe, data) -> None:
     _, valid = data
     probs = mmoe.predict(valid)
