@@ -205,19 +205,16 @@ def _series(
     return out
 
 
-def _task_names(history: Sequence[Mapping], summary: Mapping) -> list[str]:
+def _task_names(history: Sequence[Mapping]) -> list[str]:
     """The tasks of a run with several labels, in the order the history names them:
-    each ``valid_auc_<task>`` / ``progressive_auc_<task>`` key (or ``auc_<task>`` in the
-    summary). A single-label run has none."""
+    each ``valid_auc_<task>`` / ``progressive_auc_<task>`` key. A single-label run has
+    none."""
     names: dict[str, None] = {}
     for item in history:
         for key in item:
             for prefix in ("valid_auc_", "progressive_auc_"):
                 if str(key).startswith(prefix):
                     names[str(key)[len(prefix):]] = None
-    for key in summary:
-        if str(key).startswith("auc_"):
-            names[str(key)[len("auc_"):]] = None
     return list(names)
 
 
@@ -416,7 +413,7 @@ def write_report(
                 "Progressive validation per pass (scored before training)", "pass", "value")
         figures.append(("progressive.png", "Progressive AUC and log loss: each pass scored "
                         "by the model before it trained on it"))
-    tasks = _task_names(history, summary)
+    tasks = _task_names(history)
     for name, key, heading, ylabel in (
             ("tasks.png", "valid_auc", "Validation AUC per task", "AUC"),
             ("tasks_logloss.png", "valid_logloss", "Validation log loss per task",
