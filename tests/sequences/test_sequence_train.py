@@ -147,6 +147,7 @@ def test_v2_infer_takes_the_history_as_a_list_per_row(
             for f in ("user", "item")]
     forms = [
         {"datatype": "BYTES", "shape": [n], "data": [r["hist"] or "" for r in rows]},
+        {"datatype": "BYTES", "shape": [n, 1], "data": [[r["hist"] or ""] for r in rows]},
         {"datatype": "BYTES", "shape": [n], "data": hists},
         {"datatype": "BYTES", "shape": [n, width], "data": padded},
         {"datatype": "BYTES", "shape": [n, width], "data": [v for p in padded for v in p]},
@@ -164,7 +165,7 @@ def test_v2_infer_takes_the_history_as_a_list_per_row(
         for form in forms:
             np.testing.assert_allclose(infer(form), want, atol=1e-5)
         # the history is read, not dropped: without it the scores differ
-        empty = infer({"datatype": "BYTES", "shape": [n, 1], "data": [[""]] * n})
+        empty = infer({"datatype": "BYTES", "shape": [n], "data": [[]] * n})
         assert np.abs(empty - want).max() > 1e-4  # 10x the tolerance the forms match to
         # binary tensor data: the padded [N, L] BYTES tensor
         tensors = [(f, [n], binary.encode_bytes([r[f] for r in rows])) for f in ("user", "item")]

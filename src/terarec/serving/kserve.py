@@ -78,8 +78,8 @@ def json_columns(body: InferRequest, version: ServedVersion, max_rows: int
     for i, tensor in enumerate(body.inputs):
         name, shape, data = tensor.name, tensor.shape, tensor.data
         where = check_tensor(i, name, tensor.datatype, shape, columns, version)
-        if name in version.list_names and (len(shape) == 2 and shape[1] != 1 or any(
-                isinstance(v, list) for v in data)):
+        if name in version.list_names and (shape[1:] != [1] if len(shape) == 2 else any(
+                isinstance(v, list) for v in data)):  # [N, L], or [N] of lists
             columns[name] = _json_lists(where, tensor.datatype, shape, data)
             rows = check_rows(where, shape[0], rows, max_rows)
             continue
