@@ -156,6 +156,10 @@ def test_v2_infer_takes_the_history_as_a_list_per_row(
     engine = ServingEngine(tmp_path / "export")
     engine.refresh()
     with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        shapes = {i["name"]: i["shape"] for i in client.get("/v2/models/terarec").json()[
+            "inputs"]}
+        assert shapes == {"user": [-1], "item": [-1], "hist": [-1, -1]}
+
         def infer(hist: dict) -> np.ndarray:
             r = client.post("/v2/models/terarec/infer",
                             json={"inputs": [*base, {"name": "hist", **hist}]})

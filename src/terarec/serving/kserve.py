@@ -38,10 +38,13 @@ def output_names(version: ServedVersion) -> tuple[str, ...]:
 
 
 def model_metadata(version: ServedVersion, model_name: str) -> dict[str, Any]:
-    """``GET /v2/models/NAME``: the served version, its inputs (one per raw feature) and
-    its outputs (one, or one per task)."""
+    """``GET /v2/models/NAME``: the served version, its inputs (one per raw feature;
+    ``[-1, -1]`` for a multi-valued one, a list per row) and its outputs (one, or one
+    per task)."""
+    lists = version.list_names
     inputs = [{"name": f.name, "datatype": "FP64" if f.kind == "numeric" else "BYTES",
-               "shape": [-1]} for f in version.schema.fields]
+               "shape": [-1, -1] if f.name in lists else [-1]}
+              for f in version.schema.fields]
     return {"name": model_name, "versions": [str(version.version)], "platform": "terarec",
             "inputs": inputs,
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1]}
