@@ -183,3 +183,21 @@ def test_admission_and_eviction_counts_get_a_plot_and_history_columns(tmp_path: 
     for header in ("store keys", "keys admitted", "keys rejected", "keys evicted"):
         assert f"<th>{header}</th>" in html
     assert '<td class="num">299</td>' in html
+
+
+def test_several_labels_get_a_curve_and_a_row_per_task(tmp_path: Path) -> None:
+    history = [{**h, "valid_auc_click": 0.70 + 0.01 * h["pass"],
+                "valid_auc_conversion": 0.80 - 0.01 * h["pass"],
+                "valid_logloss_click": 0.5, "valid_logloss_conversion": 0.1}
+               for h in _history(3)]
+    summary = {"auc": 0.74, "auc_click": 0.73, "auc_conversion": 0.77,
+               "logloss_click": 0.5, "logloss_conversion": 0.1}
+    html = write_report(tmp_path / "run", history, summary).read_text()
+    assert {"tasks.png", "tasks_logloss.png"} <= _img_sources(html)
+    _check_png(tmp_path / "run" / "tasks.png")
+    section = html.split("<h2>Per task</h2>")[1].split("</table>")[0]
+    assert "click" in section and "conversion" in section
+    assert "0.7700" in section and "0.7300" in section
+    # one label: no per-task figures or table
+    single = write_report(tmp_path / "one", _history(3), {"auc": 0.7}).read_text()
+    assert "tasks.png" not in single and "Per task" not in single

@@ -12,6 +12,8 @@ Layout written by :func:`write_report`::
       loss.png         train loss and validation log loss per pass
       auc.png          validation AUC per pass (+ dashed ceiling when known)
       throughput.png   training samples/s per pass
+      tasks.png        with several labels: each task's validation AUC per pass
+      tasks_logloss.png  ... and each task's validation log loss per pass
 
 A plot is written only when the history holds at least one value for it.
 """
@@ -203,6 +205,36 @@ def _series(
     return out
 
 
+def _task_names(history: Sequence[Mapping]) -> list[str]:
+    """The tasks of a run with several labels, in the order the history names them:
+    each ``valid_auc_<task>`` / ``progressive_auc_<task>`` key. A single-label run has
+    none."""
+    names: dict[str, None] = {}
+    for item in history:
+        for key in item:
+            for prefix in ("valid_auc_", "progressive_auc_"):
+                if str(key).startswith(prefix):
+                    names[str(key)[len(prefix):]] = None
+    return list(names)
+
+
+def _task_table(tasks: Sequence[str], summary: Mapping,
+                history: Sequence[Mapping]) -> str:
+    """One row per task: its final figures (the summary's, else the last pass's)."""
+    rows = []
+    for task in tasks:
+        row: dict[str, object] = {"task": task}
+        for key, label in (("auc", "AUC"), ("logloss", "log loss"), ("ctr", "label rate"),
+                           ("mean_prediction", "mean prediction")):
+            value = summary.get(f"{key}_{task}")
+            if value is None:
+                value = next((h[f"valid_{key}_{task}"] for h in reversed(history)
+                              if h.get(f"valid_{key}_{task}") is not None), None)
+            row[label] = value
+        rows.append(row)
+    return f"<h2>Per task</h2>{_rows_table(rows)}"
+
+
 def _final_auc(summary: Mapping, history: Sequence[Mapping]) -> float | None:
     for key in ("auc", "valid_auc"):
         if summary.get(key) is not None:
@@ -324,10 +356,12 @@ def _history_table(history: Sequence[Mapping], xs: Sequence[float]) -> str:
             f"<tbody>{''.join(body)}</tbody></table></div>")
 
 
-def _headline(auc: float | None, ceiling: float | None) -> str:
+def _headline(auc: float | None, ceiling: float | None, tasks: Sequence[str] = ()) -> str:
     if auc is None:
         return ""
     text = f"Final validation AUC <b>{auc:.4f}</b>"
+    if tasks:  # several labels: ``auc`` is their weighted mean (train/metrics.py)
+        text += f" (the label weights' mean over {', '.join(map(html.escape, tasks))})"
     share = None if ceiling is None else gap_closed(auc, ceiling)
     if ceiling is not None and share is None:
         text += (f". The ceiling AUC ({ceiling:.4f}) is not above chance (0.5), so the share "
@@ -379,6 +413,17 @@ def write_report(
                 "Progressive validation per pass (scored before training)", "pass", "value")
         figures.append(("progressive.png", "Progressive AUC and log loss: each pass scored "
                         "by the model before it trained on it"))
+    tasks = _task_names(history)
+    for name, key, heading, ylabel in (
+            ("tasks.png", "valid_auc", "Validation AUC per task", "AUC"),
+            ("tasks_logloss.png", "valid_logloss", "Validation log loss per task",
+             "log loss"),
+            ("tasks_progressive.png", "progressive_auc", "Progressive AUC per task",
+             "AUC")):
+        per_task = _series(history, xs, [(f"{key}_{t}", t) for t in tasks])
+        if per_task:
+            plot_xy(out_dir / name, per_task, heading, "pass", ylabel)
+            figures.append((name, f"{heading}: {', '.join(per_task)}"))
     throughput = _series(history, xs, _THROUGHPUT_SERIES)
     if throughput:
         plot_xy(out_dir / "throughput.png", throughput, "Training throughput per pass",
@@ -405,12 +450,14 @@ def write_report(
              for h in history if h.get("file_done")]
     files_html = (f"<h2>Progressive validation per file</h2>{_rows_table(files)}"
                   if files else "")
+    if tasks:
+        files_html = _task_table(tasks, summary, history) + files_html
     chosen = summary.get("chosen_settings")
     if isinstance(chosen, Mapping):  # the portfolio raced on the validation rows
         summary = {k: v for k, v in summary.items() if k != "chosen_settings"}
         files_html += _chosen_html(chosen)
 
-    body = f"""{_headline(auc, ceiling)}
+    body = f"""{_headline(auc, ceiling, tasks)}
 <h2>Summary</h2>
 {_summary_table(summary)}
 <h2>Per pass</h2>

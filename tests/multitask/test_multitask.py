@@ -127,6 +127,15 @@ def test_fit_reports_every_task_and_selects_by_the_named_one(mmoe, data) -> None
     assert mmoe.task_names == ("click", "conversion")
 
 
+def test_the_report_shows_every_task(mmoe) -> None:
+    html = (mmoe.path / "report" / "report.html").read_text()
+    assert 'src="tasks.png"' in html and (mmoe.path / "report" / "tasks.png").is_file()
+    table = html.split("<h2>Per task</h2>")[1].split("</table>")[0]
+    for task in ("click", "conversion"):
+        assert f"<td>{task}</td>" in table
+        assert f"{mmoe.metrics[f'auc_{task}']:.4f}" in table
+
+
 def test_predict_and_evaluate_give_every_task(mmoe, data) -> None:
     _, valid = data
     probs = mmoe.predict(valid)
@@ -218,3 +227,37 @@ def test_synth_conversion_refuses_the_other_modes(tmp_path, capsys) -> None:
         assert cli_main(["synth", "--conversion", *mode, "--rows", "10",
                          "--out", str(tmp_path / "x")]) == 2
         assert "--conversion plants a second label" in capsys.readouterr().err
+
+
+def test_follow_trains_every_task_and_scores_each_before_training(data, tmp_path,
+                                                                  capsys) -> None:
+    """``train --follow`` with several labels: each landed file is scored per task before
+    it trains, the summary and the report carry every task."""
+    train, _ = data
+    folder, out = tmp_path / "logs", tmp_path / "model"
+    folder.mkdir()
+    lines = train.read_text().splitlines(keepends=True)
+    for h, part in enumerate((lines[1:1501], lines[1501:])):  # two hourly files
+        (folder / f".h{h}.tmp").write_text(lines[0] + "".join(part))
+        (folder / f".h{h}.tmp").rename(folder / f"2026-12-01T0{h}-00.csv")
+    assert cli_main(["train", "--follow", str(folder), "--out", str(out), "--format", "csv",
+                     "--label", "click:1,conversion:0.5", "--numeric", FIELDS["numeric"],
+                     "--categorical", FIELDS["categorical"], "--model", "mmoe",
+                     "--stop-after", "2", "--epochs", "1", "--batch-size", "256",
+                     "--embedding-dim", "4", "--threads", "1", "--no-progress",
+                     "--poll-seconds", "0.2"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    history = json.loads((out / "history.json").read_text())
+    assert sum(h["rows"] for h in history) == 3000
+    done = [h for h in history if h.get("file_done")]
+    assert [h["file_done"] for h in done] == ["2026-12-01T00-00.csv", "2026-12-01T01-00.csv"]
+    for task in ("click", "conversion"):
+        assert all(0 <= h[f"progressive_auc_{task}"] <= 1 for h in history)
+        assert all(h[f"file_auc_{task}"] is not None for h in done)
+        # the summary's figure is the files' row-weighted mean of that task's
+        rows = sum(h["file_rows"] for h in done)
+        mean = sum(h[f"file_auc_{task}"] * h["file_rows"] for h in done) / rows
+        assert summary[f"auc_{task}"] == pytest.approx(mean)
+    # the second file is scored by a model trained on the first: above chance
+    assert done[-1]["file_auc_click"] > 0.55
+    assert 'src="tasks_progressive.png"' in (out / "report" / "report.html").read_text()

@@ -120,3 +120,73 @@ def test_train_cli_takes_sequence_and_share_table(files: tuple[Path, Path],
     schema = terarec.load(tmp_path / "m").schema
     hist = schema.sequence_fields[0]
     assert (hist.name, hist.max_len, hist.key_space) == ("hist", 3, "item")
+
+
+def test_v2_infer_takes_the_history_as_a_list_per_row(
+        din: terarec.Model, files: tuple[Path, Path], tmp_path: Path) -> None:
+    """A KServe v2 request carries a sequence field as a joined string, a JSON list per
+    row or an [N, L] tensor padded with empty strings (JSON or binary): each scores as
+    ``Model.predict`` does."""
+    from fastapi.testclient import TestClient
+
+    from terarec.serving import binary
+    from terarec.serving.app import create_app
+    from terarec.serving.engine import ServingEngine
+
+    _, valid = files
+    n = 24
+    want = din.predict(valid)[:n]
+    din.export(str(tmp_path / "export"))
+    rows = pa_csv.read_csv(valid, convert_options=pa_csv.ConvertOptions(
+        column_types={"user": "string", "item": "string", "hist": "string"})).to_pylist()[:n]
+    hists = [r["hist"].split("|") if r["hist"] else [] for r in rows]
+    width = max(len(h) for h in hists)
+    assert min(len(h) for h in hists) < width  # some rows are padded
+    padded = [h + [""] * (width - len(h)) for h in hists]
+    base = [{"name": f, "datatype": "BYTES", "shape": [n], "data": [r[f] for r in rows]}
+            for f in ("user", "item")]
+    forms = [
+        {"datatype": "BYTES", "shape": [n], "data": [r["hist"] or "" for r in rows]},
+        {"datatype": "BYTES", "shape": [n, 1], "data": [[r["hist"] or ""] for r in rows]},
+        {"datatype": "BYTES", "shape": [n], "data": hists},
+        {"datatype": "BYTES", "shape": [n, width], "data": padded},
+        {"datatype": "BYTES", "shape": [n, width], "data": [v for p in padded for v in p]},
+        {"datatype": "INT64", "shape": [n, width],
+         "data": [[int(v) if v else None for v in p] for p in padded]}]
+    engine = ServingEngine(tmp_path / "export")
+    engine.refresh()
+    with TestClient(create_app(engine), raise_server_exceptions=False) as client:
+        shapes = {i["name"]: i["shape"] for i in client.get("/v2/models/terarec").json()[
+            "inputs"]}
+        assert shapes == {"user": [-1], "item": [-1], "hist": [-1, -1]}
+
+        def infer(hist: dict) -> np.ndarray:
+            r = client.post("/v2/models/terarec/infer",
+                            json={"inputs": [*base, {"name": "hist", **hist}]})
+            assert r.status_code == 200, (hist["shape"], r.text)
+            return np.asarray(r.json()["outputs"][0]["data"])
+
+        for form in forms:
+            np.testing.assert_allclose(infer(form), want, atol=1e-5)
+        # the history is read, not dropped: without it the scores differ
+        empty = infer({"datatype": "BYTES", "shape": [n], "data": [[]] * n})
+        assert np.abs(empty - want).max() > 1e-4  # 10x the tolerance the forms match to
+        # binary tensor data: the padded [N, L] BYTES tensor
+        tensors = [(f, [n], binary.encode_bytes([r[f] for r in rows])) for f in ("user", "item")]
+        tensors.append(("hist", [n, width], binary.encode_bytes([v for p in padded for v in p])))
+        head = json.dumps({"inputs": [
+            {"name": f, "datatype": "BYTES", "shape": s,
+             "parameters": {"binary_data_size": len(b)}} for f, s, b in tensors]}).encode()
+        r = client.post("/v2/models/terarec/infer", content=head + b"".join(
+            b for _, _, b in tensors), headers={binary.HEADER: str(len(head))})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["outputs"][0]["data"], want, atol=1e-5)
+        # a row of the wrong width, and [N, L] for a single-valued field, are refused
+        bad = client.post("/v2/models/terarec/infer", json={"inputs": [*base[:1], {
+            "name": "hist", "datatype": "BYTES", "shape": [n, width],
+            "data": [*padded[:-1], padded[-1][:-1]]}]})
+        assert bad.status_code == 422 and f"every row of 'data' must hold {width}" in bad.text
+        bad = client.post("/v2/models/terarec/infer", json={"inputs": [
+            {"name": "user", "datatype": "BYTES", "shape": [n, 2], "data": padded[0] * n}]})
+        assert bad.status_code == 422 and "shape must be [N] or [N, 1]" in bad.text
+    engine.close()

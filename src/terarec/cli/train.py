@@ -164,12 +164,16 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
         metrics = outcome.metrics
         report_skipped(outcome.stats)
         _say_undefined_auc(metrics)
+        # several labels: each task's figures after their weighted mean
+        tasks = tuple(k for k in metrics if k.startswith(("auc_", "logloss_"))
+                      and f"{'logloss' if k.startswith('auc_') else 'auc'}_"
+                          f"{k.split('_', 1)[1]}" in metrics)
         if args.follow is not None:
-            shown: tuple[str, ...] = ("auc", "logloss", "rows", "files_trained", "passes",
-                                      "stop_reason")
+            shown: tuple[str, ...] = ("auc", "logloss", *tasks, "rows", "files_trained",
+                                      "passes", "stop_reason")
             print(finite_json({k: metrics.get(k) for k in shown}))
         else:
-            shown = ("auc", "logloss", "rows", "samples_per_s") + (
+            shown = ("auc", "logloss", *tasks, "rows", "samples_per_s") + (
                 ("world_size",) if outcome.world > 1 else ())
             print(finite_json({k: metrics[k] for k in shown}))
         print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")

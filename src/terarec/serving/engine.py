@@ -114,6 +114,13 @@ class ServedVersion:
         """The numeric fields a request may send."""
         return frozenset(f.name for f in (self.raw_schema or self.schema).numeric)
 
+    @cached_property
+    def list_names(self) -> frozenset[str]:
+        """The multi-valued fields a request may send (sequences, separated tags): a v2
+        tensor may give each row's values as a list (``serving/kserve.py``)."""
+        return frozenset(f.name for f in (self.raw_schema or self.schema).categorical
+                         if f.separator is not None)
+
 
 def _take(rows: np.ndarray, where: np.ndarray) -> np.ndarray:
     """``rows[where]`` (shape ``[*where.shape, row_dim]``) by ``ndarray.take``."""

@@ -2,7 +2,12 @@
 tensors checked against the served model (one tensor per feature, shape ``[N]`` or
 ``[N, 1]``, values of the tensor's datatype) and read as columns, from JSON ``data`` or
 from binary tensor data (``serving/binary.py``); the scores answer and the model
-metadata."""
+metadata.
+
+A multi-valued field (a sequence, separated tags) takes each row's values as one
+separator-joined string (``[N]``), as a JSON list per row (``[N]``, terarec's own), or
+as a ``BYTES`` tensor ``[N, L]`` padded with empty strings (or JSON nulls) after each
+row's values: the padding is dropped, so a history shorter than ``L`` stays short."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from terarec.serving import binary
 from terarec.serving.engine import ServedVersion
@@ -32,10 +38,13 @@ def output_names(version: ServedVersion) -> tuple[str, ...]:
 
 
 def model_metadata(version: ServedVersion, model_name: str) -> dict[str, Any]:
-    """``GET /v2/models/NAME``: the served version, its inputs (one per raw feature) and
-    its outputs (one, or one per task)."""
+    """``GET /v2/models/NAME``: the served version, its inputs (one per raw feature;
+    ``[-1, -1]`` for a multi-valued one, a list per row) and its outputs (one, or one
+    per task)."""
+    lists = version.list_names
     inputs = [{"name": f.name, "datatype": "FP64" if f.kind == "numeric" else "BYTES",
-               "shape": [-1]} for f in version.schema.fields]
+               "shape": [-1, -1] if f.name in lists else [-1]}
+              for f in version.schema.fields]
     return {"name": model_name, "versions": [str(version.version)], "platform": "terarec",
             "inputs": inputs,
             "outputs": [{"name": name, "datatype": "FP32", "shape": [-1]}
@@ -72,6 +81,11 @@ def json_columns(body: InferRequest, version: ServedVersion, max_rows: int
     for i, tensor in enumerate(body.inputs):
         name, shape, data = tensor.name, tensor.shape, tensor.data
         where = check_tensor(i, name, tensor.datatype, shape, columns, version)
+        if name in version.list_names and (shape[1:] != [1] if len(shape) == 2 else any(
+                isinstance(v, list) for v in data)):  # [N, L], or [N] of lists
+            columns[name] = _json_lists(where, tensor.datatype, shape, data)
+            rows = check_rows(where, shape[0], rows, max_rows)
+            continue
         if len(data) and isinstance(data[0], list) and len(shape) == 2:
             if not all(isinstance(row, list) and len(row) == 1 for row in data):
                 raise BadRequest(f"{where}: nested 'data' must hold one value per row")
@@ -83,6 +97,38 @@ def json_columns(body: InferRequest, version: ServedVersion, max_rows: int
         columns[name] = data
     assert rows is not None  # InferRequest holds one input at least
     return columns, rows
+
+
+def _json_lists(where: str, datatype: str, shape: list[int], data: list[Any]
+                ) -> list[list[Any]]:
+    """A multi-valued field's JSON tensor as one list of values per row: ``[N]`` data
+    holding a list (or a joined string) per row, or ``[N, L]`` data (nested or flat, row
+    major) whose empty strings and nulls are padding."""
+    if len(shape) == 1:
+        if shape[0] != len(data):
+            raise BadRequest(f"{where}: shape {shape} does not match {len(data)} values")
+        out = []
+        for r, row in enumerate(data):
+            if isinstance(row, list):
+                check_data(f"{where} row {r}", datatype, row)
+                out.append([v for v in row if v not in (None, "")])
+            else:
+                check_data(where, datatype, [row])
+                out.append(row)
+        return out
+    n, width = shape
+    if len(data) == n and all(isinstance(row, list) for row in data):
+        if any(len(row) != width for row in data):
+            raise BadRequest(f"{where}: shape {shape}: every row of 'data' must hold "
+                             f"{width} values")
+        flat = [v for row in data for v in row]
+    else:
+        flat = data
+    if len(flat) != n * width:
+        raise BadRequest(f"{where}: shape {shape} does not match {len(flat)} values")
+    check_data(where, datatype, flat)
+    return [[v for v in flat[r * width:(r + 1) * width] if v not in (None, "")]
+            for r in range(n)]
 
 
 def check_outputs(outputs: list[dict[str, Any]], version: ServedVersion) -> None:
@@ -105,6 +151,15 @@ def check_tensor(i: int, name: str, datatype: str, shape: list[int],
     if name in columns:
         raise BadRequest(f"{where} given twice")
     check_datatype(where, datatype)
+    if name in version.list_names:  # a list per row: [N, L]
+        if not shape or len(shape) > 2 or len(shape) == 2 and shape[1] < 1:
+            raise BadRequest(f"{where}: shape must be [N] or [N, L] (L values per row, "
+                             f"padded with empty strings), got {shape!r}")
+        if len(shape) == 2 and shape[1] != 1 and datatype not in ("BYTES", "INT32",
+                                                                   "INT64"):
+            raise BadRequest(f"{where}: a [N, L] tensor of a multi-valued field must be "
+                             f"BYTES, INT32 or INT64, got {datatype}")
+        return where
     if not shape or len(shape) > 2 or (len(shape) == 2 and shape[1] != 1):
         raise BadRequest(f"{where}: shape must be [N] or [N, 1], got {shape!r}")
     return where
@@ -158,6 +213,20 @@ def check_rows(where: str, n: int, rows: int | None, max_rows: int) -> int:
     return rows
 
 
+def _binary_lists(chunk: memoryview, datatype: str, rows: int, width: int) -> pa.Array:
+    """A multi-valued field's binary ``[N, L]`` tensor as a list column: each row's
+    ``L`` values (row major), empty strings (padding) dropped."""
+    if datatype == "BYTES":
+        values = binary.bytes_tensor(chunk, rows * width).cast(pa.string())
+        keep = pc.not_equal(pc.binary_length(values), 0).to_numpy(zero_copy_only=False)
+    else:
+        values = binary.fixed_tensor(chunk, datatype, rows * width)
+        keep = np.ones(len(values), bool)
+    counts = keep.reshape(rows, width).sum(axis=1)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), values.filter(pa.array(keep)))
+
+
 def binary_columns(raw: bytes, header: str, version: ServedVersion, max_rows: int
                    ) -> tuple[dict[str, Any], int, str | None]:
     """Columns of a request with binary tensor data (``binary``): the JSON header's
@@ -189,7 +258,9 @@ def binary_columns(raw: bytes, header: str, version: ServedVersion, max_rows: in
                              f"body ({len(data) - start} bytes left)", 400)
         start += nbytes
         try:
-            if tensor.datatype == "BYTES":
+            if len(shape) == 2 and shape[1] != 1:  # a multi-valued field's [N, L]
+                col = _binary_lists(chunk, tensor.datatype, rows, shape[1])
+            elif tensor.datatype == "BYTES":
                 col = binary.bytes_tensor(chunk, rows)
                 if name in version.numeric_names:
                     col = col.cast(pa.string())  # numeric text must be UTF-8

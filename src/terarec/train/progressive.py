@@ -5,7 +5,9 @@ predicted before the model has seen it, as serving would have predicted it).
 Figures go into the pass's history record: ``progressive_rows`` / ``_auc`` /
 ``_logloss`` for the pass, and ``file_done`` / ``file_rows`` / ``file_auc`` /
 ``file_logloss`` on the pass that finishes a file (over that file's passes scored by this
-process). An undefined figure (one class only) is recorded as None, never NaN.
+process). With several labels each task's figures come too (``progressive_auc_<task>``,
+``file_auc_<task>``, ... ``logloss``), the plain ones being the label weights' mean. An
+undefined figure (one class only) is recorded as None, never NaN.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class ProgressiveScorer:
         record: dict[str, Any] = {"progressive_rows": int(len(labels))}
         if len(labels):
             m = trainer.score_metrics(labels, probs)
-            record.update(progressive_auc=finite_or_none(m["auc"]),
-                          progressive_logloss=finite_or_none(m["logloss"]))
+            record.update({f"progressive_{k}": finite_or_none(v) for k, v in m.items()
+                           if k.startswith(("auc", "logloss"))})
         if len(info.files) != 1:  # a pass over several files: no per-file figure
             self._reset(None)
             return record
@@ -62,6 +64,9 @@ class ProgressiveScorer:
                           file_auc=finite_or_none(m.get("auc", math.nan)),
                           file_logloss=loss)
             earlier_rows, earlier_loss = self._earlier
+            record.update({f"file_{k}": None if earlier_rows and k.startswith("logloss")
+                           else finite_or_none(v) for k, v in m.items()  # several labels
+                           if k.startswith(("auc_", "logloss_"))})
             if earlier_rows:  # trained before a restart: rows and log loss add up
                 total = n + earlier_rows
                 record.update(
@@ -103,5 +108,14 @@ def progressive_summary(history: list[dict]) -> dict[str, float | int | None]:
         return {"progressive_files": 0, "progressive_auc": None, "progressive_logloss": None}
     mean = {k: sum(h[f"file_{k}"] * h["file_rows"] for h in files
                    if h.get(f"file_{k}") is not None) / rows for k in ("auc", "logloss")}
-    return {"progressive_files": len(files), "progressive_auc": mean["auc"],
-            "progressive_logloss": mean["logloss"]}
+    out: dict[str, float | int | None] = {
+        "progressive_files": len(files), "progressive_auc": mean["auc"],
+        "progressive_logloss": mean["logloss"]}
+    tasks = dict.fromkeys(k[len("file_"):] for h in files for k in h
+                          if k.startswith(("file_auc_", "file_logloss_")) and k != "file_auc_rows")
+    for k in tasks:  # several labels: each task's mean over the files that define it
+        known = [h for h in files if h.get(f"file_{k}") is not None]
+        weight = sum(h["file_rows"] for h in known)
+        out[f"progressive_{k}"] = (sum(h[f"file_{k}"] * h["file_rows"] for h in known)
+                                   / weight if weight else None)
+    return out

@@ -309,6 +309,8 @@ def _run_metrics(scorer: Trainer, trainer: Trainer, valid: list[Pass], run: Trai
         metrics = {"auc": summary["progressive_auc"], "logloss": summary["progressive_logloss"],
                    "rows": sum(h.get("file_rows", 0) for h in trainer.history),
                    "evaluated_on": "progressive"}
+        metrics.update({k[len("progressive_"):]: v for k, v in summary.items()  # per task
+                        if k.startswith(("progressive_auc_", "progressive_logloss_"))})
     rows = sum(h["rows"] for h in history)
     busy = sum(h["rows"] / h["samples_per_s"] for h in history if h["samples_per_s"])
     steps = [h for h in history if h.get("dense_bytes_per_step") is not None]
