@@ -188,7 +188,7 @@ def test_skipped_rows_are_counted_over_all_ranks(tmp_path):
     bad = {10: "2,0.1,0.2,a1,b1,t1", 140: "1,0.1", 141: "0,x,0.2,a1,b1,t1",
            700: "1,0.1,inf,a1,b1,t1"}  # ranks 0, 1, 1, 1
     data = _bad_csv(tmp_path / "train.csv", bad)
-    common = ["--train", str(data), *CSV_ARGS, "--on-bad-row", "skip"]
+    common = ["--train", str(data), *CSV_ARGS, "--on-bad-row", "skip", "--valid-split", "0"]
     single([*common, "--out", str(tmp_path / "one")])
     torchrun([*common, "--out", str(tmp_path / "two")])
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())

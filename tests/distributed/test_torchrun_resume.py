@@ -36,7 +36,8 @@ def files(tmp_path_factory) -> list[Path]:
 
 def test_ranks_resume_with_more_files_then_alone(files, tmp_path):
     out = tmp_path / "m"
-    args = ["--out", str(out), "--pass-rows", "2048", "--batch-size", "256", *ARGS]
+    args = ["--out", str(out), "--pass-rows", "2048", "--batch-size", "256", *ARGS,
+            "--valid-split", "0"]
     torchrun(["--train", str(files[0]), *args])
     assert _rows(out) == [2048, 2048, 904]
     torchrun(["--resume", "--train", *map(str, files), *args])
@@ -53,7 +54,7 @@ def test_ranks_resume_with_more_files_then_alone(files, tmp_path):
 
 def test_rank_dies_then_resume_with_other_pass_and_batch_size(files, tmp_path):
     out = tmp_path / "m"
-    train = ["--train", *map(str, files), "--out", str(out), *ARGS]
+    train = ["--train", *map(str, files), "--out", str(out), *ARGS, "--valid-split", "0"]
     died = torchrun([*train, "--pass-rows", "1000", "--batch-size", "250"],
                     script=HERE / "kill_and_resume.py", launcher=("--max-restarts", "0"),
                     env={"KILL_RANK": "1", "KILL_AFTER_PASS": "4"}, check=False)

@@ -234,7 +234,8 @@ def test_train_publishes_each_exported_version(redis_cluster, tmp_path):
     assert cli_main(["train", "--train", str(data), "--out", str(tmp_path / "model"),
                      "--pass-rows", "800", "--batch-size", "400", "--embedding-dim", "4",
                      "--threads", "1", "--no-progress", "--export-to", str(export),
-                     "--publish-to", redis_cluster.url, "--publish-namespace", "trained"]) == 0
+                     "--publish-to", redis_cluster.url, "--publish-namespace", "trained",
+                     "--valid-split", "0"]) == 0
     control = Control(redis_cluster.url, Layout("trained"))
     try:
         newest = sorted(p.name for p in export.iterdir() if p.name.startswith("v"))[-1]

@@ -105,7 +105,7 @@ def test_follow_with_features_trains_every_row_like_train_with_features(landed, 
     # The same files as --train, a pass per file: the same model.
     trained = tmp_path / "trained"
     assert main(["train", "--train", *map(str, files), "--features", features, "--out",
-                 str(trained), "--pass-rows", str(FILE_ROWS), *ARGS]) == 0
+                 str(trained), "--pass-rows", str(FILE_ROWS), "--valid-split", "0", *ARGS]) == 0
     assert main(["predict", "--model", str(trained), "--data", str(data.valid), "--out",
                  str(tmp_path / "trained.txt")]) == 0
     np.testing.assert_allclose(np.loadtxt(tmp_path / "followed.txt"),
