@@ -94,6 +94,8 @@ class DGCState:
         # Parameters under 1 / ratio entries, where top-k would send at least one entry
         # anyway (biases, a zero-started output layer that gates every deeper gradient):
         # sent whole every step, 4 bytes an entry, as the paper leaves biases uncompressed.
+        # The others, top-k'd per parameter: ``large``.
+        self.large = [(o, n) for o, n in self.spans if n * config.dgc_ratio >= 1]
         small = [torch.arange(o, o + n) for o, n in self.spans if n * config.dgc_ratio < 1]
         self.whole = (torch.cat(small) if small else torch.zeros(0, dtype=torch.int64)
                       ).to(device)
@@ -121,11 +123,10 @@ def dgc_sparsify(state: DGCState, update: torch.Tensor) -> tuple[torch.Tensor, t
         v.add_(update)
     density = state.density()
     picked = [state.whole]
-    for offset, n in state.spans:
-        if n * state.config.dgc_ratio >= 1:
-            k = min(n, math.ceil(n * density))
-            picked.append(torch.topk(v[offset:offset + n].abs(), k, sorted=False).indices
-                          + offset)
+    for offset, n in state.large:
+        k = min(n, math.ceil(n * density))
+        picked.append(torch.topk(v[offset:offset + n].abs(), k, sorted=False).indices
+                      + offset)
     idx = torch.cat(picked)
     values = v[idx]
     v[idx] = 0.0
