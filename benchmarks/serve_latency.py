@@ -24,7 +24,9 @@ and ``offline_rows_per_s``, the whole request path in-process without HTTP.
 On a machine other jobs load, wall-clock figures measure the machine; the CPU time the
 server's processes spent (from /proc) does not depend on them nearly as much, so the
 line also holds ``server_cpu_ms_per_request`` (per phase), the saturated rows per server
-CPU second and their ratio to the forward pass's rows per CPU second.
+CPU second and their ratio to the forward pass's rows per CPU second, and the same per row
+(``server_cpu_us_per_row*`` against ``forward_cpu_us_per_row``); ``load_avg`` says how
+busy the machine was.
 
 Prints one JSON line. Usage: ``python benchmarks/serve_latency.py [--seconds 20]``.
 """
@@ -409,6 +411,13 @@ def main() -> None:
             saturated["client_cpu_s"] / max(saturated["requests"], 1) * 1e3, 3),
         "forward_bound_rows_per_cpu_s": round(forward_cpu, 1),
         "ratio_cpu_saturated_vs_forward_bound": round(rows_per_cpu / forward_cpu, 3),
+        # The same per row: server CPU per scored row against the forward pass's alone,
+        # and their quotient (1.0 would be a server that costs nothing but the network).
+        "server_cpu_us_per_row": round(
+            latency["server_cpu_s"] / max(latency["ok"] * args.candidates, 1) * 1e6, 2),
+        "server_cpu_us_per_row_saturated": round(1e6 / rows_per_cpu, 2),
+        "forward_cpu_us_per_row": round(1e6 / forward_cpu, 2),
+        "cpu_per_row_vs_forward_saturated": round(forward_cpu / rows_per_cpu, 2),
         "errors": latency["errors"] + saturated["errors"],
         "errors_during_swap": latency["errors_during_swap"] + saturated["errors_during_swap"],
         "max_score_diff": diff,

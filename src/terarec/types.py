@@ -333,21 +333,21 @@ class FeatureSchema:
         """Each task's loss weight (1 where none was given)."""
         return self.label_weights or (1.0,) * self.num_tasks
 
-    @property
+    @cached_property
     def numeric(self) -> tuple[FieldSpec, ...]:
         return tuple(f for f in self.fields if f.kind == "numeric")
 
-    @property
+    @cached_property
     def categorical(self) -> tuple[FieldSpec, ...]:
         return tuple(f for f in self.fields if f.kind == "categorical")
 
-    @property
+    @cached_property
     def key_fields(self) -> tuple[FieldSpec, ...]:
         """The fields that feed keys, one entry each: the categorical fields, then the
         bucketed numeric ones."""
         return self.categorical + tuple(f for f in self.numeric if f.buckets is not None)
 
-    @property
+    @cached_property
     def sparse_fields(self) -> tuple[FieldSpec, ...]:
         """The slots of ``Batch.sparse`` (and of the model's embedding rows), in order:
         ``key_fields``, each sequence field spread over ``max_len`` slots named
@@ -357,15 +357,15 @@ class FeatureSchema:
             return self.key_fields
         return tuple(s for f in self.key_fields for s in f.slots)
 
-    @property
+    @cached_property
     def sequence_fields(self) -> tuple[FieldSpec, ...]:
         return tuple(f for f in self.categorical if f.max_len is not None)
 
-    @property
+    @cached_property
     def sparse_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.sparse_fields)
 
-    @property
+    @cached_property
     def dense_dim(self) -> int:
         """Width of ``Batch.dense``: each numeric value, plus a missing flag if enabled."""
         return len(self.numeric) * (2 if self.missing_flags else 1)

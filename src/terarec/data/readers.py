@@ -906,26 +906,55 @@ def table_to_batch(table: pa.Table, schema: FeatureSchema) -> Batch:
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
 
 
+class _DensePlan:
+    """A schema's per-field constants for ``dense_features``: the fields of each
+    transform, and the standardised fields with their means and stds as column arrays.
+    Built once per schema, not on every call (a served request is one call)."""
+
+    def __init__(self, schema: FeatureSchema) -> None:
+        specs = schema.numeric
+        self.groups = tuple(
+            (transform, np.array([j for j, s in enumerate(specs) if s.transform == transform],
+                                 dtype=np.int64))
+            for transform in dict.fromkeys(s.transform for s in specs))
+        scaled = [j for j, s in enumerate(specs) if s.std is not None]
+        self.scaled = np.array(scaled, dtype=np.int64) if scaled else None
+        self.mean = np.array([[specs[j].mean] for j in scaled], dtype=np.float64)
+        self.std = np.array([[specs[j].std] for j in scaled], dtype=np.float64)
+
+
+_DENSE_PLANS: dict[int, tuple[FeatureSchema, _DensePlan]] = {}
+
+
+def _dense_plan(schema: FeatureSchema) -> _DensePlan:
+    """``schema``'s plan, cached by identity (a reader or a server keeps one schema)."""
+    hit = _DENSE_PLANS.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    if len(_DENSE_PLANS) >= 256:
+        _DENSE_PLANS.clear()
+    plan = _DensePlan(schema)
+    _DENSE_PLANS[id(schema)] = (schema, plan)
+    return plan
+
+
 def dense_features(numeric: np.ndarray, schema: FeatureSchema) -> np.ndarray:
     """``Batch.dense`` ``[n, dense_dim]`` float32 from the numeric fields' clean float64
     values ``[fields, n]`` (NaN where missing): transformed, standardised, missing as
     0, then the missing flags. Whole rows of fields at a time."""
     n = numeric.shape[1]
     dense = np.zeros((n, schema.dense_dim), dtype=np.float32)
-    specs = schema.numeric
-    if not specs:
+    num = len(schema.numeric)
+    if not num:
         return dense
+    plan = _dense_plan(schema)
     missing = np.isnan(numeric)
     x = numeric.copy()
-    for transform in {s.transform for s in specs}:
-        rows = [j for j, s in enumerate(specs) if s.transform == transform]
+    for transform, rows in plan.groups:
         x[rows] = transform_values(x[rows], transform)
-    scaled = [j for j, s in enumerate(specs) if s.std is not None]
-    if scaled:
-        mean = np.array([[specs[j].mean] for j in scaled], dtype=np.float64)
-        std = np.array([[specs[j].std] for j in scaled], dtype=np.float64)
-        x[scaled] = np.clip((x[scaled] - mean) / std, -MAX_STANDARDISED, MAX_STANDARDISED)
-    num = len(specs)
+    if plan.scaled is not None:
+        x[plan.scaled] = np.clip((x[plan.scaled] - plan.mean) / plan.std,
+                                 -MAX_STANDARDISED, MAX_STANDARDISED)
     dense[:, :num] = np.where(missing, 0.0, x).T
     if schema.missing_flags:
         dense[:, num:2 * num] = missing.T
