@@ -35,6 +35,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from terarec.train.dense_step import DenseStep
+
 NUM_DENSE = 13
 NUM_FIELDS = 26
 EMB_DIM = 16
@@ -153,16 +155,20 @@ def _uniform_bound(rows: int) -> float:
 
 
 def make_dense_only_step(batch_size: int = BATCH_SIZE, device: str | torch.device = "cpu",
-                         seed: int = 0) -> tuple[StepFn, DLRMDense]:
-    """A step of the network fed a constant zero embedding tensor."""
+                         seed: int = 0, compile: str = "off",
+                         autocast: str = "off") -> tuple[StepFn, DLRMDense]:
+    """A step of the network fed a constant zero embedding tensor; ``compile`` and
+    ``autocast`` are terarec's dense-step switches (``train.dense_step``), so the bound
+    can be measured with the dense settings terarec's run used."""
     torch.manual_seed(seed)
     model = DLRMDense().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
     zeros = torch.zeros(batch_size, NUM_FIELDS, EMB_DIM, device=device)
-    loss_fn = nn.BCEWithLogitsLoss()
+    dense_step = DenseStep(model, nn.BCEWithLogitsLoss(), torch.device(device),
+                           compile=compile, autocast=autocast, batch_size=batch_size)
 
     def step(batch: DLRMBatch) -> torch.Tensor:
-        loss = loss_fn(model(batch.dense, zeros[: batch.labels.shape[0]]), batch.labels)
+        loss = dense_step(batch.dense, zeros[: batch.labels.shape[0]], batch.labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -271,10 +277,12 @@ def make_torchrec_step(table_rows: int = TABLE_ROWS, device: str | torch.device 
 
 def dense_only_sps(dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, *,
                    steps: int = 50, warmup: int = 5, batch_size: int = BATCH_SIZE,
-                   device: str | torch.device = "cpu") -> float:
-    """Samples/s of the network alone (zero embeddings): the upper bound."""
+                   device: str | torch.device = "cpu", compile: str = "off",
+                   autocast: str = "off") -> float:
+    """Samples/s of the network alone (zero embeddings): the upper bound, eager fp32 by
+    default, else with terarec's dense-step switches (``compile``, ``autocast``)."""
     batches = make_batches(dense, ids, labels, batch_size, device)
-    step, _ = make_dense_only_step(batch_size, device)
+    step, _ = make_dense_only_step(batch_size, device, compile=compile, autocast=autocast)
     return time_steps(step, batches, warmup, steps)
 
 

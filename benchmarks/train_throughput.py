@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -30,6 +31,7 @@ import _baselines as baselines  # noqa: E402
 from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig  # noqa: E402
 from terarec.data.synth import generate_arrays  # noqa: E402
 from terarec.kernels import splitmix64_array  # noqa: E402
+from terarec.train.dense_step import AUTOCAST_MODES, COMPILE_MODES, DenseStep  # noqa: E402
 from terarec.train.passes import prefetch  # noqa: E402
 from terarec.train.trainer import Trainer  # noqa: E402
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds  # noqa: E402
@@ -66,15 +68,17 @@ def pass_groups(dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
 
 
 def terarec_run(dense, ids, labels, *, batch_size: int, pass_batches: int,
-                passes: int) -> tuple[float, float]:
+                passes: int, compile: str = "auto",
+                autocast: str = "auto") -> tuple[float, float, DenseStep]:
     """(samples/s, staging share) over ``passes`` timed passes after one warm-up pass.
 
     Passes are planned (unique keys, counts) in the read-ahead thread as ``Trainer.fit``
     does; the clock is wall time over the timed passes, so that planning counts unless
-    it is really hidden behind training."""
+    it is really hidden behind training. Also returns the trainer's dense step, which
+    says what the switches resolved to."""
     schema = benchmark_schema()
     config = TrainConfig(
-        batch_size=batch_size, seed=0,
+        batch_size=batch_size, seed=0, compile=compile, autocast=autocast,  # type: ignore[arg-type]
         model=ModelConfig(name="dlrm", embedding_dim=baselines.EMB_DIM,
                           bottom_mlp=(baselines.BOTTOM_HIDDEN, baselines.EMB_DIM),
                           top_mlp=baselines.TOP_MLP),
@@ -90,7 +94,7 @@ def terarec_run(dense, ids, labels, *, batch_size: int, pass_batches: int,
         rows += r.rows
         staging += r.staging_s + r.write_back_s
     wall = time.perf_counter() - start
-    return rows / wall, staging / wall
+    return rows / wall, staging / wall, trainer.dense_step
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -101,21 +105,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default="auto",
+                        help="terarec's dense-step switch (train.dense_step)")
+    parser.add_argument("--autocast", choices=AUTOCAST_MODES, default="auto",
+                        help="terarec's dense-step switch (train.dense_step)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dense, ids, labels = synthetic_inputs(args.rows, seed=0)
     common = dict(steps=args.steps, warmup=5, batch_size=args.batch_size)
     runs: dict[str, list[float]] = {"terarec": [], "pytorch": [], "dense_only": [],
-                                    "torchrec": []}
+                                    "dense_only_same": [], "torchrec": []}
     shares = []
+    load_start = os.getloadavg()
     for _ in range(args.repeats):  # interleaved so machine noise hits all alike
-        sps, share = terarec_run(dense, ids, labels, batch_size=args.batch_size,
-                                 pass_batches=args.pass_batches, passes=args.passes)
+        sps, share, step = terarec_run(dense, ids, labels, batch_size=args.batch_size,
+                                       pass_batches=args.pass_batches, passes=args.passes,
+                                       compile=args.compile, autocast=args.autocast)
         runs["terarec"].append(sps)
         shares.append(share)
         runs["pytorch"].append(baselines.pytorch_sps(dense, ids, labels, **common))
         runs["dense_only"].append(baselines.dense_only_sps(dense, ids, labels, **common))
+        # the bound with the dense settings terarec's run ended with
+        settings = {"compile": "on" if step.compiled else "off",
+                    "autocast": "bf16" if step.dtype is not None else "off"}
+        if settings != {"compile": "off", "autocast": "off"}:
+            runs["dense_only_same"].append(
+                baselines.dense_only_sps(dense, ids, labels, **common, **settings))
+        else:  # the same settings as the eager fp32 bound: the same figure
+            runs["dense_only_same"].append(runs["dense_only"][-1])
         tr = baselines.torchrec_sps(dense, ids, labels, **common)
         if tr is not None:
             runs["torchrec"].append(tr)
@@ -132,12 +150,18 @@ def main() -> None:
         "terarec_sps": round(med["terarec"]),
         "pytorch_sps": round(med["pytorch"]),
         "dense_only_sps": round(med["dense_only"]),
+        "dense_only_same_sps": round(med["dense_only_same"]),
         "torchrec_sps": round(med["torchrec"]) if med["torchrec"] else None,
         "ratio_vs_pytorch": ratio(med["pytorch"]),
         "ratio_vs_dense_only": ratio(med["dense_only"]),
+        "ratio_vs_dense_only_same": ratio(med["dense_only_same"]),
         "ratio_vs_torchrec": ratio(med["torchrec"]),
+        "dense_settings": {"compile_switch": args.compile, "autocast_switch": args.autocast,
+                           **settings, "cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "staging_share": round(statistics.median(shares), 3),
         "repeats": args.repeats,
+        "load_avg": {"start": [round(x, 2) for x in load_start],
+                     "end": [round(x, 2) for x in os.getloadavg()]},
     }))
 
 

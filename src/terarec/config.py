@@ -400,6 +400,14 @@ class TrainConfig:
     seed: Annotated[int, Field(ge=0, lt=1 << 32)] = knob(0, "--seed")
     threads: Positive | None = knob(None, "--threads")
     device: Device = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
+    # train.dense_step: the dense forward/loss/backward of a one-process run.
+    compile: Literal["auto", "on", "off"] = knob(
+        "auto", "--compile", "torch.compile the dense step: auto compiles on a CUDA device "
+        "once a run has trained 2,000 steps (never on a CPU, where it measured no faster); "
+        "on compiles from the first step; a failed compilation falls back to eager")
+    autocast: Literal["auto", "bf16", "off"] = knob(
+        "auto", "--autocast", "run the dense network in bf16: auto where the hardware has "
+        "native bf16 (CUDA, AMX or AVX-512 BF16 CPUs), bf16 anywhere, off for fp32")
     # docs/device.md: rows kept on the training device across passes, at most this much.
     device_budget: MemorySize | None = knob(
         None, "--device-budget", "device memory for hot rows and their optimizer state "

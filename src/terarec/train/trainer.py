@@ -73,6 +73,7 @@ from terarec.models import build_model
 from terarec.models.dssm import DSSM
 from terarec.models.registry import check_model_fits
 from terarec.train.dense_optimizer import dense_optimizer
+from terarec.train.dense_step import DenseStep
 from terarec.train.loop import StreamOptions, TrialRun, run_passes
 from terarec.train.metrics import evaluate_scores, evaluate_tasks, offset_shift
 from terarec.train.passes import (
@@ -159,6 +160,10 @@ class Trainer:
         self.store = store if store is not None else make_store(
             self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
         self.dense_optimizer = dense_optimizer(self.model, config)
+        # The one-process step's forward + loss (+ their backward): autocast, compile.
+        self.dense_step = DenseStep(self.model, self._bce, self.device,
+                                    compile=config.compile, autocast=config.autocast,
+                                    batch_size=config.batch_size)
         # Hot rows kept on the device across passes (embedding/device.py), or None.
         self.device_cache = make_device_cache(config.device_budget, self.store, self.device)
         # The fused lookup's backward needs a graph input that requires grad.
@@ -242,10 +247,6 @@ class Trainer:
         return self.store.prefetches or self.device_cache is not None
 
     # -- one step / one pass ------------------------------------------------------------
-    def _logits(self, ws: WorkingSet, batch: Batch, train: bool) -> torch.Tensor:
-        emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor if train else None)
-        return self.model(batch.dense, emb)
-
     def _train_loss(self, ws: WorkingSet, batch: Batch, keyed: Batch) -> torch.Tensor:
         """The batch's mean loss: pointwise BCE, or the two-tower sampled softmax.
         ``keyed``: the batch before remapping; items are told apart by their keys, since
@@ -255,7 +256,8 @@ class Trainer:
             emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
             return model.sampled_softmax_loss(batch.dense, emb, batch.labels,
                                               model.item_ids(keyed.sparse).to(self.device))
-        return self._bce(self._logits(ws, batch, train=True), batch.labels)
+        emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
+        return self.dense_step(batch.dense, emb, batch.labels)
 
     def _bce(self, logits: torch.Tensor, labels: torch.Tensor,
              reduction: str = "mean") -> torch.Tensor:
