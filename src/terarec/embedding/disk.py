@@ -693,16 +693,16 @@ class DiskTier:
         full = self.slab_rows * self.width * 4
         linked = np.zeros(n_slabs, np.bool_)
         for i in range(n_slabs):
-            saved = src / self.slab_path(i).name
-            if saved.stat().st_size == full:
+            slab_file = src / self.slab_path(i).name
+            if slab_file.stat().st_size == full:
                 try:
-                    os.link(saved, self.slab_path(i))
+                    os.link(slab_file, self.slab_path(i))
                     linked[i] = True
                 except OSError as exc:
                     if exc.errno != errno.EXDEV:
                         raise
             if not linked[i]:
-                shutil.copyfile(saved, self.slab_path(i))
+                shutil.copyfile(slab_file, self.slab_path(i))
             self._open_slab(i)
         self._dirty[:] = False
         self._shared[:n_slabs] = linked
