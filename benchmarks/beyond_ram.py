@@ -45,6 +45,7 @@ from terarec.embedding.store import CHUNK_ROWS
 from terarec.export.compressed import RowCodec
 from terarec.export.writer import ModelExporter
 from terarec.modeldir import save_checkpoint
+from terarec.models import row_dim_for
 from terarec.serving.engine import ServingEngine
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec
@@ -190,11 +191,11 @@ def run_in_ram(args: argparse.Namespace) -> dict[str, float]:
     return {**out, "keys": len(trainer.store), "peak_rss_bytes": _status("VmHWM")}
 
 
-def disk_needed(keys: int, record_bytes: int, dim: int) -> int:
+def disk_needed(keys: int, record_bytes: int, row_dim: int) -> int:
     """Bytes the run writes: slabs, key runs (20 B per entry; twice while merging),
     a first checkpoint (its slabs copied), the int8 export and the server's copy of it,
     plus 10 %."""
-    export = 8 + dim + 8  # key, int8 codes, row scale and bias
+    export = 8 + row_dim + 8  # key, int8 codes, row scale and bias
     return int(1.1 * keys * (2 * record_bytes + 40 + 2 * export))
 
 
@@ -226,9 +227,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     per_pass = args.pass_rows * args.unique_fields
     passes = max(2, -(-args.keys // per_pass))
     config = train_config(args, True, work / "store")
-    state_dim = 1  # Adagrad: one accumulator per row
-    record = 4 * (args.dim + state_dim + 3)
-    need = disk_needed(passes * per_pass, record, args.dim)
+    row_dim = row_dim_for(config.model.name, config.model)  # fm: dim + a first-order weight
+    record = 4 * (row_dim + 1 + 3)  # values, Adagrad's accumulator, show / click / last seen
+    need = disk_needed(passes * per_pass, record, row_dim)
     free = shutil.disk_usage(work).free
     if free < need:
         raise SystemExit(f"--workdir {work}: {free / 1e9:.1f} GB free, the run needs about "
@@ -338,7 +339,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                                {**disk, "key_runs": runs}.items()},
         "ram_bytes_per_key": round(peak / keys, 2),
         "memory_keys": tiers.memory_keys if tiers else None,
-        "record_bytes": record,
+        "row_dim": store.row_dim,
+        "state_dim": store.state_dim,
+        "record_bytes": 4 * store.width,
         "checkpoint": ckpt.name,
         "unique_fields": args.unique_fields,
         "pass_rows": args.pass_rows,

@@ -25,21 +25,22 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 def test_tiny_run_trains_exports_and_serves_what_predict_scores(tmp_path):
     work = tmp_path / "work"
-    done = _run(["--keys", "60000", "--budget-gb", "0.02", "--workdir", str(work),
-                 "--pass-rows", "4000", "--unique-fields", "8", "--batch-size", "1000",
+    done = _run(["--keys", "240000", "--budget-gb", "0.012", "--workdir", str(work),
+                 "--pass-rows", "2000", "--unique-fields", "16", "--batch-size", "1000",
                  "--in-ram-keys", "60000", "--requests", "64"])
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert all(key in out for key in KEYS)
-    assert out["keys"] >= 60000
-    assert out["table_bytes"] == out["keys"] * 4 * (16 + 1)  # fp32 rows + Adagrad state
+    assert out["keys"] >= 240000
+    assert out["row_dim"] >= out["dim"] == 16 and out["state_dim"] == 1  # Adagrad
+    assert out["table_bytes"] == out["keys"] * 4 * (out["row_dim"] + out["state_dim"])
     assert out["table_bytes"] > out["budget_bytes"]
     assert out["max_score_diff_served_vs_predict"] < 1e-6  # delta rows are fp32
     assert out["max_score_diff_int8_rows"] < 5e-3  # full version rows are int8
     assert out["served_version"] == 2  # the full version and its delta
-    assert out["export_full_rows"] >= 60000 and out["export_delta_rows"] > 0
+    assert out["export_full_rows"] >= 240000 and out["export_delta_rows"] > 0
     assert out["sps_ratio_vs_in_ram"] > 0 and out["sps_in_ram"] > 0
     assert set(out["seconds_by_phase"]) >= {"train", "checkpoint", "export_full_int8",
                                             "export_delta", "serve"}
