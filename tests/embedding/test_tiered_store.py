@@ -10,6 +10,7 @@ from terarec.embedding.optimizers import SparseOptimizer
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import MemoryBudgetError, TieredStore
 from terarec.embedding.types import RowBlock
+from terarec.io import sha256_file
 
 ROW_DIM = 32
 
@@ -127,21 +128,64 @@ def test_incremental_snapshot_links_unchanged_slabs(tmp_path):
     store.push(keys, block)
     first = store.save_snapshot(tmp_path / "c1")
     store.snapshot_committed(tmp_path / "c1", first)
-    # Touch only ten keys: only their slabs are copied, the rest are hard links.
+    # Touch only ten keys: only their slabs get new files, the rest are c1's files.
     store.push(keys[:10], RowBlock(block.values[:10] + 1, block.state[:10]))
     second = store.save_snapshot(tmp_path / "c2")
     touched = {f"slab-{s:06d}.bin" for s in store.disk.index.lookup(keys[:10]) >> store.disk.shift}
     slabs = sorted(n for n in second if n.startswith("slab-"))
-    linked = {n for n in slabs if (tmp_path / "c2" / n).stat().st_nlink == 2}
+
+    def inode(folder: str, name: str) -> int:
+        return (tmp_path / folder / name).stat().st_ino
+
+    same = {n for n in slabs if inode("c2", n) == inode("c1", n)}
     assert len(slabs) >= 2 * len(touched)
-    assert linked == set(slabs) - touched
+    assert same == set(slabs) - touched
     assert all(second[n] != first[n] for n in touched)
+    assert all(sha256_file(tmp_path / "c1" / n) == first[n] for n in slabs)  # c1 intact
+    assert store.disk.slabs_copied == len(touched)
     restored = TieredStore(ROW_DIM, optimizer, StoreConfig(), path=tmp_path / "r")
     restored.load_snapshot(tmp_path / "c2")
     values, found = restored.lookup(keys[:12])
     assert found.all()
     np.testing.assert_array_equal(values[:10], block.values[:10] + 1)
     np.testing.assert_array_equal(values[10:], block.values[10:12])
+
+
+@pytest.mark.parametrize("key_index", ["ram", "disk"])
+def test_snapshots_share_slab_files_until_they_are_written(tmp_path, key_index):
+    """A snapshot hard-links the live slabs (no copy, no disk); a write copies the slab it
+    lands in first, so the snapshot keeps its bytes; a restore links them again."""
+    optimizer = SparseOptimizer(SparseOptimizerConfig())
+    store = TieredStore(ROW_DIM, optimizer, StoreConfig(memory_budget="4MB", key_index=key_index),
+                        path=tmp_path / "s", slab_bytes=64 << 10)
+    keys = np.arange(1, 20_001, dtype=np.int64)
+    ones = np.ones(len(keys), np.float32)
+    block, _ = store.pull(keys, ones, ones, 0)
+    store.push(keys, block)
+    store.end_pass(0)
+    digests = store.save_snapshot(tmp_path / "c1")
+    store.snapshot_committed(tmp_path / "c1", digests)
+    slabs = sorted(n for n in digests if n.startswith("slab-"))
+    assert len(slabs) > 2
+    assert all((tmp_path / "c1" / n).stat().st_ino == (tmp_path / "s" / n).stat().st_ino
+               for n in slabs)
+    assert store.disk.slabs_copied == 0
+    # Rows written to disk after the snapshot: only the slabs they land in are copied.
+    before = store.disk.read(keys[:5])[0]
+    store.disk.write(keys[:5], before + 1)
+    assert 1 <= store.disk.slabs_copied < len(slabs)
+    assert all(sha256_file(tmp_path / "c1" / n) == digests[n] for n in slabs)
+    np.testing.assert_array_equal(store.disk.read(keys[:5])[0], before + 1)
+    restored = TieredStore(ROW_DIM, optimizer, StoreConfig(key_index=key_index),
+                           path=tmp_path / "r", slab_bytes=64 << 10)
+    restored.load_snapshot(tmp_path / "c1", digests)
+    values, found = restored.lookup(keys[:10])
+    assert found.all()
+    np.testing.assert_array_equal(values, block.values[:10])  # the snapshot's rows
+    assert restored.disk.slabs_copied == 0
+    restored.disk.write(keys[:5], restored.disk.read(keys[:5])[0] * 2)
+    assert all(sha256_file(tmp_path / "c1" / n) == digests[n] for n in slabs)
+    np.testing.assert_array_equal(restored.lookup(keys[5:10])[0], block.values[5:10])
 
 
 def test_budget_too_small_for_the_key_index_is_refused(tmp_path):

@@ -19,8 +19,11 @@ int8 row of 64 values takes 72 bytes here instead of 256.
 
 Slots come from the ``KeyIndex`` (dense, recycled after removal), so the files stay
 compact; growing the table adds a slab file and never moves a row. Writes mark their
-slab dirty, which is what lets a checkpoint copy only the slabs changed since the
-previous one (``snapshot``).
+slab dirty, which is what lets a checkpoint take only the slabs changed since the
+previous one (``snapshot``). A checkpoint hard-links the live slab files instead of copying
+them, and the first write to a slab that a checkpoint shares copies that slab (64 MB) to a
+new file first (copy on write at slab granularity): a checkpoint costs no disk until
+training changes its slabs, so a table larger than half the free disk can be checkpointed.
 
 RAM per key (``key_index="ram"``): the ``KeyIndex`` (16 B per bucket at 25-50 % load:
 32-64 B per key) plus a 4 B mirror of ``last_seen`` so TTL eviction never scans the files.
@@ -322,6 +325,9 @@ class DiskTier:
         self._reserved = 0  # slots whose file blocks are allocated (``_reserve``)
         self._bases = np.zeros(0, np.int64)  # address of each mapped slab, for the kernels
         self._dirty = np.zeros(0, np.bool_)
+        # Slabs whose file a snapshot also links: copied before they are written again.
+        self._shared = np.zeros(0, np.bool_)
+        self.slabs_copied = 0
         self.rows_read = 0
         self.rows_written = 0
         self.read_s = 0.0
@@ -347,6 +353,47 @@ class DiskTier:
         dirty[:len(self._dirty)] = self._dirty
         dirty[-1] = True
         self._dirty = dirty
+        self._shared = grown(self._shared, len(self._maps), double=False)
+
+    def _map(self, i: int) -> None:
+        """(Re)map slab ``i`` after its file was replaced."""
+        mm = np.memmap(self.slab_path(i), np.float32, "r+", shape=(self.slab_rows, self.width))
+        _mapping(mm).madvise(mmap.MADV_RANDOM)
+        _mapping(self._maps[i]).close()
+        self._maps[i] = mm
+        self._bases[i] = mm.ctypes.data
+
+    def _own_slabs(self, slots: np.ndarray) -> None:
+        """Give each slab of ``slots`` that a snapshot shares a file of its own before it is
+        written: the snapshot's file keeps the bytes it was hashed with."""
+        if not self._shared.any():
+            return
+        touched = np.unique(slots[slots >= 0] >> self.shift)
+        for i in touched[self._shared[touched]]:
+            self._unshare(int(i))
+
+    def _unshare(self, i: int) -> None:
+        path = self.slab_path(i)
+        tmp = path.with_name(path.name + ".copy")
+        # The rows in use and the blocks reserved ahead of them (``_reserve``): the copy
+        # allocates them all, so writes through the mapping never meet a hole.
+        rows = min(self.slab_rows, max(self._reserved, self.slot_bound) - i * self.slab_rows)
+        try:
+            _copy_prefix(path, tmp, max(0, rows) * self.width * 4)
+            with open(tmp, "ab") as fh:
+                fh.truncate(self.slab_rows * self.width * 4)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise NotWritableError(
+                    errno.ENOSPC, f"cannot write {self.path}: no space left on device to "
+                    f"copy slab {path.name}, which a checkpoint shares, before writing it"
+                ) from None
+            raise
+        os.replace(tmp, path)
+        self._map(i)
+        self._shared[i] = False
+        self.slabs_copied += 1
 
     def _ensure_slots(self, bound: int) -> None:
         while len(self._maps) * self.slab_rows < bound:
@@ -491,6 +538,7 @@ class DiskTier:
             if new.any():  # insert only the new keys: the index reserves room per new key
                 slots[new], _ = self.index.lookup_or_insert(keys[new])
         self._ensure_slots(self.slot_bound)
+        self._own_slabs(slots)
         for part in self._chunks(slots):
             _scatter(self._bases, slots, part, self.shift, self.mask, records, self._dirty)
         if self.runs is None:
@@ -569,11 +617,13 @@ class DiskTier:
     # -- snapshots ----------------------------------------------------------------------
     def snapshot(self, dst: Path, previous: Path | None,
                  previous_digests: dict[str, str]) -> dict[str, str]:
-        """Copy the tier into the empty folder ``dst``; returns {file name: sha256}.
+        """Write the tier into the empty folder ``dst``; returns {file name: sha256}.
 
         Slabs unchanged since the snapshot in ``previous`` are hard-linked from it (the
-        files of a committed snapshot are never written again); the others are copied
-        from the live files after an msync. Every file is fsynced by the caller's commit.
+        files of a committed snapshot are never written again); the others are
+        hard-linked from the live files after an msync, and marked shared, so that the
+        next write to one copies it first (``_unshare``). Where ``dst`` is on another
+        filesystem they are copied. Every file is fsynced by the caller's commit.
         """
         self.flush()
         dst.mkdir(parents=True, exist_ok=True)
@@ -586,8 +636,14 @@ class DiskTier:
                 os.link(old, dst / name)
                 digests[name] = previous_digests[name]
             else:
-                used = min(self.slab_rows, self.slot_bound - i * self.slab_rows)
-                _copy_prefix(self.slab_path(i), dst / name, max(0, used) * self.width * 4)
+                try:
+                    os.link(self.slab_path(i), dst / name)
+                    self._shared[i] = True
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+                    used = min(self.slab_rows, self.slot_bound - i * self.slab_rows)
+                    _copy_prefix(self.slab_path(i), dst / name, max(0, used) * self.width * 4)
                 digests[name] = sha256_file(dst / name)
         meta = np.array([self.width, self.slab_rows, len(self._maps)], np.int64)
         metadata = {"layout": self.layout.to_json()} if self.layout else {}
@@ -612,8 +668,9 @@ class DiskTier:
         self._dirty[:] = False
 
     def restore(self, src: Path) -> None:
-        """Replace the live tier by the snapshot in ``src`` (files copied, not linked: live
-        slabs are written in place)."""
+        """Replace the live tier by the snapshot in ``src``: its slab files are hard-linked
+        (shared until written, ``_unshare``), copied where they are shorter than a slab
+        (older snapshots held only the rows in use) or on another filesystem."""
         arrays = load_numpy(str(src / INDEX_FILE))
         width, slab_rows, n_slabs = (int(x) for x in arrays["meta"])
         if self.layout is not None:
@@ -632,10 +689,23 @@ class DiskTier:
         self.shift = int(slab_rows).bit_length() - 1
         self.slab_rows, self.mask = slab_rows, slab_rows - 1
         self._dirty = np.zeros(0, np.bool_)
+        self._shared = np.zeros(0, np.bool_)
+        full = self.slab_rows * self.width * 4
+        linked = np.zeros(n_slabs, np.bool_)
         for i in range(n_slabs):
-            shutil.copyfile(src / self.slab_path(i).name, self.slab_path(i))
+            slab_file = src / self.slab_path(i).name
+            if slab_file.stat().st_size == full:
+                try:
+                    os.link(slab_file, self.slab_path(i))
+                    linked[i] = True
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+            if not linked[i]:
+                shutil.copyfile(slab_file, self.slab_path(i))
             self._open_slab(i)
         self._dirty[:] = False
+        self._shared[:n_slabs] = linked
         manifest = _key_runs(src)
         if self.runs is not None and manifest is not None:
             self.runs.restore(src, arrays, manifest)
