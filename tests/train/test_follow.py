@@ -91,7 +91,8 @@ def test_follow_trains_files_as_they_land_in_name_order(hourly, tmp_path):
         partition.mkdir()
         _land(hourly[3], partition, "part-0.tsv")
         _land(hourly[4], partition, "part-1.tsv")
-        time.sleep(1.0)
+        _wait_for(lambda: len(_history(out)) >= 3, proc)
+        time.sleep(1.0)  # a follower that read unfinished partitions would train one now
         assert len(_history(out)) == 3  # the partition is not landed yet
         (partition / "_SUCCESS").write_text("")
         stdout, stderr = proc.communicate(timeout=180)
