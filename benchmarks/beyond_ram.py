@@ -50,6 +50,9 @@ from terarec.serving.engine import ServingEngine
 from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiered_store import proc_status  # noqa: E402
+
 GIB = 1 << 30
 SALT = "beyond-ram"
 
@@ -60,14 +63,6 @@ def meminfo_total() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise KeyError("MemTotal")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def reset_peak() -> None:
@@ -174,7 +169,7 @@ def train_passes(trainer: Trainer, schema: FeatureSchema, args: argparse.Namespa
             busy += r.staging_s + r.train_s + r.write_back_s
         if args.verbose:
             print(f"pass {i}: {len(trainer.store)} keys, "
-                  f"{time.perf_counter() - t_first:.0f} s, rss {_status('VmRSS') >> 20} MB",
+                  f"{time.perf_counter() - t_first:.0f} s, rss {proc_status('VmRSS') >> 20} MB",
                   file=sys.stderr, flush=True)
     wall = time.perf_counter() - wall0
     return {"sps": rows / busy if busy else 0.0,
@@ -188,7 +183,7 @@ def run_in_ram(args: argparse.Namespace) -> dict[str, float]:
     trainer = Trainer(schema, train_config(args, False, None))
     passes = max(2, -(-args.in_ram_keys // (args.pass_rows * args.unique_fields)))
     out = train_passes(trainer, schema, args, passes)
-    return {**out, "keys": len(trainer.store), "peak_rss_bytes": _status("VmHWM")}
+    return {**out, "keys": len(trainer.store), "peak_rss_bytes": proc_status("VmHWM")}
 
 
 def disk_needed(keys: int, record_bytes: int, row_dim: int) -> int:
@@ -214,7 +209,7 @@ class Phases:
 
     def stop(self) -> None:
         self.seconds[self._name] = round(time.perf_counter() - self._t0, 2)
-        self.peak[self._name] = _status("VmHWM")
+        self.peak[self._name] = proc_status("VmHWM")
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:

@@ -56,7 +56,8 @@ from terarec.train.trainer import Trainer  # noqa: E402
 from terarec.types import Batch, KeyedIds  # noqa: E402
 
 
-def _status(field: str) -> int:
+def proc_status(field: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith(field + ":"):
@@ -117,7 +118,7 @@ def run_arm(args: argparse.Namespace) -> dict:
                for s in range(0, len(labels) - b + 1, b)]
     passes = [batches[i:i + args.pass_batches]
               for i in range(0, len(batches), args.pass_batches)]
-    start_rss = _status("VmRSS")
+    start_rss = proc_status("VmRSS")
     rows = busy = wait = 0.0
     planned = trainer.plan(passes[0]) if passes else None
     for i in range(len(passes)):
@@ -129,7 +130,7 @@ def run_arm(args: argparse.Namespace) -> dict:
             rows += r.rows
             busy += r.staging_s + r.train_s + r.write_back_s
         wait += r.prefetch_wait_s
-    train_peak = _status("VmHWM")
+    train_peak = proc_status("VmHWM")
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         save_checkpoint(Path(tmp) / "model", trainer)
@@ -140,7 +141,7 @@ def run_arm(args: argparse.Namespace) -> dict:
     # A disk record (encoded values, state, counters); in RAM the same for fp32 rows.
     record = 4 * s.width if args.arm == "tiered" else 4 * (s.row_dim + s.state_dim + 3)
     out = {"sps": rows / busy, "keys": len(s), "table_bytes": len(s) * record,
-           "start_rss_bytes": start_rss, "peak_rss_bytes": _status("VmHWM"),
+           "start_rss_bytes": start_rss, "peak_rss_bytes": proc_status("VmHWM"),
            "peak_rss_train_bytes": train_peak, "passes": len(passes),
            "checkpoint_s": t1 - t0, "export_rows": exported.rows,
            "export_rows_per_s": exported.rows / max(t2 - t1, 1e-9)}

@@ -108,3 +108,22 @@ def test_schema_errors_name_the_path(tmp_path, edit, message):
         FeatureSchema.load(path)
     assert str(info.value).startswith(f"{path}: ")
     assert message in str(info.value)
+
+
+def test_per_schema_builds_once_per_schema_object() -> None:
+    from dataclasses import replace
+
+    from terarec.types import FeatureSchema, per_schema
+
+    calls: list[FeatureSchema] = []
+
+    def build(schema: FeatureSchema) -> int:
+        calls.append(schema)
+        return len(schema.numeric)
+
+    derived = per_schema(build)
+    schema = FeatureSchema.criteo()
+    assert derived(schema) == derived(schema) == 13 and len(calls) == 1
+    fewer = replace(schema, fields=schema.fields[1:])  # a new object: built again
+    assert derived(fewer) == 12 and len(calls) == 2
+    assert fewer == replace(fewer) and derived(schema) == 13 and len(calls) == 2

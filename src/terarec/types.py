@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from pydantic import Field
 
@@ -295,6 +296,28 @@ class FieldSpec:
 
 
 SCHEMA_VERSION = 1
+
+
+_Derived = TypeVar("_Derived")
+
+
+def per_schema(build: Callable[[FeatureSchema], _Derived]
+               ) -> Callable[[FeatureSchema], _Derived]:
+    """``build(schema)`` computed once per schema object, as ``cached_property`` does for
+    the schema's own fields: a reader or a server keeps one schema and needs what other
+    packages derive from it on every batch. Kept in the schema's ``__dict__``, so it
+    lives as long as the schema and never outlives a replaced one."""
+    slot = f"_per_schema:{build.__module__}.{build.__qualname__}"
+
+    def get(schema: FeatureSchema) -> _Derived:
+        try:
+            return schema.__dict__[slot]
+        except KeyError:
+            value = schema.__dict__[slot] = build(schema)
+            return value
+
+    get.__doc__ = build.__doc__
+    return get
 
 
 @dataclass(frozen=True)

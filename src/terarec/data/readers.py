@@ -42,6 +42,7 @@ from terarec.types import (
     NumericTransform,
     Pooling,
     as_int64_tensor,
+    per_schema,
 )
 
 OnBadRow = Literal["error", "skip"]
@@ -923,19 +924,7 @@ class _DensePlan:
         self.std = np.array([[specs[j].std] for j in scaled], dtype=np.float64)
 
 
-_DENSE_PLANS: dict[int, tuple[FeatureSchema, _DensePlan]] = {}
-
-
-def _dense_plan(schema: FeatureSchema) -> _DensePlan:
-    """``schema``'s plan, cached by identity (a reader or a server keeps one schema)."""
-    hit = _DENSE_PLANS.get(id(schema))
-    if hit is not None and hit[0] is schema:
-        return hit[1]
-    if len(_DENSE_PLANS) >= 256:
-        _DENSE_PLANS.clear()
-    plan = _DensePlan(schema)
-    _DENSE_PLANS[id(schema)] = (schema, plan)
-    return plan
+_dense_plan = per_schema(_DensePlan)
 
 
 def dense_features(numeric: np.ndarray, schema: FeatureSchema) -> np.ndarray:

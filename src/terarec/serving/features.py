@@ -40,7 +40,7 @@ from terarec.data.readers import (
     dense_features,
     numeric_bucket_keys,
 )
-from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
+from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds, per_schema
 
 
 def _part(schema: FeatureSchema, fields: list[FieldSpec]) -> FeatureSchema:
@@ -303,18 +303,7 @@ class _Layout:
         self.sparse_names = schema.sparse_names
 
 
-_LAYOUTS: dict[int, tuple[FeatureSchema, _Layout]] = {}
-
-
-def _layout(schema: FeatureSchema) -> _Layout:
-    hit = _LAYOUTS.get(id(schema))
-    if hit is not None and hit[0] is schema:
-        return hit[1]
-    if len(_LAYOUTS) >= 256:
-        _LAYOUTS.clear()
-    layout = _Layout(schema)
-    _LAYOUTS[id(schema)] = (schema, layout)
-    return layout
+_layout = per_schema(_Layout)
 
 
 _DICT_GET: Callable[[Any, str], Any] = dict.get
