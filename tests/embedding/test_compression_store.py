@@ -221,7 +221,9 @@ def test_promotion_leaves_predictions_unchanged_at_that_moment():
     assert (widths_after > widths_before).any()
     trainer.model.eval()
     with torch.no_grad():
-        at_promotion = torch.sigmoid(trainer._logits(ws, ws.batches[0], train=False)).numpy()
+        staged = ws.batches[0]
+        emb = ws.lookup(staged.sparse, trainer.mean_fields, None)
+        at_promotion = torch.sigmoid(trainer.model(staged.dense, emb)).numpy()
     np.testing.assert_allclose(at_promotion, before, rtol=0, atol=1e-7)
 
 

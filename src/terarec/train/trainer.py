@@ -70,6 +70,7 @@ from terarec.embedding.working_set import WorkingSet, _pooled
 from terarec.finite import check_model_scores
 from terarec.modeldir import choose_checkpoint, comm_file, read_model_meta
 from terarec.models import build_model
+from terarec.models.base import CTRModel
 from terarec.models.dssm import DSSM
 from terarec.models.registry import check_model_fits
 from terarec.train.dense_optimizer import dense_optimizer
@@ -126,6 +127,28 @@ _NO_FORWARD_BUFFER_SYNC: dict[str, Any] = (
     else {"broadcast_buffers": False})
 
 
+class TaskLoss:
+    """Binary cross-entropy; for ``[B, T]`` logits (several labels), each task's weighted
+    by its ``label_weights`` entry and summed over tasks, against the targets the model
+    trains each task on (``CTRModel.task_targets``). A callable of its own, not a
+    trainer method: the dense step holds it, and a reference back to the trainer would
+    keep a dropped trainer (and its store folder's lock) alive until a garbage
+    collection."""
+
+    def __init__(self, model: CTRModel, task_weights: Sequence[float]) -> None:
+        self.model = model
+        self.task_weights = tuple(task_weights)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor,
+                 reduction: str = "mean") -> torch.Tensor:
+        if logits.dim() == 1:
+            return F.binary_cross_entropy_with_logits(logits, labels, reduction=reduction)
+        weights = torch.tensor(self.task_weights, device=logits.device)
+        per_row = (F.binary_cross_entropy_with_logits(
+            logits, self.model.task_targets(labels), reduction="none") * weights).sum(1)
+        return per_row.sum() if reduction == "sum" else per_row.mean()
+
+
 class Trainer:
     """Owns the model, the store and the optimizers; trains pass by pass.
 
@@ -161,6 +184,7 @@ class Trainer:
             self.model.row_dim, self.sparse_optimizer, rank_store_config(config, self.ctx))
         self.dense_optimizer = dense_optimizer(self.model, config)
         # The one-process step's forward + loss (+ their backward): autocast, compile.
+        self._bce = TaskLoss(self.model, schema.task_weights)
         self.dense_step = DenseStep(self.model, self._bce, self.device,
                                     compile=config.compile, autocast=config.autocast,
                                     batch_size=config.batch_size)
@@ -258,18 +282,6 @@ class Trainer:
                                               model.item_ids(keyed.sparse).to(self.device))
         emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
         return self.dense_step(batch.dense, emb, batch.labels)
-
-    def _bce(self, logits: torch.Tensor, labels: torch.Tensor,
-             reduction: str = "mean") -> torch.Tensor:
-        """Binary cross-entropy; for ``[B, T]`` logits (several labels), each task's
-        weighted by its ``label_weights`` entry and summed over tasks, against the
-        targets the model trains each task on (``CTRModel.task_targets``)."""
-        if logits.dim() == 1:
-            return F.binary_cross_entropy_with_logits(logits, labels, reduction=reduction)
-        weights = torch.tensor(self.schema.task_weights, device=logits.device)
-        per_row = (F.binary_cross_entropy_with_logits(
-            logits, self.model.task_targets(labels), reduction="none") * weights).sum(1)
-        return per_row.sum() if reduction == "sum" else per_row.mean()
 
     def train_pass(self, p: Pass, progress: tqdm | None = None,
                    upcoming: Pass | None = None) -> PassResult:
