@@ -24,6 +24,9 @@ from terarec.validation import STRICT, InvalidInput, validate, validate_json
 
 SparseOptimizerName = Literal["adagrad", "adam", "ftrl", "sgd"]
 Precision = Literal["fp32", "fp16", "int8", "int4"]
+# train.dense_step's switches (``TrainConfig.compile`` / ``.autocast``).
+CompileMode = Literal["auto", "on", "off"]
+AutocastMode = Literal["auto", "bf16", "off"]
 T = TypeVar("T")
 
 Positive = Annotated[int, Field(gt=0)]
@@ -407,11 +410,11 @@ class TrainConfig:
     threads: Positive | None = knob(None, "--threads")
     device: Device = knob("auto", "--device", "auto, cpu, cuda, cuda:1 ...")
     # train.dense_step: the dense forward/loss/backward of a one-process run.
-    compile: Literal["auto", "on", "off"] = knob(
+    compile: CompileMode = knob(
         "auto", "--compile", "torch.compile the dense step: auto compiles on a CUDA device "
         "once a run has trained 2,000 steps (never on a CPU, where it measured no faster); "
         "on compiles from the first step; a failed compilation falls back to eager")
-    autocast: Literal["auto", "bf16", "off"] = knob(
+    autocast: AutocastMode = knob(
         "auto", "--autocast", "run the dense network in bf16: auto where the hardware has "
         "native bf16 (CUDA, AMX or AVX-512 BF16 CPUs), bf16 anywhere, off for fp32")
     # docs/device.md: rows kept on the training device across passes, at most this much.

@@ -32,17 +32,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Literal
+from typing import get_args
 
 import torch
 
+from terarec.config import AutocastMode, CompileMode
+
 log = logging.getLogger(__name__)
 
-CompileMode = Literal["auto", "on", "off"]
-AutocastMode = Literal["auto", "bf16", "off"]
-
-COMPILE_MODES: tuple[str, ...] = ("auto", "on", "off")
-AUTOCAST_MODES: tuple[str, ...] = ("auto", "bf16", "off")
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
+AUTOCAST_MODES: tuple[str, ...] = get_args(AutocastMode)
 
 # Eager steps a run trains before ``--compile auto`` compiles (where it compiles at
 # all): compilation took 16-80 s for the DLRM step here, so a run must have that many
