@@ -40,11 +40,17 @@ def _rank_main(rank: int, world: int, out: str, fn: Callable, args: tuple) -> No
         dist.destroy_process_group()
 
 
+# Ranks fork from a server that has imported torch and terarec once per test process:
+# spawned ranks spent 3-4 s each importing them again, most of a small test's time.
+mp.set_forkserver_preload(["torch", "torch.distributed", "terarec.train.trainer",
+                           "terarec.distributed.context", __name__])
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """``fn(ctx, *args)`` on ``world`` gloo ranks; their results in rank order."""
     with tempfile.TemporaryDirectory(prefix="terarec-ranks-") as out:
-        mp.spawn(_rank_main, args=(world, out, fn, args), nprocs=world,
-                 join=True)
+        mp.start_processes(_rank_main, args=(world, out, fn, args), nprocs=world,
+                           join=True, start_method="forkserver")
         results = []
         for rank in range(world):
             with open(Path(out) / f"rank-{rank}.pkl", "rb") as fh:
