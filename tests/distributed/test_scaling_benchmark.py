@@ -18,8 +18,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "distributed_scalin
 
 def test_benchmark_prints_scaling_per_batch_and_dense_bytes_per_hook(tmp_path):
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--rows", "24000", "--valid-rows", "2000",
-         "--batch-size", "1024", "--also-batch-sizes", "512", "--pass-rows", "6000",
+        [sys.executable, str(BENCH), "--rows", "12000", "--valid-rows", "2000",
+         "--batch-size", "1024", "--also-batch-sizes", "512", "--pass-rows", "3000",
          "--repeats", "1", "--dgc-warmup-steps", "4", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=480,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
