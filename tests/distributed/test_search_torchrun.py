@@ -159,7 +159,7 @@ def test_a_killed_rank_resumes_the_search_with_the_values_of_an_uninterrupted_on
     space = tmp_path / "space.json"
     space.write_text(json.dumps({"model.embedding_dim": [2, 4, 8]}))
     grid = [*args, "--sampler", "grid", "--space", str(space), "--parallel", "1",
-            "--pruner", "none", "--epochs", "6", "--patience", "10"]
+            "--pruner", "none", "--epochs", "3", "--patience", "10"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     done = _run([*launch, "--master_port", str(free_port()), "-m", "terarec", *grid,
