@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy not installed")
 def test_mypy_reports_no_errors() -> None:
     done = subprocess.run([sys.executable, "-m", "mypy", "src"], cwd=ROOT,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from terarec.cli.main import main
 
 
+@pytest.mark.slow
 def test_quickstart_trains_with_the_train_command_and_runs_again(tmp_path, capsys):
     """quickstart built its own config (one pass of 100,000 rows, no validation-driven
     training): on 20,000 rows it reached AUC 0.565 where `train`'s defaults reach 0.70."""
