@@ -73,3 +73,14 @@ def test_unique_inverse_matches_first_seen_order(keys):
     uniq, inverse = unique_inverse(arr)
     assert uniq.tolist() == list(dict.fromkeys(keys))
     np.testing.assert_array_equal(uniq[inverse], arr)
+
+
+def test_count_marked_counts_live_keys_by_their_slot_mark():
+    index = KeyIndex()
+    slots, _ = index.lookup_or_insert(np.arange(100, 200, dtype=np.int64))
+    index.remove(np.arange(100, 110, dtype=np.int64))  # their slots no longer count
+    mark = np.zeros(index.slot_bound, np.bool_)
+    mark[slots[::2]] = True
+    _, live = index.items()
+    assert index.count_marked(mark) == int(mark[live].sum()) == 45
+    assert index.count_marked(np.zeros(index.slot_bound, np.bool_)) == 0

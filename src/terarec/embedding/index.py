@@ -143,6 +143,16 @@ def _unique_inverse(keys, start, table, uniq, inverse, n_uniq, limit):
     return keys.shape[0], n_uniq
 
 
+@numba.njit(nogil=True, cache=True)
+def _count_marked(table, mark):
+    n = 0
+    for b in range(table.shape[0]):
+        s = table[b, 1]
+        if s >= 0 and mark[s]:
+            n += 1
+    return n
+
+
 def _capacity_for(n: int) -> int:
     cap = 16
     while cap * _MAX_LOAD < n:
@@ -240,6 +250,11 @@ class KeyIndex:
         self._free[self._n_free:need] = freed
         self._n_free = need
         return out
+
+    def count_marked(self, mark: np.ndarray) -> int:
+        """Live keys whose slot is set in ``mark`` (bool, one per slot): one pass over the
+        table without the copies ``items`` makes (a store's length asks this every pass)."""
+        return int(_count_marked(self._table, mark))
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """All (keys, slots), in bucket order."""

@@ -735,8 +735,7 @@ class TieredStore(EvictionLog):
 
     # -- sizes and stats ----------------------------------------------------------------
     def __len__(self) -> int:
-        _, slots = self.memory.index.items()
-        return len(self.disk) + int((~self._on_disk[slots]).sum())
+        return len(self.disk) + self.memory.index.count_marked(~self._on_disk)
 
     @property
     def admitted_total(self) -> int:
@@ -757,13 +756,17 @@ class TieredStore(EvictionLog):
         """Bytes of the rows' values as stored (codes + row scale/bias when encoded): hot
         rows at their class's size, rows only on disk at the record's value area (fixed
         size: the widest class's, padded to whole words)."""
-        disk_only = len(self) - len(self.memory)
+        return self._value_bytes(len(self))
+
+    def _value_bytes(self, keys: int) -> int:
+        disk_only = keys - len(self.memory)
         return self.memory.value_bytes + disk_only * 4 * self.layout.value_words
 
     def stats(self) -> StoreStats:
-        return StoreStats(keys=len(self), candidates=self.memory.candidate_count,
+        keys = len(self)  # one table scan for both figures
+        return StoreStats(keys=keys, candidates=self.memory.candidate_count,
                           admitted=self.admitted_total, evicted=self.evicted_total,
-                          bytes=self.nbytes, value_bytes=self.value_bytes,
+                          bytes=self.nbytes, value_bytes=self._value_bytes(keys),
                           pruned=self.memory.pruned_total + self._disk_only_pruned,
                           rejected=self.memory.rejected_total,
                           admission_bytes=self.memory.candidate_nbytes)
