@@ -735,7 +735,8 @@ class TieredStore(EvictionLog):
 
     # -- sizes and stats ----------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.disk) + self.memory.index.count_marked(~self._on_disk)
+        on_disk = self.memory.index.count_marked(self._on_disk)  # no negated copy
+        return len(self.disk) + len(self.memory) - on_disk
 
     @property
     def admitted_total(self) -> int:
