@@ -204,12 +204,6 @@ class ModelConfig:
                              group=REGULARISATION)
     batch_norm: bool = knob(False, "--batch-norm", "batch norm before every hidden MLP "
                             "activation", group=REGULARISATION)
-    # The first-order weights of a bucketed numeric field's keys enter the logit times
-    # this factor (``terarec.models.layers.first_order_scale``): below 1 they learn as a
-    # correction on top of the field's linear term rather than as free weights.
-    bucket_weight_scale: Rate = knob(
-        1.0, "--bucket-weight-scale", "factor on the first-order weights of numeric "
-        "buckets (lr, fm, deepfm, widedeep)", group=REGULARISATION, metavar="S")
     # Two-tower (DSSM) split: ``item_fields`` empty means every categorical field that is
     # not a user field. Both towers use ``deep_mlp``; its last width is the vector size.
     user_fields: tuple[str, ...] = ()
@@ -266,6 +260,13 @@ class SparseOptimizerConfig:
     embedding_l2: NonNegativeFloat = knob(
         0.0, "--embedding-l2", "L2 on the embeddings each batch looks up, per use and "
         "independent of the batch size", group=REGULARISATION, metavar="LAMBDA")
+    # The same per-use L2 on the rows of bucketed numeric fields only (their count-range
+    # keys), which the truths' and real samples' numerics want much stronger than the
+    # categorical values: see terarec.embedding.optimizers.
+    bucket_l2: NonNegativeFloat = knob(
+        0.0, "--bucket-l2", "per-use L2 on the rows of bucketed numeric fields' keys, "
+        "independent of the batch size; below 100,000 rows with validation rows 0 or 1 "
+        "by validation", group=REGULARISATION, metavar="LAMBDA")
     # Group lasso: after each update a row shrinks by ``step * group_lasso`` in L2 norm
     # (to exactly zero when shorter); zero rows are pruned from the store at pass end.
     group_lasso: NonNegativeFloat = knob(
@@ -533,7 +534,6 @@ _READ_ONLY_BY: dict[tuple[str, str], tuple[str, ...]] = {
     **{("model", k): ("widedeep", "deepfm", "dcnv2", "dlrm", "dssm", *SEQUENCE_MODELS,
                       *MULTI_TASK_MODELS)
        for k in ("dropout", "batch_norm")},  # the models with an MLP
-    ("model", "bucket_weight_scale"): ("lr", "fm", "deepfm", "widedeep"),
     ("model", "tower_mlp"): MULTI_TASK_MODELS,
     ("model", "num_experts"): ("mmoe",),
     **{("model", k): ("dssm",) for k in ("user_fields", "item_fields", "tower_similarity",

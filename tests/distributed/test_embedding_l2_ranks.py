@@ -1,9 +1,10 @@
 """L2 on embedding rows on N ranks (in-process gloo ranks, ``ranks.run_ranks``).
 
 ``embedding_l2``: each requester adds the term for its own occurrences of a row and the
-owner sums them. ``l2`` (every row, every step): the owner decays its rows for the
-global steps that did not touch them. Either way 2 ranks train the rows 1 process
-trains."""
+owner sums them; ``bucket_l2`` (the same on the bucketed numeric field's rows) is added
+to the looked-up rows' gradient before they leave the requester. ``l2`` (every row,
+every step): the owner decays its rows for the global steps that did not touch them.
+Either way 2 ranks train the rows 1 process trains."""
 
 from __future__ import annotations
 
@@ -18,16 +19,16 @@ from terarec.train.trainer import Trainer
 from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
 
 SCHEMA = FeatureSchema(label="label", fields=(
-    FieldSpec("x", "numeric"), FieldSpec("a", "categorical"), FieldSpec("b", "categorical")),
-    missing_flags=False)
+    FieldSpec("x", "numeric", buckets=(0.3, 0.6)), FieldSpec("a", "categorical"),
+    FieldSpec("b", "categorical")), missing_flags=False)
 BATCH = 64
 
 
 def _config(l2: float, knob: str) -> TrainConfig:
     return TrainConfig(batch_size=BATCH, pass_rows=4 * BATCH, threads=1, seed=5,
                        model=ModelConfig(name="deepfm", embedding_dim=4),
-                       sparse_optimizer=SparseOptimizerConfig(name="adagrad", lr=0.2,
-                                                              **{knob: l2}))
+                       sparse_optimizer=SparseOptimizerConfig(
+                           name="adagrad", lr=0.2, **{"bucket_l2": 0.0, knob: l2}))
 
 
 def _passes() -> list[list[Batch]]:
@@ -38,7 +39,8 @@ def _passes() -> list[list[Batch]]:
     for _ in range(2):
         batches = []
         for _ in range(4):
-            keys = rng.zipf(1.5, size=(BATCH, 2)).astype(np.int64) % 300
+            keys = rng.zipf(1.5, size=(BATCH, 3)).astype(np.int64) % 300
+            keys[:, 2] = 1000 + rng.integers(0, 3, BATCH)  # x's bucket (sparse slot 2)
             batches.append(Batch(torch.from_numpy(rng.random((BATCH, 1), np.float32)),
                                  KeyedIds.from_dense(SCHEMA.sparse_names,
                                                      torch.from_numpy(keys)),
@@ -74,7 +76,8 @@ def _merged(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("knob", "strength"), [("embedding_l2", 0.5), ("l2", 0.05)])
+@pytest.mark.parametrize(("knob", "strength"), [("embedding_l2", 0.5), ("l2", 0.05),
+                                                ("bucket_l2", 2.0)])
 def test_embedding_l2_on_two_ranks_matches_one_process(knob: str, strength: float) -> None:
     want = _one_process(strength, knob)
     unregularised = _one_process(0.0, knob)
@@ -85,4 +88,5 @@ def test_embedding_l2_on_two_ranks_matches_one_process(knob: str, strength: floa
     # the term matters: rows trained without it are far from these, and smaller norms
     # are what L2 gives
     assert np.abs(unregularised["values"] - want["values"]).max() > 1e-2
-    assert np.linalg.norm(want["values"]) < np.linalg.norm(unregularised["values"])
+    rows = want["keys"] >= 1000 if knob == "bucket_l2" else slice(None)  # x's buckets
+    assert np.linalg.norm(want["values"][rows]) < np.linalg.norm(unregularised["values"][rows])

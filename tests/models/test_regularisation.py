@@ -8,11 +8,12 @@ import torch
 from model_helpers import as_trained
 from torch import nn
 
-from terarec.config import ModelConfig, SparseOptimizerConfig
-from terarec.embedding.optimizers import SparseOptimizer
+from terarec.config import ModelConfig, SparseOptimizerConfig, TrainConfig, from_dict
+from terarec.embedding.optimizers import SparseOptimizer, slot_l2
 from terarec.models import build_model
 from terarec.models.layers import MLP
-from terarec.types import FeatureSchema
+from terarec.train.trainer import Trainer
+from terarec.types import Batch, FeatureSchema, FieldSpec, KeyedIds
 
 
 def test_mlp_layers_follow_the_flags() -> None:
@@ -105,3 +106,71 @@ def test_embedding_l2_kernel_matches_reference_under_adagrad() -> None:
 def test_embedding_l2_needs_the_batch_size() -> None:
     with pytest.raises(ValueError, match="batch size"):
         _step("cpu", l2=1.0, batch_rows=None)
+
+
+def _bucketed_schema() -> FeatureSchema:
+    """Two categorical fields and a numeric one cut into buckets (sparse slot 2)."""
+    return FeatureSchema(label="y", fields=(
+        FieldSpec("user", "categorical"),
+        FieldSpec("count", "numeric", transform="log1p", buckets=(1.0, 2.0)),
+        FieldSpec("item", "categorical")))
+
+
+def test_bucket_l2_is_the_gradient_of_a_per_use_penalty_on_bucket_rows_only() -> None:
+    schema = _bucketed_schema()
+    opt = SparseOptimizer(SparseOptimizerConfig(bucket_l2=0.7))
+    strength = opt.bucket_l2_slots(schema, "cpu")
+    assert strength is not None and strength.tolist() == pytest.approx([0.0, 0.0, 0.7])
+    torch.manual_seed(0)
+    emb = torch.randn(5, 3, 4, requires_grad=True)
+    target = torch.randn(5, 3, 4)
+    (slot_l2(emb, strength, 1.0 / 5) * target).mean(dim=0).sum().backward()
+    got = emb.grad.clone()
+    emb.grad = None
+    # the same as adding 0.7 / 2 * mean over the batch of ||e_count||^2 to the loss
+    loss = (emb * target).mean(dim=0).sum() + 0.35 * emb[:, 2].square().sum(dim=1).mean()
+    loss.backward()
+    torch.testing.assert_close(got, emb.grad)
+    torch.testing.assert_close(got[:, :2], target[:, :2] / 5)  # categorical: untouched
+    assert not torch.allclose(got[:, 2], target[:, 2] / 5)
+    scored = emb.detach()  # scoring: no gradient, the rows pass through as they are
+    assert slot_l2(scored, strength, 0.2) is scored
+
+
+def test_bucket_l2_applies_only_where_a_numeric_field_has_buckets() -> None:
+    opt = SparseOptimizer(SparseOptimizerConfig(bucket_l2=1.0))
+    plain = FeatureSchema(label="y", fields=(FieldSpec("a", "categorical"),
+                                             FieldSpec("x", "numeric")))
+    assert opt.bucket_l2_slots(plain, "cpu") is None
+    off = SparseOptimizer(SparseOptimizerConfig(bucket_l2=0.0))
+    assert off.bucket_l2_slots(_bucketed_schema(), "cpu") is None
+    with pytest.raises(ValueError, match="bucket_l2"):
+        from_dict(TrainConfig, {"sparse_optimizer": {"bucket_l2": -1.0}})
+
+
+def test_a_trainer_with_bucket_l2_keeps_the_bucket_rows_smaller() -> None:
+    schema = _bucketed_schema()
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(6):
+        keys = np.stack([rng.integers(1, 50, 64), rng.integers(100, 150, 64),
+                         rng.integers(1000, 1003, 64)], axis=1)
+        batches.append(Batch(torch.from_numpy(rng.random((64, schema.dense_dim),
+                                                         np.float32)),
+                             KeyedIds.from_dense(schema.sparse_names,
+                                                 torch.from_numpy(keys)),
+                             torch.from_numpy((rng.random(64) < 0.4).astype(np.float32))))
+    norms = {}
+    for strength in (0.0, 5.0):
+        torch.manual_seed(0)
+        trainer = Trainer(schema, TrainConfig(
+            batch_size=64, threads=1, model=ModelConfig(name="fm", embedding_dim=4),
+            sparse_optimizer=SparseOptimizerConfig(lr=0.3, bucket_l2=strength)))
+        for _ in range(3):
+            trainer.train_pass(trainer.plan(batches))
+        arrays = trainer.store.to_arrays()
+        norms[strength] = {part: float(np.linalg.norm(arrays["values"][sel]))
+                           for part, sel in (("bucket", arrays["keys"] >= 1000),
+                                             ("user", arrays["keys"] < 100))}
+    assert norms[5.0]["bucket"] < 0.5 * norms[0.0]["bucket"]
+    assert norms[5.0]["user"] > 0.5 * norms[0.0]["user"]  # the categorical rows train on

@@ -1,5 +1,6 @@
 """Adagrad's start on small data chosen by validation: both starts trained side by side,
-the one with the better validation value kept, and what each reached in metrics.json."""
+the one with the better validation value kept, and what each reached in metrics.json;
+then the bucket prior against its absence with the chosen start."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import pytest
 
 from terarec.cli.main import main
 from terarec.data.synth import generate
-from terarec.train.defaults import ACCUMULATOR_KEY, SMALL_DATA_ACCUMULATOR_CHOICES
+from terarec.train.defaults import (
+    ACCUMULATOR_KEY,
+    BUCKET_L2_KEY,
+    SMALL_DATA_ACCUMULATOR_CHOICES,
+    SMALL_DATA_BUCKET_L2_CHOICES,
+)
 
 FLAGS = ["--no-progress", "--threads", "1", "--seed", "3", "--model", "lr"]
 
@@ -32,18 +38,32 @@ def _train(files, out: Path, *extra: str, valid: bool = True) -> dict:
 
 def test_the_start_with_the_better_validation_value_is_kept(files, tmp_path, capsys) -> None:
     metrics = _train(files, tmp_path / "m")
-    (choice,) = metrics["chosen_by_validation"]
+    choice, prior = metrics["chosen_by_validation"]
     assert choice["key"] == ACCUMULATOR_KEY
     tried = {v["value"]: v["best"] for v in choice["validation"]}
     assert sorted(tried) == sorted(SMALL_DATA_ACCUMULATOR_CHOICES)
     assert choice["chosen"] == min(tried, key=lambda v: tried[v])  # logloss: lower wins
-    # The model trained is the chosen start's, from the same seed: the same best value.
-    assert metrics["best_value"] == pytest.approx(tried[choice["chosen"]], rel=1e-9)
+    # The bucket prior raced with the chosen start; its absence is that start's run.
+    assert prior["key"] == BUCKET_L2_KEY
+    strengths = {v["value"]: v["best"] for v in prior["validation"]}
+    assert sorted(strengths) == sorted(SMALL_DATA_BUCKET_L2_CHOICES)
+    assert strengths[0.0] == tried[choice["chosen"]]
+    assert strengths[1.0] != strengths[0.0]  # the prior changes what is learnt
+    assert prior["chosen"] == min(strengths, key=lambda v: strengths[v])
+    # The model trained is the chosen settings', from the same seed: the same best value.
+    assert metrics["best_value"] == pytest.approx(strengths[prior["chosen"]], rel=1e-9)
     config = json.loads((tmp_path / "m" / "train_config.json").read_text())
     assert config["sparse_optimizer"]["initial_accumulator"] == choice["chosen"]
+    assert config["sparse_optimizer"]["bucket_l2"] == prior["chosen"]
     assert not (tmp_path / "m" / "choosing").exists()  # the trials' folder is gone
     err = capsys.readouterr().err
     assert f"{ACCUMULATOR_KEY} chosen by validation logloss" in err
+    assert f"{BUCKET_L2_KEY} chosen by validation logloss" in err
+    # a given strength is not the data's to choose
+    given = _train(files, tmp_path / "given", "--bucket-l2", "0.5")
+    assert [c["key"] for c in given["chosen_by_validation"]] == [ACCUMULATOR_KEY]
+    config = json.loads((tmp_path / "given" / "train_config.json").read_text())
+    assert config["sparse_optimizer"]["bucket_l2"] == 0.5
 
 
 def test_no_choice_when_the_start_is_given_or_there_is_no_validation(files, tmp_path) -> None:
@@ -71,6 +91,7 @@ def test_search_tries_both_starts_where_train_would_choose(files, tmp_path) -> N
     trials can reach what ``train`` reaches; a given start or batch leaves it out."""
     space = _search(files, tmp_path / "s")["space"]
     assert space[ACCUMULATOR_KEY]["choices"] == list(SMALL_DATA_ACCUMULATOR_CHOICES)
+    assert space[BUCKET_L2_KEY]["choices"] == list(SMALL_DATA_BUCKET_L2_CHOICES)
     results = json.loads((tmp_path / "s" / "results.json").read_text())
     starts = {t[f"params.{ACCUMULATOR_KEY}"] for t in results["trials"]}
     assert starts == set(SMALL_DATA_ACCUMULATOR_CHOICES)
@@ -80,6 +101,7 @@ def test_search_tries_both_starts_where_train_would_choose(files, tmp_path) -> N
     assert [t[f"params.{ACCUMULATOR_KEY}"] for t in first] == \
         list(SMALL_DATA_ACCUMULATOR_CHOICES)
     for t in first:
+        assert t[f"params.{BUCKET_L2_KEY}"] == 0.0  # then the prior with each start
         assert t["params.sparse_optimizer.lr"] == config["sparse_optimizer"]["lr"]
         assert t["params.dense_optimizer.lr"] == config["dense_optimizer"]["lr"]
     for extra in (["--sparse-initial-accumulator", "0.01"], ["--batch-size", "512"]):

@@ -174,8 +174,10 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
     ``train``: data-sized defaults (the files are read for their size)."""
     from terarec.train.defaults import (
         ACCUMULATOR_KEY,
+        BUCKET_L2_KEY,
         accumulator_choices,
         apply_sized_defaults,
+        bucket_l2_choices,
         estimate_rows,
     )
     from terarec.train.search.config import SearchConfig
@@ -193,17 +195,25 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
     elif job.space is not None:
         space = check_space(dict(job.space), config, "space")
     else:
-        # Where ``train`` would choose Adagrad's start by validation, so do the trials;
-        # the first trials are what ``train`` runs (with each start), so the search
-        # answers at least what ``train`` would on the validation rows.
+        # Where ``train`` would choose Adagrad's start (and the bucket prior) by
+        # validation, so do the trials; the first trials are what ``train`` runs (each
+        # start, with and without the prior), so the search answers at least what
+        # ``train`` would on the validation rows.
         space = default_space(config.model.name, config)
         starts = accumulator_choices(sized)  # set only for adagrad
-        if starts is not None:
-            space[ACCUMULATOR_KEY] = {"type": "categorical", "choices": list(starts)}
+        # (whether the numeric fields get buckets is the training rows' to say)
+        strengths = bucket_l2_choices(starts, run.given, run.data.train_schema(train)) \
+            if starts is not None and run.data.schema().numeric else None
+        chosen = {ACCUMULATOR_KEY: starts, BUCKET_L2_KEY: strengths}
+        for key, values in chosen.items():
+            if values is not None:
+                space[key] = {"type": "categorical", "choices": list(values)}
         own = base_params(space, config)
         if own is not None:
-            fixed = [{**own, ACCUMULATOR_KEY: start} for start in starts] if starts \
-                else [own]
+            fixed = [own]
+            for key, values in chosen.items():
+                if values is not None:
+                    fixed = [{**params, key: v} for v in values for params in fixed]
             fixed = fixed[:job.trials]
     rung = job.prune_after if job.prune_after is not None \
         else first_rung(estimate_rows(train), config)

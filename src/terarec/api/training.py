@@ -49,9 +49,11 @@ from terarec.train.carve import (
 )
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
+    BUCKET_L2_KEY,
     SMALL_DATA_ROWS,
     accumulator_choices,
     apply_sized_defaults,
+    bucket_l2_choices,
     estimate_rows,
     max_epochs,
     refit_by_default,
@@ -606,10 +608,20 @@ def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | N
         # With a memory budget the trials would split it: the start stays the sized one.
         choices = accumulator_choices(sized) if config.store.memory_budget is None else None
         if choices is not None and selection is not None:
-            chosen = _choose(job, config, schema(), choices, inputs, valid, selection, ctx)
+            chosen = _choose(job, config, schema(), ACCUMULATOR_KEY, choices, inputs, valid,
+                             selection, ctx)
             config.sparse_optimizer.initial_accumulator = chosen.chosen
             sized[ACCUMULATOR_KEY] = chosen.chosen
             notes["chosen_by_validation"] = [chosen.summary()]
+            strengths = bucket_l2_choices(choices, job.given, schema())
+            if strengths is not None:  # the chosen start's run is the prior's absence
+                prior = _choose(job, config, schema(), BUCKET_L2_KEY, strengths, inputs,
+                                valid, selection, ctx, known={
+                                    config.sparse_optimizer.bucket_l2:
+                                    chosen.values[chosen.chosen]})
+                config.sparse_optimizer.bucket_l2 = prior.chosen
+                sized[BUCKET_L2_KEY] = prior.chosen
+                notes["chosen_by_validation"].append(prior.summary())
         if selection is not None and _choosing(job, config):
             config, selection, chosen_settings = _choose_settings(
                 job, config, schema(), inputs, valid, selection, ctx)
@@ -683,24 +695,26 @@ def _carve_validation(job: TrainJob, raw: FeatureSchema | None, ctx: DistContext
     return carved, carved.summary()
 
 
-def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
+def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema, key: str,
             choices: tuple[float, ...], inputs: list[Path | InputFile], valid: list[Path],
-            selection: SelectionTracker, ctx: DistContext) -> Any:
-    """Adagrad's start on small data, by validation (``accumulator_choices``): one run
-    per start side by side in a scratch folder of the model directory, said on stderr."""
+            selection: SelectionTracker, ctx: DistContext,
+            known: dict[float, float | None] | None = None) -> Any:
+    """A value small data chooses by validation (Adagrad's start, ``accumulator_choices``;
+    the bucket prior, ``bucket_l2_choices``): one run per value not ``known`` side by side
+    in a scratch folder of the model directory, said on stderr."""
     from terarec.train.choose import choose_by_validation
     from terarec.train.passes import iter_file_batches
 
     batches = list(iter_file_batches(valid, schema, config.batch_size,
                                      on_bad_row=config.on_bad_row))
-    choice = choose_by_validation(schema, config, ACCUMULATOR_KEY, choices, inputs, batches,
+    choice = choose_by_validation(schema, config, key, choices, inputs, batches,
                                   Path(job.out) / CHOOSING_DIR,
                                   select_by=selection.select_by,
-                                  patience=selection.patience, ctx=ctx)
+                                  patience=selection.patience, ctx=ctx, known=known)
     if ctx.is_main:
         said = ", ".join(f"{v:g}: {b:.5f}" if b is not None else f"{v:g}: none"
                          for v, b in choice.values.items())
-        print(f"{ACCUMULATOR_KEY} chosen by validation {selection.select_by} ({said})",
+        print(f"{key} chosen by validation {selection.select_by} ({said})",
               file=sys.stderr)
     return choice
 

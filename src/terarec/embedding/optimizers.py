@@ -19,6 +19,14 @@ State layout per row (``S`` floats):
 embeddings: ``embedding_l2 * occurrences / batch_rows * w``, so a frequent key is pulled
 toward zero as often as it is used, and the strength does not depend on the batch size.
 
+``bucket_l2`` is the same per-use L2 on the rows of bucketed numeric fields only, the
+keys of a count range: their first-order weights and factors fit a free value per range,
+where the signal is usually smooth in the count (the field's standardised value already
+carries its slope), so they want a prior far stronger than the categorical values'
+(docs/models.md, "Where the gap on the planted truths sits"). The kernel knows rows, not
+fields, so it is applied on the lookup's output instead (``slot_l2``): the gradient of
+``bucket_l2 / 2 * mean_b sum_{numeric f} ||e_bf||^2``, the math of ``embedding_l2``.
+
 ``l2`` is L2 on the whole table at every step, touched or not: the gradient of
 ``l2 / 2 * ||W||^2`` added to every row at every step, as a full-batch penalty
 (scikit-learn's ``1 / (2 C)`` over N rows is ``l2 = 1 / (C * N)`` per step of the mean
@@ -54,6 +62,7 @@ import numpy as np
 import torch
 
 from terarec.config import SparseOptimizerConfig
+from terarec.types import FeatureSchema
 
 _ADAGRAD, _ADAM, _FTRL, _SGD = 0, 1, 2, 3
 _KINDS = {"adagrad": _ADAGRAD, "adam": _ADAM, "ftrl": _FTRL, "sgd": _SGD}
@@ -157,6 +166,30 @@ def _fused_update(kind, weights, state, rows, grads, pos, lr, eps, wd, beta1, be
 _NO_ROWS = np.zeros(1, np.int64)
 
 
+class _SlotL2(torch.autograd.Function):
+    """Identity forward; backward adds ``scale[s] * e`` to each slot's gradient."""
+
+    @staticmethod
+    def forward(ctx, emb: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(emb, scale)
+        return emb.view_as(emb)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        emb, scale = ctx.saved_tensors
+        return grad + emb * scale.view(1, -1, 1).to(emb.dtype), None
+
+
+def slot_l2(emb: torch.Tensor, strength: torch.Tensor | None, per_row: float
+            ) -> torch.Tensor:
+    """``emb`` (``[B, S, D]``, a lookup's rows) unchanged, whose backward adds
+    ``strength[s] * per_row * e`` to each slot's gradient: a per-use L2 of ``strength``
+    over a loss whose gradient per row is ``per_row`` (``1 / B`` for a batch's mean)."""
+    if strength is None or not emb.requires_grad:
+        return emb
+    return _SlotL2.apply(emb, strength * per_row)
+
+
 class LazyL2:
     """One working set's bookkeeping for ``l2``: the step of the pass each row was last
     brought up to date at (-1: the pass start). Untouched rows cost nothing per step;
@@ -207,6 +240,16 @@ class SparseOptimizer:
             raise ValueError("embedding_l2 needs the batch size of each step; this trainer "
                              "does not pass it (use weight_decay for a per-step L2)")
         return self.config.embedding_l2 / max(batch_rows, 1)
+
+    def bucket_l2_slots(self, schema: FeatureSchema, device: torch.device | str
+                        ) -> torch.Tensor | None:
+        """Per slot of ``schema.sparse_fields``, the ``bucket_l2`` strength (0 for every
+        slot but a bucketed numeric field's) for ``slot_l2``; None when none applies."""
+        fields = schema.sparse_fields
+        if not self.config.bucket_l2 or not any(f.kind == "numeric" for f in fields):
+            return None
+        return torch.tensor([self.config.bucket_l2 if f.kind == "numeric" else 0.0
+                             for f in fields], dtype=torch.float32, device=device)
 
     def lazy_l2(self, rows: int, device: torch.device | str) -> LazyL2 | None:
         """A working set's bookkeeping for ``l2``, or None without it."""

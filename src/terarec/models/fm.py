@@ -10,28 +10,17 @@ from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import (
-    MLP,
-    concat_dense,
-    dense_linear,
-    first_order_scale,
-    first_order_sum,
-    fm_pairwise,
-)
+from terarec.models.layers import MLP, concat_dense, dense_linear, fm_pairwise
 from terarec.types import FeatureSchema
 
 
 class FM(CTRModel):
     """``logit = bias + sum_f w_f + w . dense + sum_{i<j} <v_i, v_j>``."""
 
-    bucket_scale: torch.Tensor | None  # first_order_scale, a buffer
-
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
         self.bias = nn.Parameter(torch.zeros(1))
         self.dense_linear = dense_linear(self.dense_dim)
-        self.register_buffer("bucket_scale", first_order_scale(
-            schema, self.num_fields, config.bucket_weight_scale), persistent=False)
 
     @classmethod
     def row_dim_for(cls, config: ModelConfig) -> int:
@@ -40,7 +29,7 @@ class FM(CTRModel):
 
     def linear_logit(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """First-order part: global bias, per-key weights, dense linear term."""
-        logit = first_order_sum(emb[:, :, 0], self.bucket_scale) + self.bias
+        logit = emb[:, :, 0].sum(dim=1) + self.bias
         if self.dense_linear is not None:
             logit = logit + self.dense_linear(dense).squeeze(1)
         return logit

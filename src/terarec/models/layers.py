@@ -8,8 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from terarec.types import FeatureSchema
-
 
 class BatchNorm(nn.BatchNorm1d):
     """``BatchNorm1d`` that normalises a one-row training batch with its running
@@ -74,31 +72,6 @@ def dense_linear(dense_dim: int) -> nn.Linear | None:
     layer = nn.Linear(dense_dim, 1, bias=False)
     nn.init.zeros_(layer.weight)
     return layer
-
-
-def first_order_scale(schema: FeatureSchema, num_fields: int, scale: float
-                      ) -> torch.Tensor | None:
-    """Per pooled field, the factor on its keys' first-order weight: ``scale`` for a
-    bucketed numeric field, 1 for the others; None when every factor is 1.
-
-    A bucket's weight and the field's linear term describe the same column; scaled down,
-    the bucket weights move more slowly than the categorical ones (under early stopping,
-    a stronger prior), so the buckets learn what the linear term misses instead of
-    fitting each count range freely (docs/models.md, "Where the gap on the planted
-    truths sits")."""
-    fields = schema.sparse_fields
-    if scale == 1.0 or not any(f.kind == "numeric" for f in fields):
-        return None
-    if len(fields) != num_fields:
-        raise ValueError(f"model.bucket_weight_scale: {len(fields)} sparse fields but the "
-                         f"model pools {num_fields}; the scale needs one row per field")
-    return torch.tensor([scale if f.kind == "numeric" else 1.0 for f in fields])
-
-
-def first_order_sum(weights: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """``[B]``: the sum over fields of the first-order weights ``[B, F]``, each field's
-    times its ``first_order_scale`` factor."""
-    return weights.sum(dim=1) if scale is None else weights @ scale.to(weights.dtype)
 
 
 def concat_dense(vectors: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:

@@ -7,21 +7,17 @@ from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import dense_linear, first_order_scale, first_order_sum
+from terarec.models.layers import dense_linear
 from terarec.types import FeatureSchema
 
 
 class LR(CTRModel):
     """``logit = bias + sum_f emb[:, f, 0] + w . dense``; each key's row is its weight."""
 
-    bucket_scale: torch.Tensor | None  # first_order_scale, a buffer
-
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
         self.bias = nn.Parameter(torch.zeros(1))
         self.dense_linear = dense_linear(self.dense_dim)
-        self.register_buffer("bucket_scale", first_order_scale(
-            schema, self.num_fields, config.bucket_weight_scale), persistent=False)
 
     @classmethod
     def row_dim_for(cls, config: ModelConfig) -> int:
@@ -30,7 +26,7 @@ class LR(CTRModel):
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)
-        logit = first_order_sum(emb[:, :, 0], self.bucket_scale) + self.bias
+        logit = emb[:, :, 0].sum(dim=1) + self.bias
         if self.dense_linear is not None:
             logit = logit + self.dense_linear(dense).squeeze(1)
         return logit

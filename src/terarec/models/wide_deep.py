@@ -7,13 +7,7 @@ from torch import nn
 
 from terarec.config import ModelConfig
 from terarec.models.base import CTRModel
-from terarec.models.layers import (
-    MLP,
-    concat_dense,
-    dense_linear,
-    first_order_scale,
-    first_order_sum,
-)
+from terarec.models.layers import MLP, concat_dense, dense_linear
 from terarec.types import FeatureSchema
 
 
@@ -21,14 +15,10 @@ class WideDeep(CTRModel):
     """Rows are ``1 + D``: column 0 feeds the wide (linear) part, columns ``1:`` the deep
     MLP together with the dense features; the logit is the sum of both."""
 
-    bucket_scale: torch.Tensor | None  # first_order_scale, a buffer
-
     def __init__(self, schema: FeatureSchema, config: ModelConfig) -> None:
         super().__init__(schema, config)
         self.bias = nn.Parameter(torch.zeros(1))
         self.dense_linear = dense_linear(self.dense_dim)
-        self.register_buffer("bucket_scale", first_order_scale(
-            schema, self.num_fields, config.bucket_weight_scale), persistent=False)
         deep_in = self.num_fields * config.embedding_dim + self.dense_dim
         self.deep = MLP(deep_in, tuple(config.deep_mlp), config.dropout, out_dim=1,
                         batch_norm=config.batch_norm)
@@ -40,7 +30,7 @@ class WideDeep(CTRModel):
 
     def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         self.check_inputs(dense, emb)
-        wide = first_order_sum(emb[:, :, 0], self.bucket_scale) + self.bias
+        wide = emb[:, :, 0].sum(dim=1) + self.bias
         if self.dense_linear is not None:
             wide = wide + self.dense_linear(dense).squeeze(1)
         deep = self.deep(concat_dense(emb[:, :, 1:], dense)).squeeze(1)

@@ -93,25 +93,33 @@ def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
                          train_paths: Sequence[str | Path | InputFile],
                          valid_batches: list[Batch], scratch: str | Path, *,
                          select_by: str = "logloss", patience: int | None = 2,
-                         ctx: DistContext | None = None) -> Choice:
+                         ctx: DistContext | None = None,
+                         known: Mapping[Any, float | None] | None = None) -> Choice:
     """The value of ``key`` (a dotted config path) among ``choices`` whose run reaches
-    the best validation value. A tiered store's files go to ``scratch``, which is
-    removed after. Every rank calls this and trains its key shard of every run."""
+    the best validation value. ``known``: the values reached by runs already trained
+    with ``base`` as it is (a value of ``key`` in it is not trained again). A tiered
+    store's files go to ``scratch``, which is removed after. Every rank calls this and
+    trains its key shard of every run."""
     if not valid_batches:
         raise ValueError(f"choosing {key} by validation needs a validation set")
     ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
-    runs = race(schema, base, [{key: value} for value in choices], train_paths,
+    known = known or {}
+    trained = [value for value in choices if value not in known]
+    runs = race(schema, base, [{key: value} for value in trained], train_paths,
                 list(iter_scoring_passes(ctx, valid_batches, base.pass_rows)), scratch,
-                select_by=select_by, patience=[patience] * len(choices), ctx=ctx)
+                select_by=select_by, patience=[patience] * len(trained), ctx=ctx)
+    reached_by = dict(known)
+    for value, run in zip(trained, runs, strict=True):
+        assert run.selection is not None
+        reached_by[value] = run.selection.best_value
     values: dict[Any, float | None] = {}
     best = SelectionTracker(select_by, patience=None)
     chosen: Any = None
-    for value, run in zip(choices, runs, strict=True):
-        assert run.selection is not None
-        reached = run.selection.best_value
+    for value in choices:
+        reached = reached_by[value]
         values[value] = reached
         if reached is not None and best.is_better(reached):
-            best.update(reached, run.selection.best_pass or 0)
+            best.update(reached, 0)  # which pass reached it does not matter here
             chosen = value
     if best.best_value is None:
         raise ValueError(f"choosing {key} by validation: no run reached a finite "

@@ -13,6 +13,8 @@ follow it::
     admit_min_count     2 below 100,000 rows, else 1
     initial_accumulator 0 below 100,000 rows, else 0.001; with a validation set, small
                         data tries both and keeps the better
+    bucket_l2           0; with a validation set, small data with bucketed numeric
+                        fields then tries 1 with the chosen start and keeps the better
     SMALL_DATA_SHAPE    per model below 100,000 rows: embedding width, dense-rate factor
     DENSE_RATE_FACTOR   per model at every size: the dense-rate factor
 
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from terarec.config import TrainConfig
 from terarec.train.selection import DEFAULT_MAX_EPOCHS
+from terarec.types import FeatureSchema
 
 MIN_BATCH, MAX_BATCH = 256, 4096
 STEPS_PER_EPOCH = 32
@@ -52,6 +55,11 @@ SMALL_DATA_ACCUMULATOR = 0.0
 # With a validation set, small data trains both starts side by side and keeps the one
 # with the better validation value (``accumulator_choices``).
 SMALL_DATA_ACCUMULATOR_CHOICES = (0.0, 0.001)
+BUCKET_L2_KEY = "sparse_optimizer.bucket_l2"
+# With a validation set, small data with bucketed numeric fields also trains the bucket
+# rows' prior beside its absence and keeps it where the validation value is better
+# (``bucket_l2_choices``): the planted truths want it, the Criteo sample does not.
+SMALL_DATA_BUCKET_L2_CHOICES = (0.0, 1.0)
 # The epoch upper bound with a validation set: room for this many steps, within limits.
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
@@ -170,6 +178,17 @@ def accumulator_choices(sized: dict) -> tuple[float, ...] | None:
     if sized.get(ACCUMULATOR_KEY) != SMALL_DATA_ACCUMULATOR:
         return None
     return SMALL_DATA_ACCUMULATOR_CHOICES
+
+
+def bucket_l2_choices(accumulators: tuple[float, ...] | None, given: set[str],
+                      schema: FeatureSchema) -> tuple[float, ...] | None:
+    """The bucket prior's strengths a run chooses between by validation: when it chooses
+    its start (``accumulators``, from ``accumulator_choices``), the strength is not
+    given and the schema has bucketed numeric fields; otherwise None."""
+    if accumulators is None or BUCKET_L2_KEY in given \
+            or not any(f.kind == "numeric" for f in schema.sparse_fields):
+        return None
+    return SMALL_DATA_BUCKET_L2_CHOICES
 
 
 def sized_initial_accumulator(rows: int) -> float:

@@ -62,7 +62,7 @@ from terarec.distributed.lookup import ShardedWorkingSet
 from terarec.distributed.negatives import gather_positives
 from terarec.distributed.sharding import iter_rank_pass_inputs, iter_rank_passes
 from terarec.embedding.device import make_device_cache
-from terarec.embedding.optimizers import SparseOptimizer
+from terarec.embedding.optimizers import SparseOptimizer, slot_l2
 from terarec.embedding.protocol import EmbeddingStore
 from terarec.embedding.store import MemoryStore
 from terarec.embedding.tiered import TieredStore
@@ -192,6 +192,8 @@ class Trainer:
         self.device_cache = make_device_cache(config.device_budget, self.store, self.device)
         # The fused lookup's backward needs a graph input that requires grad.
         self._anchor = torch.zeros((), requires_grad=True, device=self.device)
+        # Per slot, the per-use L2 on bucketed numeric rows (``slot_l2``), or None.
+        self._bucket_l2 = self.sparse_optimizer.bucket_l2_slots(schema, self.device)
         mean = [f.pooling == "mean" for f in schema.sparse_fields]
         self.mean_fields = torch.tensor(mean, device=self.device) if any(mean) else None
         self.pass_id = 0
@@ -275,12 +277,12 @@ class Trainer:
         """The batch's mean loss: pointwise BCE, or the two-tower sampled softmax.
         ``keyed``: the batch before remapping; items are told apart by their keys, since
         every key without a row shares the zero row's local id."""
+        emb = slot_l2(ws.lookup(batch.sparse, self.mean_fields, self._anchor),
+                      self._bucket_l2, 1.0 / max(len(batch), 1))
         if self.config.loss == "sampled_softmax":
             model = cast(DSSM, self.model)
-            emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
             return model.sampled_softmax_loss(batch.dense, emb, batch.labels,
                                               model.item_ids(keyed.sparse).to(self.device))
-        emb = ws.lookup(batch.sparse, self.mean_fields, self._anchor)
         return self.dense_step(batch.dense, emb, batch.labels)
 
     def train_pass(self, p: Pass, progress: tqdm | None = None,
@@ -385,7 +387,10 @@ class Trainer:
             logits = self.ddp(dense, emb)
             return F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits),
                                                       reduction="sum") * 0.0, rows
-        emb = ws.lookup(step, batch.sparse, self.mean_fields, self._anchor)
+        # (the lookup's backward divides by the world size what the loss's scaling,
+        # ``world / rows``, does not reach here)
+        emb = slot_l2(ws.lookup(step, batch.sparse, self.mean_fields, self._anchor),
+                      self._bucket_l2, self.ctx.world / rows)
         if self.config.loss == "sampled_softmax":
             ids = cast(DSSM, self.model).item_ids(ws.keyed_batches[step].sparse).to(
                 self.device)
