@@ -201,3 +201,17 @@ def test_several_labels_get_a_curve_and_a_row_per_task(tmp_path: Path) -> None:
     # one label: no per-task figures or table
     single = write_report(tmp_path / "one", _history(3), {"auc": 0.7}).read_text()
     assert "tasks.png" not in single and "Per task" not in single
+
+
+def test_values_chosen_by_validation_get_a_table_of_every_value_tried(tmp_path: Path) -> None:
+    summary = {"auc": 0.7, "chosen_by_validation": [
+        {"key": "sparse_optimizer.initial_accumulator", "chosen": 0.001,
+         "validation": [{"value": 0.0, "best": 0.4467}, {"value": 0.001, "best": 0.4451}]},
+        {"key": "sparse_optimizer.bucket_l2", "chosen": 0.0,
+         "validation": [{"value": 0.0, "best": 0.4451}, {"value": 1.0, "best": 0.4488}]}]}
+    html = write_report(tmp_path / "run", _history(), summary).read_text()
+    section = html[html.index("Values chosen by validation"):]
+    for text in ("sparse_optimizer.initial_accumulator", "sparse_optimizer.bucket_l2",
+                 "0.4467", "0.4451", "0.4488"):
+        assert text in section, text
+    assert section.count(">yes<") == 2  # one value kept per setting

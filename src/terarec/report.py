@@ -452,6 +452,10 @@ def write_report(
                   if files else "")
     if tasks:
         files_html = _task_table(tasks, summary, history) + files_html
+    values = summary.get("chosen_by_validation")
+    if isinstance(values, list) and values:  # small data's start and bucket prior
+        summary = {k: v for k, v in summary.items() if k != "chosen_by_validation"}
+        files_html += _chosen_values_html(values)
     chosen = summary.get("chosen_settings")
     if isinstance(chosen, Mapping):  # the portfolio raced on the validation rows
         summary = {k: v for k, v in summary.items() if k != "chosen_settings"}
@@ -492,6 +496,18 @@ def _page(title: str, sub: str, body: str) -> str:
 </body>
 </html>
 """
+
+
+def _chosen_values_html(choices: Sequence[Mapping]) -> str:
+    """Each value small data chose by validation: every value tried, what its run
+    reached on the validation rows, which was kept."""
+    rows = [{"setting": c.get("key"), "value": v.get("value"), "best validation value":
+             v.get("best"), "kept": "yes" if v.get("value") == c.get("chosen") else ""}
+            for c in choices if isinstance(c, Mapping)
+            for v in c.get("validation") or [] if isinstance(v, Mapping)]
+    return ("<h2>Values chosen by validation</h2><p>One run per value on the training "
+            "rows, the better validation value kept.</p>" + _rows_table(rows)
+            if rows else "")
 
 
 def _chosen_html(chosen: Mapping) -> str:
