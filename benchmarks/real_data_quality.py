@@ -410,7 +410,9 @@ def terarec_default(sample: Sample, seed: int, work: Path) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     scored = model.evaluate(sample.test)
     refit = model.metrics.get("refit") or {}
+    chosen = {c["key"]: c["chosen"] for c in model.metrics.get("chosen_by_validation") or []}
     return {"auc": scored["auc"], "logloss": scored["logloss"], "seconds": seconds,
+            "chosen": chosen,
             "epochs": model.metrics.get("epochs_trained"),
             "trained_rows": sample.train_rows if refit else sample.rows["fit"]}
 
@@ -468,6 +470,7 @@ def evaluate_sample(sample: Sample, plan: Plan, work: Path) -> dict[str, Any]:
                "auc_mean": round(float(np.mean(aucs)), 4),
                "auc_spread": round(float(max(aucs) - min(aucs)), 4),
                "epochs": [r["epochs"] for r in runs],
+               "chosen": [r["chosen"] for r in runs],
                "trained_rows": runs[0]["trained_rows"],
                "seconds_mean": round(float(np.mean([r["seconds"] for r in runs])), 1)}
     linear_or_mlp = max(refs["lr"]["auc"], refs["mlp"]["auc"])

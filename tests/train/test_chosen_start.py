@@ -1,6 +1,7 @@
 """Adagrad's start on small data chosen by validation: both starts trained side by side,
 the one with the better validation value kept, and what each reached in metrics.json;
-then the bucket prior against its absence with the chosen start."""
+then the bucket prior against its absence with the chosen start; then, for the default
+model, its first-order part alone against it."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from terarec.data.synth import generate
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
     BUCKET_L2_KEY,
+    MODEL_KEY,
     SMALL_DATA_ACCUMULATOR_CHOICES,
     SMALL_DATA_BUCKET_L2_CHOICES,
+    SMALL_DATA_MODEL_CHOICES,
 )
 
 FLAGS = ["--no-progress", "--threads", "1", "--seed", "3", "--model", "lr"]
@@ -64,6 +67,34 @@ def test_the_start_with_the_better_validation_value_is_kept(files, tmp_path, cap
     assert [c["key"] for c in given["chosen_by_validation"]] == [ACCUMULATOR_KEY]
     config = json.loads((tmp_path / "given" / "train_config.json").read_text())
     assert config["sparse_optimizer"]["bucket_l2"] == 0.5
+
+
+def test_the_default_model_races_its_first_order_part(files, tmp_path, capsys) -> None:
+    """Given no model, the default's run with the chosen start and prior stands for it;
+    ``lr`` (its first-order part alone) trains beside it with the same values and the
+    better validation value is the model trained; anything of the model given keeps it."""
+    train, held_out = files
+    base = ["train", "--train", str(train), "--valid", str(held_out), "--patience", "1",
+            "--no-progress", "--threads", "1", "--seed", "3"]
+    assert main([*base, "--out", str(tmp_path / "m")]) == 0
+    metrics = json.loads((tmp_path / "m" / "metrics.json").read_text())
+    *_, prior, model = metrics["chosen_by_validation"]
+    assert prior["key"] == BUCKET_L2_KEY and model["key"] == MODEL_KEY
+    reached = {v["value"]: v["best"] for v in model["validation"]}
+    assert list(reached) == list(SMALL_DATA_MODEL_CHOICES)
+    assert reached["deepfm"] == min(v["best"] for v in prior["validation"])
+    assert reached["lr"] != reached["deepfm"]
+    assert model["chosen"] == min(reached, key=lambda v: reached[v])
+    assert metrics["best_value"] == pytest.approx(reached[model["chosen"]], rel=1e-9)
+    config = json.loads((tmp_path / "m" / "train_config.json").read_text())
+    assert config["model"]["name"] == model["chosen"]
+    assert f"{MODEL_KEY} chosen by validation logloss (deepfm: " in capsys.readouterr().err
+    # a width given is a DeepFM asked for (a name given is tested with --model lr above)
+    assert main([*base, "--out", str(tmp_path / "w"), "--embedding-dim", "8"]) == 0
+    chosen = json.loads((tmp_path / "w" / "metrics.json").read_text())["chosen_by_validation"]
+    assert MODEL_KEY not in [c["key"] for c in chosen]
+    assert json.loads((tmp_path / "w" / "train_config.json").read_text())["model"]["name"] \
+        == "deepfm"
 
 
 def test_no_choice_when_the_start_is_given_or_there_is_no_validation(files, tmp_path) -> None:

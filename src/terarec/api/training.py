@@ -50,12 +50,15 @@ from terarec.train.carve import (
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
     BUCKET_L2_KEY,
+    DENSE_LR_KEY,
+    MODEL_KEY,
     SMALL_DATA_ROWS,
     accumulator_choices,
     apply_sized_defaults,
     bucket_l2_choices,
     estimate_rows,
     max_epochs,
+    model_choices,
     refit_by_default,
 )
 from terarec.train.selection import DEFAULT_PATIENCE, SelectionTracker
@@ -622,13 +625,27 @@ def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | N
                 config.sparse_optimizer.bucket_l2 = prior.chosen
                 sized[BUCKET_L2_KEY] = prior.chosen
                 notes["chosen_by_validation"].append(prior.summary())
+                chosen = prior
+            models = model_choices(choices, job.given, config.model.name,
+                                   int(sized["estimated_rows"]))
+            if models is not None:  # the chosen run so far is the default model's
+                model = _choose(job, config, schema(), MODEL_KEY, tuple(models), inputs,
+                                valid, selection, ctx, known={
+                                    config.model.name: chosen.values[chosen.chosen]},
+                                also=models)
+                config.model.name = model.chosen
+                config.dense_optimizer.lr = models[model.chosen][DENSE_LR_KEY]
+                sized[MODEL_KEY] = model.chosen
+                sized[DENSE_LR_KEY] = config.dense_optimizer.lr
+                notes["chosen_by_validation"].append(model.summary())
         if selection is not None and _choosing(job, config):
             config, selection, chosen_settings = _choose_settings(
                 job, config, schema(), inputs, valid, selection, ctx)
             if chosen_settings:
                 notes["chosen_settings"] = chosen_settings
         if sized and ctx.is_main:
-            print("data-sized defaults: " + ", ".join(f"{k}={v:g}" for k, v in sized.items()),
+            print("data-sized defaults: " + ", ".join(f"{k}={_said(v)}"
+                                                      for k, v in sized.items()),
                   file=sys.stderr)
         metrics, stats = train_model(
             TrainRun(train=inputs, valid=valid, out=Path(job.out), resume=job.resume,
@@ -695,13 +712,19 @@ def _carve_validation(job: TrainJob, raw: FeatureSchema | None, ctx: DistContext
     return carved, carved.summary()
 
 
+def _said(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, int | float) else str(value)
+
+
 def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema, key: str,
-            choices: tuple[float, ...], inputs: list[Path | InputFile], valid: list[Path],
+            choices: tuple[Any, ...], inputs: list[Path | InputFile], valid: list[Path],
             selection: SelectionTracker, ctx: DistContext,
-            known: dict[float, float | None] | None = None) -> Any:
+            known: dict[Any, float | None] | None = None,
+            also: dict[Any, dict[str, Any]] | None = None) -> Any:
     """A value small data chooses by validation (Adagrad's start, ``accumulator_choices``;
-    the bucket prior, ``bucket_l2_choices``): one run per value not ``known`` side by side
-    in a scratch folder of the model directory, said on stderr."""
+    the bucket prior, ``bucket_l2_choices``; the model, ``model_choices``): one run per
+    value not ``known`` side by side in a scratch folder of the model directory, said on
+    stderr. ``also``: more config values a choice's run trains with."""
     from terarec.train.choose import choose_by_validation
     from terarec.train.passes import iter_file_batches
 
@@ -710,9 +733,10 @@ def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema, key: str,
     choice = choose_by_validation(schema, config, key, choices, inputs, batches,
                                   Path(job.out) / CHOOSING_DIR,
                                   select_by=selection.select_by,
-                                  patience=selection.patience, ctx=ctx, known=known)
+                                  patience=selection.patience, ctx=ctx, known=known,
+                                  also=also)
     if ctx.is_main:
-        said = ", ".join(f"{v:g}: {b:.5f}" if b is not None else f"{v:g}: none"
+        said = ", ".join(f"{_said(v)}: {b:.5f}" if b is not None else f"{_said(v)}: none"
                          for v, b in choice.values.items())
         print(f"{key} chosen by validation {selection.select_by} ({said})",
               file=sys.stderr)

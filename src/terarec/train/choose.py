@@ -94,10 +94,12 @@ def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
                          valid_batches: list[Batch], scratch: str | Path, *,
                          select_by: str = "logloss", patience: int | None = 2,
                          ctx: DistContext | None = None,
-                         known: Mapping[Any, float | None] | None = None) -> Choice:
+                         known: Mapping[Any, float | None] | None = None,
+                         also: Mapping[Any, Mapping[str, Any]] | None = None) -> Choice:
     """The value of ``key`` (a dotted config path) among ``choices`` whose run reaches
     the best validation value. ``known``: the values reached by runs already trained
-    with ``base`` as it is (a value of ``key`` in it is not trained again). A tiered
+    with ``base`` as it is (a value of ``key`` in it is not trained again); ``also``:
+    more dotted values a choice's run trains with (a model's own rate). A tiered
     store's files go to ``scratch``, which is removed after. Every rank calls this and
     trains its key shard of every run."""
     if not valid_batches:
@@ -105,7 +107,9 @@ def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
     ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
     known = known or {}
     trained = [value for value in choices if value not in known]
-    runs = race(schema, base, [{key: value} for value in trained], train_paths,
+    also = also or {}
+    runs = race(schema, base, [{key: value, **also.get(value, {})} for value in trained],
+                train_paths,
                 list(iter_scoring_passes(ctx, valid_batches, base.pass_rows)), scratch,
                 select_by=select_by, patience=[patience] * len(trained), ctx=ctx)
     reached_by = dict(known)

@@ -60,6 +60,13 @@ BUCKET_L2_KEY = "sparse_optimizer.bucket_l2"
 # rows' prior beside its absence and keeps it where the validation value is better
 # (``bucket_l2_choices``): the planted truths want it, the Criteo sample does not.
 SMALL_DATA_BUCKET_L2_CHOICES = (0.0, 1.0)
+MODEL_KEY = "model.name"
+DENSE_LR_KEY = "dense_optimizer.lr"
+# With a validation set, small data trained with the default model (nothing of the model
+# given) also trains the default's first-order part alone and keeps the one with the
+# better validation value (``model_choices``): below 100,000 rows the factors and the
+# deep part often fit noise sooner than the first-order weights converge.
+SMALL_DATA_MODEL_CHOICES = ("deepfm", "lr")
 # The epoch upper bound with a validation set: room for this many steps, within limits.
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
@@ -189,6 +196,19 @@ def bucket_l2_choices(accumulators: tuple[float, ...] | None, given: set[str],
             or not any(f.kind == "numeric" for f in schema.sparse_fields):
         return None
     return SMALL_DATA_BUCKET_L2_CHOICES
+
+
+def model_choices(accumulators: tuple[float, ...] | None, given: set[str], model: str,
+                  rows: int) -> dict[str, dict[str, float]] | None:
+    """The models a run chooses between by validation, each with the sized dense rate it
+    trains with (``rows`` training rows): when the run chooses its start
+    (``accumulators``), trains the default model and was given nothing of the model (its
+    name, width or layers); otherwise None."""
+    if accumulators is None or model != SMALL_DATA_MODEL_CHOICES[0] \
+            or any(k == "model" or k.startswith("model.") for k in given):
+        return None
+    return {m: {DENSE_LR_KEY: float(sized_defaults(rows, m)[DENSE_LR_KEY])}
+            for m in SMALL_DATA_MODEL_CHOICES}
 
 
 def sized_initial_accumulator(rows: int) -> float:
