@@ -138,3 +138,32 @@ def test_search_tries_both_starts_where_train_would_choose(files, tmp_path) -> N
     for extra in (["--sparse-initial-accumulator", "0.01"], ["--batch-size", "512"]):
         out = tmp_path / extra[0].strip("-")
         assert ACCUMULATOR_KEY not in _search(files, out, *extra, trials=1)["space"]
+
+
+def test_search_races_lr_beside_the_default_model_as_train_does(files, tmp_path) -> None:
+    """Given no model, the space holds ``lr`` beside DeepFM with a dense-rate range that
+    holds each one's own sized rate, and the first trials pair each start with both
+    models, ``lr`` at its own rate, as ``train``'s race does."""
+    from terarec.train.defaults import DENSE_LR_KEY, model_choices
+
+    train, held_out = files
+    assert main(["search", "--train", str(train), "--valid", str(held_out),
+                 "--out", str(tmp_path / "s"), "--trials", "2", "--sampler", "random",
+                 "--pruner", "none", "--patience", "1", "--no-refit", "--no-progress",
+                 "--threads", "1", "--seed", "3"]) == 0
+    search = json.loads((tmp_path / "s" / "search.json").read_text())
+    space = search["space"]
+    assert space[MODEL_KEY]["choices"] == list(SMALL_DATA_MODEL_CHOICES)
+    rates = model_choices(SMALL_DATA_ACCUMULATOR_CHOICES, set(), "deepfm",
+                          search["config"].get("estimated_rows", 1500))
+    assert rates is not None
+    for rate in (r[DENSE_LR_KEY] for r in rates.values()):
+        assert space[DENSE_LR_KEY]["low"] < rate < space[DENSE_LR_KEY]["high"]
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    first = sorted(results["trials"], key=lambda t: t["trial"])
+    assert [t[f"params.{MODEL_KEY}"] for t in first] == ["deepfm", "lr"]
+    assert first[0][f"params.{ACCUMULATOR_KEY}"] == first[1][f"params.{ACCUMULATOR_KEY}"]
+    assert first[1][f"params.{DENSE_LR_KEY}"] == pytest.approx(
+        search["config"]["dense_optimizer"]["lr"] * 8)  # DeepFM's is an eighth of lr's
+    assert all(t["state"] == "complete" and t["value"] is not None for t in first)
+    assert first[0]["value"] != first[1]["value"]  # two models trained, not one twice

@@ -175,14 +175,23 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
     from terarec.train.defaults import (
         ACCUMULATOR_KEY,
         BUCKET_L2_KEY,
+        DENSE_LR_KEY,
+        MODEL_KEY,
         accumulator_choices,
         apply_sized_defaults,
         bucket_l2_choices,
         estimate_rows,
+        model_choices,
     )
     from terarec.train.search.config import SearchConfig
     from terarec.train.search.samplers import first_rung
-    from terarec.train.search.space import base_params, check_space, default_space, load_space
+    from terarec.train.search.space import (
+        LR_SPAN,
+        base_params,
+        check_space,
+        default_space,
+        load_space,
+    )
 
     run = job.run
     config, sized = apply_sized_defaults(run.config, train, run.given)
@@ -195,25 +204,36 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
     elif job.space is not None:
         space = check_space(dict(job.space), config, "space")
     else:
-        # Where ``train`` would choose Adagrad's start (and the bucket prior) by
+        # Where ``train`` would choose Adagrad's start, the bucket prior and the model by
         # validation, so do the trials; the first trials are what ``train`` runs (each
-        # start, with and without the prior), so the search answers at least what
-        # ``train`` would on the validation rows.
+        # start, with and without the prior, each with DeepFM and then ``lr`` at its own
+        # dense rate), so the search answers at least what ``train`` would on the
+        # validation rows when it has trials enough.
         space = default_space(config.model.name, config)
         starts = accumulator_choices(sized)  # set only for adagrad
         # (whether the numeric fields get buckets is the training rows' to say)
         strengths = bucket_l2_choices(starts, run.given, run.data.train_schema(train)) \
             if starts is not None and run.data.schema().numeric else None
+        models = model_choices(starts, run.given, config.model.name,
+                               int(sized.get("estimated_rows", 0)))
         chosen = {ACCUMULATOR_KEY: starts, BUCKET_L2_KEY: strengths}
         for key, values in chosen.items():
             if values is not None:
                 space[key] = {"type": "categorical", "choices": list(values)}
+        if models is not None:
+            space[MODEL_KEY] = {"type": "categorical", "choices": list(models)}
+            rates = [rate for values in models.values() for rate in values.values()]
+            dense = space[DENSE_LR_KEY]  # every model's own rate inside the range
+            dense.update(low=min(rates) / LR_SPAN, high=max(rates) * LR_SPAN)
         own = base_params(space, config)
         if own is not None:
             fixed = [own]
             for key, values in chosen.items():
                 if values is not None:
                     fixed = [{**params, key: v} for v in values for params in fixed]
+            if models is not None:
+                fixed = [{**params, MODEL_KEY: m, **models[m]}
+                         for params in fixed for m in models]
             fixed = fixed[:job.trials]
     rung = job.prune_after if job.prune_after is not None \
         else first_rung(estimate_rows(train), config)
