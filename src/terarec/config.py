@@ -192,7 +192,8 @@ class ModelConfig:
     __pydantic_config__ = STRICT
 
     name: ModelName = knob("deepfm", "--model", ", ".join(MODEL_NAMES) + ", or a CTRModel "
-                           "subclass of your own as package.module:ClassName",
+                           "subclass of your own as package.module:ClassName (not given: "
+                           "deepfm, or lr where small data's validation rows prefer it)",
                            dest="model_name")
     embedding_dim: Positive = knob(16, "--embedding-dim")
     bottom_mlp: tuple[Positive, ...] = (64, 16)
