@@ -14,7 +14,7 @@ from terarec.data.synth import generate
 pytestmark = pytest.mark.dist
 
 ARGS = ["--model", "lr", "--batch-size", "200", "--epochs", "3", "--patience", "1",
-        "--threads", "1", "--no-progress", "--seed", "4"]
+        "--threads", "1", "--no-progress", "--seed", "4", "--autocast", "off"]
 
 
 def test_two_ranks_carve_the_rows_one_process_carves(tmp_path) -> None:

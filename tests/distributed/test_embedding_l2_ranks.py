@@ -26,6 +26,7 @@ BATCH = 64
 
 def _config(l2: float, knob: str) -> TrainConfig:
     return TrainConfig(batch_size=BATCH, pass_rows=4 * BATCH, threads=1, seed=5,
+                       autocast="off",  # fp32: parity to float rounding (bf16 drifts)
                        model=ModelConfig(name="deepfm", embedding_dim=4),
                        sparse_optimizer=SparseOptimizerConfig(
                            name="adagrad", lr=0.2, **{"bucket_l2": 0.0, knob: l2}))

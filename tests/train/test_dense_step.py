@@ -96,7 +96,7 @@ def test_failed_compilation_falls_back_to_eager_with_one_line(monkeypatch, caplo
     monkeypatch.setattr(torch, "compile", lambda fn, **k: broken)
     model, dense, emb, y = _tiny()
     step = DenseStep(_fwd(model), F.binary_cross_entropy_with_logits, CPU, compile="on",
-                     batch_size=64)
+                     autocast="off", batch_size=64)  # fp32, the eager step compared with
     with caplog.at_level(logging.WARNING, logger="terarec.train.dense_step"):
         losses = [step(dense, emb, y) for _ in range(3)]
     assert [r.message for r in caplog.records if "failed" in r.message] == [
@@ -177,3 +177,14 @@ def test_compiled_run_matches_eager_and_its_checkpoint_loads_eagerly(data, tmp_p
     loaded = Trainer.from_checkpoint(tmp_path / "m", _trainer(compile="off").config)
     assert not loaded.dense_step.compiled
     assert abs(loaded.predict_batches(batches) - p_comp).max() < 1e-6
+
+
+def test_the_ranked_step_shares_the_one_process_steps_autocast() -> None:
+    """The ranked step runs its model through DDP, outside ``DenseStep.eager``: it takes
+    the same context, so N ranks run the precision one process runs."""
+    a, b = torch.randn(4, 8), torch.randn(8, 2)
+    for mode, dtype in (("bf16", torch.bfloat16), ("off", torch.float32)):
+        step = DenseStep(lambda d, e: d, F.binary_cross_entropy_with_logits, CPU,
+                         autocast=mode)
+        with step.autocast():
+            assert (a @ b).dtype is dtype

@@ -27,7 +27,8 @@ from ranks import run_ranks  # noqa: E402
 
 COMMON = ["--threads", "1", "--no-progress", "--embedding-dim", "4", "--seed", "3",
           "--batch-size", "256", "--pass-rows", "1024",
-          "--valid-split", "0"]  # every row every epoch: the step order is the point
+          "--valid-split", "0",  # every row every epoch: the step order is the point
+          "--autocast", "off"]
 
 
 def _info(epoch: int, rows: int) -> PassInput:
@@ -99,7 +100,8 @@ def test_shuffle_reorders_steps_not_rows_and_resumes_exactly(data, tmp_path) -> 
 
 def _config(shuffle: bool) -> TrainConfig:
     return TrainConfig(batch_size=128, pass_rows=1024, epochs=2, threads=1, seed=5,
-                       shuffle=shuffle, model=ModelConfig(name="deepfm", embedding_dim=4))
+                       shuffle=shuffle, autocast="off",
+                       model=ModelConfig(name="deepfm", embedding_dim=4))
 
 
 def _fit(ctx: DistContext | None, path: str, shuffle: bool = True) -> dict:

@@ -30,6 +30,7 @@ names, its ``state_dict`` and so its checkpoints are the same with either switch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import get_args
@@ -111,12 +112,19 @@ class DenseStep:
         """Whether full batches now run through the compiled function."""
         return self._compiled is not None
 
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        """The forward's autocast context (none for fp32): the ranked step, which runs
+        its model through DDP, uses it too, so N ranks compute what one process does."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
     def eager(self, dense: torch.Tensor, emb: torch.Tensor,
               labels: torch.Tensor) -> torch.Tensor:
         """The step's loss without compilation (autocast as configured)."""
         if self.dtype is None:
             return self.loss(self.forward(dense, emb), labels)
-        with torch.autocast(self.device.type, dtype=self.dtype):
+        with self.autocast():
             logits = self.forward(dense, emb)
         return self.loss(logits.float(), labels)  # the loss in fp32 (its log and mean)
 

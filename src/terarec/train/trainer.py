@@ -384,7 +384,8 @@ class Trainer:
                                                                   device=self.device),
                                           torch.zeros(0, dtype=torch.int64,
                                                       device=self.device))
-            logits = self.ddp(dense, emb)
+            with self.dense_step.autocast():
+                logits = self.ddp(dense, emb).float()
             return F.binary_cross_entropy_with_logits(logits, torch.zeros_like(logits),
                                                       reduction="sum") * 0.0, rows
         # (the lookup's backward divides by the world size what the loss's scaling,
@@ -396,8 +397,9 @@ class Trainer:
                 self.device)
             pos = torch.nonzero(batch.labels > 0.5).squeeze(1)
             return self._rank_softmax(batch.dense, emb, ids, pos)
-        logits = self.ddp(batch.dense, emb)
-        return self._bce(logits, batch.labels, reduction="sum"), rows
+        with self.dense_step.autocast():  # the one-process step's precision
+            logits = self.ddp(batch.dense, emb)
+        return self._bce(logits.float(), batch.labels, reduction="sum"), rows
 
     def _rank_softmax(self, dense: torch.Tensor, emb: torch.Tensor, ids: torch.Tensor,
                       pos: torch.Tensor) -> tuple[torch.Tensor, int]:
