@@ -145,6 +145,30 @@ def test_results_report_and_best_directory(files, searched, tmp_path):
     assert list((tmp_path / "exp").glob("v*/manifest.json"))
 
 
+def test_unpruned_fixed_trials_train_to_their_own_stop(files, tmp_path):
+    """The first ``unpruned`` fixed trials (``train``'s own runs in a default search) are
+    never pruned: the same trials that halving prunes otherwise train on."""
+    train, valid = files
+    schema = with_numeric_stats(FeatureSchema.criteo(), [train])
+    config = TrainConfig()
+    config.batch_size, config.pass_rows, config.threads, config.seed = 500, 2000, 1, 4
+    config.epochs = 1
+    batches = list(iter_file_batches([valid], schema, 500))
+    space = {"sparse_optimizer.lr": {"type": "float", "low": 0.001, "high": 0.5, "log": True}}
+    lrs = [{"sparse_optimizer.lr": v} for v in (0.5, 0.001, 0.2, 0.002)]
+
+    def states(unpruned: int, out: str) -> list[str]:
+        settings = SearchConfig(base=config, trials=4, sampler="random", pruner="halving",
+                                patience=None, space=space, fixed=lrs, unpruned=unpruned)
+        result = run_search(settings, schema, [train], batches, tmp_path / out)
+        return [t.state for t in sorted(result.trials, key=lambda t: t.number)]
+
+    assert "pruned" in states(0, "halved")
+    assert states(4, "kept") == ["complete"] * 4
+    with pytest.raises(ValueError, match="unpruned 5"):
+        SearchConfig(base=config, trials=4, space=space, fixed=lrs, unpruned=5)
+
+
 def test_pruned_trials_rows_are_freed_and_budget_resplit(files, tmp_path):
     train, valid = files
     # ``train`` standardises numerics with statistics of the training rows: so do the trials.

@@ -242,6 +242,7 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
                         pruner=job.pruner,  # type: ignore[arg-type]
                         first_rung=rung, select_by=run.select_by,  # type: ignore[arg-type]
                         patience=run.patience, seed=config.seed, fixed=tuple(fixed),
+                        unpruned=len(fixed),  # train's own runs, never pruned
                         checkpoint_every=run.checkpoint_every, resume=run.resume,
                         progress=run.progress)
 

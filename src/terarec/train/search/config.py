@@ -35,7 +35,9 @@ class SearchConfig:
     ``space`` maps dotted ``TrainConfig`` paths to specs (``space.check_space``); None
     is the default space for ``base``'s model (``space.default_space``). ``fixed``:
     values tried first, in order (e.g. ``base``'s own, so that the search answers at
-    least what ``train`` would). ``first_rung``: the pass at which the pruner first
+    least what ``train`` would); the first ``unpruned`` of them train to their own stop,
+    never pruned (``train``'s own runs: a slow starter, such as a regularised or linear
+    one, is what ``train`` would keep). ``first_rung``: the pass at which the pruner first
     compares trials. ``seed`` seeds the sampler; the trials train from ``base.seed``.
     """
 
@@ -50,6 +52,7 @@ class SearchConfig:
     patience: int | None = 2  # evaluations without improvement; None: never stop
     seed: int = 0
     fixed: Sequence[Mapping[str, Any]] = ()  # kept as a tuple of dicts
+    unpruned: int = 0  # the first this many fixed trials are never pruned
     checkpoint_every: int = 1  # passes between a live trial's commits
     resume: bool = False  # continue the search already in the output directory
     progress: bool = False  # a progress bar on stderr
@@ -92,6 +95,9 @@ class SearchConfig:
                 raise ValueError(f"fixed[{i}]: expected a mapping of config paths to "
                                  f"values, got {values!r}")
         object.__setattr__(self, "fixed", tuple(dict(v) for v in fixed))
+        if not _count(self.unpruned) or not 0 <= self.unpruned <= len(fixed):
+            raise ValueError(f"unpruned {self.unpruned!r}: must be an integer from 0 to "
+                             f"the {len(fixed)} fixed trials")
 
     @property
     def search_space(self) -> Space:

@@ -325,6 +325,7 @@ class _Search:
             # rank 0 asks the pruner; every rank stops the same trials
             prune = ctx.broadcast_object(
                 {t.number for t in trials if t.run is not None and t.run.live
+                 and t.number >= self.config.unpruned  # train's own runs go on
                  and isinstance(t.optuna_trial, optuna.trial.Trial)
                  and t.optuna_trial.should_prune()} if study is not None else None)
             for t in trials:
