@@ -60,3 +60,29 @@ def test_follow_logs_each_landed_file_and_each_exported_version(tmp_path):
     assert len(exported) == len(versions) == 2, text
     assert "exported full version v000001" in exported[0]
     assert "exported delta version v000002" in exported[1]
+
+
+def test_the_banner_and_the_last_line_say_the_epoch_bound_and_the_epochs_trained(
+        tmp_path, capsys):
+    """With validation rows the epoch count is an upper bound under patience: the
+    data-sized defaults line says the bound the run trains under (not the count sized
+    for a run without validation), and the last line the epochs trained, as
+    metrics.json records them."""
+    import json
+
+    from terarec.cli.main import main as cli_main
+
+    train, valid = tmp_path / "train.tsv", tmp_path / "valid.tsv"
+    generate(train, 2000, model_seed=0, sample_seed=1, vocab_scale=0.01)
+    generate(valid, 500, model_seed=0, sample_seed=2, vocab_scale=0.01)
+    assert cli_main(["train", "--train", str(train), "--valid", str(valid), "--out",
+                     str(tmp_path / "m"), "--model", "lr", "--threads", "1",
+                     "--no-refit"]) == 0
+    out, err = capsys.readouterr()
+    metrics = json.loads((tmp_path / "m" / "metrics.json").read_text())
+    banner = next(line for line in err.splitlines() if "data-sized defaults" in line)
+    assert f"epochs={metrics['epochs_limit']} at most (patience 2)" in banner
+    assert metrics["epochs_limit"] > 2  # room for patience to stop first
+    last = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert last["epochs_trained"] == metrics["epochs_trained"] >= 1
+    assert last["epochs_limit"] == metrics["epochs_limit"]

@@ -602,6 +602,8 @@ def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | N
             sized = {}  # the run's own values hold where nothing was given
         read = dataclasses.replace(job, train=train, valid=valid)
         selection = selection_for(job, config)  # the epoch bound, before choosing
+        if selection is not None and "epochs" in sized:  # sized, then raised to the bound
+            sized["epochs"] = config.epochs
         # Joined copies are named in checkpoints by the raw files, so resume reads on.
         inputs: list[Path | InputFile] = [*keyed_copies(job.train, train)] \
             if features and features.tables.tables else [*train]
@@ -644,8 +646,10 @@ def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | N
             if chosen_settings:
                 notes["chosen_settings"] = chosen_settings
         if sized and ctx.is_main:
-            print("data-sized defaults: " + ", ".join(f"{k}={_said(v)}"
-                                                      for k, v in sized.items()),
+            said = {k: _said(v) for k, v in sized.items()}
+            if selection is not None and "epochs" in said:  # patience stops first
+                said["epochs"] = f"{said['epochs']} at most (patience {selection.patience})"
+            print("data-sized defaults: " + ", ".join(f"{k}={v}" for k, v in said.items()),
                   file=sys.stderr)
         metrics, stats = train_model(
             TrainRun(train=inputs, valid=valid, out=Path(job.out), resume=job.resume,

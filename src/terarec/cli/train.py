@@ -173,9 +173,9 @@ def run(args: argparse.Namespace, on_commit: Callable[[Trainer], None] | None = 
                                       "passes", "stop_reason")
             print(finite_json({k: metrics.get(k) for k in shown}))
         else:
-            shown = ("auc", "logloss", *tasks, "rows", "samples_per_s") + (
-                ("world_size",) if outcome.world > 1 else ())
-            print(finite_json({k: metrics[k] for k in shown}))
+            shown = ("auc", "logloss", *tasks, "rows", "samples_per_s", "epochs_trained",
+                     "epochs_limit") + (("world_size",) if outcome.world > 1 else ())
+            print(finite_json({k: metrics[k] for k in shown if k in metrics}))
         print(f"model written to {args.out}; report: {args.out / 'report' / 'report.html'}")
     if args.follow is not None and outcome.world > 1:
         # A rank's read-ahead thread may still wait in a collective of its own group for
