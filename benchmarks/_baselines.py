@@ -4,7 +4,9 @@ All three train the same DLRM dense network on the same in-memory batches and di
 only in where the embedding rows come from:
 
     dense_only   a constant zero ``[B, 26, 16]`` tensor: no lookups, no sparse optimizer.
-                 The upper bound any embedding path can approach.
+                 The upper bound any embedding path can approach. With
+                 ``embedding_grad`` backward also computes the gradient that reaches
+                 the embeddings (what every embedding path needs) and discards it.
     pytorch      one ``nn.EmbeddingBag(1M, 16, sparse=True)`` per field, ``key % 1M``,
                  sparse gradients, ``torch.optim.Adagrad`` on the tables.
     torchrec     TorchRec's ``FusedEmbeddingBagCollection`` (FBGEMM's table-batched
@@ -155,15 +157,17 @@ def _uniform_bound(rows: int) -> float:
 
 
 def make_dense_only_step(batch_size: int = BATCH_SIZE, device: str | torch.device = "cpu",
-                         seed: int = 0, compile: str = "off",
-                         autocast: str = "off") -> tuple[StepFn, DLRMDense]:
+                         seed: int = 0, compile: str = "off", autocast: str = "off",
+                         embedding_grad: bool = False) -> tuple[StepFn, DLRMDense]:
     """A step of the network fed a constant zero embedding tensor; ``compile`` and
     ``autocast`` are terarec's dense-step switches (``train.dense_step``), so the bound
-    can be measured with the dense settings terarec's run used."""
+    can be measured with the dense settings terarec's run used. ``embedding_grad``:
+    backward computes the embeddings' gradient too (discarded)."""
     torch.manual_seed(seed)
     model = DLRMDense().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=DENSE_LR)
-    zeros = torch.zeros(batch_size, NUM_FIELDS, EMB_DIM, device=device)
+    zeros = torch.zeros(batch_size, NUM_FIELDS, EMB_DIM, device=device,
+                        requires_grad=embedding_grad)
     dense_step = DenseStep(model, nn.BCEWithLogitsLoss(), torch.device(device),
                            compile=compile, autocast=autocast, batch_size=batch_size)
 
@@ -172,6 +176,7 @@ def make_dense_only_step(batch_size: int = BATCH_SIZE, device: str | torch.devic
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        zeros.grad = None
         return loss.detach()
 
     return step, model
@@ -278,11 +283,13 @@ def make_torchrec_step(table_rows: int = TABLE_ROWS, device: str | torch.device 
 def dense_only_sps(dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, *,
                    steps: int = 50, warmup: int = 5, batch_size: int = BATCH_SIZE,
                    device: str | torch.device = "cpu", compile: str = "off",
-                   autocast: str = "off") -> float:
+                   autocast: str = "off", embedding_grad: bool = False) -> float:
     """Samples/s of the network alone (zero embeddings): the upper bound, eager fp32 by
-    default, else with terarec's dense-step switches (``compile``, ``autocast``)."""
+    default, else with terarec's dense-step switches (``compile``, ``autocast``);
+    ``embedding_grad``: with the gradient every embedding path needs."""
     batches = make_batches(dense, ids, labels, batch_size, device)
-    step, _ = make_dense_only_step(batch_size, device, compile=compile, autocast=autocast)
+    step, _ = make_dense_only_step(batch_size, device, compile=compile, autocast=autocast,
+                                   embedding_grad=embedding_grad)
     return time_steps(step, batches, warmup, steps)
 
 

@@ -5,7 +5,10 @@ terarec's figure is wall time over whole passes: finding each pass's unique keys
 read-ahead thread, as in ``terarec train``), pulling their rows from an unbounded
 collisionless store (new keys created on the way), remapping samples to local rows,
 training, and writing rows back. The baselines use
-fixed tables of 1M rows per field (``key % 1M``: collisions allowed).
+fixed tables of 1M rows per field (``key % 1M``: collisions allowed). The dense-only
+bound is measured eager fp32 (``dense_only_sps``), with the dense settings terarec's run
+used (``dense_only_same_sps``), and with those settings plus the gradient that reaches
+the embeddings, which any embedding path computes (``dense_only_same_grad_sps``).
 
 Prints one JSON line. Usage: ``python benchmarks/train_throughput.py [--rows N]``.
 """
@@ -115,7 +118,8 @@ def main() -> None:
     dense, ids, labels = synthetic_inputs(args.rows, seed=0)
     common = dict(steps=args.steps, warmup=5, batch_size=args.batch_size)
     runs: dict[str, list[float]] = {"terarec": [], "pytorch": [], "dense_only": [],
-                                    "dense_only_same": [], "torchrec": []}
+                                    "dense_only_same": [], "dense_only_same_grad": [],
+                                    "torchrec": []}
     shares = []
     load_start = os.getloadavg()
     for _ in range(args.repeats):  # interleaved so machine noise hits all alike
@@ -134,6 +138,10 @@ def main() -> None:
                 baselines.dense_only_sps(dense, ids, labels, **common, **settings))
         else:  # the same settings as the eager fp32 bound: the same figure
             runs["dense_only_same"].append(runs["dense_only"][-1])
+        # ... and with the gradient that every embedding path hands to its rows
+        runs["dense_only_same_grad"].append(
+            baselines.dense_only_sps(dense, ids, labels, **common, **settings,
+                                     embedding_grad=True))
         tr = baselines.torchrec_sps(dense, ids, labels, **common)
         if tr is not None:
             runs["torchrec"].append(tr)
@@ -151,10 +159,12 @@ def main() -> None:
         "pytorch_sps": round(med["pytorch"]),
         "dense_only_sps": round(med["dense_only"]),
         "dense_only_same_sps": round(med["dense_only_same"]),
+        "dense_only_same_grad_sps": round(med["dense_only_same_grad"]),
         "torchrec_sps": round(med["torchrec"]) if med["torchrec"] else None,
         "ratio_vs_pytorch": ratio(med["pytorch"]),
         "ratio_vs_dense_only": ratio(med["dense_only"]),
         "ratio_vs_dense_only_same": ratio(med["dense_only_same"]),
+        "ratio_vs_dense_only_same_grad": ratio(med["dense_only_same_grad"]),
         "ratio_vs_torchrec": ratio(med["torchrec"]),
         "dense_settings": {"compile_switch": args.compile, "autocast_switch": args.autocast,
                            **settings, "cpu_capability": torch.backends.cpu.get_cpu_capability()},

@@ -175,3 +175,28 @@ def test_torchrec_sps_is_none_without_torchrec(monkeypatch: pytest.MonkeyPatch) 
     dense, ids, labels = _planted(by_key=True)
     assert baselines.torchrec_sps(dense, ids, labels, steps=1, warmup=0,
                                   batch_size=BATCH, table_rows=TABLE_ROWS) is None
+
+
+def test_the_dense_only_bound_with_the_embeddings_gradient_computes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``embedding_grad``: backward computes the gradient of the zero embeddings the
+    network is fed (the plain bound skips it), and the network trains as it does."""
+    from terarec.train.dense_step import DenseStep
+
+    grads: list[torch.Size] = []
+    call = DenseStep.__call__
+
+    def watched(self, dense, emb, labels):
+        if emb.requires_grad:
+            emb.register_hook(lambda g: grads.append(g.shape))
+        return call(self, dense, emb, labels)
+
+    monkeypatch.setattr(DenseStep, "__call__", watched)
+    dense, ids, labels = _planted(by_key=False)
+    batch = baselines.make_batches(dense, ids, labels, BATCH)[0]
+    plain, _ = baselines.make_dense_only_step(BATCH)
+    with_grad, model = baselines.make_dense_only_step(BATCH, embedding_grad=True)
+    assert torch.equal(plain(batch), with_grad(batch))  # same seed, same first loss
+    assert grads == [torch.Size([BATCH, baselines.NUM_FIELDS, baselines.EMB_DIM])]
+    with_grad(batch)
+    assert len(grads) == 2 and all(p.grad is not None for p in model.parameters())
