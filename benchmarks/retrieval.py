@@ -187,12 +187,12 @@ def ann_curve(vectors: np.ndarray, queries: np.ndarray, kind: str, settings: lis
 
     options = IndexOptions(kind=kind)
     t = time.perf_counter()
-    index = index_vectors(vectors, options)
+    index, reps = index_vectors(vectors, options)
     out: dict = {f"{kind}_build_s": round(time.perf_counter() - t, 2),
                  f"{kind}_bytes": int(faiss.serialize_index(index).nbytes)}
     if kind == "ivfpq":  # refine re-scores candidates with the exact vectors, kept beside it
         out["ivfpq_refine_vectors_bytes"] = int(vectors.nbytes)
-    searcher = item_index(index, vectors, options)
+    searcher = item_index(index, vectors, options, reps)
     curve = []
     for setting in settings:
         if kind == "hnsw":
