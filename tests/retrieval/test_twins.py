@@ -50,7 +50,9 @@ def test_a_graph_holds_each_vector_once_and_answers_every_twin():
     distinct = len(np.unique(vectors, axis=0))
     assert index.ntotal == distinct == 100 + 3000
     assert np.array_equal(vectors[reps], vectors)  # each item's graph id has its vector
-    found, scores = item_index(index, vectors, options, reps).search(queries, K)
+    searcher = item_index(index, vectors, options, reps)
+    assert searcher._params is None  # twins never added are not vectors to filter out
+    found, scores = searcher.search(queries, K)
     assert found.shape == (50, K) and (found >= 0).all()
     assert all(len(set(row)) == K for row in found)  # every item once
     assert np.allclose(scores, np.einsum("qkd,qd->qk", vectors[found], queries), atol=1e-5)

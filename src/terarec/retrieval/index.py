@@ -211,7 +211,8 @@ class ItemIndex:
                                                       return_index=True)
             self._starts = np.append(self._starts, len(self.reps))
             # a graph keeps vectors no item has any more: skip them
-            dead = np.setdiff1d(np.arange(total), self._graph_ids)
+            held = faiss.vector_to_array(index.id_map)  # type: ignore[attr-defined]
+            dead = np.setdiff1d(held, self._graph_ids)
             if len(dead):
                 self._selector = faiss.IDSelectorNot(faiss.IDSelectorBatch(dead))
                 self._params = faiss.SearchParametersHNSW(  # type: ignore[attr-defined]
