@@ -98,7 +98,7 @@ def test_slices_hold_only_their_fields_and_layers(trained):
 def test_index_recall_and_retrieve_route(trained):
     tmp, log, model = trained
     index = load_index(tmp / "idx")
-    assert len(index) == ITEMS and index.meta["kind"] == "hnsw"
+    assert len(index) == ITEMS and index.meta["kind"] == "ivfpq"  # the default
     queries = np.random.default_rng(0).standard_normal((20, index.dim)).astype(np.float32)
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
     ann, _ = index.search(queries, 50)
@@ -276,9 +276,9 @@ def test_slice_errors_name_the_problem(trained, tmp_path):
 
 
 INDEX_ERRORS = [
-    (["--nlist", "8"], "--nlist applies only with --kind ivfpq (got --kind hnsw)"),
-    (["--kind", "ivfpq", "--ef-search", "64"],
-     "--ef-search applies only with --kind hnsw (got --kind ivfpq)"),
+    (["--kind", "hnsw", "--nlist", "8"],
+     "--nlist applies only with --kind ivfpq (got --kind hnsw)"),
+    (["--ef-search", "64"], "--ef-search applies only with --kind hnsw (got --kind ivfpq)"),
     (["--kind", "ivfpq", "--pq-m", "0"], "--pq-m must be >= 1, got 0"),
     (["--kind", "ivfpq", "--nlist", "-3"], "--nlist must be >= 1, got -3"),
     (["--kind", "ivfpq", "--nlist", "100000"],

@@ -20,8 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, type=Path, help="index folder")
     p.add_argument("--id-field", help="the catalog column /retrieve returns as the item id "
                    "(default: the first item field)")
-    p.add_argument("--kind", choices=["hnsw", "ivfpq"], default="hnsw",
-                   help="hnsw (graph, default) or ivfpq (compressed codes)")
+    p.add_argument("--kind", choices=["hnsw", "ivfpq"], default="ivfpq",  # IndexOptions.kind
+                   help="ivfpq (clusters and compressed codes, default) or hnsw (graph)")
     p.add_argument("--rebuild", action="store_true",
                    help="build afresh even when the index can follow the export's deltas")
     p.add_argument("--batch-rows", type=int, default=8192, help="items embedded at a time")
