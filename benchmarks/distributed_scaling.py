@@ -58,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from terarec.config import DenseCommConfig
 from terarec.loopback import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +133,7 @@ def _shared_flags(args: argparse.Namespace) -> list[str]:
     return ["--batch-size", str(args.batch_size), "--pass-rows", str(args.pass_rows),
             "--model", args.model, "--dgc-ratio", str(args.dgc_ratio),
             "--dgc-momentum", str(args.dgc_momentum),
-            "--dgc-warmup-steps", str(args.dgc_warmup_steps)]
+            "--dgc-warmup-steps", str(args.dgc_warmup_steps), "--autocast", args.autocast]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -149,7 +150,8 @@ def worker(args: argparse.Namespace) -> None:
 
     schema = FeatureSchema.criteo()
     config = TrainConfig(batch_size=args.batch_size, pass_rows=args.pass_rows, threads=1,
-                         seed=0, model=ModelConfig(name=args.model))
+                         seed=0, model=ModelConfig(name=args.model),
+                         autocast=args.autocast)
     train_file = args.workdir / "train.txt"
     valid = list(iter_file_batches([args.workdir / "valid.txt"], schema, args.batch_size))
     if launched_by_torchrun():
@@ -265,9 +267,12 @@ def main() -> None:
                    help="comma-separated global batches whose scaling pair is also measured")
     p.add_argument("--pass-rows", type=int, default=200_000)
     p.add_argument("--model", default="deepfm")
-    p.add_argument("--dgc-ratio", type=float, default=0.001)
-    p.add_argument("--dgc-momentum", type=float, default=0.9)
-    p.add_argument("--dgc-warmup-steps", type=int, default=50)
+    dgc = DenseCommConfig()  # the library's DGC defaults, as `train --dense-comm dgc` runs
+    p.add_argument("--dgc-ratio", type=float, default=dgc.dgc_ratio)
+    p.add_argument("--dgc-momentum", type=float, default=dgc.dgc_momentum)
+    p.add_argument("--dgc-warmup-steps", type=int, default=dgc.dgc_warmup_steps)
+    p.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
+                   help="the training loops' dense-step switch (train.dense_step)")
     p.add_argument("--repeats", type=int, default=3,
                    help="training-loop runs per side of each scaling pair; the best counts")
     p.add_argument("--cli-repeats", type=int, default=1,
@@ -351,7 +356,7 @@ def dense_comm_figures(args: argparse.Namespace, two: dict[str, dict]) -> dict:
         "bytes_per_step": {c: round(b, 1) for c, b in dense.items()},
         "sparse_bytes_per_step": round(two["none"]["sparse_bytes_per_step"], 1),
         "dgc_ratio": args.dgc_ratio, "dgc_momentum": args.dgc_momentum,
-        "dgc_warmup_steps": args.dgc_warmup_steps,
+        "dgc_warmup_steps": args.dgc_warmup_steps, "autocast": args.autocast,
         "dgc_compression": round(dense["none"] / dense["dgc"], 1),
         "auc_none": round(two["none"]["auc"], 5),
         "auc_fp16": round(two["fp16"]["auc"], 5),
