@@ -21,9 +21,9 @@ filtered out of an HNSW graph, which cannot remove); anything else is a full reb
 
 An HNSW graph holds each distinct vector once: items with the same vector (a trained
 item tower gives every item it never saw its topic's or its defaults' vector, hundreds of
-items alike) made cliques of exact twins that the graph search could not leave, and
-recall@100 on a trained tower fell to 0.28. A search finds distinct vectors and answers
-every item that has one, all with its score.
+items alike) made cliques of exact twins that the graph search could not leave
+(docs/retrieval.md). A search finds distinct vectors and answers every item that has
+one, all with its score.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class IndexFolderError(ValueError):
 
 @dataclass(frozen=True)
 class IndexOptions:
-    # ivfpq: on a trained item tower's vectors it finds 0.985 of the top 100 at nprobe 16
-    # and refine 16, where a graph needs efSearch 2048 for 0.96 (docs/retrieval.md)
+    # ivfpq: on a trained item tower's vectors, whose top scores crowd together, it
+    # finds far more of the top 100 than a graph at the same speed (docs/retrieval.md)
     kind: str = "ivfpq"
     hnsw_m: int = 32
     ef_construction: int = 80
