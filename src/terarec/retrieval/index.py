@@ -254,21 +254,23 @@ class ItemIndex:
     def _with_twins(self, found: np.ndarray, scores: np.ndarray, k: int
                     ) -> tuple[np.ndarray, np.ndarray]:
         """The items of the graph ids ``found`` (best first), each distinct vector's
-        items together with its score, the first ``k`` per query."""
+        items together with its score, the first ``k`` per query: every query's groups
+        cut to what fills its ``k`` places, then gathered in one pass."""
+        hit = found >= 0
+        group = np.searchsorted(self._graph_ids, np.where(hit, found, self._graph_ids[0]))
+        lo = self._starts[group]
+        sizes = np.where(hit, self._starts[group + 1] - lo, 0)
+        before = np.cumsum(sizes, axis=1) - sizes  # places taken by the better groups
+        counts = np.minimum(sizes, np.maximum(k - before, 0)).ravel()
+        n = int(counts.sum())
+        per_query = counts.reshape(found.shape).sum(axis=1)
+        rows = np.repeat(np.arange(len(found)), per_query)
+        place = np.arange(n) - np.repeat(np.cumsum(per_query) - per_query, per_query)
+        within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
         items = np.full(found.shape, -1, np.int64)
         out = np.full(found.shape, -np.inf, np.float32)
-        group = np.searchsorted(self._graph_ids, found)
-        for q in range(len(found)):
-            hit = found[q] >= 0
-            g = group[q][hit]
-            lo, hi = self._starts[g], self._starts[g + 1]
-            take = np.repeat(np.arange(len(g)), hi - lo)[:k]
-            if not len(take):
-                continue
-            offset = np.arange(len(take)) - np.repeat(np.cumsum(hi - lo) - (hi - lo),
-                                                       hi - lo)[:k]
-            items[q, :len(take)] = self._twins[lo[take] + offset]
-            out[q, :len(take)] = scores[q][hit][take]
+        items[rows, place] = self._twins[np.repeat(lo.ravel(), counts) + within]
+        out[rows, place] = np.repeat(scores.ravel(), counts)
         return items, out
 
     def _refined(self, queries: np.ndarray, slots: np.ndarray, k: int
