@@ -81,7 +81,7 @@ def test_the_banner_and_the_last_line_say_the_epoch_bound_and_the_epochs_trained
     out, err = capsys.readouterr()
     metrics = json.loads((tmp_path / "m" / "metrics.json").read_text())
     banner = next(line for line in err.splitlines() if "data-sized defaults" in line)
-    assert f"epochs={metrics['epochs_limit']} at most (patience 2)" in banner
+    assert f"epochs={metrics['epochs_limit']} at most (patience 2 epochs)" in banner
     assert metrics["epochs_limit"] > 2  # room for patience to stop first
     last = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert last["epochs_trained"] == metrics["epochs_trained"] >= 1

@@ -50,11 +50,24 @@ def test_tracker_rebuilt_from_history_matches_the_live_one() -> None:
     assert again.update(0.47, 5).stop
 
 
+def test_tracker_patience_counts_epochs_of_evaluations() -> None:
+    t = SelectionTracker("logloss", patience=2, per_epoch=3)
+    values = [0.5, 0.4, 0.41, 0.42, 0.43, 0.44, 0.45, 0.46]
+    verdicts = [t.update(v, i + 1) for i, v in enumerate(values)]
+    assert [v.stop for v in verdicts] == [False] * 7 + [True]
+    assert t.wait == 6 and t.summary()["evaluations_per_epoch"] == 3
+    history = [{"pass_id": i, "valid_logloss": v} for i, v in enumerate(values[:-1])]
+    again = SelectionTracker.from_history(history, "logloss", 2, per_epoch=3)
+    assert not again.exhausted and again.update(0.46, 8).stop
+
+
 def test_tracker_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="select-by"):
         SelectionTracker("accuracy")
     with pytest.raises(ValueError, match="patience"):
         SelectionTracker("auc", patience=0)
+    with pytest.raises(ValueError, match="per_epoch"):
+        SelectionTracker("auc", per_epoch=0)
 
 
 @pytest.fixture(scope="module")
@@ -124,21 +137,34 @@ def test_best_checkpoint_is_kept_out_of_pruning(noisy_run):
         metrics["best_pass"]
 
 
-def test_patience_stops_after_p_evaluations_without_improvement(files, tmp_path):
-    metrics, history = _train(files, tmp_path / "m", *NOISY, "--epochs", "20",
+def test_patience_counts_epochs_of_evaluations(files, tmp_path):
+    """An epoch of 4 passes is evaluated 4 times: patience 2 waits 8 evaluations, so a
+    pass or two that end worse do not stop a run that still improves epoch over epoch."""
+    metrics, history = _train(files, tmp_path / "m", *NOISY, "--epochs", "40",
                               "--patience", "2")
+    assert metrics["evaluations_per_epoch"] == 4 and metrics["patience"] == 2
     assert metrics["stop_reason"] == "patience"
-    assert len(history) < 20 * 4  # 4 passes per epoch
     flags = [h["best"] for h in history]
-    assert flags[-2:] == [False, False]
+    assert flags[-8:] == [False] * 8
     last_best = max(i for i, f in enumerate(flags) if f)
-    assert len(history) == last_best + 3
-    # every earlier run of two evaluations without improvement would have stopped it
+    assert len(history) == last_best + 9
+    # no earlier run of 8 evaluations without improvement, but shorter ones that a
+    # count of evaluations would have stopped on
     runs, since = [], 0
     for f in flags[:-1]:
         since = 0 if f else since + 1
         runs.append(since)
-    assert max(runs) < 2
+    assert 2 <= max(runs) < 8
+
+
+def test_patience_counts_evaluations_with_eval_every(files, tmp_path):
+    metrics, history = _train(files, tmp_path / "m", *NOISY, "--epochs", "20",
+                              "--patience", "2", "--eval-every", "4")
+    assert "evaluations_per_epoch" not in metrics
+    assert metrics["stop_reason"] == "patience"
+    flags = [h["best"] for h in history]
+    assert flags[-2:] == [False, False]
+    assert len(history) == max(i for i, f in enumerate(flags) if f) + 3
 
 
 def test_eval_every_cuts_passes_to_n_steps(files, tmp_path):

@@ -144,6 +144,17 @@ def test_epoch_bound_with_validation_leaves_room_for_enough_steps() -> None:
     assert max_epochs(100, 256) == MAX_SELECTED_EPOCHS  # one step an epoch: capped
 
 
+def test_evaluations_per_epoch_follow_the_pass_cut() -> None:
+    from terarec.train.defaults import evaluations_per_epoch
+
+    assert evaluations_per_epoch(None, 4096, 200_000) == 1  # unknown size
+    assert evaluations_per_epoch(150_000, 4096, 200_000) == 1
+    # passes are whole batches of at least 200,000 rows: 49 * 4096 = 200,704
+    assert evaluations_per_epoch(437_500, 4096, 200_000) == 3
+    assert evaluations_per_epoch(401_408, 4096, 200_000) == 2
+    assert evaluations_per_epoch(8_000, 500, 2_000) == 4
+
+
 def test_admission_by_probability_is_not_given_a_sized_count(tmp_path: Path) -> None:
     data = tmp_path / "d.csv"
     data.write_text("y,x\n" + "".join(f"{i % 2},{i}\n" for i in range(5000)))

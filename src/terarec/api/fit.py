@@ -37,11 +37,12 @@ def fit(train: Paths, valid: Paths | None = None, *, out: str | os.PathLike[str]
 
     With ``valid`` files, training is validation-driven: the best pass by ``select_by``
     (``logloss`` or ``auc``; with several labels their ``label_weights`` mean, or the
-    task ``select_task`` names) is kept, training stops after ``patience`` evaluations
-    without improvement (default 2), and below 100,000 training rows a fresh model is
-    refit on train + valid for the chosen number of epochs (``refit=False`` keeps the
-    selected pass). Without ``valid``, below 100,000 training rows the last 1/8 of them
-    are carved as validation rows and the run goes on as with ``valid``
+    task ``select_task`` names) is kept, training stops after ``patience`` epochs of
+    evaluations without improvement (default 2; with ``eval_every``, evaluations), and
+    below 100,000 training rows a fresh model is refit on train + valid for the chosen
+    number of epochs (``refit=False`` keeps the selected pass). Without ``valid``, below
+    100,000 training rows the last 1/8 of them are carved as validation rows and the run
+    goes on as with ``valid``
     (``valid_split``: another share, which carves at any size; 0 turns it off;
     metrics.json's ``validation`` says which rows). Settings not given follow the
     data's size, as on the command line; ``choose="auto"`` (with validation rows) races

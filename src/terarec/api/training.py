@@ -57,6 +57,7 @@ from terarec.train.defaults import (
     apply_sized_defaults,
     bucket_l2_choices,
     estimate_rows,
+    evaluations_per_epoch,
     max_epochs,
     model_choices,
     refit_by_default,
@@ -365,15 +366,19 @@ def selection_for(job: TrainJob, config: TrainConfig) -> SelectionTracker | None
         if job.eval_every < 1:
             raise ValueError(f"--eval-every {job.eval_every}: must be >= 1")
         config.pass_rows = min(config.pass_rows, job.eval_every * config.batch_size)
+    rows = estimate_rows(job.train or [])
     if "epochs" not in job.given:  # neither a flag nor the config file set it
-        config.epochs = max_epochs(estimate_rows(job.train or []),
-                                   config.batch_size) + job.patience
+        config.epochs = max_epochs(rows, config.batch_size) + job.patience
     if job.select_task is not None:
         tasks = job.data.labels()[0]  # empty: the model's own (a resumed run)
         if tasks and (len(tasks) < 2 or job.select_task not in tasks):
             raise ValueError(f"--select-task {job.select_task!r}: not one of several "
                              f"labels (--label {job.data.label})")
-    return SelectionTracker(job.select_by, job.patience, task=job.select_task)
+    # Patience counts epochs, unless --eval-every set the evaluations it counts.
+    per_epoch = 1 if job.eval_every is not None or job.follow is not None \
+        else evaluations_per_epoch(rows, config.batch_size, config.pass_rows)
+    return SelectionTracker(job.select_by, job.patience, task=job.select_task,
+                            per_epoch=per_epoch)
 
 
 def refuse_unused_keys(job: TrainJob, config: TrainConfig) -> None:
@@ -648,7 +653,8 @@ def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | N
         if sized and ctx.is_main:
             said = {k: _said(v) for k, v in sized.items()}
             if selection is not None and "epochs" in said:  # patience stops first
-                said["epochs"] = f"{said['epochs']} at most (patience {selection.patience})"
+                said["epochs"] = (f"{said['epochs']} at most (patience "
+                                  f"{selection.patience} epochs)")
             print("data-sized defaults: " + ", ".join(f"{k}={v}" for k, v in said.items()),
                   file=sys.stderr)
         metrics, stats = train_model(
@@ -737,7 +743,7 @@ def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema, key: str,
     choice = choose_by_validation(schema, config, key, choices, inputs, batches,
                                   Path(job.out) / CHOOSING_DIR,
                                   select_by=selection.select_by,
-                                  patience=selection.patience, ctx=ctx, known=known,
+                                  patience=selection.wait, ctx=ctx, known=known,
                                   also=also)
     if ctx.is_main:
         said = ", ".join(f"{_said(v)}: {b:.5f}" if b is not None else f"{_said(v)}: none"
@@ -762,9 +768,12 @@ def _choose_settings(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
                                      on_bad_row=config.on_bad_row))
     if not batches or len(members) < 2:  # no rows (the run says so) or no challenger
         return config, selection, {}
-    choice = choose_settings(schema, config, members, inputs, batches,
+    # A member's patience counts epochs, as the run's does; the race counts evaluations.
+    raced = [dataclasses.replace(m, patience=m.patience * selection.per_epoch)
+             if m.patience else m for m in members]
+    choice = choose_settings(schema, config, raced, inputs, batches,
                              Path(job.out) / CHOOSING_DIR, select_by=selection.select_by,
-                             patience=selection.patience or job.patience, ctx=ctx)
+                             patience=selection.wait or job.patience, ctx=ctx)
     if ctx.is_main:
         said = ", ".join(f"{c.member.name} {c.valid_auc:.4f}" if c.valid_auc is not None
                          else f"{c.member.name} none" for c in choice.candidates)
@@ -773,9 +782,10 @@ def _choose_settings(job: TrainJob, config: TrainConfig, schema: FeatureSchema,
               f"{said}; standard error {choice.auc_standard_error or 0:.4f}; "
               f"{summary['used_x_default_run']:g}x the default run's passes, "
               f"{summary['seconds']:.1f}s)", file=sys.stderr)
-    member = choice.chosen.member
+    member = members[raced.index(choice.chosen.member)]
     if member.patience is not None:
-        selection = SelectionTracker(selection.select_by, member.patience)
+        selection = SelectionTracker(selection.select_by, member.patience,
+                                     per_epoch=selection.per_epoch)
     return chosen_config(config, choice), selection, choice.summary()
 
 

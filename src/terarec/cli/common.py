@@ -193,8 +193,9 @@ def add_selection_args(p: argparse.ArgumentParser) -> None:
                    help="with several --label columns: select by this label's metric "
                    "(default: the label weights' weighted mean)")
     g.add_argument("--patience", type=int, default=DEFAULT_PATIENCE,
-                   help="stop after this many evaluations without improvement "
-                   f"(default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
+                   help="stop after this many epochs of evaluations without "
+                   "improvement (every pass is evaluated; with --eval-every, this many "
+                   f"evaluations) (default {DEFAULT_PATIENCE}); --epochs is then an upper bound "
                    f"(default {DEFAULT_MAX_EPOCHS} + patience, more on small data: room for "
                    "3,000 steps, at most 100 epochs)")
     g.add_argument("--eval-every", type=int, metavar="N",

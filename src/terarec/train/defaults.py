@@ -173,6 +173,16 @@ def max_epochs(rows: int | None, batch_size: int) -> int:
     return int(min(MAX_SELECTED_EPOCHS, max(DEFAULT_MAX_EPOCHS, wanted)))
 
 
+def evaluations_per_epoch(rows: int | None, batch_size: int, pass_rows: int) -> int:
+    """How many passes (each evaluated) an epoch of ``rows`` rows is cut into: a pass is
+    a whole number of batches of at least ``pass_rows`` rows. 1 when ``rows`` is
+    unknown."""
+    if rows is None or rows <= 0:
+        return 1
+    per_pass = math.ceil(pass_rows / batch_size) * batch_size
+    return max(1, math.ceil(rows / per_pass))
+
+
 def sized_admission(rows: int) -> int:
     """The data-sized ``store.admit_min_count`` for ``rows`` training rows."""
     return SMALL_DATA_ADMIT if rows < SMALL_DATA_ROWS else TrainConfig().store.admit_min_count

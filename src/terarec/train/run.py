@@ -136,7 +136,8 @@ def train_model(run: TrainRun, config: TrainConfig, schema: Callable[[], Feature
         if selection is not None:  # continue with the best value and patience it had
             selection = SelectionTracker.from_history(trainer.history, selection.select_by,
                                                       selection.patience,
-                                                      task=selection.task)
+                                                      task=selection.task,
+                                                      per_epoch=selection.per_epoch)
     else:
         earlier = list_checkpoints(run.out)
         if earlier:  # a fresh run's pass-000001 would be pruned below their numbers

@@ -2,8 +2,9 @@
 
 The pass loop hands every evaluation to a :class:`SelectionTracker`; the tracker says
 whether it improved on the best so far and whether training should stop (``patience``
-evaluations in a row without improvement). The tracker holds no tensors and decides from
-the metric values alone, so ranks that gathered the same metrics decide the same.
+epochs' worth of evaluations in a row without improvement). The tracker holds no tensors
+and decides from the metric values alone, so ranks that gathered the same metrics decide
+the same.
 
 A tracker is rebuilt from a run's history (:meth:`SelectionTracker.from_history`), so a
 resumed run continues with the best value and the patience count it had.
@@ -24,7 +25,7 @@ DEFAULT_PATIENCE = 2
 DEFAULT_MAX_EPOCHS = 10
 
 # Why a run stopped (``stop_reason`` in metrics.json / history.json).
-STOP_PATIENCE = "patience"  # ``patience`` evaluations without improvement
+STOP_PATIENCE = "patience"  # ``patience`` epochs of evaluations without improvement
 STOP_EPOCHS = "epochs_exhausted"  # the epoch upper bound was reached
 STOP_END_OF_DATA = "end_of_data"  # no validation set: the configured epochs were read
 STOP_PRUNED = "pruned"  # a search pruned the trial
@@ -56,20 +57,28 @@ class Verdict:
 class SelectionTracker:
     """Best evaluation so far by ``select_by``, and the patience count.
 
-    ``patience=None`` never stops. ``min_delta`` is how much better than the best an
-    evaluation must be to count as an improvement. A non-finite value never improves.
+    ``patience=None`` never stops. ``per_epoch``: the evaluations an epoch has (an epoch
+    cut into passes by ``pass_rows`` is evaluated after each); patience then counts
+    epochs, ``patience * per_epoch`` evaluations, so a short pass that ends an epoch a
+    little worse does not stop a run that still improves epoch over epoch.
+    ``min_delta`` is how much better than the best an evaluation must be to count as an
+    improvement. A non-finite value never improves.
     """
 
     def __init__(self, select_by: str = "logloss", patience: int | None = DEFAULT_PATIENCE,
-                 min_delta: float = 0.0, task: str | None = None) -> None:
+                 min_delta: float = 0.0, task: str | None = None,
+                 per_epoch: int = 1) -> None:
         self.key = metric_key(select_by, task)
         self.task = task
         if patience is not None and patience < 1:
             raise ValueError(f"patience {patience}: must be >= 1")
+        if per_epoch < 1:
+            raise ValueError(f"per_epoch {per_epoch}: must be >= 1")
         if min_delta < 0 or not math.isfinite(min_delta):
             raise ValueError(f"min_delta {min_delta}: must be a finite number >= 0")
         self.select_by = select_by
         self.patience = patience
+        self.per_epoch = per_epoch
         self.min_delta = min_delta
         self.maximize = higher_is_better(select_by)
         self.best_value: float | None = None
@@ -100,7 +109,13 @@ class SelectionTracker:
     def exhausted(self) -> bool:
         """Patience has run out: true from the stopping evaluation on, so a tracker
         rebuilt from the history of a run killed after it still stops that run."""
-        return self.patience is not None and self.since_best >= self.patience
+        wait = self.wait
+        return wait is not None and self.since_best >= wait
+
+    @property
+    def wait(self) -> int | None:
+        """Evaluations without improvement that stop the run (None: never)."""
+        return None if self.patience is None else self.patience * self.per_epoch
 
     def observe(self, record: dict) -> Verdict:
         """:meth:`update` from a history record (its metric and ``pass_id + 1``, the pass
@@ -116,9 +131,10 @@ class SelectionTracker:
     @classmethod
     def from_history(cls, history: Sequence[Mapping], select_by: str = "logloss",
                      patience: int | None = DEFAULT_PATIENCE,
-                     min_delta: float = 0.0, task: str | None = None) -> SelectionTracker:
+                     min_delta: float = 0.0, task: str | None = None,
+                     per_epoch: int = 1) -> SelectionTracker:
         """The tracker a run with ``history`` ends with (for resuming it)."""
-        tracker = cls(select_by, patience, min_delta, task)
+        tracker = cls(select_by, patience, min_delta, task, per_epoch)
         for record in history:
             if tracker.key in record:
                 tracker.update(record[tracker.key], int(record["pass_id"]) + 1)
@@ -129,6 +145,8 @@ class SelectionTracker:
         out = {"select_by": self.select_by, "best_pass": self.best_pass,
                "best_value": self.best_value, "evaluations": self.evaluations,
                "patience": self.patience}
+        if self.per_epoch > 1:
+            out["evaluations_per_epoch"] = self.per_epoch
         if self.task is not None:
             out["select_task"] = self.task
         return out
