@@ -22,6 +22,7 @@ from terarec.embedding.shared import SharedRowsStore
 from terarec.modeldir import read_model_meta
 from terarec.models.registry import build_model
 from terarec.train.cohort import apply_params
+from terarec.train.defaults import estimate_rows
 from terarec.train.passes import iter_file_batches
 from terarec.train.search import SearchConfig, run_search
 from terarec.train.search.samplers import first_rung
@@ -62,7 +63,8 @@ def searched(files, tmp_path_factory) -> Path:
     batches = list(iter_file_batches([valid], schema, 500))
     space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
     settings = SearchConfig(base=config, trials=2, pruner="none", sampler="random",
-                            fixed=TRIALS, space=space, patience=2)
+                            fixed=TRIALS, space=space, patience=2,
+                            rows=estimate_rows([train]))  # patience counts epochs, as train's
     result = run_search(settings, schema, [train], batches, out)
     from terarec.train.search.results import write_results, write_search_report
 
@@ -466,7 +468,8 @@ def test_k2_search_with_admission_and_eviction_equals_two_single_runs(files, tmp
     space = check_space({k: sorted({t[k] for t in TRIALS}) for k in TRIALS[0]}, config)
     out = tmp_path / "search"
     settings = SearchConfig(base=config, trials=2, pruner="none", sampler="random",
-                            fixed=TRIALS, space=space, patience=2)
+                            fixed=TRIALS, space=space, patience=2,
+                            rows=estimate_rows([train]))  # patience counts epochs, as train's
     result = run_search(settings, schema, [train], batches, out)
     assert all(t.state == "complete" for t in result.trials)
     for number, params in enumerate(TRIALS):

@@ -23,6 +23,7 @@ from terarec.types import FeatureSchema
     ({"first_rung": 0}, "first_rung 0: must be an integer >= 1"),
     ({"checkpoint_every": -1}, "checkpoint_every -1: must be an integer >= 1"),
     ({"patience": 0}, "patience 0: must be an integer >= 1"),
+    ({"rows": -1}, "rows -1: must be an integer >= 0"),
     ({"seed": -1}, "seed -1: must be an integer >= 0"),
     ({"sampler": "cmaes"}, "sampler 'cmaes': expected one of random, tpe, grid"),
     ({"pruner": "early"}, "pruner 'early': expected one of none, halving"),

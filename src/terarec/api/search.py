@@ -241,7 +241,8 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
                         parallel=job.parallel, sampler=job.sampler,  # type: ignore[arg-type]
                         pruner=job.pruner,  # type: ignore[arg-type]
                         first_rung=rung, select_by=run.select_by,  # type: ignore[arg-type]
-                        patience=run.patience, seed=config.seed, fixed=tuple(fixed),
+                        patience=run.patience, rows=estimate_rows(train),
+                        seed=config.seed, fixed=tuple(fixed),
                         unpruned=len(fixed),  # train's own runs, never pruned
                         checkpoint_every=run.checkpoint_every, resume=run.resume,
                         progress=run.progress)

@@ -49,7 +49,10 @@ class SearchConfig:
     pruner: PrunerName = "halving"
     first_rung: int = 1
     select_by: SelectBy = "logloss"
-    patience: int | None = 2  # evaluations without improvement; None: never stop
+    patience: int | None = 2  # epochs of evaluations without improvement; None: never
+    # The estimated training rows: how many passes (evaluations) a trial's epoch has, so
+    # its patience counts epochs as ``train``'s does. None: one an epoch.
+    rows: int | None = None
     seed: int = 0
     fixed: Sequence[Mapping[str, Any]] = ()  # kept as a tuple of dicts
     unpruned: int = 0  # the first this many fixed trials are never pruned
@@ -70,6 +73,8 @@ class SearchConfig:
         if self.patience is not None and (not _count(self.patience) or self.patience < 1):
             raise ValueError(f"patience {self.patience!r}: must be an integer >= 1 "
                              "(None: never stop)")
+        if self.rows is not None and (not _count(self.rows) or self.rows < 0):
+            raise ValueError(f"rows {self.rows!r}: must be an integer >= 0 (None: unknown)")
         if not _count(self.seed) or self.seed < 0:
             raise ValueError(f"seed {self.seed!r}: must be an integer >= 0")
         for name, known in (("sampler", SAMPLERS), ("pruner", PRUNERS),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from terarec.config import parse_bytes, to_dict
+from terarec.config import TrainConfig, parse_bytes, to_dict
 from terarec.data.positions import InputFile
 from terarec.distributed.context import DistContext, resolve_device
 from terarec.io import LockedError, exclusive_lock, remove_atomic_leftovers
@@ -37,6 +37,7 @@ from terarec.train.cohort import (
     member_config,
     split_budget,
 )
+from terarec.train.defaults import evaluations_per_epoch
 from terarec.train.loop import TrialRun, run_passes
 from terarec.train.passes import Pass, iter_scoring_passes
 from terarec.train.search.config import SearchConfig
@@ -224,6 +225,10 @@ class _Search:
         return TrialRun(trainer, selection, commit_pass(model_dir, number, self.overall),
                         stop_on_divergence=True)
 
+    def _per_epoch(self, trial: TrainConfig) -> int:
+        """The evaluations an epoch of ``trial`` (its batch size, its pass length) has."""
+        return evaluations_per_epoch(self.config.rows, trial.batch_size, trial.pass_rows)
+
     def _ask(self, live: int, keys: KeySides) -> SearchTrial:
         """The next trial (rank 0 asks optuna; every rank builds it), one of ``live``
         trials training together."""
@@ -238,7 +243,8 @@ class _Search:
         trainer = Trainer(self.schema, trial_config, ctx=ctx)
         keys.attach(trainer)
         run = self._new_run(trainer, number, model_dir,
-                            SelectionTracker(config.select_by, config.patience))
+                            SelectionTracker(config.select_by, config.patience,
+                                             per_epoch=self._per_epoch(trial_config)))
         return SearchTrial(number, params, trial_config, model_dir, trial, run)
 
     def _continue(self, left: LeftWave) -> list[SearchTrial]:
@@ -256,8 +262,9 @@ class _Search:
                                          len(left.trials))
             trainer = Trainer.from_checkpoint(model_dir, trial_config, name=left.name, ctx=ctx,
                                       prepare=keys.attach)  # torch's RNG: the trial's
-            selection = SelectionTracker.from_history(trainer.history, config.select_by,
-                                                      config.patience)
+            selection = SelectionTracker.from_history(
+                trainer.history, config.select_by, config.patience,
+                per_epoch=self._per_epoch(trial_config))
             run = self._new_run(trainer, number, model_dir, selection)
             trial = self.study.trial(number) if self.study is not None else None
             told = max(by_number[number].intermediate_values, default=0) \
