@@ -179,13 +179,13 @@ def exact_baseline(vectors: np.ndarray, queries: np.ndarray, *, batch: int,
 
 def ann_curve(vectors: np.ndarray, queries: np.ndarray, kind: str, settings: list[str],
               exact: dict, *, batch: int, single_queries: int, threads: int,
-              k: int = K) -> dict:
+              k: int = K, pq_m: int = 0) -> dict:
     """Build ``kind`` with the library's defaults over ``vectors``; recall@``k`` against
     ``exact`` and speed (batched, one at a time) at each search setting (HNSW: efSearch;
     IVF-PQ: NPROBExREFINE), searched through ``ItemIndex.search`` as a server does."""
     import faiss
 
-    options = IndexOptions(kind=kind)
+    options = IndexOptions(kind=kind, pq_m=pq_m if kind == "ivfpq" else 0)
     t = time.perf_counter()
     index, reps = index_vectors(vectors, options)
     out: dict = {f"{kind}_build_s": round(time.perf_counter() - t, 2),
@@ -230,7 +230,7 @@ def run_ann(args: argparse.Namespace) -> dict:
                            single_queries=args.exact_queries, threads=args.threads)
     result: dict = {"mode": "ann_only", "items": args.items, "dim": args.dim,
                     "queries": args.queries, "batch": args.batch, "threads": args.threads,
-                    "single_query_threads": 1,
+                    "single_query_threads": 1, "pq_m": args.pq_m,
                     "exact_qps_batched": round(exact["qps_batched"], 1),
                     "exact_qps_single": round(exact["qps_single"], 1)}
     curves = {"hnsw": args.ef_curve, "ivfpq": args.ivf_curve}
@@ -238,7 +238,8 @@ def run_ann(args: argparse.Namespace) -> dict:
         settings = curves[kind]
         faiss.omp_set_num_threads(args.threads)  # builds use all of them
         result.update(ann_curve(vectors, queries, kind, settings, exact, batch=args.batch,
-                                single_queries=args.exact_queries, threads=args.threads))
+                                single_queries=args.exact_queries, threads=args.threads,
+                                pq_m=args.pq_m))
     result["ann_speedup_at_095"] = {kind: result[f"{kind}_speedup_at_095"]
                                     for kind in args.kinds}
     result["total_s"] = round(time.perf_counter() - t0, 1)
@@ -284,8 +285,8 @@ def run(args: argparse.Namespace) -> dict:
                     "clicks": info.clicks, "topics": info.topics, "epochs": args.epochs,
                     "dim": args.dim, "kind": args.kind, "synth_s": round(synth_s, 1)}
     options = IndexOptions(kind=args.kind, ef_search=args.ef_search, nprobe=args.nprobe,
-                           refine=args.refine)
-    result.update(nprobe=args.nprobe, refine=args.refine)
+                           refine=args.refine, pq_m=args.pq_m)
+    result.update(nprobe=args.nprobe, refine=args.refine, pq_m=args.pq_m)
     for loss in ("bce", "sampled_softmax"):
         t = time.perf_counter()
         model = _train(tmp, log, loss, args)
@@ -401,6 +402,8 @@ def parse_args() -> argparse.Namespace:
                    help="ivfpq: clusters searched")
     p.add_argument("--refine", type=int, default=IndexOptions.refine,
                    help="ivfpq: re-scored candidates / k")
+    p.add_argument("--pq-m", type=int, default=IndexOptions.pq_m,
+                   help="ivfpq: bytes per vector (0: the library's choice)")
     p.add_argument("--sweep", type=lambda t: t.split(","), default=["64x4", "64x32", "128x32"],
                    help="ivfpq: further NPROBExREFINE settings measured on the same index")
     p.add_argument("--eval-users", type=int, default=1000)
