@@ -99,3 +99,17 @@ def test_an_update_joins_a_changed_item_to_its_twins_or_adds_its_vector():
     found, _ = after.search(np.concatenate([queries, changed[stale]]), K)
     assert all(len(set(row)) == K for row in found)
     assert _recall(found, changed, np.concatenate([queries, changed[stale]])) >= 0.95
+
+
+def test_a_large_k_on_a_small_catalog_probes_enough_lists() -> None:
+    """IVF-PQ probes ``nprobe`` of its lists; asked for more than those lists hold on
+    average, it probes more, so the answer is not short of what the catalog holds."""
+    vectors = _unit(np.random.default_rng(3).standard_normal((2_000, 16)))
+    options = IndexOptions(kind="ivfpq", nlist=40, nprobe=2, refine=2)
+    index, reps = index_vectors(vectors, options)
+    searcher = item_index(index, vectors, options, reps)
+    items, _ = searcher.search(vectors[:3], 1_500)
+    assert (items >= 0).sum(axis=1).min() == 1_500  # 2 of 40 lists hold about 100
+    assert all(len(set(row)) == 1_500 for row in items.tolist())
+    few, _ = searcher.search(vectors[:3], 10)  # a small k keeps the configured probes
+    assert (few >= 0).all()

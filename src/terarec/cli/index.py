@@ -32,12 +32,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ef-search", type=int, help="hnsw: search beam (256)")
     p.add_argument("--nlist", type=int, help="ivfpq: clusters (default about sqrt(items))")
     p.add_argument("--pq-m", type=int,
-                   help="ivfpq: bytes per vector (default 16, or the largest of 8/4/2/1 "
-                   "dividing the vector size)")
-    p.add_argument("--nprobe", type=int, help="ivfpq: clusters searched (16)")
+                   help="ivfpq: bytes per vector (default one a dimension, or the "
+                   "largest divisor of the vector size up to 64)")
+    p.add_argument("--nprobe", type=int, help="ivfpq: clusters searched (8)")
     p.add_argument("--refine", type=int,
                    help="ivfpq: candidates re-scored with the exact vectors, per item asked "
-                   "for (default 16)")
+                   "for (default 8)")
     add_storage_args(p)
     p.set_defaults(func=run)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -69,6 +70,9 @@ class IndexFolderError(ValueError):
     """An index folder that is missing, half-written or does not fit its export."""
 
 
+MAX_PQ_M = 64  # the sized IVF-PQ code's bytes per vector, at most
+
+
 @dataclass(frozen=True)
 class IndexOptions:
     # ivfpq: on a trained item tower's vectors, whose top scores crowd together, it
@@ -78,9 +82,12 @@ class IndexOptions:
     ef_construction: int = 80
     ef_search: int = 256
     nlist: int = 0        # ivfpq: clusters (0: about 4 sqrt(n))
-    pq_m: int = 0         # ivfpq: sub-quantisers, bytes per vector (0: 16 or a divisor)
-    nprobe: int = 16      # ivfpq: of ~sqrt(n) clusters (docs/retrieval.md: the curve)
-    refine: int = 16      # ivfpq: candidates re-scored exactly, per item asked for
+    # ivfpq: sub-quantisers, bytes per vector (0: one a dimension, at most MAX_PQ_M):
+    # trained vectors crowd their top scores, and 2-d codes lose what 8 probes x 8
+    # re-scored then miss (docs/retrieval.md: the curves)
+    pq_m: int = 0
+    nprobe: int = 8       # ivfpq: of ~sqrt(n) clusters
+    refine: int = 8       # ivfpq: candidates re-scored exactly, per item asked for
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -138,7 +145,7 @@ def _new_index(dim: int, options: IndexOptions, sample: np.ndarray,
         base.hnsw.efSearch = options.ef_search
         return faiss.IndexIDMap2(base)
     nlist = options.nlist or max(1, min(len(sample) // 39, int(total ** 0.5)))
-    pq_m = options.pq_m or next(m for m in (16, 8, 4, 2, 1) if dim % m == 0)
+    pq_m = options.pq_m or next(m for m in range(min(dim, MAX_PQ_M), 0, -1) if dim % m == 0)
     if pq_m < 1 or dim % pq_m:
         raise ValueError(f"--pq-m {options.pq_m} must divide the vector size {dim}")
     if nlist > len(sample):  # faiss's k-means needs a training vector per cluster at least
@@ -243,13 +250,23 @@ class ItemIndex:
         queries = np.ascontiguousarray(queries, np.float32)
         k = min(k, len(self))
         if self.meta["kind"] == "ivfpq":
-            _, slots = self.index.search(queries, k * int(self.meta.get("refine", 1)))
+            wanted = k * int(self.meta.get("refine", 1))
+            _, slots = self.index.search(queries, wanted, params=self._probes(wanted))
             return self._refined(queries, slots, k)
         if self._params is not None:
             scores, found = self.index.search(queries, k, params=self._params)
         else:
             scores, found = self.index.search(queries, k)
         return self._with_twins(found, scores, k)
+
+    def _probes(self, wanted: int) -> Any:
+        """Search parameters probing ``nprobe`` lists, or as many as hold ``wanted``
+        candidates on average: a large k on a small catalog would otherwise come back
+        short of what the catalog holds."""
+        ivf = faiss.extract_index_ivf(self.index)
+        per_list = max(1.0, ivf.ntotal / max(1, ivf.nlist))
+        probes = min(ivf.nlist, max(int(ivf.nprobe), math.ceil(wanted / per_list)))
+        return faiss.SearchParametersIVF(nprobe=probes)  # type: ignore[call-arg]
 
     def _with_twins(self, found: np.ndarray, scores: np.ndarray, k: int
                     ) -> tuple[np.ndarray, np.ndarray]:
