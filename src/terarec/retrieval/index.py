@@ -81,10 +81,10 @@ class IndexOptions:
     hnsw_m: int = 32
     ef_construction: int = 80
     ef_search: int = 256
-    nlist: int = 0        # ivfpq: clusters (0: about 4 sqrt(n))
+    nlist: int = 0        # ivfpq: clusters (0: about sqrt(n))
     # ivfpq: sub-quantisers, bytes per vector (0: one a dimension, at most MAX_PQ_M):
-    # trained vectors crowd their top scores, and 2-d codes lose what 8 probes x 8
-    # re-scored then miss (docs/retrieval.md: the curves)
+    # codes of two dimensions a byte order a trained tower's crowded top scores too
+    # roughly for refine 8 to recover them (docs/retrieval.md: the curves)
     pq_m: int = 0
     nprobe: int = 8       # ivfpq: of ~sqrt(n) clusters
     refine: int = 8       # ivfpq: candidates re-scored exactly, per item asked for
