@@ -187,11 +187,11 @@ def run_in_ram(args: argparse.Namespace) -> dict[str, float]:
 
 
 def disk_needed(keys: int, record_bytes: int, row_dim: int) -> int:
-    """Bytes the run writes: slabs, key runs (20 B per entry; twice while merging),
-    a first checkpoint (its slabs copied), the int8 export and the server's copy of it,
-    plus 10 %."""
+    """Bytes the run writes: slabs, key runs (20 B per entry; twice while merging), the
+    int8 export and the server's copy of it, plus 10 %. The checkpoint hard-links the
+    slabs; only those the delta pass rewrites are copied, which the 10 % covers."""
     export = 8 + row_dim + 8  # key, int8 codes, row scale and bias
-    return int(1.1 * keys * (2 * record_bytes + 40 + 2 * export))
+    return int(1.1 * keys * (record_bytes + 40 + 2 * export))
 
 
 class Phases:

@@ -6,8 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from terarec.export.format import memmap_tensors, rows_bytes
-from terarec.serving.rows import RowCache, ShardedRows, VersionRows, _mappings
+from terarec.export.format import mappings_of, memmap_tensors, rows_bytes
+from terarec.export.reader import check_rows
+from terarec.serving.rows import RowCache, ShardedRows, VersionRows
 
 DIM = 3
 
@@ -54,7 +55,7 @@ def test_shards_read_through_memory_maps(tmp_path):
     path.write_bytes(rows_bytes(keys, _rows(keys)))
     t = memmap_tensors(path)
     assert not t["values"].flags.owndata and not t["values"].flags.writeable
-    assert len(_mappings(t["keys"], t["values"])) == 1  # one map of the whole file
+    assert len(mappings_of(t["keys"], t["values"])) == 1  # one map of the whole file
     rows = ShardedRows([(t["keys"], t["values"])], DIM)
     got, found = rows.lookup(np.array([42, 4, -5], np.int64))
     np.testing.assert_array_equal(found, [True, False, True])
@@ -95,3 +96,22 @@ def test_cache_refresh_rewrites_only_cached_keys():
     np.testing.assert_array_equal(hit, [True, True, False])
     np.testing.assert_array_equal(cache.values[slots[1]], np.full(DIM, 7.0))
     np.testing.assert_array_equal(cache.values[slots[0]], _rows([1])[0])
+
+
+def _mapped_file_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("RssFile:"))
+
+
+def test_load_check_leaves_no_shard_pages_resident(tmp_path):
+    """Checking a version reads every row once; the pages it mapped must not stay in the
+    server's resident set (a 10 GB export would otherwise count 10 GB there)."""
+    keys = np.arange(200_000, dtype=np.int64)
+    values = np.ones((len(keys), 64), np.float32)  # 51 MB
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(rows_bytes(keys, values))
+    t = memmap_tensors(path)
+    before = _mapped_file_bytes()
+    check_rows(str(path), t["keys"], t["values"])
+    assert _mapped_file_bytes() - before < 16 << 20
+    assert t["values"][123_456].sum() == 64  # still readable: the pages come back

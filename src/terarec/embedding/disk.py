@@ -557,7 +557,7 @@ class DiskTier:
         return present
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every (key, slot): bucket order (RAM index) or key order (disk index)."""
+        """Every (key, slot): slot order (RAM index) or key order (disk index)."""
         return self.index.items() if self.runs is None else self.runs.items()
 
     def seen_items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

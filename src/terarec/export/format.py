@@ -23,6 +23,7 @@ values only: optimizer state stays in training checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -294,6 +295,30 @@ def safetensors_header(path: Path) -> tuple[dict, int]:
         raise ExportError(f"{path}: corrupted safetensors header ({exc})") from None
     header.pop("__metadata__", None)
     return header, 8 + size
+
+
+def mappings_of(*arrays: Any) -> list[mmap.mmap]:
+    """The memory maps behind ``arrays`` (``memmap_tensors`` views; encoded rows'
+    ``codes``), found through each array's ``base`` chain."""
+    found: list[mmap.mmap] = []
+    for array in arrays:
+        base = array.encoded.codes if hasattr(array, "encoded") else array
+        while base is not None:
+            if isinstance(base, mmap.mmap):
+                if not any(m is base for m in found):
+                    found.append(base)
+                break
+            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    return found
+
+
+def release_mapped(*arrays: Any) -> None:
+    """Unmap the pages of the files behind ``arrays`` that this process touched: they
+    stay in the page cache, but mapped they count in its resident set, so reading a
+    whole shard once (the load-time check) would hold all of it there."""
+    for m in mappings_of(*arrays):
+        with contextlib.suppress(ValueError, OSError):
+            m.madvise(mmap.MADV_DONTNEED)
 
 
 def memmap_tensors(path: Path) -> dict[str, np.ndarray]:

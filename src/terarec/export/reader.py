@@ -35,6 +35,7 @@ from terarec.export.format import (
     memmap_tensors,
     parse_version_name,
     read_manifest,
+    release_mapped,
 )
 from terarec.export.storage import Storage, StorageError
 from terarec.io import sha256_file, waiting_lock
@@ -327,6 +328,7 @@ def check_rows(where: str, keys: np.ndarray, values: Any) -> None:
             at = lo + int(np.argmin(finite))
             raise ExportError(f"{where}: the row of key {int(keys[at])} (row {at}) holds a "
                               "non-finite value")
+        release_mapped(keys, values)  # a shard read whole would stay resident
 
 
 def _load_slice_state(model: CTRModel, state: dict[str, Any], manifest: Manifest) -> None:

@@ -23,12 +23,13 @@ remote store) is one more ``RowSource``, chained behind a version's own rows wit
 from __future__ import annotations
 
 import mmap
-from typing import Any, Protocol
+from typing import Protocol
 
 import numba
 import numpy as np
 
 from terarec.embedding.index import KeyIndex
+from terarec.export.format import mappings_of
 
 
 class RowSource(Protocol):
@@ -68,21 +69,6 @@ class DamagedRowsError(RuntimeError):
     its missing pages would kill the process with SIGBUS, so the lookup stops first."""
 
 
-def _mappings(*arrays: Any) -> list[mmap.mmap]:
-    """The memory maps behind ``arrays`` (numpy views of ``mmap`` objects; encoded rows'
-    ``codes``), found through each array's ``base`` chain."""
-    found: list[mmap.mmap] = []
-    for array in arrays:
-        base = array.encoded.codes if hasattr(array, "encoded") else array
-        while base is not None:
-            if isinstance(base, mmap.mmap):
-                if not any(m is base for m in found):
-                    found.append(base)
-                break
-            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-    return found
-
-
 def _check_mapped(maps: list[mmap.mmap]) -> None:
     """Raise ``DamagedRowsError`` when a mapped file is now shorter than its map (one
     ``fstat`` per map: what the map's ``size()`` asks the kernel)."""
@@ -106,7 +92,7 @@ class ShardedRows:
         self.row_dim = row_dim
         self.shard_keys = [k for k, _ in shards]
         self.shard_values = [v for _, v in shards]
-        self.shard_maps = [_mappings(k, v) for k, v in shards]
+        self.shard_maps = [mappings_of(k, v) for k, v in shards]
         self.firsts = np.array([k[0] for k in self.shard_keys], np.int64)
         if len(self.firsts) > 1 and not bool(np.all(self.firsts[1:] > self.firsts[:-1])):
             raise ValueError("shards must hold increasing key ranges")
