@@ -28,7 +28,11 @@ CPU second and their ratio to the forward pass's rows per CPU second, and the sa
 (``server_cpu_us_per_row*`` against ``forward_cpu_us_per_row``); ``load_avg`` says how
 busy the machine was.
 
-Prints one JSON line. Usage: ``python benchmarks/serve_latency.py [--seconds 20]``.
+``--protocol binary`` sends the same requests as KServe v2 binary tensors (one ``BYTES``
+tensor per field), the format for high-rate clients, instead of /predict JSON.
+
+Prints one JSON line. Usage: ``python benchmarks/serve_latency.py [--seconds 20]
+[--protocol json|binary]``.
 """
 
 from __future__ import annotations
@@ -59,11 +63,14 @@ from terarec.data.synth import generate
 from terarec.export import IncrementalExporter
 from terarec.io import atomic_write_bytes
 from terarec.loopback import free_port, wait_ready
+from terarec.serving import binary
+from terarec.serving.binary import encode_bytes
 from terarec.serving.engine import ServingEngine
 from terarec.train.trainer import Trainer
 from terarec.types import FeatureSchema
 
 SCHEMA = FeatureSchema.criteo()
+V2_INFER = "/v2/models/terarec/infer"
 # Fields a request shares across its candidates (the user and page side).
 CONTEXT_FIELDS = tuple(f"I{i}" for i in range(1, 14)) + tuple(f"C{i}" for i in range(1, 14))
 
@@ -154,19 +161,60 @@ class _Connection:
         self.sock = None
 
 
-def http_post(path: str, body: bytes) -> bytes:
+def http_post(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+            f"\r\n{extra}Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-def client(port: int, bodies: list[bytes], concurrency: int, seconds: float, first: int,
+def binary_body(request: dict) -> tuple[bytes, int]:
+    """A request as KServe v2 binary tensors: one ``BYTES`` tensor of N values per field
+    (the context's value repeated, an empty element where a candidate lacks the field),
+    as a client would send it; returns (body, JSON header length)."""
+    context, candidates = request["context"], request["candidates"]
+    names = list(context) + sorted({k for c in candidates for k in c} - set(context))
+    n = len(candidates)
+    inputs, data = [], []
+    for name in names:
+        if name in context:
+            values = [str(context[name])] * n
+        else:
+            values = ["" if c.get(name) is None else str(c[name]) for c in candidates]
+        raw = encode_bytes(values)
+        inputs.append({"name": name, "shape": [n], "datatype": "BYTES",
+                       "parameters": {"binary_data_size": len(raw)}})
+        data.append(raw)
+    header = json.dumps({"inputs": inputs}).encode()
+    return header + b"".join(data), len(header)
+
+
+def encode_request(request: dict, protocol: str) -> bytes:
+    """The whole HTTP request for ``protocol``: /predict JSON or v2 binary tensors."""
+    if protocol == "binary":
+        body, size = binary_body(request)
+        return http_post(V2_INFER, body, {binary.HEADER: str(size)})
+    return http_post("/predict", json.dumps(request).encode())
+
+
+def answer_version(raw: bytes) -> int:
+    """The version an answer was scored on (/predict's ``version``, v2's
+    ``model_version``)."""
+    body = orjson.loads(raw)
+    return int(body["version"]) if "version" in body else int(body["model_version"])
+
+
+def answer_scores(raw: bytes) -> np.ndarray:
+    body = orjson.loads(raw)
+    return np.asarray(body["scores"] if "scores" in body else body["outputs"][0]["data"])
+
+
+def client(port: int, requests: list[bytes], concurrency: int, seconds: float, first: int,
            out: mp.Queue) -> None:
-    """Closed loop: ``concurrency`` connections, each sending its next request as soon
-    as the previous answer arrives. Puts ((start, latency_s, status, version) tuples,
-    this process's CPU seconds)."""
+    """Closed loop: ``concurrency`` connections, each sending its next request (whole
+    HTTP requests, ``encode_request``) as soon as the previous answer arrives. Puts
+    ((start, latency_s, status, version) tuples, this process's CPU seconds)."""
     results: list[tuple[float, float, int, int]] = []
     lock = threading.Lock()
-    requests = [http_post("/predict", b) for b in bodies]
     cpu = time.process_time()
     stop_at = time.time() + seconds
 
@@ -180,7 +228,7 @@ def client(port: int, bodies: list[bytes], concurrency: int, seconds: float, fir
             t0 = time.perf_counter()
             try:
                 status, raw = conn.post(request)
-                version = orjson.loads(raw)["version"] if status == 200 else -1
+                version = answer_version(raw) if status == 200 else -1
             except (OSError, ValueError, KeyError):
                 status, version = 0, -1
                 conn.close()
@@ -311,27 +359,29 @@ def forward_bound_rows_per_s(engine: ServingEngine, request: dict,
             rows / max(time.process_time() - cpu, 1e-9))
 
 
-def max_score_diff(port: int, engine: ServingEngine, requests: list[dict]) -> float:
+def max_score_diff(port: int, engine: ServingEngine, requests: list[dict],
+                   protocol: str) -> float:
     """Largest |server - record path| score over a few requests, on the final version:
-    the server's conversion, lookups and network runtime against the record path
-    (``batch_from_records``) and PyTorch's forward pass."""
+    the server's conversion (in ``protocol``), lookups and network runtime against the
+    record path (``batch_from_records``) and PyTorch's forward pass."""
     engine.refresh()
     version = engine.served()
     worst = 0.0
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn = _Connection(port)
     for r in requests[:10]:
-        conn.request("POST", "/predict", json.dumps(r).encode(),
-                     {"Content-Type": "application/json"})
-        body = json.loads(conn.getresponse().read())
-        if body["version"] != version.version:
-            raise RuntimeError(f"server on version {body['version']}, expected "
+        status, raw = conn.post(encode_request(r, protocol))
+        if status != 200:
+            raise RuntimeError(f"the server answered {status}: {raw[:500]!r}")
+        if answer_version(raw) != version.version:
+            raise RuntimeError(f"server on version {answer_version(raw)}, expected "
                                f"{version.version}")
         merged = [{**r["context"], **c} for c in r["candidates"]]
         batch = batch_from_records(merged, version.schema)
         with torch.no_grad():  # PyTorch's network, as `terarec predict` runs it
             expected = torch.sigmoid(version.model(batch.dense, engine.pooled(batch, version)))
         expected = expected.numpy()
-        worst = max(worst, float(np.abs(np.asarray(body["scores"]) - expected).max()))
+        worst = max(worst, float(np.abs(answer_scores(raw) - expected).max()))
+    conn.close()
     return worst
 
 
@@ -344,6 +394,9 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=2,
                         help="client processes driving the saturation phase")
     parser.add_argument("--candidates", type=int, default=100)
+    parser.add_argument("--protocol", choices=["json", "binary"], default="json",
+                        help="/predict JSON bodies, or KServe v2 binary tensors (one BYTES "
+                        "tensor per field) on /v2/models/terarec/infer")
     parser.add_argument("--requests", type=int, default=100, help="distinct request bodies")
     parser.add_argument("--rows-per-pass", type=int, default=20_000)
     parser.add_argument("--threads", type=int, default=1, help="server torch threads")
@@ -355,7 +408,7 @@ def main() -> None:
     try:
         served, deltas, held_out = build_export(work, args.rows_per_pass)
         requests = make_requests(held_out, args.requests, args.candidates)
-        bodies = [json.dumps(r).encode() for r in requests]
+        bodies = [encode_request(r, args.protocol) for r in requests]
         port = free_port()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")]))
@@ -378,7 +431,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         engine = ServingEngine(served)
         engine.refresh()
-        diff = max_score_diff(port, engine, requests)
+        diff = max_score_diff(port, engine, requests, args.protocol)
         forward, forward_cpu = forward_bound_rows_per_s(engine, requests[0])
         offline = offline_rows_per_s(engine, requests)
         engine.close()
@@ -428,6 +481,8 @@ def main() -> None:
         "workers": args.workers,
         "saturation_concurrency": args.saturation_concurrency,
         "candidates": args.candidates,
+        "protocol": args.protocol,
+        "request_bytes": round(float(np.mean([len(b) for b in bodies]))),
         "seconds": args.seconds,
         "threads": args.threads,
         "load_avg": [round(x, 2) for x in os.getloadavg()],

@@ -188,3 +188,38 @@ def test_full_disk_is_an_error_naming_the_folder_not_sigbus(full_disk, key_index
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "REFUSED cannot write" in done.stdout and "no space left" in done.stdout
+
+
+def test_prefetch_asks_for_exactly_the_pages_of_the_records():
+    """The read-ahead covers every page a record lies on and no other, adjacent pages in
+    one run (one system call each)."""
+    from terarec.embedding.disk import _page_runs
+
+    rng = np.random.default_rng(3)
+    page, width, shift = 4096, 133, 10  # 532-byte records, 1,024 per slab
+    mask = (1 << shift) - 1
+    bases = np.array([1 << 30, 1 << 32, 5 << 30], np.int64)
+    slots = rng.choice(3 << shift, 400, replace=False).astype(np.int64)
+    slots[::7] = -1
+    order = np.argsort(slots, kind="stable")
+    starts, lengths = np.empty(len(slots), np.int64), np.empty(len(slots), np.int64)
+    n = _page_runs(bases, slots, order, shift, mask, 4 * width, page, starts, lengths)
+    wanted = set()
+    for s in slots[slots >= 0].tolist():
+        address = int(bases[s >> shift]) + (s & mask) * 4 * width
+        wanted.update(range(address // page, (address + 4 * width - 1) // page + 1))
+    got = [p for a, b in zip(starts[:n], lengths[:n], strict=True)
+           for p in range(a // page, (a + b) // page)]
+    assert sorted(got) == sorted(wanted) and len(got) == len(set(got))
+    assert all(starts[i] + lengths[i] < starts[i + 1] for i in range(n - 1))  # merged
+
+
+def test_reads_through_the_prefetch_return_the_written_records(tmp_path):
+    tier = DiskTier(tmp_path, width=133, slab_bytes=133 * 4 * 1024, mapped_bytes=1 << 16)
+    keys = np.arange(5000, dtype=np.int64) * 7919
+    records = np.random.default_rng(0).standard_normal((5000, 133)).astype(np.float32)
+    tier.write(keys, records)
+    pick = np.random.default_rng(1).permutation(5000)[:3000]
+    got, found = tier.read(np.concatenate([keys[pick], [-1, 12345678]]))
+    np.testing.assert_array_equal(got[:3000], records[pick])
+    assert found[:3000].all() and not found[3000:].any()

@@ -33,7 +33,9 @@ With ``key_index="disk"`` the keys live in sorted run files next to the slabs
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import json
 import mmap
 import os
@@ -259,6 +261,31 @@ def _gather(bases, slots, order, shift, mask, out):
             src = _record(bases, s, shift, mask, width)
             for j in range(width):
                 out[k, j] = src[j]
+
+
+@numba.njit(nogil=True, cache=True)
+def _page_runs(bases, slots, order, shift, mask, row_bytes, page, starts, lengths):
+    """The pages under the records at ``slots[order]`` (sorted slots) as runs of adjacent
+    pages: (start address, bytes) into ``starts`` / ``lengths``; returns the run count."""
+    n = 0
+    end = np.int64(-1)
+    for i in range(order.shape[0]):
+        s = slots[order[i]]
+        if s < 0:
+            continue
+        address = bases[s >> shift] + (s & mask) * row_bytes
+        lo = address // page * page
+        hi = (address + row_bytes + page - 1) // page * page
+        if n and lo <= end:
+            if hi > end:
+                lengths[n - 1] += hi - end
+                end = hi
+            continue
+        starts[n] = lo
+        lengths[n] = hi - lo
+        end = hi
+        n += 1
+    return n
 
 
 @numba.njit(nogil=True, cache=True)
@@ -489,16 +516,35 @@ class DiskTier:
         page_span = 4096 * (2 + 4 * self.width // 4096)
         return max(256, self.mapped_bytes // page_span)
 
-    def _chunks(self, slots: np.ndarray):
+    def _chunks(self, slots: np.ndarray, prefetch: bool = False):
         """Positions of ``slots`` in slot order, in chunks; after each chunk, the slab
-        pages it mapped (one contiguous address range per slab) are unmapped again."""
+        pages it mapped (one contiguous address range per slab) are unmapped again.
+        ``prefetch`` (reads): the next chunk's pages are asked for before this chunk is
+        read, so that the disk sees thousands of reads at once rather than one page
+        fault at a time (a table larger than the page cache, read in key order, went
+        from 15 k to 155 k records/s)."""
         order = np.argsort(slots, kind="stable")
         order = order[slots[order] >= 0]
         step = self._chunk_rows
+        if prefetch and len(order):
+            self._prefetch(slots, order[:step])
         for start in range(0, len(order), step):
             part = order[start:start + step]
+            if prefetch and start + step < len(order):
+                self._prefetch(slots, order[start + step:start + 2 * step])
             yield part
             self._unmap(int(slots[part[0]]), int(slots[part[-1]]))
+
+    def _prefetch(self, slots: np.ndarray, part: np.ndarray) -> None:
+        """Start reading the pages of the records at ``slots[part]`` (MADV_WILLNEED:
+        into the page cache, not this process's resident set)."""
+        starts = np.empty(len(part), np.int64)
+        lengths = np.empty(len(part), np.int64)
+        n = _page_runs(self._bases, slots, part, self.shift, self.mask, 4 * self.width,
+                       mmap.PAGESIZE, starts, lengths)
+        advise = _libc().madvise
+        for address, size in zip(starts[:n].tolist(), lengths[:n].tolist(), strict=True):
+            advise(ctypes.c_void_p(address), ctypes.c_size_t(size), mmap.MADV_WILLNEED)
 
     def _unmap(self, first: int, last: int) -> None:
         row = 4 * self.width
@@ -518,7 +564,7 @@ class DiskTier:
         else:
             out[slots < 0] = 0
         if len(slots) and len(self._bases):
-            for part in self._chunks(slots):
+            for part in self._chunks(slots, prefetch=True):
                 _gather(self._bases, slots, part, self.shift, self.mask, out)
         self.rows_read += int((slots >= 0).sum())
         self.read_s += time.perf_counter() - t0
@@ -853,6 +899,11 @@ def iter_snapshot_sorted(src: Path, chunk_rows: int = 1 << 16):
             out[at] = mm[s[at] & (slab_rows - 1)]
             del mm
         yield k, out
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _mapping(mm: np.memmap) -> mmap.mmap:
