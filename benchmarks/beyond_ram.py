@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
     export = work / "export"
     phases.start("export_full_int8")
-    exporter = ModelExporter(str(export), None, codec=RowCodec(8))
+    exporter = ModelExporter(str(export), None, shard_rows=args.shard_rows, codec=RowCodec(8))
     full = exporter.write_full(schema=schema, model_config=config.model,
                                dense=trainer.model.state_dict(),
                                rows=store.iter_sorted(CHUNK_ROWS), row_dim=store.row_dim,
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     phases.stop()
     phases.start("export_delta")
     changed, values = store.changed_since(since)
-    delta = ModelExporter(str(export), None).write_delta(
+    delta = ModelExporter(str(export), None, shard_rows=args.shard_rows).write_delta(
         dense=trainer.model.state_dict(), keys=changed, values=values,
         deleted=np.empty(0, np.int64), pass_id=trainer.pass_id)
     del changed, values
@@ -340,6 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "checkpoint": ckpt.name,
         "unique_fields": args.unique_fields,
         "pass_rows": args.pass_rows,
+        "shard_rows": args.shard_rows,
         "passes": passes + 1,
         "model": args.model,
         "disk_free_at_start_bytes": free,
@@ -366,6 +367,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fields of near-unique ids: new keys per row")
     p.add_argument("--zipf-fields", type=int, default=8, help="Zipf categoricals per row")
     p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--shard-rows", type=int, default=1 << 18,
+                   help="rows per export shard: the writer holds one shard as fp32 rows "
+                   "(1 << 18 rows of 129 floats: 135 MB)")
     p.add_argument("--pass-rows", type=int, default=50_000,
                    help="rows per pass: each brings --unique-fields new keys, and the keys "
                         "of this pass and the planned next one are held in RAM beside the "

@@ -266,7 +266,8 @@ def _gather(bases, slots, order, shift, mask, out):
 @numba.njit(nogil=True, cache=True)
 def _page_runs(bases, slots, order, shift, mask, row_bytes, page, starts, lengths):
     """The pages under the records at ``slots[order]`` (sorted slots) as runs of adjacent
-    pages: (start address, bytes) into ``starts`` / ``lengths``; returns the run count."""
+    pages: (start address, bytes) into ``starts`` / ``lengths``; returns the run count.
+    Addresses rise within a slab only: the slabs' maps may lie in any order."""
     n = 0
     end = np.int64(-1)
     for i in range(order.shape[0]):
@@ -276,7 +277,7 @@ def _page_runs(bases, slots, order, shift, mask, row_bytes, page, starts, length
         address = bases[s >> shift] + (s & mask) * row_bytes
         lo = address // page * page
         hi = (address + row_bytes + page - 1) // page * page
-        if n and lo <= end:
+        if n and starts[n - 1] <= lo <= end:
             if hi > end:
                 lengths[n - 1] += hi - end
                 end = hi
