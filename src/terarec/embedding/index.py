@@ -284,8 +284,8 @@ class KeyIndex:
         Not in bucket order: callers pick rows to drop from this listing (the lowest
         priorities, and among equal ones the first listed), and dropping keys by bucket
         leaves the survivors packed into one part of the table, where linear probing
-        then scans clusters of millions (a tiered store's memory tier slowed from
-        100 k to 400 keys/s that way). Slots say nothing of where a key hashes."""
+        then scans clusters of millions (a tiered store's memory tier crawled that
+        way, docs/tiered-store.md). Slots say nothing of where a key hashes."""
         return _items_by_slot(self._table, self._next_slot)
 
     def _reserve(self, n_live: int) -> None:
