@@ -543,9 +543,8 @@ class DiskTier:
         lengths = np.empty(len(part), np.int64)
         n = _page_runs(self._bases, slots, part, self.shift, self.mask, 4 * self.width,
                        mmap.PAGESIZE, starts, lengths)
-        advise = _libc().madvise
         for address, size in zip(starts[:n].tolist(), lengths[:n].tolist(), strict=True):
-            advise(ctypes.c_void_p(address), ctypes.c_size_t(size), mmap.MADV_WILLNEED)
+            madvise(address, size, mmap.MADV_WILLNEED)
 
     def _unmap(self, first: int, last: int) -> None:
         row = 4 * self.width
@@ -905,6 +904,12 @@ def iter_snapshot_sorted(src: Path, chunk_rows: int = 1 << 16):
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def madvise(address: int, size: int, advice: int) -> None:
+    """madvise(2) on a raw address range: part of a numpy array or of a slab's map,
+    which Python's ``mmap.madvise`` cannot name."""
+    _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), advice)
 
 
 def _mapping(mm: np.memmap) -> mmap.mmap:

@@ -53,6 +53,7 @@ from terarec.embedding.disk import (
     DiskTier,
     RecordLayout,
     iter_snapshot_sorted,
+    madvise,
     read_snapshot_rows,
     snapshot_layout,
 )
@@ -968,7 +969,6 @@ class TieredStore(EvictionLog):
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 16 << 20
-_MADV_DONTNEED = 4
 
 
 def _release_rows(arr: np.ndarray, start: int) -> None:
@@ -981,8 +981,7 @@ def _release_rows(arr: np.ndarray, start: int) -> None:
     hi = arr.ctypes.data + arr.nbytes
     lo, hi = -(-lo // page) * page, hi // page * page
     if hi > lo:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+        madvise(lo, hi - lo, mmap.MADV_DONTNEED)
 
 
 @functools.cache
