@@ -1,7 +1,8 @@
 """Adagrad's start on small data chosen by validation: both starts trained side by side,
 the one with the better validation value kept, and what each reached in metrics.json;
 then the bucket prior against its absence with the chosen start; then, for the default
-model, its first-order part alone against it."""
+model, its first-order part alone against it; on larger data, the default model against its
+first-order part at two starts."""
 
 from __future__ import annotations
 
@@ -11,14 +12,20 @@ from pathlib import Path
 import pytest
 
 from terarec.cli.main import main
+from terarec.config import TrainConfig
 from terarec.data.synth import generate
+from terarec.train import defaults
+from terarec.train.cohort import apply_params
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
     BUCKET_L2_KEY,
+    DENSE_LR_KEY,
+    FIRST_ORDER_STARTS,
     MODEL_KEY,
     SMALL_DATA_ACCUMULATOR_CHOICES,
     SMALL_DATA_BUCKET_L2_CHOICES,
     SMALL_DATA_MODEL_CHOICES,
+    first_order_choices,
 )
 
 FLAGS = ["--no-progress", "--threads", "1", "--seed", "3", "--model", "lr"]
@@ -167,3 +174,52 @@ def test_search_races_lr_beside_the_default_model_as_train_does(files, tmp_path)
         search["config"]["dense_optimizer"]["lr"] * 8)  # DeepFM's is an eighth of lr's
     assert all(t["state"] == "complete" and t["value"] is not None for t in first)
     assert first[0]["value"] != first[1]["value"]  # two models trained, not one twice
+
+
+def test_larger_data_races_the_first_order_part_at_two_starts(files, tmp_path, capsys,
+                                                              monkeypatch) -> None:
+    """From SMALL_DATA_ROWS rows on (lowered here so the test's rows count as larger
+    data) the default model as sized races ``lr`` at each of FIRST_ORDER_STARTS; the
+    best validation value is the model trained, with its start and dense rate."""
+    monkeypatch.setattr(defaults, "SMALL_DATA_ROWS", 1000)
+    train, held_out = files
+    base = ["train", "--train", str(train), "--valid", str(held_out), "--patience", "1",
+            "--no-progress", "--threads", "1", "--seed", "3"]
+    assert main([*base, "--out", str(tmp_path / "m")]) == 0
+    metrics = json.loads((tmp_path / "m" / "metrics.json").read_text())
+    [choice] = metrics["chosen_by_validation"]
+    assert choice["key"] == MODEL_KEY
+    reached = {v["value"]: v["best"] for v in choice["validation"]}
+    names = ["deepfm", *(f"lr (start {s:g})" for s in FIRST_ORDER_STARTS)]
+    assert list(reached) == names
+    assert len(set(reached.values())) == 3  # the start changes what lr learns
+    assert choice["chosen"] == min(reached, key=lambda v: reached[v])
+    assert metrics["best_value"] == pytest.approx(reached[choice["chosen"]], rel=1e-9)
+    config = json.loads((tmp_path / "m" / "train_config.json").read_text())
+    members = first_order_choices({"estimated_rows": 1500, DENSE_LR_KEY: 1.0}, set(),
+                                  TrainConfig())
+    assert members is not None and list(members) == names
+    want = members[choice["chosen"]]
+    assert config["model"]["name"] == want.get(MODEL_KEY, "deepfm")
+    if choice["chosen"] != "deepfm":
+        assert config["sparse_optimizer"]["initial_accumulator"] == want[ACCUMULATOR_KEY]
+        assert config["dense_optimizer"]["lr"] == want[DENSE_LR_KEY]
+    assert not (tmp_path / "m" / "choosing").exists()
+    assert f"{MODEL_KEY} chosen by validation logloss (deepfm: " in capsys.readouterr().err
+    # a model given trains it alone
+    assert main([*base, "--out", str(tmp_path / "given"), "--model", "deepfm"]) == 0
+    assert "chosen_by_validation" not in json.loads(
+        (tmp_path / "given" / "metrics.json").read_text())
+
+
+@pytest.mark.parametrize("sized, given, config", [
+    ({"estimated_rows": 99, DENSE_LR_KEY: 1.0}, set(), TrainConfig()),  # small data's race
+    ({"estimated_rows": 10**8, DENSE_LR_KEY: 1.0}, set(), TrainConfig()),  # above the bound
+    ({"estimated_rows": 10**6}, set(), TrainConfig()),  # a schedule given
+    ({"estimated_rows": 10**6, DENSE_LR_KEY: 1.0}, {ACCUMULATOR_KEY}, TrainConfig()),
+    ({"estimated_rows": 10**6, DENSE_LR_KEY: 1.0}, {"model.dropout"}, TrainConfig()),
+    ({"estimated_rows": 10**6, DENSE_LR_KEY: 1.0}, set(),
+     apply_params(TrainConfig(), {"sparse_optimizer.name": "sgd"})),
+])
+def test_no_first_order_race_where_the_data_does_not_choose(sized, given, config) -> None:
+    assert first_order_choices(sized, given, config) is None

@@ -47,6 +47,7 @@ from terarec.train.carve import (
     carve,
     check_valid_split,
 )
+from terarec.train.cohort import apply_params
 from terarec.train.defaults import (
     ACCUMULATOR_KEY,
     BUCKET_L2_KEY,
@@ -58,6 +59,7 @@ from terarec.train.defaults import (
     bucket_l2_choices,
     estimate_rows,
     evaluations_per_epoch,
+    first_order_choices,
     max_epochs,
     model_choices,
     refit_by_default,
@@ -645,6 +647,15 @@ def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | N
                 sized[MODEL_KEY] = model.chosen
                 sized[DENSE_LR_KEY] = config.dense_optimizer.lr
                 notes["chosen_by_validation"].append(model.summary())
+        first = first_order_choices(sized, job.given, config) \
+            if config.store.memory_budget is None and choices is None else None
+        if first is not None and selection is not None:
+            model = _choose_member(job, config, schema(), MODEL_KEY, first, inputs, valid,
+                                   selection, ctx)
+            if first[model.chosen]:
+                config = apply_params(config, first[model.chosen])
+                sized.update(first[model.chosen])
+            notes["chosen_by_validation"] = [model.summary()]
         if selection is not None and _choosing(job, config):
             config, selection, chosen_settings = _choose_settings(
                 job, config, schema(), inputs, valid, selection, ctx)
@@ -735,16 +746,28 @@ def _choose(job: TrainJob, config: TrainConfig, schema: FeatureSchema, key: str,
     the bucket prior, ``bucket_l2_choices``; the model, ``model_choices``): one run per
     value not ``known`` side by side in a scratch folder of the model directory, said on
     stderr. ``also``: more config values a choice's run trains with."""
-    from terarec.train.choose import choose_by_validation
+    also = also or {}
+    return _choose_member(job, config, schema, key,
+                          {value: {key: value, **also.get(value, {})} for value in choices},
+                          inputs, valid, selection, ctx, known)
+
+
+def _choose_member(job: TrainJob, config: TrainConfig, schema: FeatureSchema, key: str,
+                   members: dict[Any, dict[str, Any]], inputs: list[Path | InputFile],
+                   valid: list[Path], selection: SelectionTracker, ctx: DistContext,
+                   known: dict[Any, float | None] | None = None) -> Any:
+    """The member (name -> dotted config values) whose run reaches the best validation
+    value, the runs not ``known`` trained side by side in a scratch folder of the model
+    directory; said on stderr under ``key``."""
+    from terarec.train.choose import choose_member
     from terarec.train.passes import iter_file_batches
 
     batches = list(iter_file_batches(valid, schema, config.batch_size,
                                      on_bad_row=config.on_bad_row))
-    choice = choose_by_validation(schema, config, key, choices, inputs, batches,
-                                  Path(job.out) / CHOOSING_DIR,
-                                  select_by=selection.select_by,
-                                  patience=selection.wait, ctx=ctx, known=known,
-                                  also=also)
+    choice = choose_member(schema, config, members, inputs, batches,
+                           Path(job.out) / CHOOSING_DIR, key=key,
+                           select_by=selection.select_by, patience=selection.wait,
+                           ctx=ctx, known=known)
     if ctx.is_main:
         said = ", ".join(f"{_said(v)}: {b:.5f}" if b is not None else f"{_said(v)}: none"
                          for v, b in choice.values.items())

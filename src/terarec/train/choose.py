@@ -1,11 +1,12 @@
-"""A default the data decides: one config key's value among a few, chosen by the best
-validation value each reaches, as scikit-learn's ``LogisticRegressionCV`` picks C.
+"""A default the data decides: one setting among a few (a config key's values, or named
+members of several values), chosen by the best validation value each reaches, as
+scikit-learn's ``LogisticRegressionCV`` picks C.
 
-One run per value, trained side by side in one pass loop (``train.cohort``): the data is
+One run per member, trained side by side in one pass loop (``train.cohort``): the data is
 read, hashed and planned once per pass for all of them, and each run is exactly
-``train`` with that value (same initial weights, batches and random stream), so the
-chosen value's run reaches what ``train`` then reaches with it. ``train`` chooses
-Adagrad's start on small data this way.
+``train`` with those values (same initial weights, batches and random stream), so the
+chosen member's run reaches what ``train`` then reaches with it. ``train`` chooses
+Adagrad's start on small data and the model up to 10^7 rows this way.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from terarec.types import Batch, FeatureSchema
 
 @dataclass
 class Choice:
-    """What ``choose_by_validation`` measured: each value's best validation value."""
+    """What ``choose_member`` measured: each member's best validation value."""
 
     key: str
     chosen: Any
@@ -88,43 +89,38 @@ def race(schema: FeatureSchema, base: TrainConfig, params: Sequence[Mapping[str,
     return runs
 
 
-def choose_by_validation(schema: FeatureSchema, base: TrainConfig, key: str,
-                         choices: Sequence[Any],
-                         train_paths: Sequence[str | Path | InputFile],
-                         valid_batches: list[Batch], scratch: str | Path, *,
-                         select_by: str = "logloss", patience: int | None = 2,
-                         ctx: DistContext | None = None,
-                         known: Mapping[Any, float | None] | None = None,
-                         also: Mapping[Any, Mapping[str, Any]] | None = None) -> Choice:
-    """The value of ``key`` (a dotted config path) among ``choices`` whose run reaches
-    the best validation value. ``known``: the values reached by runs already trained
-    with ``base`` as it is (a value of ``key`` in it is not trained again); ``also``:
-    more dotted values a choice's run trains with (a model's own rate). A tiered
-    store's files go to ``scratch``, which is removed after. Every rank calls this and
-    trains its key shard of every run."""
+def choose_member(schema: FeatureSchema, base: TrainConfig,
+                  members: Mapping[Any, Mapping[str, Any]],
+                  train_paths: Sequence[str | Path | InputFile],
+                  valid_batches: list[Batch], scratch: str | Path, *, key: str,
+                  select_by: str = "logloss", patience: int | None = 2,
+                  ctx: DistContext | None = None,
+                  known: Mapping[Any, float | None] | None = None) -> Choice:
+    """The name among ``members`` (name -> dotted values on ``base``) whose run reaches
+    the best validation value, the first on a tie; ``key`` names what is chosen in the
+    summary. ``known``: the values reached by members already trained (not trained
+    again). The runs train side by side in one pass loop (``race``)."""
     if not valid_batches:
         raise ValueError(f"choosing {key} by validation needs a validation set")
     ctx = ctx if ctx is not None else DistContext.single(resolve_device(base.device))
     known = known or {}
-    trained = [value for value in choices if value not in known]
-    also = also or {}
-    runs = race(schema, base, [{key: value, **also.get(value, {})} for value in trained],
-                train_paths,
+    trained = [name for name in members if name not in known]
+    runs = race(schema, base, [members[name] for name in trained], train_paths,
                 list(iter_scoring_passes(ctx, valid_batches, base.pass_rows)), scratch,
                 select_by=select_by, patience=[patience] * len(trained), ctx=ctx)
     reached_by = dict(known)
-    for value, run in zip(trained, runs, strict=True):
+    for name, run in zip(trained, runs, strict=True):
         assert run.selection is not None
-        reached_by[value] = run.selection.best_value
+        reached_by[name] = run.selection.best_value
     values: dict[Any, float | None] = {}
     best = SelectionTracker(select_by, patience=None)
     chosen: Any = None
-    for value in choices:
-        reached = reached_by[value]
-        values[value] = reached
+    for name in members:
+        reached = reached_by[name]
+        values[name] = reached
         if reached is not None and best.is_better(reached):
             best.update(reached, 0)  # which pass reached it does not matter here
-            chosen = value
+            chosen = name
     if best.best_value is None:
         raise ValueError(f"choosing {key} by validation: no run reached a finite "
                          "validation value")

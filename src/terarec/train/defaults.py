@@ -15,6 +15,9 @@ follow it::
                         data tries both and keeps the better
     bucket_l2           0; with a validation set, small data with bucketed numeric
                         fields then tries 1 with the chosen start and keeps the better
+    model               the given one; with a validation set, the default model races
+                        its first-order part (small data: at the chosen start; up to
+                        10^7 rows: at two starts) and keeps the better
     SMALL_DATA_SHAPE    per model below 100,000 rows: embedding width, dense-rate factor
     DENSE_RATE_FACTOR   per model at every size: the dense-rate factor
 
@@ -67,6 +70,16 @@ DENSE_LR_KEY = "dense_optimizer.lr"
 # better validation value (``model_choices``): below 100,000 rows the factors and the
 # deep part often fit noise sooner than the first-order weights converge.
 SMALL_DATA_MODEL_CHOICES = ("deepfm", "lr")
+# With a validation set, from SMALL_DATA_ROWS to FIRST_ORDER_MAX_ROWS training rows the
+# default model (nothing of it or of Adagrad's start given) races its first-order part
+# at each of these starts and keeps the best by validation (``first_order_choices``):
+# there the factors and the deep part can stop early on what they overfit while one-hot
+# weights still gain, and at batch 4096 a value's batch-mean gradient is near 1e-4, so
+# the start decides how far a rare weight moves. Above the bound the race's cost (one
+# more run of the default model) is not spent.
+FIRST_ORDER_MODEL = "lr"
+FIRST_ORDER_STARTS = (0.001, 1e-5)
+FIRST_ORDER_MAX_ROWS = 10_000_000
 # The epoch upper bound with a validation set: room for this many steps, within limits.
 MIN_SELECTED_STEPS = 3000
 MAX_SELECTED_EPOCHS = 100
@@ -219,6 +232,29 @@ def model_choices(accumulators: tuple[float, ...] | None, given: set[str], model
         return None
     return {m: {DENSE_LR_KEY: float(sized_defaults(rows, m)[DENSE_LR_KEY])}
             for m in SMALL_DATA_MODEL_CHOICES}
+
+
+def first_order_choices(sized: dict, given: set[str], config: TrainConfig
+                        ) -> dict[str, dict[str, float | str]] | None:
+    """The members a run with a validation set races from ``SMALL_DATA_ROWS`` to
+    ``FIRST_ORDER_MAX_ROWS`` estimated rows (``sized``: ``apply_sized_defaults``'s
+    report, which sized the schedule): the default model as sized, and its first-order
+    part at each of ``FIRST_ORDER_STARTS`` with its own sized dense rate, by member name
+    (dotted values). None where the run trains a model, a start or a schedule that was
+    given, or optimizers that read no start."""
+    rows = sized.get("estimated_rows")
+    if rows is None or not SMALL_DATA_ROWS <= rows <= FIRST_ORDER_MAX_ROWS \
+            or DENSE_LR_KEY not in sized or ACCUMULATOR_KEY in given \
+            or config.model.name != SMALL_DATA_MODEL_CHOICES[0] \
+            or config.sparse_optimizer.name != "adagrad" \
+            or any(k == "model" or k.startswith("model.") for k in given):
+        return None
+    rate = float(sized_defaults(int(rows), FIRST_ORDER_MODEL)[DENSE_LR_KEY])
+    members: dict[str, dict[str, float | str]] = {config.model.name: {}}
+    for start in FIRST_ORDER_STARTS:
+        members[f"{FIRST_ORDER_MODEL} (start {start:g})"] = {
+            MODEL_KEY: FIRST_ORDER_MODEL, DENSE_LR_KEY: rate, ACCUMULATOR_KEY: start}
+    return members
 
 
 def sized_initial_accumulator(rows: int) -> float:
