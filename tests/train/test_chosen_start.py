@@ -223,3 +223,29 @@ def test_larger_data_races_the_first_order_part_at_two_starts(files, tmp_path, c
 ])
 def test_no_first_order_race_where_the_data_does_not_choose(sized, given, config) -> None:
     assert first_order_choices(sized, given, config) is None
+
+
+def test_search_on_larger_data_starts_with_trains_race(files, tmp_path, monkeypatch) -> None:
+    """On larger data (the bound lowered as above) the default space holds ``lr`` and
+    the starts, and the first trials are ``train``'s race: DeepFM as sized, then ``lr``
+    at each start with its own rate."""
+    monkeypatch.setattr(defaults, "SMALL_DATA_ROWS", 1000)
+    search = _search(files, tmp_path / "s", "--model", "deepfm", trials=1)
+    assert MODEL_KEY not in search["space"]  # a model given is the search's model
+    train, held_out = files
+    assert main(["search", "--train", str(train), "--valid", str(held_out),
+                 "--out", str(tmp_path / "d"), "--trials", "3", "--sampler", "random",
+                 "--pruner", "none", "--patience", "1", "--no-refit", "--no-progress",
+                 "--threads", "1", "--seed", "3"]) == 0
+    search = json.loads((tmp_path / "d" / "search.json").read_text())
+    space, config = search["space"], search["config"]
+    assert space[MODEL_KEY]["choices"] == ["deepfm", "lr"]
+    start = config["sparse_optimizer"]["initial_accumulator"]
+    assert space[ACCUMULATOR_KEY]["choices"] == list(dict.fromkeys([start, *FIRST_ORDER_STARTS]))
+    results = json.loads((tmp_path / "d" / "results.json").read_text())
+    first = sorted(results["trials"], key=lambda t: t["trial"])
+    assert [(t[f"params.{MODEL_KEY}"], t[f"params.{ACCUMULATOR_KEY}"]) for t in first] == \
+        [("deepfm", start), *(("lr", s) for s in FIRST_ORDER_STARTS)]
+    assert first[1][f"params.{DENSE_LR_KEY}"] == pytest.approx(
+        config["dense_optimizer"]["lr"] * 8)
+    assert len({t["value"] for t in first}) == 3

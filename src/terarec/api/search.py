@@ -176,11 +176,14 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
         ACCUMULATOR_KEY,
         BUCKET_L2_KEY,
         DENSE_LR_KEY,
+        FIRST_ORDER_MODEL,
+        FIRST_ORDER_STARTS,
         MODEL_KEY,
         accumulator_choices,
         apply_sized_defaults,
         bucket_l2_choices,
         estimate_rows,
+        first_order_choices,
         model_choices,
     )
     from terarec.train.search.config import SearchConfig
@@ -207,8 +210,9 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
         # Where ``train`` would choose Adagrad's start, the bucket prior and the model by
         # validation, so do the trials; the first trials are what ``train`` runs (each
         # start, with and without the prior, each with DeepFM and then ``lr`` at its own
-        # dense rate), so the search answers at least what ``train`` would on the
-        # validation rows when it has trials enough.
+        # dense rate; on larger data DeepFM, then lr at each start), so the search
+        # answers at least what ``train`` would on the validation rows when it has
+        # trials enough.
         space = default_space(config.model.name, config)
         starts = accumulator_choices(sized)  # set only for adagrad
         # (whether the numeric fields get buckets is the training rows' to say)
@@ -216,24 +220,36 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
             if starts is not None and run.data.schema().numeric else None
         models = model_choices(starts, run.given, config.model.name,
                                int(sized.get("estimated_rows", 0)))
+        # on larger data, the first trials are train's race of DeepFM against lr's starts
+        first = first_order_choices(sized, run.given, config) \
+            if starts is None and config.store.memory_budget is None else None
         chosen = {ACCUMULATOR_KEY: starts, BUCKET_L2_KEY: strengths}
+        if first is not None:  # the model and its rate per member, as small data's race
+            rate = next(float(m[DENSE_LR_KEY]) for m in first.values() if m)
+            models = {config.model.name: {DENSE_LR_KEY: config.dense_optimizer.lr},
+                      FIRST_ORDER_MODEL: {DENSE_LR_KEY: rate}}
+            chosen[ACCUMULATOR_KEY] = (config.sparse_optimizer.initial_accumulator,
+                                       *FIRST_ORDER_STARTS)
         for key, values in chosen.items():
             if values is not None:
-                space[key] = {"type": "categorical", "choices": list(values)}
+                space[key] = {"type": "categorical", "choices": list(dict.fromkeys(values))}
         if models is not None:
             space[MODEL_KEY] = {"type": "categorical", "choices": list(models)}
-            rates = [rate for values in models.values() for rate in values.values()]
+            rates = [float(rate) for values in models.values() for rate in values.values()]
             dense = space[DENSE_LR_KEY]  # every model's own rate inside the range
             dense.update(low=min(rates) / LR_SPAN, high=max(rates) * LR_SPAN)
         own = base_params(space, config)
         if own is not None:
             fixed = [own]
-            for key, values in chosen.items():
-                if values is not None:
-                    fixed = [{**params, key: v} for v in values for params in fixed]
-            if models is not None:
-                fixed = [{**params, MODEL_KEY: m, **models[m]}
-                         for params in fixed for m in models]
+            if first is not None:
+                fixed = [{**own, **member} for member in first.values()]
+            else:
+                for key, values in chosen.items():
+                    if values is not None:
+                        fixed = [{**params, key: v} for v in values for params in fixed]
+                if models is not None:
+                    fixed = [{**params, MODEL_KEY: m, **models[m]}
+                             for params in fixed for m in models]
             fixed = fixed[:job.trials]
     rung = job.prune_after if job.prune_after is not None \
         else first_rung(estimate_rows(train), config)
