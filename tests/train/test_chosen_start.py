@@ -124,6 +124,16 @@ def _search(files, out: Path, *extra: str, trials: int = 3) -> dict:
     return json.loads((out / "search.json").read_text())
 
 
+def _search_default_model(files, out: Path, trials: int) -> dict:
+    """A search given no model (``FLAGS`` give ``lr``): its search.json."""
+    train, held_out = files
+    assert main(["search", "--train", str(train), "--valid", str(held_out),
+                 "--out", str(out), "--trials", str(trials), "--sampler", "random",
+                 "--pruner", "none", "--patience", "1", "--no-refit", "--no-progress",
+                 "--threads", "1", "--seed", "3"]) == 0
+    return json.loads((out / "search.json").read_text())
+
+
 def test_search_tries_both_starts_where_train_would_choose(files, tmp_path) -> None:
     """The default space holds the start where ``train`` would choose it, so a search's
     trials can reach what ``train`` reaches; a given start or batch leaves it out."""
@@ -153,12 +163,7 @@ def test_search_races_lr_beside_the_default_model_as_train_does(files, tmp_path)
     models, ``lr`` at its own rate, as ``train``'s race does."""
     from terarec.train.defaults import DENSE_LR_KEY, model_choices
 
-    train, held_out = files
-    assert main(["search", "--train", str(train), "--valid", str(held_out),
-                 "--out", str(tmp_path / "s"), "--trials", "2", "--sampler", "random",
-                 "--pruner", "none", "--patience", "1", "--no-refit", "--no-progress",
-                 "--threads", "1", "--seed", "3"]) == 0
-    search = json.loads((tmp_path / "s" / "search.json").read_text())
+    search = _search_default_model(files, tmp_path / "s", trials=2)
     space = search["space"]
     assert space[MODEL_KEY]["choices"] == list(SMALL_DATA_MODEL_CHOICES)
     rates = model_choices(SMALL_DATA_ACCUMULATOR_CHOICES, set(), "deepfm",
@@ -232,12 +237,7 @@ def test_search_on_larger_data_starts_with_trains_race(files, tmp_path, monkeypa
     monkeypatch.setattr(defaults, "SMALL_DATA_ROWS", 1000)
     search = _search(files, tmp_path / "s", "--model", "deepfm", trials=1)
     assert MODEL_KEY not in search["space"]  # a model given is the search's model
-    train, held_out = files
-    assert main(["search", "--train", str(train), "--valid", str(held_out),
-                 "--out", str(tmp_path / "d"), "--trials", "3", "--sampler", "random",
-                 "--pruner", "none", "--patience", "1", "--no-refit", "--no-progress",
-                 "--threads", "1", "--seed", "3"]) == 0
-    search = json.loads((tmp_path / "d" / "search.json").read_text())
+    search = _search_default_model(files, tmp_path / "d", trials=3)
     space, config = search["space"], search["config"]
     assert space[MODEL_KEY]["choices"] == ["deepfm", "lr"]
     start = config["sparse_optimizer"]["initial_accumulator"]
