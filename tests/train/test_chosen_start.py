@@ -161,7 +161,7 @@ def test_search_races_lr_beside_the_default_model_as_train_does(files, tmp_path)
     """Given no model, the space holds ``lr`` beside DeepFM with a dense-rate range that
     holds each one's own sized rate, and the first trials pair each start with both
     models, ``lr`` at its own rate, as ``train``'s race does."""
-    from terarec.train.defaults import DENSE_LR_KEY, model_choices
+    from terarec.train.defaults import model_choices
 
     search = _search_default_model(files, tmp_path / "s", trials=2)
     space = search["space"]

@@ -222,7 +222,7 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
                                int(sized.get("estimated_rows", 0)))
         # on larger data, the first trials are train's race of DeepFM against lr's starts
         first = first_order_choices(sized, run.given, config) \
-            if starts is None and config.store.memory_budget is None else None
+            if config.store.memory_budget is None else None
         chosen = {ACCUMULATOR_KEY: starts, BUCKET_L2_KEY: strengths}
         if first is not None:  # the model and its rate per member, as small data's race
             rate = next(float(m[DENSE_LR_KEY]) for m in first.values() if m)
@@ -235,15 +235,15 @@ def search_config(job: SearchJob, train: Sequence[str | Path]) -> SearchConfig:
                 space[key] = {"type": "categorical", "choices": list(dict.fromkeys(values))}
         if models is not None:
             space[MODEL_KEY] = {"type": "categorical", "choices": list(models)}
-            rates = [float(rate) for values in models.values() for rate in values.values()]
+            rates = [rate for values in models.values() for rate in values.values()]
             dense = space[DENSE_LR_KEY]  # every model's own rate inside the range
             dense.update(low=min(rates) / LR_SPAN, high=max(rates) * LR_SPAN)
         own = base_params(space, config)
         if own is not None:
             fixed = [own]
-            if first is not None:
+            if first is not None:  # train's race: its members, in its order
                 fixed = [{**own, **member} for member in first.values()]
-            else:
+            else:  # each start, with and without the prior, then each model
                 for key, values in chosen.items():
                     if values is not None:
                         fixed = [{**params, key: v} for v in values for params in fixed]

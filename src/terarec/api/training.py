@@ -648,7 +648,7 @@ def _train_files(job: TrainJob, config: TrainConfig, features: FeatureConfig | N
                 sized[DENSE_LR_KEY] = config.dense_optimizer.lr
                 notes["chosen_by_validation"].append(model.summary())
         first = first_order_choices(sized, job.given, config) \
-            if config.store.memory_budget is None and choices is None else None
+            if config.store.memory_budget is None else None
         if first is not None and selection is not None:
             model = _choose_member(job, config, schema(), MODEL_KEY, first, inputs, valid,
                                    selection, ctx)

@@ -77,7 +77,7 @@ SMALL_DATA_MODEL_CHOICES = ("deepfm", "lr")
 # weights still gain, and at batch 4096 a value's batch-mean gradient is near 1e-4, so
 # the start decides how far a rare weight moves. Above the bound the race's cost (one
 # more run of the default model) is not spent.
-FIRST_ORDER_MODEL = "lr"
+FIRST_ORDER_MODEL = SMALL_DATA_MODEL_CHOICES[1]
 FIRST_ORDER_STARTS = (0.001, 1e-5)
 FIRST_ORDER_MAX_ROWS = 10_000_000
 # The epoch upper bound with a validation set: room for this many steps, within limits.
